@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SOURCES := pyproject.toml Cargo.toml $(shell find crates -name '*.rs' -o -name Cargo.toml)
+export PYO3_PYTHON := $(abspath $(PY))
+
+.PHONY: demo test lint test-rust test-python bench setup clean
+
+setup: $(STAMP)
+
+# One pip install builds the native module (maturin, release) and installs every dependency.
+$(STAMP): $(SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/cleave demo
+
+test: lint test-rust test-python
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check python tests
+	$(VENV)/bin/ruff format --check python tests
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+test-rust: $(STAMP)
+	cargo test --workspace
+
+test-python: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/cleave bench lookup --json out/bench-lookup.json
+	$(VENV)/bin/cleave bench shard --json out/bench-shard.json
+
+clean:
+	rm -rf $(VENV) target out

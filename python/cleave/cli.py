@@ -1,0 +1,66 @@
+"""`cleave` command line. Each subcommand lives beside the role it drives and is imported
+only when used, so `cleave shard` never pays for importing torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cleave.errors import CleaveError
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+COMMANDS = {
+    "partition": ("cleave.partition.cli", "cut a PyTorch model into a bundle"),
+    "shard": ("cleave.launch.shard", "serve embedding lookups for a bundle's tables"),
+    "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
+    "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),
+    "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
+}
+BENCHMARKS = {
+    "lookup": ("cleave.bench.lookup", "pooled lookup rate vs PyTorch and the memory limit"),
+    "shard": ("cleave.bench.shard", "shard latency and throughput over loopback"),
+    "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own exit code is 2 as well
+        self.print_usage(sys.stderr)
+        self.exit(2, f"cleave: error: {message}\n")
+
+
+def _add(subparsers, name: str, module: str, help_text: str, selected: bool) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(_module=module)
+    # Arguments are declared by the module; import it only when this command runs.
+    if selected:
+        importlib.import_module(module).add_arguments(parser)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = _Parser(prog="cleave", description="Disaggregated DLRM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        _add(sub, name, module, help_text, argv[:1] == [name])
+    bench = sub.add_parser("bench", help="benchmarks that print JSON and a table")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True, parser_class=_Parser)
+    for name, (module, help_text) in BENCHMARKS.items():
+        _add(bench_sub, name, module, help_text, argv[:2] == ["bench", name])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except CleaveError as err:
+        print(f"cleave {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
