@@ -20,7 +20,7 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: importing `cleave` must not import torch (shard processes never need it).
     if name == "partition":
-        from cleave.partition import partition
+        from cleave.partitioner import partition
 
         return partition
     if name in ("Bundle", "load_bundle"):

@@ -11,7 +11,7 @@ from cleave.errors import CleaveError
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS = {
-    "partition": ("cleave.partition.cli", "cut a PyTorch model into a bundle"),
+    "partition": ("cleave.partitioner.cli", "cut a PyTorch model into a bundle"),
     "shard": ("cleave.launch.shard", "serve embedding lookups for a bundle's tables"),
     "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
     "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),

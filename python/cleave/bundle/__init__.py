@@ -1,0 +1,196 @@
+"""A bundle: a model cut into sparse lookups (tables + features) and a dense program.
+
+`Bundle` is the same object whether it was just partitioned (tables in memory) or loaded from
+disk (tables memory-mapped); docs/bundle.md describes the files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from cleave.bundle import manifest as manifest_io
+from cleave.bundle import tables as table_io
+from cleave.bundle.reference import run_sparse
+from cleave.errors import BundleError, CleaveError
+
+__all__ = ["Bundle", "load_bundle"]
+
+DENSE_PROGRAM = "dense.pt2"
+
+
+class Bundle:
+    """A partitioned model. Build one with `cleave.partition`, or read one with `load_bundle`."""
+
+    def __init__(
+        self,
+        manifest: dict,
+        tables: dict[str, np.ndarray],
+        dense: torch.export.ExportedProgram,
+        path: Path | None = None,
+    ):
+        self.manifest = manifest
+        self.path = path
+        self._raw_tables = tables  # name -> uint8 [rows, row_bytes] (array or memmap)
+        self._dense = dense
+        self._decoded: dict[str, torch.Tensor] = {}
+        self._dense_module: torch.nn.Module | None = None
+
+    # -- what is inside ----------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.manifest["inputs"]]
+
+    @property
+    def dense_program(self) -> torch.export.ExportedProgram:
+        return self._dense
+
+    def table(self, name: str) -> torch.Tensor:
+        """A table decoded to fp32 [rows, dim] (int8 and fp16 dequantized)."""
+        if name not in self._decoded:
+            meta = self._table_meta(name)
+            decoded = table_io.decode(
+                np.asarray(self._raw_tables[name]), meta["dtype"], meta["dim"]
+            )
+            self._decoded[name] = torch.from_numpy(np.array(decoded, dtype=np.float32))
+        return self._decoded[name]
+
+    def _table_meta(self, name: str) -> dict:
+        for meta in self.manifest["tables"]:
+            if meta["name"] == name:
+                return meta
+        raise CleaveError(f"bundle has no table {name!r}")
+
+    def summary(self) -> dict:
+        """What was split: tables, bytes per side, boundary tensors and their bytes per sample."""
+        table_bytes = sum(t["rows"] * t["row_bytes"] for t in self.manifest["tables"])
+        dense_bytes = sum(
+            t.numel() * t.element_size()
+            for t in [*self._dense.parameters(), *self._dense.buffers()]
+        )
+        return {
+            "tables": [
+                {k: t[k] for k in ("name", "rows", "dim", "dtype")} for t in self.manifest["tables"]
+            ],
+            "features": len(self.manifest["features"]),
+            "sparse_bytes": table_bytes,
+            "dense_bytes": dense_bytes,
+            "boundary": [
+                {"name": b["name"], "shape": b["shape"], "bytes_per_sample": _bytes_per_sample(b)}
+                for b in self.manifest["boundary"]
+            ],
+            "shared_inputs": self.manifest["shared_inputs"],
+        }
+
+    # -- running it ------------------------------------------------------------------------
+    def named_inputs(self, *args) -> dict[str, torch.Tensor]:
+        """The model's forward arguments -> tensors by manifest input name."""
+        leaves = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        names = self.input_names
+        if len(leaves) != len(names):
+            raise CleaveError(
+                f"expected {len(names)} input tensors ({', '.join(names)}), got {len(leaves)}"
+            )
+        return dict(zip(names, leaves, strict=True))
+
+    def sparse_reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The boundary tensors of a request, computed with the reference executor."""
+        return run_sparse(self.manifest, inputs, self.table)
+
+    def dense_module(self) -> torch.nn.Module:
+        """(*dense inputs, in manifest order) -> tuple of the model's flat outputs."""
+        if self._dense_module is None:
+            self._dense_module = self._dense.module()
+        return self._dense_module
+
+    def run_dense(self, values: dict[str, torch.Tensor]) -> tuple:
+        names = self.manifest["dense"]["inputs"]
+        return tuple(self.dense_module()(*[values[n] for n in names]))
+
+    def reference(self, *args):
+        """The model's outputs: the sparse side by the reference executor, then the dense
+        program. Returns the same structure as the model's forward."""
+        inputs = self.named_inputs(*args)
+        values = {**inputs, **self.sparse_reference(inputs)}
+        flat = self.run_dense(values)
+        spec = pytree.treespec_loads(self.manifest["output_spec"])
+        return pytree.tree_unflatten(list(flat), spec)
+
+    def full_module(self) -> torch.nn.Module:
+        """The whole model in one module over the flat manifest inputs (the monolithic
+        baseline): (*inputs) -> tuple of flat outputs."""
+        return _FullModel(self)
+
+    # -- files -------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Writes the bundle atomically: to a temporary sibling directory, then renamed."""
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise BundleError(f"{path} already exists; pass overwrite=True (CLI: --force)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            (tmp / "tables").mkdir()
+            for meta in self.manifest["tables"]:
+                raw = np.ascontiguousarray(self._raw_tables[meta["name"]])
+                (tmp / meta["file"]).write_bytes(raw.tobytes())
+            torch.export.save(self._dense, tmp / DENSE_PROGRAM)
+            manifest_io.write(tmp, self.manifest)
+            if path.exists():
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.path = path
+        return path
+
+
+def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
+    """Reads a bundle; `verify` checks every table's CRC-32 (reads all table bytes)."""
+    path = Path(path)
+    manifest = manifest_io.read(path)
+    tables = {}
+    for meta in manifest["tables"]:
+        file = path / meta["file"]
+        tables[meta["name"]] = table_io.open_rows(file, meta)
+        if verify and table_io.crc32_of(file) != meta["crc32"]:
+            raise BundleError(
+                f"{file}: CRC-32 mismatch for table {meta['name']!r}: the file is corrupted"
+            )
+    program = path / manifest["dense"]["program"]
+    try:
+        dense = torch.export.load(program)
+    except FileNotFoundError:
+        raise BundleError(f"{program}: the dense program is missing") from None
+    except Exception as err:  # torch raises many types for a damaged archive
+        raise BundleError(f"{program}: cannot load the dense program: {err}") from None
+    return Bundle(manifest, tables, dense, path)
+
+
+def _bytes_per_sample(tensor: dict) -> int:
+    itemsize = torch.empty((), dtype=getattr(torch, tensor["dtype"])).element_size()
+    per_sample = [d for d in tensor["shape"][1:] if isinstance(d, int)]
+    return int(np.prod(per_sample, dtype=np.int64)) * itemsize
+
+
+class _FullModel(torch.nn.Module):
+    def __init__(self, bundle: Bundle):
+        super().__init__()
+        self.bundle = bundle
+        for name in {f["table"] for f in bundle.manifest["features"]}:
+            bundle.table(name)  # decode once, up front
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        named = dict(zip(self.bundle.input_names, inputs, strict=True))
+        return self.bundle.run_dense({**named, **self.bundle.sparse_reference(named)})

@@ -1,0 +1,90 @@
+"""manifest.json: reading, checking and writing (docs/bundle.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cleave.errors import BundleError
+
+FORMAT = "cleave-bundle"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+POOLINGS = ("sum", "mean", "max", "none")
+LAYOUTS = ("offsets", "fixed", "gather")
+TRANSFORMS = ("remainder", "fmod", "cast")
+INPUT_ROLES = ("ids", "offsets", "weights", "dense", "both", "unused")
+
+_REQUIRED = {
+    "inputs": list,
+    "outputs": list,
+    "output_spec": str,
+    "tables": list,
+    "features": list,
+    "boundary": list,
+    "dense": dict,
+    "shared_inputs": list,
+}
+
+
+def read(bundle_dir: Path) -> dict:
+    path = bundle_dir / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BundleError(f"{path}: not found; is {bundle_dir} a Cleave bundle?") from None
+    except OSError as err:
+        raise BundleError(f"{path}: cannot be read: {err}") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BundleError(f"{path}: not valid JSON ({err}); the bundle is corrupted") from None
+    check(manifest, path)
+    return manifest
+
+
+def write(bundle_dir: Path, manifest: dict) -> None:
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def check(manifest: dict, path: Path) -> None:
+    """Raises BundleError naming the file and the first problem found."""
+
+    def fail(problem: str):
+        raise BundleError(f"{path}: {problem}")
+
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        fail(f"expected format {FORMAT!r}, found {found!r}")
+    version = manifest.get("version")
+    if not isinstance(version, int):
+        fail(f"expected an integer 'version', found {version!r}")
+    if version > VERSION:
+        fail(
+            f"bundle format version {version} is newer than this Cleave reads "
+            f"(version {VERSION}); upgrade Cleave or re-partition the model"
+        )
+    for key, kind in _REQUIRED.items():
+        if not isinstance(manifest.get(key), kind):
+            fail(f"expected {key!r} to be a {kind.__name__}, found {manifest.get(key)!r}")
+    inputs = {i["name"] for i in manifest["inputs"]}
+    tables = {t["name"] for t in manifest["tables"]}
+    boundary = {b["name"] for b in manifest["boundary"]}
+    for f in manifest["features"]:
+        where = f"feature {f.get('name')!r}"
+        if f.get("table") not in tables:
+            fail(f"{where} names table {f.get('table')!r}, which the manifest does not list")
+        for key in ("ids", "offsets", "weights"):
+            if f.get(key) is not None and f[key] not in inputs:
+                fail(f"{where}: {key} input {f[key]!r} is not among the inputs")
+        if f.get("pooling") not in POOLINGS:
+            fail(f"{where}: pooling must be one of {POOLINGS}, found {f.get('pooling')!r}")
+        if f.get("layout") not in LAYOUTS:
+            fail(f"{where}: layout must be one of {LAYOUTS}, found {f.get('layout')!r}")
+        for step in f.get("transform", []):
+            if step.get("op") not in TRANSFORMS:
+                fail(f"{where}: transform must be one of {TRANSFORMS}, found {step!r}")
+    for name in manifest["dense"].get("inputs", []):
+        if name not in inputs and name not in boundary:
+            fail(f"dense input {name!r} is neither a model input nor a boundary tensor")

@@ -1,0 +1,264 @@
+"""Turning a seam into a bundle: the manifest, the table files and the dense program."""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from cleave import __name__ as _pkg
+from cleave.bundle import Bundle
+from cleave.bundle import tables as table_io
+from cleave.bundle.manifest import FORMAT, VERSION
+from cleave.bundle.reference import run_sparse
+from cleave.errors import UnsupportedModelError
+from cleave.partitioner.capture import dynamic_shapes
+from cleave.partitioner.graph import Lookup, Seam
+
+
+def emit(
+    ep: torch.export.ExportedProgram, args: tuple, names: list[str], seam: Seam, table_dtype: str
+) -> Bundle:
+    """`names`: the model's flat input names, in export's user-input order."""
+    table_io.row_bytes(table_dtype, 1)  # validates the dtype name early
+    sig = ep.graph_signature
+    output = next(n for n in ep.graph.nodes if n.op == "output")
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    placeholders = dict(zip(names, (by_name[n] for n in sig.user_inputs), strict=True))
+    input_name = {node: name for name, node in placeholders.items()}
+    user_inputs = names
+    state = {**ep.state_dict, **ep.constants}
+    sources = {
+        **sig.inputs_to_parameters,
+        **sig.inputs_to_buffers,
+        **sig.inputs_to_lifted_tensor_constants,
+    }
+    symbols = _SymbolNames(output)
+
+    # Tables: one per weight that some lookup reads; features sharing a weight share a table.
+    tables, raw_tables, table_of = [], {}, {}
+    for lk in seam.lookups:
+        if lk.table.name in table_of:
+            continue
+        source = sources[lk.table.name]
+        name = _unique(re.sub(r"\W", "_", source.removesuffix(".weight")), raw_tables)
+        weight = state[source].detach().to(torch.float32).contiguous().numpy()
+        if weight.ndim != 2:
+            raise UnsupportedModelError(f"table {source!r} must be 2-D, has shape {weight.shape}")
+        raw_tables[name] = table_io.encode(weight, table_dtype)
+        tables.append(
+            {
+                "name": name,
+                "file": f"tables/{name}.bin",
+                "rows": int(weight.shape[0]),
+                "dim": int(weight.shape[1]),
+                "dtype": table_dtype,
+                "row_bytes": table_io.row_bytes(table_dtype, int(weight.shape[1])),
+                "crc32": _crc32(raw_tables[name]),
+                "source": source,
+            }
+        )
+        table_of[lk.table.name] = name
+
+    features, boundary = [], []
+    for lk in seam.lookups:
+        name = _unique(input_name[lk.ids], {f["name"] for f in features})
+        features.append(_feature(name, lk, table_of, input_name))
+        boundary.append(
+            {
+                "name": features[-1]["output"],
+                "dtype": "float32",
+                "shape": symbols.shape(lk.output.meta["val"].shape),
+            }
+        )
+
+    needed = set(seam.dense_nodes) | {a for n in seam.dense_nodes for a in n.all_input_nodes}
+    needed |= set(output.all_input_nodes)
+    dense_model_inputs = [n for n in user_inputs if placeholders[n] in needed]
+    dense_inputs = dense_model_inputs + [b["name"] for b in boundary]
+
+    roles = {n: set() for n in user_inputs}
+    for f in features:
+        for key, role in (("ids", "ids"), ("offsets", "offsets"), ("weights", "weights")):
+            if f[key]:
+                roles[f[key]].add(role)
+    for n in dense_model_inputs:
+        roles[n].add("dense")
+    inputs = [
+        {
+            "name": n,
+            "dtype": _dtype(placeholders[n].meta["val"].dtype),
+            "shape": symbols.shape(placeholders[n].meta["val"].shape),
+            "role": _role(roles[n]),
+        }
+        for n in user_inputs
+    ]
+    flat_outputs = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, fx.Node)]
+    outputs = [
+        {
+            "name": f"output_{i}",
+            "dtype": _dtype(n.meta["val"].dtype),
+            "shape": symbols.shape(n.meta["val"].shape),
+        }
+        for i, n in enumerate(flat_outputs)
+    ]
+    shared = _shared_inputs(seam.lookups, features, symbols)
+
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "producer": f"{_pkg} {_version()}",
+        "inputs": inputs,
+        "outputs": outputs,
+        "output_spec": pytree.treespec_dumps(ep.call_spec.out_spec),
+        "tables": tables,
+        "features": features,
+        "boundary": boundary,
+        "dense": {"program": "dense.pt2", "inputs": dense_inputs},
+        "shared_inputs": shared,
+        "partition": {"dense_ops": len(seam.dense_nodes), "from_seeds": seam.seeded},
+    }
+
+    # The dense program: the dense operators, fed by the dense model inputs and the boundary.
+    node_of = {n: placeholders[n] for n in dense_model_inputs}
+    node_of.update({f["output"]: lk.output for f, lk in zip(features, seam.lookups, strict=True)})
+    module = _dense_module(ep, seam, [node_of[n] for n in dense_inputs], dense_inputs, sources)
+    example = dict(zip(user_inputs, pytree.tree_leaves(args), strict=True))
+    fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
+    crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
+    dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(
+                module, dense_args, dynamic_shapes=dynamic_shapes(dense_args)
+            )
+    except Exception as err:
+        raise UnsupportedModelError(f"the dense side could not be exported: {err}") from err
+    return Bundle(manifest, raw_tables, program)
+
+
+def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.GraphModule:
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for node, name in zip(input_nodes, input_names, strict=True):
+        env[node] = graph.placeholder(name)
+    state = {**ep.state_dict, **ep.constants}
+    params = set(ep.graph_signature.inputs_to_parameters)
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node not in env and node.name in sources:
+            value = state[sources[node.name]].detach()
+            attr = re.sub(r"\W", "_", sources[node.name])
+            if node.name in params:
+                root.register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
+            else:
+                root.register_buffer(attr, value)
+            env[node] = graph.get_attr(attr)
+    for node, value in seam.folded.items():
+        root.register_buffer(f"_folded_{node.name}", value)
+        env[node] = graph.get_attr(f"_folded_{node.name}")
+    for node in seam.dense_nodes:
+        if node not in env:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    output = next(n for n in ep.graph.nodes if n.op == "output")
+    flat = pytree.tree_leaves(output.args[0])
+    graph.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in flat))
+    graph.eliminate_dead_code()
+    module = fx.GraphModule(root, graph)
+    for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+        if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
+            delattr(module, name)  # tables and weights only the sparse side reads
+    return module
+
+
+def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
+    return {
+        "name": name,
+        "table": table_of[lk.table.name],
+        "ids": input_name[lk.ids],
+        "transform": lk.transform,
+        "layout": lk.layout,
+        "offsets": input_name[lk.offsets] if lk.offsets is not None else None,
+        "include_last_offset": lk.include_last_offset,
+        "weights": input_name[lk.weights] if lk.weights is not None else None,
+        "pooling": lk.pooling,
+        "output": f"{name}_{'rows' if lk.layout == 'gather' else 'pooled'}",
+    }
+
+
+def _shared_inputs(lookups: list[Lookup], features: list[dict], symbols) -> list[str]:
+    """Inputs looked up once per request: their lookups have a batch of exactly 1 while the
+    model's batch varies, so the dense side broadcasts them against the candidates."""
+    if symbols.batch is None:
+        return []
+    shared = []
+    for lk, f in zip(lookups, features, strict=True):
+        if lk.output.meta["val"].shape[0] == 1:
+            shared += [f[k] for k in ("ids", "offsets", "weights") if f[k] and f[k] not in shared]
+    return shared
+
+
+class _SymbolNames:
+    """Readable names for export's size symbols: B for the batch, N0, N1, ... for the rest."""
+
+    def __init__(self, output: fx.Node):
+        self.names: dict = {}
+        self.batch = None
+        first = next(
+            (a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, fx.Node)), None
+        )
+        if first is not None and len(first.meta["val"].shape) > 0:
+            dim = first.meta["val"].shape[0]
+            if isinstance(dim, torch.SymInt) and dim.node.expr.is_Symbol:
+                self.batch = dim.node.expr
+                self.names[self.batch] = "B"
+
+    def shape(self, shape) -> list:
+        out = []
+        for dim in shape:
+            if isinstance(dim, int):
+                out.append(dim)
+                continue
+            expr = dim.node.expr
+            if expr.is_Integer:
+                out.append(int(expr))
+                continue
+            for sym in sorted(expr.free_symbols, key=str):
+                self.names.setdefault(sym, f"N{len(self.names) - (self.batch is not None)}")
+            out.append(str(expr.subs({s: sympy.Symbol(n) for s, n in self.names.items()})))
+        return out
+
+
+def _role(roles: set[str]) -> str:
+    if "dense" in roles:
+        return "both" if len(roles) > 1 else "dense"
+    return sorted(roles)[0] if roles else "unused"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _unique(name: str, taken) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    return candidate
+
+
+def _crc32(raw: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(raw).data)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cleave")
+    except PackageNotFoundError:
+        return "dev"
