@@ -4,8 +4,19 @@
 
 use pyo3::prelude::*;
 
+mod embed;
+mod router;
+mod shard;
+mod shard_client;
+mod wire;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    embed::register(m)?;
+    router::register(m)?;
+    wire::register(m)?;
+    shard::register(m)?;
+    shard_client::register(m)?;
     Ok(())
 }

@@ -1,0 +1,405 @@
+//! `cleave._native.FrameServer` and `FrameClient`: the internal data plane (crate cleave-wire)
+//! for Python. A Python ranker serves frames with `FrameServer`: `recv` hands over requests
+//! (GIL released while waiting), `reply` answers them from any thread. `FrameClient` makes
+//! calls (tests, tools). Transport failures and error frames raise `cleave._native.WireError`
+//! with a message naming the peer.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use cleave_wire::{
+    Address, Client, ClientConfig, ErrorCode, Handler, IoThreads, Request, Responder, Server,
+    ServerConfig,
+};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+pyo3::create_exception!(
+    _native,
+    WireError,
+    PyException,
+    "A call over the internal protocol failed: connect, timeout, closed connection, or an \
+     error frame from the peer. The message names the peer's address."
+);
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("WireError", m.py().get_type::<WireError>())?;
+    m.add_class::<FrameServer>()?;
+    m.add_class::<FrameClient>()?;
+    Ok(())
+}
+
+pub(crate) fn parse_address(address: &str) -> PyResult<Address> {
+    address.parse().map_err(PyValueError::new_err)
+}
+
+pub(crate) fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| PyValueError::new_err(format!("{what} must be > 0 seconds, got {seconds}")))
+}
+
+/// The bytes of a bytes-like object: `bytes` without a copy, `bytearray`, a C-contiguous
+/// numpy array (any dtype, its raw memory) or anything `bytes()` accepts with one copy.
+pub(crate) fn bytes_like(obj: &Bound<'_, PyAny>) -> PyResult<Bytes> {
+    if let Ok(b) = obj.extract::<PyBackedBytes>() {
+        return Ok(Bytes::from_owner(b));
+    }
+    if let Ok(a) = obj.cast::<PyUntypedArray>() {
+        if !a.is_c_contiguous() {
+            return Err(PyValueError::new_err(
+                "payload array must be C-contiguous (use numpy.ascontiguousarray)",
+            ));
+        }
+        let n = a.len() * a.dtype().itemsize();
+        if n == 0 {
+            return Ok(Bytes::new());
+        }
+        // SAFETY: a C-contiguous array's data pointer addresses `len * itemsize` bytes, alive
+        // while we hold `a` (and the GIL) during this copy.
+        let data = unsafe { std::slice::from_raw_parts((*a.as_array_ptr()).data as *const u8, n) };
+        return Ok(Bytes::copy_from_slice(data));
+    }
+    // Anything else with the buffer protocol (memoryview, array.array, ...): one copy. Not
+    // `bytes(obj)`, which would turn an int n into n zero bytes.
+    let view = obj
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,));
+    match view.and_then(|v| v.call_method0("tobytes")) {
+        Ok(b) => Ok(Bytes::from_owner(b.extract::<PyBackedBytes>()?)),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "payload must be bytes, bytearray, memoryview or a numpy array, got {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+/// One request waiting for Python.
+struct Item {
+    conn_id: u64,
+    request_id: u64,
+    kind: u16,
+    payload: Bytes,
+}
+
+/// Requests handed from the I/O threads to Python, and the responders for their replies.
+#[derive(Default)]
+struct Inbox {
+    items: Mutex<VecDeque<Item>>,
+    arrived: Condvar,
+    responders: Mutex<HashMap<(u64, u64), Responder>>,
+}
+
+impl Handler for Inbox {
+    fn handle(&self, request: Request, responder: Responder) {
+        let key = (request.conn_id, request.request_id);
+        {
+            let mut responders = self.responders.lock().unwrap_or_else(|e| e.into_inner());
+            if responders.contains_key(&key) {
+                drop(responders);
+                let msg = format!(
+                    "request id {} is already in flight on this connection",
+                    key.1
+                );
+                return responder.error(ErrorCode::BadRequest, &msg);
+            }
+            responders.insert(key, responder);
+        }
+        let item = Item {
+            conn_id: request.conn_id,
+            request_id: request.request_id,
+            kind: request.kind,
+            payload: request.payload,
+        };
+        self.items
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(item);
+        self.arrived.notify_one();
+    }
+}
+
+/// Serves frames to Python code.
+///
+/// `FrameServer(address, *, io_threads=1, max_payload=64 MiB, frame_timeout_s=10.0)` binds
+/// `host:port` (port 0 picks one) or `unix:/path`; `address` is the bound address.
+#[pyclass(module = "cleave._native", frozen)]
+pub struct FrameServer {
+    inbox: Arc<Inbox>,
+    server: Mutex<Option<Server>>,
+    address: String,
+}
+
+#[pymethods]
+impl FrameServer {
+    #[new]
+    #[pyo3(signature = (address, *, io_threads=1, max_payload=64 << 20, frame_timeout_s=10.0))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        io_threads: usize,
+        max_payload: u32,
+        frame_timeout_s: f64,
+    ) -> PyResult<FrameServer> {
+        let addr = parse_address(address)?;
+        let config = ServerConfig {
+            io_threads,
+            max_payload,
+            frame_timeout: duration(frame_timeout_s, "frame_timeout_s")?,
+            ..ServerConfig::default()
+        };
+        let inbox = Arc::new(Inbox::default());
+        let handler = inbox.clone();
+        let server = py
+            .detach(|| Server::bind(&addr, handler, config))
+            .map_err(|e| WireError::new_err(format!("cannot listen on {address}: {e}")))?;
+        let address = server.local_addr().to_string();
+        Ok(FrameServer {
+            inbox,
+            server: Mutex::new(Some(server)),
+            address,
+        })
+    }
+
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Waits up to `timeout_s` (forever if None) for requests and returns up to `max_items`
+    /// of them as `(conn_id, request_id, kind, payload: bytes)`; empty on timeout.
+    #[pyo3(signature = (max_items=64, timeout_s=None))]
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        max_items: usize,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let timeout =
+            timeout_s.map(|t| Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX));
+        let items: Vec<Item> = py.detach(|| {
+            let mut q = self.inbox.items.lock().unwrap_or_else(|e| e.into_inner());
+            q = match timeout {
+                None => self
+                    .inbox
+                    .arrived
+                    .wait_while(q, |q| q.is_empty())
+                    .unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    self.inbox
+                        .arrived
+                        .wait_timeout_while(q, t, |q| q.is_empty())
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+            let n = q.len().min(max_items.max(1));
+            q.drain(..n).collect()
+        });
+        let tuples = items.into_iter().map(|it| {
+            let payload = PyBytes::new(py, &it.payload);
+            PyTuple::new(
+                py,
+                [
+                    it.conn_id.into_pyobject(py)?.into_any(),
+                    it.request_id.into_pyobject(py)?.into_any(),
+                    it.kind.into_pyobject(py)?.into_any(),
+                    payload.into_any(),
+                ],
+            )
+        });
+        PyList::new(py, tuples.collect::<PyResult<Vec<_>>>()?)
+    }
+
+    /// Answers request `request_id` of connection `conn_id` with `payload` (bytes-like).
+    /// `kind` must be the request's kind. A reply to a connection that has closed is dropped.
+    fn reply(
+        &self,
+        conn_id: u64,
+        request_id: u64,
+        kind: u16,
+        payload: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let responder = self.take(conn_id, request_id)?;
+        if responder.kind() != kind {
+            let expected = responder.kind();
+            self.put_back(conn_id, request_id, responder);
+            return Err(PyValueError::new_err(format!(
+                "reply kind {kind:#06x} for request {request_id} of kind {expected:#06x}; a reply \
+                 carries its request's kind"
+            )));
+        }
+        let payload = match bytes_like(payload) {
+            Ok(p) => p,
+            Err(e) => {
+                self.put_back(conn_id, request_id, responder);
+                return Err(e);
+            }
+        };
+        responder.reply(payload);
+        Ok(())
+    }
+
+    /// Answers a request with an error frame: `code` (see docs/protocol.md) and a message.
+    fn reply_error(&self, conn_id: u64, request_id: u64, code: u16, message: &str) -> PyResult<()> {
+        self.take(conn_id, request_id)?
+            .error(ErrorCode::from_u16(code), message);
+        Ok(())
+    }
+
+    /// Requests received and not answered yet.
+    fn pending(&self) -> usize {
+        self.inbox
+            .responders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
+    /// Stops accepting, waits for connections to finish (requests still unanswered get an
+    /// `internal` error), and closes. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(server) = server {
+            server.shutdown();
+            // Unanswered requests would hold the drain up to its timeout: answer them now.
+            self.inbox
+                .responders
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+            py.detach(|| server.join());
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: &Bound<'_, PyAny>,
+        _v: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "FrameServer({:?}, pending={})",
+            self.address,
+            self.pending()
+        )
+    }
+}
+
+impl FrameServer {
+    fn take(&self, conn_id: u64, request_id: u64) -> PyResult<Responder> {
+        self.inbox
+            .responders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(conn_id, request_id))
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "no request {request_id} of connection {conn_id} is waiting for a reply \
+                     (already answered, or never received)"
+                ))
+            })
+    }
+
+    fn put_back(&self, conn_id: u64, request_id: u64, responder: Responder) {
+        let mut r = self
+            .inbox
+            .responders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.insert((conn_id, request_id), responder);
+    }
+}
+
+/// Calls a frame server: `FrameClient(address, timeout_s=5.0, connections=1)`.
+#[pyclass(module = "cleave._native", frozen)]
+pub struct FrameClient {
+    rt: tokio::runtime::Runtime,
+    client: Client,
+    timeout: Duration,
+}
+
+#[pymethods]
+impl FrameClient {
+    #[new]
+    #[pyo3(signature = (address, timeout_s=5.0, connections=1))]
+    fn new(address: &str, timeout_s: f64, connections: usize) -> PyResult<FrameClient> {
+        let addr = parse_address(address)?;
+        let timeout = duration(timeout_s, "timeout_s")?;
+        let io = IoThreads::new("cleave-frame-client", 1)
+            .map_err(|e| WireError::new_err(e.to_string()))?;
+        let config = ClientConfig {
+            connections,
+            connect_timeout: timeout,
+            ..ClientConfig::default()
+        };
+        let rt = runtime()?;
+        Ok(FrameClient {
+            rt,
+            client: Client::new(addr, io, config),
+            timeout,
+        })
+    }
+
+    /// Sends a request of `kind` and returns the response payload as bytes.
+    #[pyo3(signature = (kind, payload, timeout_s=None))]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        kind: u16,
+        payload: &Bound<'py, PyAny>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let payload = bytes_like(payload)?;
+        let timeout = timeout_s.map_or(Ok(self.timeout), |t| duration(t, "timeout_s"))?;
+        let reply = py
+            .detach(|| self.rt.block_on(self.client.call(kind, payload, timeout)))
+            .map_err(|e| WireError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &reply))
+    }
+
+    /// PING over the control connection.
+    fn ping(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.rt.block_on(self.client.ping(self.timeout)))
+            .map_err(|e| WireError::new_err(e.to_string()))
+    }
+
+    /// READY over the control connection.
+    fn ready(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.rt.block_on(self.client.ready(self.timeout)))
+            .map_err(|e| WireError::new_err(e.to_string()))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("FrameClient({:?})", self.client.addr().to_string())
+    }
+}
+
+/// The runtime a blocking Python call waits on: timers run on its one worker, the call's future
+/// on the calling thread.
+pub(crate) fn runtime() -> PyResult<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("cleave-py-rt")
+        .enable_all()
+        .build()
+        .map_err(|e| WireError::new_err(format!("cannot start a runtime: {e}")))
+}

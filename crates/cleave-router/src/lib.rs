@@ -1,0 +1,29 @@
+//! `cleave-router`: the client-facing server of Cleave (Prism's CN frontend).
+//!
+//! It speaks the Open Inference Protocol (KServe v2) over HTTP, checks each request against
+//! the bundle manifest, fans its lookups out to the embedding shards by the range routing
+//! table, packs the boundary tensors into one payload and sends it to the ranker with the
+//! lowest measured latency. docs/api.md describes the HTTP API; docs/architecture.md how the
+//! router fits with shards and rankers.
+
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod json_tensor;
+pub mod kserve;
+pub mod metrics;
+pub mod model;
+pub mod payload;
+pub mod rank_form;
+pub mod ranker;
+pub mod router;
+pub mod serve;
+pub mod sparse;
+pub mod tensor;
+pub mod validate;
+
+pub use config::{RouterConfig, ShardRoute};
+pub use error::{ErrorKind, RequestError, Stage};
+pub use model::{Mode, Model};
+pub use serve::{run, serve};
+pub use tensor::{DType, Tensor};

@@ -1,0 +1,320 @@
+//! The rankers this router sends payloads to, and the choice among them: the ranker with the
+//! lowest expected latency, from a moving average of the queue + compute times it reports,
+//! scaled by the requests already outstanding on it (Prism §4.1: load balancing by real-time
+//! processing latency).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cleave_wire::{Address, Client, ClientConfig, IoThreads, WireError};
+
+use crate::error::{ErrorKind, RequestError, Stage};
+use crate::payload::{decode_response, RankResponse, ERR_DEADLINE};
+
+/// Weight of the newest sample in the moving average.
+const EWMA_ALPHA: f64 = 0.2;
+/// The latency assumed for a ranker not measured yet (µs); small, so new rankers get tried.
+const UNMEASURED_US: f64 = 1.0;
+
+/// One ranker and what the router knows about it.
+pub struct Ranker {
+    client: Client,
+    addr: String,
+    /// f64 bits of the moving average of queue_us + compute_us; 0 until the first reply.
+    ewma_us: AtomicU64,
+    outstanding: AtomicU64,
+    healthy: AtomicBool,
+    last_error: Mutex<String>,
+}
+
+impl Ranker {
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn ewma_us(&self) -> f64 {
+        f64::from_bits(self.ewma_us.load(Ordering::Relaxed))
+    }
+
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding.load(Ordering::Relaxed)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    fn record(&self, latency_us: f64) {
+        // Racy read-modify-write is fine: a lost sample only slows the average down.
+        let old = self.ewma_us();
+        let new = if old == 0.0 {
+            latency_us
+        } else {
+            old + EWMA_ALPHA * (latency_us - old)
+        };
+        self.ewma_us.store(new.to_bits(), Ordering::Relaxed);
+    }
+
+    fn mark(&self, healthy: bool, error: Option<String>) {
+        self.healthy.store(healthy, Ordering::Relaxed);
+        if let Some(e) = error {
+            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = e;
+        }
+    }
+
+    fn score(&self) -> f64 {
+        let ewma = self.ewma_us();
+        let latency = if ewma == 0.0 { UNMEASURED_US } else { ewma };
+        latency * (self.outstanding() + 1) as f64
+    }
+}
+
+/// Decrements a ranker's outstanding count when the call ends, however it ends.
+struct Outstanding<'a>(&'a Ranker);
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        self.0.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A ranker's reply with the times the router measured around it.
+#[derive(Debug)]
+pub struct Ranked {
+    pub response: RankResponse,
+    pub ranker: String,
+    /// Round trip as the router saw it (encode excluded).
+    pub round_trip: Duration,
+}
+
+impl Ranked {
+    /// Round trip less the ranker's own queue and compute time: network and copies.
+    pub fn transfer(&self) -> Duration {
+        let inside =
+            Duration::from_micros(self.response.queue_us as u64 + self.response.compute_us as u64);
+        self.round_trip.saturating_sub(inside)
+    }
+}
+
+/// Indices ordered by preference: healthy first, then by score; ties broken by `start`
+/// rotating so that equal rankers share the load.
+pub fn preference(scores: &[(bool, f64)], start: usize) -> Vec<usize> {
+    let n = scores.len();
+    let mut order: Vec<usize> = (0..n).map(|i| (start + i) % n.max(1)).collect();
+    // A stable sort keeps the rotation among equals.
+    order.sort_by(|&a, &b| {
+        let (ha, sa) = scores[a];
+        let (hb, sb) = scores[b];
+        hb.cmp(&ha).then(sa.total_cmp(&sb))
+    });
+    order
+}
+
+pub struct RankerPool {
+    rankers: Vec<Arc<Ranker>>,
+    next: AtomicUsize,
+}
+
+impl RankerPool {
+    pub fn new(
+        addrs: &[String],
+        io: &IoThreads,
+        config: ClientConfig,
+    ) -> Result<RankerPool, String> {
+        let rankers = addrs
+            .iter()
+            .map(|a| {
+                let addr: Address = a.parse().map_err(|e| format!("ranker {e}"))?;
+                Ok(Arc::new(Ranker {
+                    client: Client::new(addr, io.clone(), config.clone()),
+                    addr: a.clone(),
+                    ewma_us: AtomicU64::new(0f64.to_bits()),
+                    outstanding: AtomicU64::new(0),
+                    healthy: AtomicBool::new(false),
+                    last_error: Mutex::new("not probed yet".into()),
+                }))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(RankerPool {
+            rankers,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn rankers(&self) -> &[Arc<Ranker>] {
+        &self.rankers
+    }
+
+    /// Rankers in the order a request should try them.
+    fn order(&self) -> Vec<&Ranker> {
+        let scores: Vec<(bool, f64)> = self
+            .rankers
+            .iter()
+            .map(|r| (r.is_healthy(), r.score()))
+            .collect();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        preference(&scores, start)
+            .into_iter()
+            .map(|i| &*self.rankers[i])
+            .collect()
+    }
+
+    /// Sends one payload to the best ranker, within `timeout`. A ranker that cannot be reached
+    /// is marked down and the next one is tried; the request itself is never sent twice.
+    pub async fn rank(
+        &self,
+        kind: u16,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Ranked, RequestError> {
+        let started = Instant::now();
+        let mut failures: Vec<String> = Vec::new();
+        for ranker in self.order() {
+            let left = timeout.saturating_sub(started.elapsed());
+            ranker.outstanding.fetch_add(1, Ordering::Relaxed);
+            let guard = Outstanding(ranker);
+            let sent = Instant::now();
+            let result = ranker.client.call(kind, payload.clone(), left).await;
+            let round_trip = sent.elapsed();
+            drop(guard);
+            match result {
+                Ok(reply) => {
+                    let response = decode_response(&reply).map_err(|e| {
+                        RequestError::new(ErrorKind::Ranker, format!("ranker {}: {e}", ranker.addr))
+                    })?;
+                    ranker.record(response.queue_us as f64 + response.compute_us as f64);
+                    ranker.mark(true, None);
+                    return Ok(Ranked {
+                        response,
+                        ranker: ranker.addr.clone(),
+                        round_trip,
+                    });
+                }
+                // Not reached at all: safe to try another ranker.
+                Err(e @ (WireError::Connect { .. } | WireError::Handshake { .. })) => {
+                    ranker.mark(false, Some(e.to_string()));
+                    failures.push(e.to_string());
+                }
+                Err(e) => return Err(call_error(ranker, e)),
+            }
+        }
+        Err(RequestError::new(
+            ErrorKind::Unavailable,
+            format!("no ranker could be reached: {}", failures.join("; ")),
+        ))
+    }
+
+    /// Probes every ranker's readiness once; returns the problems (empty: all ready).
+    pub async fn probe(&self, timeout: Duration) -> Vec<String> {
+        let probes: Vec<_> = self
+            .rankers
+            .iter()
+            .map(|r| {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let problem = match r.client.ready(timeout).await {
+                        Ok(true) => None,
+                        Ok(false) => Some(format!("ranker {}: not ready yet", r.addr)),
+                        Err(e) => Some(format!("ranker {e}")),
+                    };
+                    r.mark(problem.is_none(), problem.clone());
+                    problem
+                })
+            })
+            .collect();
+        let mut problems = Vec::new();
+        for p in probes {
+            match p.await {
+                Ok(Some(problem)) => problems.push(problem),
+                Ok(None) => {}
+                Err(e) => problems.push(format!("ranker probe failed: {e}")),
+            }
+        }
+        problems
+    }
+
+    /// (address, outstanding, EWMA latency in seconds) per ranker, for /metrics.
+    pub fn loads(&self) -> Vec<(String, u64, f64)> {
+        self.rankers
+            .iter()
+            .map(|r| (r.addr.clone(), r.outstanding(), r.ewma_us() / 1e6))
+            .collect()
+    }
+}
+
+fn call_error(ranker: &Ranker, e: WireError) -> RequestError {
+    match &e {
+        WireError::Timeout { .. } => RequestError {
+            kind: ErrorKind::Deadline,
+            message: format!(
+                "latency budget ran out waiting for ranker {} (transfer, queue or compute)",
+                ranker.addr
+            ),
+            stage: Some(Stage::Ranker),
+        },
+        // The ranker dropped the request: its deadline passed while it was queued.
+        WireError::Remote { code, message, .. } if is_deadline(code.to_u16(), message) => {
+            RequestError {
+                kind: ErrorKind::Deadline,
+                message: format!("ranker {} dropped the request: {message}", ranker.addr),
+                stage: Some(Stage::Queue),
+            }
+        }
+        WireError::Remote { .. } => {
+            RequestError::new(ErrorKind::Ranker, format!("ranker {e}")).at(Stage::Compute)
+        }
+        _ => {
+            ranker.mark(false, Some(e.to_string()));
+            RequestError::new(ErrorKind::Ranker, format!("ranker {e}")).at(Stage::Transfer)
+        }
+    }
+}
+
+fn is_deadline(code: u16, message: &str) -> bool {
+    code == ERR_DEADLINE || message.starts_with("deadline")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefers_healthy_then_fast_then_rotates() {
+        let s = [(true, 100.0), (true, 50.0), (false, 1.0), (true, 50.0)];
+        assert_eq!(preference(&s, 0), vec![1, 3, 0, 2]);
+        assert_eq!(preference(&s, 2), vec![3, 1, 0, 2]); // rotation among the equal two
+        assert_eq!(preference(&[], 5), Vec::<usize>::new());
+    }
+
+    fn ranker(ewma: f64, outstanding: u64) -> Ranker {
+        let io = IoThreads::new("test", 1).unwrap();
+        Ranker {
+            client: Client::new("127.0.0.1:1".parse().unwrap(), io, ClientConfig::default()),
+            addr: "r".into(),
+            ewma_us: AtomicU64::new(ewma.to_bits()),
+            outstanding: AtomicU64::new(outstanding),
+            healthy: AtomicBool::new(true),
+            last_error: Mutex::new(String::new()),
+        }
+    }
+
+    #[test]
+    fn outstanding_requests_count_against_a_ranker() {
+        // 100 µs with 3 in flight is worse than 300 µs idle... equal here; 4 in flight is worse.
+        assert!(ranker(100.0, 4).score() > ranker(300.0, 0).score());
+        assert!(ranker(100.0, 1).score() < ranker(300.0, 0).score());
+        // Unmeasured rankers are tried before measured ones.
+        assert!(ranker(0.0, 0).score() < ranker(10.0, 0).score());
+    }
+
+    #[test]
+    fn moving_average() {
+        let r = ranker(0.0, 0);
+        r.record(1000.0);
+        assert_eq!(r.ewma_us(), 1000.0);
+        r.record(2000.0);
+        assert!((r.ewma_us() - 1200.0).abs() < 1e-9);
+    }
+}

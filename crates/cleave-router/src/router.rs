@@ -1,0 +1,192 @@
+//! One request's way through the router, whatever JSON form it came in:
+//! check → lookups on the shards → one fused payload to a ranker → outputs.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+
+use crate::error::{ErrorKind, RequestError, Stage};
+use crate::metrics::Metrics;
+use crate::model::{DenseSource, Mode, Model};
+use crate::payload::{encode_request, RANK, RANK_FULL};
+use crate::ranker::RankerPool;
+use crate::sparse::Shards;
+use crate::tensor::Tensor;
+use crate::validate::{check_request, show_shape, Symbols};
+
+/// A request's latency budget, fixed when it arrives.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    pub start: Instant,
+    pub budget: Duration,
+    /// The same instant on the wall clock, for the ranker's deadline.
+    start_unix: Duration,
+}
+
+impl Budget {
+    pub fn new(start: Instant, budget_ms: f64) -> Budget {
+        let start_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Budget {
+            start,
+            budget: Duration::from_secs_f64(budget_ms / 1e3),
+            start_unix,
+        }
+    }
+
+    pub fn left(&self) -> Duration {
+        self.budget.saturating_sub(self.start.elapsed())
+    }
+
+    pub fn deadline_unix_us(&self) -> u64 {
+        (self.start_unix + self.budget).as_micros() as u64
+    }
+
+    /// The error for a budget that ran out in `stage`.
+    pub fn expired(&self, stage: Stage) -> RequestError {
+        RequestError::deadline(
+            stage,
+            self.budget.as_secs_f64() * 1e3,
+            self.start.elapsed().as_secs_f64() * 1e3,
+        )
+    }
+
+    /// Fails if the budget is spent, naming the stage that spent it.
+    pub fn check(&self, stage: Stage) -> Result<(), RequestError> {
+        if self.left().is_zero() {
+            Err(self.expired(stage))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// What the ranker answered, with where the time went.
+#[derive(Debug)]
+pub struct Inference {
+    /// The model's flat outputs, in manifest order.
+    pub outputs: Vec<Tensor>,
+    pub ranker: String,
+    pub lookup: Duration,
+    pub transfer: Duration,
+    pub queue: Duration,
+    pub compute: Duration,
+    pub batch_requests: u32,
+}
+
+/// The request pipeline shared by every HTTP handler.
+pub struct Router {
+    pub model: Model,
+    pub mode: Mode,
+    pub shards: Shards,
+    pub rankers: RankerPool,
+    pub metrics: Metrics,
+}
+
+impl Router {
+    /// Runs checked-to-be inputs (indexed like `model.inputs`) through lookups and a ranker.
+    /// `budget` started when the request arrived; parsing has already spent part of it.
+    pub async fn infer(
+        &self,
+        inputs: Vec<Option<Tensor>>,
+        budget: &Budget,
+    ) -> Result<Inference, RequestError> {
+        let mut checked = check_request(&self.model, inputs)?;
+        self.metrics.observe(Stage::Parse, budget.start.elapsed());
+        budget.check(Stage::Parse)?;
+
+        let lookup_start = Instant::now();
+        let pooled = match self.mode {
+            Mode::Monolithic => Vec::new(),
+            Mode::Disaggregated => {
+                let lookups = std::mem::take(&mut checked.lookups);
+                let pooled =
+                    tokio::time::timeout(budget.left(), self.shards.lookup(&self.model, lookups))
+                        .await
+                        .map_err(|_| budget.expired(Stage::Lookup))??;
+                self.metrics.observe(Stage::Lookup, lookup_start.elapsed());
+                pooled
+            }
+        };
+        let lookup = lookup_start.elapsed();
+        // The fused payload: every tensor the ranker needs, in one buffer.
+        let (kind, payload) = match self.mode {
+            Mode::Monolithic => (
+                RANK_FULL,
+                encode_request(budget.deadline_unix_us(), &checked.inputs),
+            ),
+            Mode::Disaggregated => {
+                let tensors = self.model.dense.iter().map(|source| match *source {
+                    DenseSource::Input(i) => &checked.inputs[i],
+                    DenseSource::Feature(f) => &pooled[f],
+                });
+                (RANK, encode_request(budget.deadline_unix_us(), tensors))
+            }
+        };
+        budget.check(Stage::Lookup)?;
+
+        let ranked = self
+            .rankers
+            .rank(kind, Bytes::from(payload), budget.left())
+            .await?;
+        let r = &ranked.response;
+        let batch_requests = r.batch_requests;
+        let (queue, compute) = (
+            Duration::from_micros(r.queue_us as u64),
+            Duration::from_micros(r.compute_us as u64),
+        );
+        let transfer = ranked.transfer();
+        self.metrics.observe(Stage::Transfer, transfer);
+        self.metrics.observe(Stage::Queue, queue);
+        self.metrics.observe(Stage::Compute, compute);
+        let mut symbols = checked.symbols;
+        check_outputs(&self.model, &r.outputs, &mut symbols, &ranked.ranker)?;
+        Ok(Inference {
+            outputs: ranked.response.outputs,
+            ranker: ranked.ranker,
+            lookup,
+            transfer,
+            queue,
+            compute,
+            batch_requests,
+        })
+    }
+}
+
+/// A ranker's outputs must be the manifest's, sized by this request's symbols.
+fn check_outputs(
+    model: &Model,
+    outputs: &[Tensor],
+    symbols: &mut Symbols,
+    ranker: &str,
+) -> Result<(), RequestError> {
+    let bad = |m: String| RequestError::new(ErrorKind::Ranker, format!("ranker {ranker}: {m}"));
+    if outputs.len() != model.outputs.len() {
+        return Err(bad(format!(
+            "returned {} outputs, the model has {}",
+            outputs.len(),
+            model.outputs.len()
+        )));
+    }
+    for (spec, t) in model.outputs.iter().zip(outputs) {
+        if t.dtype != spec.dtype {
+            return Err(bad(format!(
+                "output {:?} is {}, expected {}",
+                spec.name, t.dtype, spec.dtype
+            )));
+        }
+        let what = format!("output {:?}", spec.name);
+        symbols
+            .check(&spec.shape, &t.dims, &what)
+            .and_then(|()| symbols.resolve())
+            .map_err(|e| {
+                bad(format!(
+                    "output {:?} ({}): {e}",
+                    spec.name,
+                    show_shape(&spec.shape)
+                ))
+            })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,298 @@
+//! The sparse side of a request: every feature's lookup goes to the shards through
+//! cleave-shard's client (range routing table, fan-out, merge of partial pools), and the
+//! results become boundary tensors shaped as the sparse reference shapes them: pooled
+//! `[bags, dim]`, gathered `ids.shape + [dim]`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cleave_shard::{ClientError, Lookup as ShardLookup, Op, Route, RoutingTable};
+use cleave_shard::{ShardClient, ShardClientConfig};
+use cleave_wire::{IoThreads, WireError};
+
+use crate::config::ShardRoute;
+use crate::error::{ErrorKind, RequestError, Stage};
+use crate::model::Model;
+use crate::tensor::{numel, Tensor};
+use crate::validate::Lookup;
+
+/// The shards of a disaggregated router (none in monolithic mode).
+pub struct Shards {
+    client: Option<ShardClient>,
+}
+
+impl Shards {
+    /// Checks that the routes cover every row of every table a feature reads, exactly once,
+    /// and builds the client. Connections open on the first probe.
+    pub fn new(
+        model: &Model,
+        routes: &[ShardRoute],
+        io: &IoThreads,
+        connect_timeout: Duration,
+        call_timeout: Duration,
+    ) -> Result<Shards, String> {
+        check_coverage(model, routes)?;
+        let table = RoutingTable::new(
+            routes
+                .iter()
+                .map(|r| {
+                    let addr = r.addr.parse().map_err(|e| format!("shard route: {e}"))?;
+                    Ok(Route {
+                        table: r.table.clone(),
+                        rows: r.row_start..r.row_end,
+                        addr,
+                    })
+                })
+                .collect::<Result<Vec<_>, String>>()?,
+        )?;
+        let config = ShardClientConfig {
+            // The request's own budget bounds each call; this only caps a runaway one.
+            timeout: call_timeout,
+            connect_timeout,
+            ..ShardClientConfig::default()
+        };
+        Ok(Shards {
+            client: Some(ShardClient::with_io(table, io.clone(), &config)),
+        })
+    }
+
+    pub fn none() -> Shards {
+        Shards { client: None }
+    }
+
+    /// One boundary tensor per feature (indexed like `model.features`).
+    pub async fn lookup(
+        &self,
+        model: &Model,
+        lookups: Vec<Lookup>,
+    ) -> Result<Vec<Tensor>, RequestError> {
+        let Some(client) = &self.client else {
+            return Err(RequestError::new(
+                ErrorKind::Unavailable,
+                "this router has no shards",
+            ));
+        };
+        let mut dims = Vec::with_capacity(lookups.len());
+        let batch = lookups
+            .into_iter()
+            .map(|l| {
+                let f = &model.features[l.feature];
+                dims.push(l.out_dims);
+                to_shard_lookup(&f.table, f.pooling, l.ids, l.bags, l.weights)
+                    .map_err(|e| RequestError::input(&model.inputs[f.ids].name, e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pooled = client.lookup(&batch).await.map_err(shard_error)?;
+        pooled
+            .into_iter()
+            .zip(dims)
+            .zip(&model.features)
+            .map(|((p, dims), f)| {
+                if Some(p.values.len()) != numel(&dims) {
+                    return Err(RequestError::new(
+                        ErrorKind::Shard,
+                        format!(
+                            "feature {:?}: the shards returned {} values, expected {dims:?}",
+                            f.name,
+                            p.values.len()
+                        ),
+                    ));
+                }
+                Ok(Tensor::from_f32(dims, &p.values))
+            })
+            .collect()
+    }
+
+    /// Asks every shard whether it is ready; the problems found (empty: all ready).
+    pub async fn probe(&self, timeout: Duration) -> Vec<String> {
+        let Some(client) = &self.client else {
+            return Vec::new();
+        };
+        match tokio::time::timeout(timeout, client.ready()).await {
+            Ok(Ok(())) => Vec::new(),
+            Ok(Err(e)) => vec![e.to_string()],
+            Err(_) => vec![format!(
+                "shards {:?}: no readiness answer within {} ms",
+                client
+                    .routes()
+                    .shards()
+                    .iter()
+                    .map(|a| a.to_string())
+                    .collect::<Vec<_>>(),
+                timeout.as_millis()
+            )],
+        }
+    }
+}
+
+/// The shard client's lookup for one feature: pooled bags as u32 offsets, ids after the last
+/// bag (ignored with `include_last_offset`) dropped.
+fn to_shard_lookup(
+    table: &str,
+    pooling: Option<cleave_embed::Pooling>,
+    mut ids: Vec<i64>,
+    bags: Option<Vec<usize>>,
+    mut weights: Option<Vec<f32>>,
+) -> Result<ShardLookup, String> {
+    let (op, offsets) = match (pooling, bags) {
+        (Some(p), Some(bags)) => {
+            let end = bags.last().copied().unwrap_or(0);
+            ids.truncate(end);
+            if let Some(w) = weights.as_mut() {
+                w.truncate(end);
+            }
+            let offsets = bags
+                .iter()
+                .map(|&b| u32::try_from(b))
+                .collect::<Result<Vec<u32>, _>>()
+                .map_err(|_| format!("{} ids in one lookup, at most {}", ids.len(), u32::MAX))?;
+            (Op::Pool(p), offsets)
+        }
+        _ => (Op::Gather, Vec::new()),
+    };
+    Ok(ShardLookup {
+        table: table.to_string(),
+        op,
+        ids,
+        offsets,
+        weights,
+    })
+}
+
+fn shard_error(e: ClientError) -> RequestError {
+    let kind = match &e {
+        ClientError::Shard(WireError::Timeout { .. }) => {
+            return RequestError::new(ErrorKind::Deadline, format!("{e}")).at(Stage::Lookup)
+        }
+        ClientError::Shard(WireError::Connect { .. } | WireError::Handshake { .. }) => {
+            ErrorKind::Unavailable
+        }
+        _ => ErrorKind::Shard,
+    };
+    RequestError::new(kind, e.to_string()).at(Stage::Lookup)
+}
+
+/// Every table a feature reads must be covered from row 0 to its last row, without overlap;
+/// routes may only name the bundle's tables and rows.
+fn check_coverage(model: &Model, routes: &[ShardRoute]) -> Result<(), String> {
+    let mut by_table: BTreeMap<&str, Vec<&ShardRoute>> = BTreeMap::new();
+    for r in routes {
+        let Some(f) = model.features.iter().find(|f| f.table == r.table) else {
+            return Err(format!(
+                "shard route {} names table {:?}, which no feature of the bundle reads",
+                r.addr, r.table
+            ));
+        };
+        if r.row_end > f.rows {
+            return Err(format!(
+                "shard route {} for table {:?}: rows [{}, {}) go past the table's {} rows",
+                r.addr, r.table, r.row_start, r.row_end, f.rows
+            ));
+        }
+        by_table.entry(&r.table).or_default().push(r);
+    }
+    for f in &model.features {
+        let mut ranges = by_table.get(f.table.as_str()).cloned().unwrap_or_default();
+        ranges.sort_by_key(|r| r.row_start);
+        let mut next = 0;
+        for r in &ranges {
+            if r.row_start > next {
+                return Err(format!(
+                    "table {:?}: rows [{next}, {}) are on no shard",
+                    f.table, r.row_start
+                ));
+            }
+            if r.row_start < next {
+                return Err(format!(
+                    "table {:?}: rows [{}, {next}) are on two shards (one is {})",
+                    f.table, r.row_start, r.addr
+                ));
+            }
+            next = r.row_end;
+        }
+        if next < f.rows {
+            return Err(format!(
+                "table {:?}: rows [{next}, {}) are on no shard",
+                f.table, f.rows
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::model;
+    use cleave_embed::Pooling;
+
+    fn route(table: &str, a: u64, b: u64) -> ShardRoute {
+        ShardRoute {
+            table: table.into(),
+            row_start: a,
+            row_end: b,
+            addr: "h:1".into(),
+        }
+    }
+
+    fn full() -> Vec<ShardRoute> {
+        vec![
+            route("t_user", 0, 10),
+            route("t_item", 0, 12),
+            route("t_item", 12, 20),
+            route("t_cat", 0, 7),
+        ]
+    }
+
+    #[test]
+    fn routes_must_cover_every_table_once() {
+        let m = model();
+        assert!(check_coverage(&m, &full()).is_ok());
+        let mut gap = full();
+        gap[2].row_start = 13;
+        assert!(check_coverage(&m, &gap)
+            .unwrap_err()
+            .contains("rows [12, 13) are on no shard"));
+        let mut overlap = full();
+        overlap[2].row_start = 11;
+        assert!(check_coverage(&m, &overlap)
+            .unwrap_err()
+            .contains("on two shards"));
+        let mut short = full();
+        short[3].row_end = 6;
+        assert!(check_coverage(&m, &short)
+            .unwrap_err()
+            .contains("rows [6, 7) are on no shard"));
+        let mut long = full();
+        long[3].row_end = 8;
+        assert!(check_coverage(&m, &long)
+            .unwrap_err()
+            .contains("past the table's 7 rows"));
+        let mut extra = full();
+        extra.push(route("t_nope", 0, 1));
+        assert!(check_coverage(&m, &extra)
+            .unwrap_err()
+            .contains("\"t_nope\""));
+        assert!(check_coverage(&m, &full()[1..])
+            .unwrap_err()
+            .contains("\"t_user\": rows [0, 10)"));
+    }
+
+    #[test]
+    fn shard_lookups_drop_ids_after_the_last_bag() {
+        let l = to_shard_lookup(
+            "t",
+            Some(Pooling::Sum),
+            vec![1, 2, 3],
+            Some(vec![0, 1, 2]),
+            Some(vec![0.5; 3]),
+        )
+        .unwrap();
+        assert_eq!(
+            (l.ids, l.offsets, l.weights),
+            (vec![1, 2], vec![0, 1, 2], Some(vec![0.5, 0.5]))
+        );
+        let g = to_shard_lookup("t", None, vec![4, 5], None, None).unwrap();
+        assert_eq!((g.op, g.offsets.len()), (Op::Gather, 0));
+    }
+}

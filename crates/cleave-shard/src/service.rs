@@ -1,0 +1,210 @@
+//! The shard's request handler: decodes LOOKUP frames, pools into the response buffer in place
+//! with the embedding engine, and answers errors with a code and a message.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use bytes::Bytes;
+use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
+use cleave_wire::{ErrorCode, Handler, Request, Responder};
+
+use crate::message::{decode_request, Op, ResponseBuilder, LOOKUP};
+use crate::metrics::{Gauges, Metrics};
+
+/// Answers LOOKUP frames once its tables are loaded; `NotReady` before.
+pub struct ShardService {
+    loaded: OnceLock<Loaded>,
+    stopping: AtomicBool,
+    metrics: Metrics,
+    max_response: usize,
+}
+
+struct Loaded {
+    tables: HashMap<String, Table>,
+    /// (name, rows) in the order given, for listings and metrics.
+    order: Vec<(String, Range<u64>)>,
+    engine: Engine,
+}
+
+/// An error reply: code and message.
+pub type Refusal = (ErrorCode, String);
+
+/// What one served request did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    pub lookups: u64,
+    pub rows: u64,
+}
+
+impl ShardService {
+    /// A service without tables yet; responses are limited to `max_response` bytes.
+    pub fn new(max_response: usize) -> ShardService {
+        ShardService {
+            loaded: OnceLock::new(),
+            stopping: AtomicBool::new(false),
+            metrics: Metrics::default(),
+            max_response,
+        }
+    }
+
+    /// Installs the tables (each a row range) and the engine; the service is ready after.
+    /// Only the first call has an effect.
+    pub fn load(&self, tables: Vec<Table>, engine: Engine) {
+        let order = tables
+            .iter()
+            .map(|t| (t.name().to_owned(), t.row_range()))
+            .collect();
+        let tables = tables
+            .into_iter()
+            .map(|t| (t.name().to_owned(), t))
+            .collect();
+        let _ = self.loaded.set(Loaded {
+            tables,
+            order,
+            engine,
+        });
+    }
+
+    /// Marks the service as stopping: READY probes and /ready answer "not ready" from now on.
+    pub fn set_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.loaded.get().is_some() && !self.stopping.load(Ordering::Relaxed)
+    }
+
+    /// (table, row range) of every table held; empty before loading.
+    pub fn tables(&self) -> Vec<(String, Range<u64>)> {
+        self.loaded
+            .get()
+            .map(|l| l.order.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Prometheus text of this shard's metrics; `connections` and `receiving` come from the
+    /// server.
+    pub fn render_metrics(&self, connections: u64, receiving: u64) -> String {
+        let tables = self
+            .tables()
+            .into_iter()
+            .map(|(n, r)| (n, r.start, r.end))
+            .collect();
+        self.metrics.render(&Gauges {
+            ready: self.is_ready(),
+            connections,
+            frames_receiving: receiving,
+            tables,
+        })
+    }
+
+    /// Serves one LOOKUP payload and returns the response payload. Also the entry point for a
+    /// caller that holds a shard in-process.
+    pub fn lookup(&self, payload: &[u8]) -> Result<(Bytes, Served), Refusal> {
+        let loaded = self.loaded.get().ok_or_else(|| {
+            (
+                ErrorCode::NotReady,
+                "the shard is still opening its tables".to_owned(),
+            )
+        })?;
+        let lookups = decode_request(payload).map_err(|e| (ErrorCode::BadRequest, e.0))?;
+        let mut tables = Vec::with_capacity(lookups.len());
+        for (i, l) in lookups.iter().enumerate() {
+            let t = loaded.tables.get(&l.table).ok_or_else(|| {
+                let held: Vec<&str> = loaded.order.iter().map(|(n, _)| n.as_str()).collect();
+                let msg = format!(
+                    "lookup {i}: table {:?} is not held here; this shard holds {held:?}",
+                    l.table
+                );
+                (ErrorCode::NotFound, msg)
+            })?;
+            tables.push(t);
+        }
+        let shapes: Vec<(usize, usize, bool)> = lookups
+            .iter()
+            .zip(&tables)
+            .map(|(l, t)| (l.rows(), t.dim(), l.op != Op::Gather))
+            .collect();
+        let mut response = ResponseBuilder::new(&shapes, self.max_response)
+            .map_err(|e| (ErrorCode::BadRequest, e.0))?;
+        {
+            let mut jobs = Vec::with_capacity(lookups.len());
+            let mut gathers = Vec::new();
+            for ((l, &table), (out, counts)) in lookups.iter().zip(&tables).zip(response.slices()) {
+                match l.op {
+                    Op::Pool(pooling) => jobs.push(PoolJob {
+                        table,
+                        bags: Bags {
+                            ids: &l.ids,
+                            offsets: &l.offsets,
+                            weights: l.weights.as_deref(),
+                        },
+                        pooling,
+                        out,
+                        counts,
+                    }),
+                    Op::Gather => gathers.push((table, &l.ids, out)),
+                }
+            }
+            loaded.engine.pool_many(&mut jobs).map_err(refusal)?;
+            for (table, ids, out) in gathers {
+                gather(table, ids, out).map_err(refusal)?;
+            }
+        }
+        let served = Served {
+            lookups: lookups.len() as u64,
+            rows: lookups.iter().map(|l| l.ids.len() as u64).sum(),
+        };
+        Ok((response.finish(), served))
+    }
+}
+
+fn refusal(e: EmbedError) -> Refusal {
+    let code = match &e {
+        EmbedError::IdOutOfRange { .. } => ErrorCode::OutOfRange,
+        EmbedError::UnknownTable { .. } => ErrorCode::NotFound,
+        EmbedError::BadBags { .. } => ErrorCode::BadRequest,
+        _ => ErrorCode::Internal,
+    };
+    (code, e.to_string())
+}
+
+impl Handler for ShardService {
+    fn handle(&self, request: Request, responder: Responder) {
+        let started = Instant::now();
+        self.metrics.start();
+        let outcome = if request.kind == LOOKUP {
+            self.lookup(&request.payload)
+        } else {
+            let msg = format!(
+                "frame kind {:#06x} unknown; a shard serves LOOKUP ({LOOKUP:#06x})",
+                request.kind
+            );
+            Err((ErrorCode::UnknownKind, msg))
+        };
+        let (result, sent) = match outcome {
+            Ok((payload, served)) => {
+                let n = payload.len();
+                responder.reply(payload);
+                (Ok((served.lookups, served.rows)), n)
+            }
+            Err((code, msg)) => {
+                responder.error(code, &msg);
+                (Err(code), msg.len() + 2)
+            }
+        };
+        self.metrics
+            .finish(result, request.payload.len(), sent, started.elapsed());
+    }
+
+    fn ready(&self) -> bool {
+        self.is_ready()
+    }
+}

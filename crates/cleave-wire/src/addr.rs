@@ -1,0 +1,259 @@
+//! Addresses (`host:port` or `unix:/path`) and the stream/listener types over both.
+
+use std::fmt;
+use std::io;
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+/// Where a peer listens.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Address {
+    /// `host:port`; host may be a name, an IPv4 address or a bracketed IPv6 address.
+    Tcp(String),
+    /// `unix:/path/to/socket`.
+    Unix(PathBuf),
+}
+
+impl FromStr for Address {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Address, String> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(format!(
+                    "address {s:?}: expected unix:/path/to/socket, path is empty"
+                ));
+            }
+            return Ok(Address::Unix(PathBuf::from(path)));
+        }
+        match s.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(Address::Tcp(s.to_owned()))
+            }
+            _ => Err(format!("address {s:?}: expected host:port or unix:/path")),
+        }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Tcp(a) => f.write_str(a),
+            Address::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A connected byte stream, TCP or Unix.
+#[derive(Debug)]
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Connects (needs a tokio runtime). Disables Nagle on TCP: frames are written whole.
+    pub async fn connect(addr: &Address) -> io::Result<Stream> {
+        match addr {
+            Address::Tcp(a) => {
+                let s = TcpStream::connect(a.as_str()).await?;
+                s.set_nodelay(true)?;
+                Ok(Stream::Tcp(s))
+            }
+            Address::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
+        }
+    }
+
+    /// Detaches from the current runtime so another I/O thread can adopt it.
+    pub fn into_std(self) -> io::Result<StdStream> {
+        Ok(match self {
+            Stream::Tcp(s) => StdStream::Tcp(s.into_std()?),
+            Stream::Unix(s) => StdStream::Unix(s.into_std()?),
+        })
+    }
+
+    /// Adopts a stream into the current runtime.
+    pub fn from_std(s: StdStream) -> io::Result<Stream> {
+        Ok(match s {
+            StdStream::Tcp(s) => Stream::Tcp(TcpStream::from_std(s)?),
+            StdStream::Unix(s) => Stream::Unix(UnixStream::from_std(s)?),
+        })
+    }
+}
+
+/// A stream between runtimes (non-blocking mode kept).
+#[derive(Debug)]
+pub enum StdStream {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// A bound listener, created without a runtime so bind errors and the chosen port are known
+/// before any thread starts.
+#[derive(Debug)]
+pub enum StdListener {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener, PathBuf),
+}
+
+impl StdListener {
+    /// Binds `addr`. A Unix socket file left by a dead server is replaced; one a live server
+    /// answers on is an error.
+    pub fn bind(addr: &Address) -> io::Result<StdListener> {
+        let l = match addr {
+            Address::Tcp(a) => {
+                let sa = a.to_socket_addrs()?.next().ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{a} resolves to nothing"),
+                    )
+                })?;
+                let l = std::net::TcpListener::bind(sa)?;
+                l.set_nonblocking(true)?;
+                StdListener::Tcp(l)
+            }
+            Address::Unix(p) => {
+                if p.exists() {
+                    if std::os::unix::net::UnixStream::connect(p).is_ok() {
+                        return Err(io::Error::new(
+                            io::ErrorKind::AddrInUse,
+                            format!("a server already listens on unix:{}", p.display()),
+                        ));
+                    }
+                    std::fs::remove_file(p)?;
+                }
+                let l = std::os::unix::net::UnixListener::bind(p)?;
+                l.set_nonblocking(true)?;
+                StdListener::Unix(l, p.clone())
+            }
+        };
+        Ok(l)
+    }
+
+    /// The address peers connect to (the real port when bound to port 0).
+    pub fn local_addr(&self) -> io::Result<Address> {
+        Ok(match self {
+            StdListener::Tcp(l) => Address::Tcp(l.local_addr()?.to_string()),
+            StdListener::Unix(_, p) => Address::Unix(p.clone()),
+        })
+    }
+}
+
+/// A listener adopted by a runtime.
+#[derive(Debug)]
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    pub fn from_std(l: StdListener) -> io::Result<Listener> {
+        Ok(match l {
+            StdListener::Tcp(l) => Listener::Tcp(TcpListener::from_std(l)?),
+            StdListener::Unix(l, p) => Listener::Unix(UnixListener::from_std(l)?, p),
+        })
+    }
+
+    pub async fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                s.set_nodelay(true)?;
+                Ok(Stream::Tcp(s))
+            }
+            Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().await?.0)),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_both_forms() {
+        assert_eq!(
+            "127.0.0.1:80".parse(),
+            Ok(Address::Tcp("127.0.0.1:80".into()))
+        );
+        assert_eq!("[::1]:80".parse(), Ok(Address::Tcp("[::1]:80".into())));
+        assert_eq!("unix:/tmp/s".parse(), Ok(Address::Unix("/tmp/s".into())));
+        assert_eq!(
+            "unix:/tmp/s".parse::<Address>().unwrap().to_string(),
+            "unix:/tmp/s"
+        );
+        for bad in ["", "host", "host:", ":80", "host:99999", "unix:"] {
+            let err = bad.parse::<Address>().unwrap_err();
+            assert!(err.contains("expected"), "{bad}: {err}");
+        }
+    }
+}

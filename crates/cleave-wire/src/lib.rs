@@ -1,0 +1,25 @@
+//! The internal data plane of Cleave: length-prefixed binary frames over TCP or Unix sockets.
+//!
+//! * [`frame`]: the 24-byte header, kinds, flags, error codes and an incremental decoder.
+//! * [`Server`]: accepts connections, hands each to one of its I/O threads (which owns it for
+//!   its life) and passes application frames to a [`Handler`]; control frames (PING, READY)
+//!   are answered by the server, and control connections live on a thread of their own.
+//! * [`Client`]: pipelined calls to one peer over a few data connections and one control
+//!   connection, responses matched by request id.
+//!
+//! The layout, limits and timeouts are specified in docs/protocol.md.
+
+mod addr;
+mod client;
+mod conn;
+mod error;
+pub mod frame;
+mod io;
+mod server;
+
+pub use addr::Address;
+pub use client::{Client, ClientConfig};
+pub use error::WireError;
+pub use frame::{ConnClass, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
+pub use io::IoThreads;
+pub use server::{Handler, Request, Responder, Server, ServerConfig, ServerStats};

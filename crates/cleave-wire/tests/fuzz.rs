@@ -1,0 +1,112 @@
+//! The frame decoder against random and mutated bytes: it never panics, never yields a frame
+//! larger than the limit, and decodes valid streams identically however they are split.
+
+use bytes::{Bytes, BytesMut};
+use cleave_wire::frame::{flags, HEADER_LEN};
+use cleave_wire::{Frame, FrameDecoder};
+use proptest::prelude::*;
+
+const MAX: u32 = 4096;
+
+fn arb_frame() -> impl Strategy<Value = Frame> {
+    (
+        prop_oneof![
+            Just(0u8),
+            Just(flags::RESPONSE),
+            Just(flags::RESPONSE | flags::ERROR)
+        ],
+        any::<u16>(),
+        any::<u64>(),
+        proptest::collection::vec(any::<u8>(), 0..300),
+    )
+        .prop_map(|(flags, kind, request_id, payload)| Frame {
+            flags,
+            kind,
+            request_id,
+            payload: Bytes::from(payload),
+        })
+}
+
+/// Feeds `bytes` in the given chunk sizes; returns the frames and the first error, if any.
+fn decode_chunked(bytes: &[u8], chunks: &[usize]) -> (Vec<Frame>, bool) {
+    let mut d = FrameDecoder::new(MAX);
+    let mut buf = BytesMut::new();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    let mut i = 0;
+    while pos < bytes.len() {
+        let n = chunks
+            .get(i)
+            .copied()
+            .unwrap_or(bytes.len())
+            .clamp(1, bytes.len() - pos);
+        i += 1;
+        buf.extend_from_slice(&bytes[pos..pos + n]);
+        pos += n;
+        loop {
+            match d.decode(&mut buf) {
+                Ok(Some(f)) => {
+                    assert!(f.payload.len() <= MAX as usize);
+                    out.push(f);
+                }
+                Ok(None) => break,
+                Err(_) => return (out, true),
+            }
+        }
+    }
+    (out, false)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+                                chunks in proptest::collection::vec(1usize..64, 0..64)) {
+        let _ = decode_chunked(&bytes, &chunks);
+    }
+
+    #[test]
+    fn valid_streams_decode_whatever_the_split(frames in proptest::collection::vec(arb_frame(), 0..8),
+                                               chunks in proptest::collection::vec(1usize..100, 0..64)) {
+        let bytes: Vec<u8> = frames.iter().flat_map(|f| f.to_bytes().to_vec()).collect();
+        let (out, failed) = decode_chunked(&bytes, &chunks);
+        prop_assert!(!failed);
+        prop_assert_eq!(out, frames);
+    }
+
+    #[test]
+    fn random_mutations_never_panic(frames in proptest::collection::vec(arb_frame(), 1..6),
+                                    flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+                                    chunks in proptest::collection::vec(1usize..100, 0..64)) {
+        let mut bytes: Vec<u8> = frames.iter().flat_map(|f| f.to_bytes().to_vec()).collect();
+        for (pos, x) in flips {
+            let i = pos % bytes.len();
+            bytes[i] ^= x | 1;
+        }
+        let (out, _) = decode_chunked(&bytes, &chunks);
+        prop_assert!(out.len() <= frames.len() + bytes.len() / HEADER_LEN);
+    }
+
+    #[test]
+    fn damaged_fixed_header_fields_are_rejected(frames in proptest::collection::vec(arb_frame(), 1..4),
+                                                field in prop::sample::select(vec![0usize, 1, 2, 3, 4, 20, 21, 22, 23]),
+                                                x in 1u8..=255,
+                                                chunks in proptest::collection::vec(1usize..100, 0..64)) {
+        let mut bytes: Vec<u8> = frames.iter().flat_map(|f| f.to_bytes().to_vec()).collect();
+        bytes[field] ^= x;
+        let (out, failed) = decode_chunked(&bytes, &chunks);
+        prop_assert!(failed, "damaged byte {} accepted", field);
+        prop_assert!(out.is_empty());
+    }
+
+    #[test]
+    fn truncated_streams_never_yield_a_partial_frame(frame in arb_frame(), cut in 0usize..400) {
+        let bytes = frame.to_bytes();
+        let cut = cut.min(bytes.len().saturating_sub(1));
+        let (out, failed) = decode_chunked(&bytes[..cut], &[]);
+        prop_assert!(out.is_empty());
+        prop_assert!(!failed);
+        prop_assert!(cut < HEADER_LEN + frame.payload.len());
+    }
+}

@@ -1,0 +1,209 @@
+"""An open-loop HTTP load generator for the KServe v2 API (aiohttp, one event loop).
+
+Send times are drawn up front (Poisson arrivals: exponential gaps at the offered rate) and a
+request is sent at its time whether or not earlier ones have answered; latency is measured
+from the *scheduled* time, so a client that falls behind shows up as latency, never as a
+lower offered rate (no coordinated omission). `lag` says how late the client itself was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+KSERVE_DTYPES = {
+    "float32": "FP32",
+    "float16": "FP16",
+    "int64": "INT64",
+    "int32": "INT32",
+    "uint8": "UINT8",
+    "bool": "BOOL",
+    "bfloat16": "BF16",
+}
+
+
+def infer_body(named_inputs: dict, budget_ms: float | None = None) -> bytes:
+    """A KServe v2 infer request body from manifest-named tensors."""
+    inputs = []
+    for name, tensor in named_inputs.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        inputs.append(
+            {
+                "name": name,
+                "shape": list(tensor.shape),
+                "datatype": KSERVE_DTYPES[dtype],
+                "data": tensor.reshape(-1).tolist(),
+            }
+        )
+    body: dict = {"inputs": inputs}
+    if budget_ms is not None:
+        body["parameters"] = {"budget_ms": budget_ms}
+    return json.dumps(body).encode()
+
+
+def outputs_of(response: dict) -> list[np.ndarray]:
+    """The output tensors of a KServe v2 infer response, in order, as float arrays."""
+    return [
+        np.asarray(out["data"], dtype=np.float64).reshape(out["shape"])
+        for out in response["outputs"]
+    ]
+
+
+@dataclass
+class Sample:
+    index: int  # which body was sent
+    scheduled_s: float  # send time from the start of the run
+    lag_s: float  # how late the client sent it
+    latency_s: float  # from the scheduled time to the full response
+    status: int  # HTTP status; 0 when there was none
+    error: str = ""  # "" for success, else a kind: "http_504", "timeout", "connection", ...
+    stages_us: dict = field(default_factory=dict)  # "<stage>_us" response parameters
+    max_abs_diff: float | None = None  # against the expected outputs, when checked
+
+
+def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    count = int(rate * duration_s * 1.2) + 16
+    times = np.cumsum(rng.exponential(1.0 / rate, size=count))
+    return times[times < duration_s]
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    sample: Sample,
+    start: float,
+    timeout: aiohttp.ClientTimeout,
+    check: Callable[[int, dict], float] | None,
+) -> None:
+    try:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json"}, timeout=timeout
+        ) as resp:
+            raw = await resp.read()
+            sample.status = resp.status
+            done = time.perf_counter()
+            if resp.status != 200:
+                sample.error = f"http_{resp.status}"
+            else:
+                reply = json.loads(raw)
+                params = reply.get("parameters") or {}
+                sample.stages_us = {
+                    k: float(v)
+                    for k, v in params.items()
+                    if k.endswith("_us") and isinstance(v, int | float)
+                }
+                if check is not None:
+                    sample.max_abs_diff = check(sample.index, reply)
+    except asyncio.TimeoutError:
+        done, sample.error = time.perf_counter(), "timeout"
+    except aiohttp.ClientConnectionError:
+        done, sample.error = time.perf_counter(), "connection"
+    except (aiohttp.ClientError, ValueError) as err:
+        done, sample.error = time.perf_counter(), f"client_{type(err).__name__}"
+    sample.latency_s = done - (start + sample.scheduled_s)
+
+
+async def _open_loop(
+    url: str,
+    bodies: Sequence[bytes],
+    times: np.ndarray,
+    timeout_s: float,
+    check,
+    order: np.ndarray,
+) -> list[Sample]:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        samples, tasks = [], []
+        start = time.perf_counter() + 0.05
+        for when, index in zip(times, order, strict=True):
+            delay = start + when - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sample = Sample(int(index), float(when), 0.0, 0.0, 0)
+            sample.lag_s = max(0.0, time.perf_counter() - (start + when))
+            samples.append(sample)
+            tasks.append(
+                asyncio.create_task(
+                    _send(session, url, bodies[index], sample, start, timeout, check)
+                )
+            )
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def open_loop(
+    url: str,
+    bodies: Sequence[bytes],
+    rate: float,
+    duration_s: float,
+    timeout_s: float = 10.0,
+    seed: int = 0,
+    check: Callable[[int, dict], float] | None = None,
+) -> list[Sample]:
+    """Poisson arrivals at `rate` per second for `duration_s`, cycling through `bodies` in a
+    seeded random order; `check(index, response_json)` returns a max abs diff to record."""
+    times = poisson_times(rate, duration_s, seed)
+    order = np.random.default_rng(seed + 1).integers(0, len(bodies), size=len(times))
+    return asyncio.run(_open_loop(url, bodies, times, timeout_s, check, order))
+
+
+async def _sequential(url, bodies, count, timeout_s, check) -> list[Sample]:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        samples = []
+        for i in range(count):
+            start = time.perf_counter()
+            sample = Sample(i % len(bodies), 0.0, 0.0, 0.0, 0)
+            await _send(session, url, bodies[sample.index], sample, start, timeout, check)
+            samples.append(sample)
+    return samples
+
+
+def sequential(url: str, bodies: Sequence[bytes], count: int, timeout_s: float = 10.0, check=None):
+    """One request at a time (the next is sent when the previous answered): single-request
+    latency, with nothing else in flight."""
+    return asyncio.run(_sequential(url, bodies, count, timeout_s, check))
+
+
+def summarize(samples: list[Sample], duration_s: float, budget_ms: float) -> dict:
+    """Throughput, goodput (answered within budget, per second), latency percentiles, errors
+    by kind and mean per-stage times."""
+    ok = [s for s in samples if not s.error]
+    lat_ms = np.array([s.latency_s * 1e3 for s in ok]) if ok else np.zeros(0)
+    errors: dict[str, int] = {}
+    for s in samples:
+        if s.error:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    stages: dict[str, float] = {}
+    for s in ok:
+        for k, v in s.stages_us.items():
+            stages[k] = stages.get(k, 0.0) + v
+    diffs = [s.max_abs_diff for s in ok if s.max_abs_diff is not None]
+
+    def pct(q):
+        return float(np.percentile(lat_ms, q)) if len(lat_ms) else None
+
+    return {
+        "sent": len(samples),
+        "ok": len(ok),
+        "throughput_rps": len(ok) / duration_s,
+        "goodput_rps": float(np.sum(lat_ms <= budget_ms)) / duration_s,
+        "p50_ms": pct(50),
+        "p95_ms": pct(95),
+        "p99_ms": pct(99),
+        "mean_ms": float(lat_ms.mean()) if len(lat_ms) else None,
+        "max_client_lag_ms": max((s.lag_s * 1e3 for s in samples), default=0.0),
+        "errors": errors,
+        "stages_us": {k: v / len(ok) for k, v in sorted(stages.items())},
+        "checked": len(diffs),
+        "max_abs_diff": max(diffs) if diffs else None,
+    }

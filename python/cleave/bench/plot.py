@@ -1,0 +1,87 @@
+"""Plots of `cleave bench serve` results (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Stages the router reports, in pipeline order; other "_us" parameters are drawn after them.
+STAGE_ORDER = ["parse_us", "lookup_us", "transfer_us", "queue_us", "compute_us"]
+_SHORT = {"disaggregated": "disagg", "monolithic": "mono"}
+
+
+def _stages(points: list[dict]) -> list[str]:
+    seen = {k for p in points for k in p.get("stages_us", {}) if k != "total_us"}
+    return [s for s in STAGE_ORDER if s in seen] + sorted(seen - set(STAGE_ORDER))
+
+
+def plot_results(result: dict, path: str | Path) -> Path:
+    """Left: p50 and p99 latency against offered rate per deployment, with the budget.
+    Right: mean time per stage at each rate, stacked, per deployment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    deployments = result["deployments"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, dep in deployments.items():
+        points = sorted(dep["rates"], key=lambda p: p["rate"])
+        rates = [p["rate"] for p in points]
+        line = left.plot(rates, [p["p99_ms"] for p in points], marker="o", label=f"{name} p99")
+        left.plot(
+            rates,
+            [p["p50_ms"] for p in points],
+            marker=".",
+            linestyle="--",
+            color=line[0].get_color(),
+            label=f"{name} p50",
+        )
+    left.axhline(result["budget_ms"], color="grey", linestyle=":", label="budget")
+    left.set_xlabel("offered load (requests/s)")
+    left.set_ylabel("latency (ms)")
+    left.set_yscale("log")
+    left.set_title(f"{result['model']}: latency vs load ({result['candidates']} candidates)")
+    left.legend(fontsize=8)
+
+    labels, positions, width = [], [], 0.8
+    stages = _stages([p for d in deployments.values() for p in d["rates"]])
+    x = 0
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for name, dep in deployments.items():
+        first = x
+        for p in sorted(dep["rates"], key=lambda p: p["rate"]):
+            bottom = 0.0
+            for i, stage in enumerate(stages):
+                value = p.get("stages_us", {}).get(stage, 0.0) / 1000
+                right.bar(
+                    x,
+                    value,
+                    width,
+                    bottom=bottom,
+                    color=colors[i % len(colors)],
+                    label=stage.removesuffix("_us") if x == 0 else None,
+                )
+                bottom += value
+            labels.append(f"{p['rate']:g}")
+            positions.append(x)
+            x += 1
+        right.text(
+            (first + x - 1) / 2,
+            -0.12,
+            name,
+            transform=right.get_xaxis_transform(),
+            ha="center",
+            fontsize=9,
+        )
+        x += 0.5  # a gap between deployments
+    right.set_xticks(positions, labels, fontsize=7, rotation=90)
+    right.set_ylabel("mean time per request (ms)")
+    right.set_title("stage breakdown (router-measured) by deployment and rate")
+    if stages:
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,453 @@
+"""`cleave bench serve`: open-loop serving load against a deployment started by `cleave serve`,
+disaggregated and/or monolithic, on the same cores one after the other.
+
+For each deployment: single-request latency (one request at a time), then each offered rate
+(Poisson arrivals) for `--duration` seconds, optionally a search for the highest rate whose
+p99 stays within the budget. Prints a table, writes JSON and a PNG (latency vs rate, stage
+breakdown). Every response can be checked against the original model's outputs (--check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from cleave.bench.plot import plot_results
+from cleave.errors import UsageError
+
+__all__ = [
+    "Target",
+    "Workload",
+    "measure",
+    "new_result",
+    "plot_results",
+    "print_table",
+    "write_json",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="dlrm", help="reference model (cleave.models.MODELS)")
+    parser.add_argument("--scale", type=float, help="table scale (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bundle", help="serve this bundle of --model (default: partition it)")
+    parser.add_argument("--workdir", default="out/bench-serve", help="where bundles are written")
+    parser.add_argument("--rates", default="50,100,200", help="offered loads, requests/s")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per rate")
+    parser.add_argument("--budget-ms", type=float, default=25.0, help="latency budget (SLO)")
+    parser.add_argument("--candidates", type=int, default=100, help="rows per request")
+    parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
+    parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
+    parser.add_argument("--single", type=int, default=200, help="single-request samples")
+    parser.add_argument("--search", action="store_true", help="find the max rate within budget")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compare", action="store_true", help="monolithic, then disaggregated")
+    mode.add_argument("--monolithic", action="store_true", help="only the monolithic baseline")
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--rankers", type=int, default=1)
+    parser.add_argument("--config", help="cleave serve TOML config for both deployments")
+    parser.add_argument("--check", action="store_true", help="compare every score to the model")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write the PNG here (default: next to --json)")
+    parser.add_argument("--url", help="measure an already running deployment instead")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run of a few seconds (tests, CI)"
+    )
+    parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run the load generator and the deployments (which inherit it) under SCHED_FIFO, "
+        "so other processes on a shared machine do not add their scheduling delays (root)",
+    )
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kb = 0
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+class Workload:
+    """A model, its bundle, request bodies for the HTTP API and the model's own outputs."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import torch.utils._pytree as pytree
+
+        import cleave
+        from cleave.bench.loadgen import infer_body
+        from cleave.models import MODELS, RequestGenerator
+
+        if args.model not in MODELS:
+            raise UsageError(f"--model must be one of {sorted(MODELS)}, got {args.model!r}")
+        entry = MODELS[args.model]
+        scale = entry.default_scale if args.scale is None else args.scale
+        model, example = entry.factory(scale=scale, seed=args.seed)
+        model.eval()
+        if args.bundle:
+            self.bundle_dir = Path(args.bundle)
+            bundle = cleave.load_bundle(self.bundle_dir, verify=False)
+        else:
+            self.bundle_dir = Path(args.workdir) / f"{args.model}-{scale:g}-{args.seed}"
+            bundle = cleave.partition(model, example)
+            bundle.save(self.bundle_dir, overwrite=True)
+        generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
+        self.bodies, self.expected = [], []
+        with torch.inference_mode():
+            for _ in range(args.requests):
+                inputs = generator.batch(args.candidates)
+                self.bodies.append(infer_body(bundle.named_inputs(*inputs), args.budget_ms))
+                flat = pytree.tree_leaves(model(*inputs))
+                self.expected.append([t.double().numpy() for t in flat])
+        self.name = self.bundle_dir.name
+        self.scale = scale
+
+    def check(self, index: int, response: dict) -> float:
+        from cleave.bench.loadgen import outputs_of
+
+        got = outputs_of(response)
+        want = self.expected[index]
+        if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want, strict=True)):
+            return float("inf")
+        return max(
+            float(abs(g - w).max()) if g.size else 0.0 for g, w in zip(got, want, strict=True)
+        )
+
+
+def read_bundle_summary(bundle_dir: Path) -> dict:
+    manifest = json.loads((Path(bundle_dir) / "manifest.json").read_text())
+    return {
+        "tables": len(manifest["tables"]),
+        "table_mib": sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]) / 2**20,
+        "dense_inputs": len(manifest["dense"]["inputs"]),
+    }
+
+
+def new_result(args, workload: Workload) -> dict:
+    return {
+        "benchmark": "serve",
+        "machine": machine(),
+        "model": args.model,
+        "scale": workload.scale,
+        "candidates": args.candidates,
+        "alpha": args.alpha,
+        "budget_ms": args.budget_ms,
+        "duration_s": args.duration,
+        "shards": args.shards,
+        "rankers": args.rankers,
+        "realtime": bool(getattr(args, "realtime", False)),
+        "bundle": read_bundle_summary(workload.bundle_dir),
+        "deployments": {},
+    }
+
+
+def write_json(result: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def _ok(point: dict, rate: float, budget_ms: float) -> bool:
+    """Within budget: no errors, p99 within it, and the deployment kept up with the load."""
+    return (
+        not point["errors"]
+        and point["p99_ms"] is not None
+        and point["p99_ms"] <= budget_ms
+        and point["throughput_rps"] >= 0.9 * rate
+    )
+
+
+class Target:
+    """Where the load goes: a `cleave serve` this benchmark starts (and can restart), or the
+    URL of a deployment someone else runs."""
+
+    def __init__(self, bundle=None, flags: list[str] | None = None, url: str | None = None):
+        self.bundle, self.flags, self.server = bundle, flags or [], None
+        self.url = url.rstrip("/") if url else ""
+
+    @property
+    def restartable(self) -> bool:
+        return self.bundle is not None
+
+    def start(self) -> Target:
+        if self.restartable:
+            from cleave.launch.process import ServeProcess
+
+            self.server = ServeProcess(self.bundle, *self.flags).start()
+            self.url = self.server.url
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def infer_url(self, workload: Workload) -> str:
+        return f"{self.url}/v2/models/{workload.name}/infer"
+
+    def __enter__(self) -> Target:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def paired_single(targets: dict[str, Target], workload: Workload, args, log) -> dict:
+    """Single-request latency of several running deployments, measured in alternating rounds
+    (one request at a time, never overlapping), so drifting load on a shared machine hits
+    them alike. Returns each deployment's summary plus the per-round p50s."""
+    import numpy as np
+
+    from cleave.bench.loadgen import sequential, summarize
+
+    rounds = 10
+    per_round = max(1, args.single // rounds)
+    check = workload.check if args.check else None
+    samples: dict[str, list] = {name: [] for name in targets}
+    p50s: dict[str, list] = {name: [] for name in targets}
+    for target in targets.values():  # warm-up
+        sequential(target.infer_url(workload), workload.bodies, min(20, args.single))
+    for _ in range(rounds):
+        for name, target in targets.items():
+            got = sequential(target.infer_url(workload), workload.bodies, per_round, check=check)
+            samples[name].extend(got)
+            ok = [s.latency_s * 1e3 for s in got if not s.error]
+            p50s[name].append(float(np.median(ok)) if ok else None)
+    result = {}
+    for name in targets:
+        result[name] = {**summarize(samples[name], 1.0, args.budget_ms), "round_p50_ms": p50s[name]}
+        s = result[name]
+        log(f"  {name} single request: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms")
+    return result
+
+
+def measure(target: Target, workload: Workload, args, log, single: bool = True) -> dict:
+    """Single-request latency (unless measured elsewhere), then each rate of the sweep (and the
+    search). A deployment that missed its budget is restarted before the next probe, so no
+    probe inherits another's backlog (or a wedged connection: see docs/benchmarks.md,
+    "Serving")."""
+    from cleave.bench.loadgen import open_loop, sequential, summarize
+
+    def infer() -> str:
+        return target.infer_url(workload)
+
+    check = workload.check if args.check else None
+    sequential(infer(), workload.bodies, min(20, args.single), check=None)  # warm-up
+    result: dict = {"rates": []}
+    if single:
+        samples = sequential(infer(), workload.bodies, args.single, check=check)
+        result["single"] = summarize(samples, 1.0, args.budget_ms)
+        s = result["single"]
+        log(f"  single request: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms")
+
+    def probe(rate: float) -> dict:
+        for point in result["rates"]:  # the search may come back to a rate of the sweep
+            if point["rate"] == rate:
+                return point
+        samples = open_loop(
+            infer(), workload.bodies, rate, args.duration, seed=int(rate), check=check
+        )
+        point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
+        point["within_budget"] = _ok(point, rate, args.budget_ms)
+        result["rates"].append(point)
+        p99 = f"{point['p99_ms']:.2f}" if point["p99_ms"] is not None else "-"
+        log(
+            f"  {rate:8.1f}/s: {point['throughput_rps']:8.1f}/s ok, p50 "
+            f"{point['p50_ms'] or 0:.2f} ms, p99 {p99} ms, errors {point['errors']}"
+        )
+        if not point["within_budget"] and target.restartable:
+            target.restart()
+            sequential(infer(), workload.bodies, min(20, args.single), check=None)
+        return point
+
+    for rate in args.rate_list:
+        probe(rate)
+    if args.search:
+        result["max_rate_within_budget"] = _search(probe, args)
+    else:
+        good = [p["rate"] for p in result["rates"] if p["within_budget"]]
+        result["max_rate_within_budget"] = max(good) if good else 0.0
+    return result
+
+
+def _search(probe, args) -> float:
+    """Doubles the rate until a probe misses the budget, then bisects three times."""
+    lo, hi = 0.0, None
+    rate = min(args.rate_list) if args.rate_list else 25.0
+    while hi is None and rate <= 100_000:
+        if probe(rate)["within_budget"]:
+            lo, rate = rate, rate * 2
+        else:
+            hi = rate
+    for _ in range(3):
+        if hi is None:
+            break
+        mid = round((lo + hi) / 2, 1)
+        if probe(mid)["within_budget"]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _serve_flags(args, monolithic: bool) -> list[str]:
+    flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
+    if args.config:
+        flags += ["--config", args.config]
+    if monolithic:
+        flags.append("--monolithic")
+    return flags
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"{'deployment':<14} {'rate/s':>8} {'tput/s':>8} {'good/s':>8} {'p50 ms':>8} "
+        f"{'p95 ms':>8} {'p99 ms':>8}  errors"
+    )
+    for name, dep in result["deployments"].items():
+        s = dep["single"]
+        print(
+            f"{name:<14} {'single':>8} {'':>8} {'':>8} {s['p50_ms']:8.2f} {s['p95_ms']:8.2f} "
+            f"{s['p99_ms']:8.2f}"
+        )
+        for p in sorted(dep["rates"], key=lambda p: p["rate"]):
+            fmt = [
+                f"{p[k]:8.2f}" if p[k] is not None else f"{'-':>8}"
+                for k in ("p50_ms", "p95_ms", "p99_ms")
+            ]
+            print(
+                f"{name:<14} {p['rate']:8.1f} {p['throughput_rps']:8.1f} {p['goodput_rps']:8.1f} "
+                f"{' '.join(fmt)}  {p['errors'] or ''}"
+            )
+        print(
+            f"{name:<14} max rate with p99 <= {result['budget_ms']:g} ms: "
+            f"{dep['max_rate_within_budget']:g}/s"
+        )
+    for key, value in result.get("ratios", {}).items():
+        print(f"{key}: {value:.3f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.rates, args.duration, args.single, args.requests = "20,40", 1.5, 20, 8
+        args.search = False
+    try:
+        args.rate_list = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--rates: expected numbers separated by commas, got {args.rates!r}"
+        ) from None
+    if any(r <= 0 for r in args.rate_list):
+        raise UsageError(f"--rates must be > 0, got {args.rates!r}")
+    if args.duration <= 0 or args.candidates < 1 or args.requests < 1 or args.single < 1:
+        raise UsageError("--duration, --candidates, --requests and --single must be positive")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    workload = Workload(args)
+    log(
+        f"workload: {args.model} scale {workload.scale:g}, bundle {workload.bundle_dir} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
+    result = new_result(args, workload)
+    if args.realtime:  # after the workload is built: only the measurement runs under it
+        try:  # children inherit the policy: the router, shards and rankers run under it too
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+        except (AttributeError, OSError) as err:
+            raise UsageError(f"--realtime needs SCHED_FIFO (root or CAP_SYS_NICE): {err}") from None
+    if args.url:
+        plan = [("given", None)]
+    elif args.compare:
+        plan = [("monolithic", True), ("disaggregated", False)]
+    else:
+        plan = [("monolithic", True)] if args.monolithic else [("disaggregated", False)]
+    targets = {
+        name: Target(url=args.url)
+        if monolithic is None
+        else Target(workload.bundle_dir, _serve_flags(args, monolithic))
+        for name, monolithic in plan
+    }
+    paired = {}
+    if len(targets) > 1:  # both up (idle ones cost nothing), single requests in turns
+        log("single-request latency, deployments in alternating rounds:")
+        try:
+            for target in targets.values():
+                target.start()
+            paired = paired_single(targets, workload, args, log)
+        finally:
+            for target in targets.values():
+                target.stop()
+    for name, target in targets.items():
+        log(f"{name}:")
+        with target:  # alone on the machine while loaded
+            deployment = measure(target, workload, args, log, single=not paired)
+        if paired:
+            deployment["single"] = paired[name]
+        result["deployments"][name] = deployment
+    deps = result["deployments"]
+    if "monolithic" in deps and "disaggregated" in deps:
+        mono, dis = deps["monolithic"], deps["disaggregated"]
+        rounds = zip(
+            dis["single"].get("round_p50_ms", []),
+            mono["single"].get("round_p50_ms", []),
+            strict=True,
+        )
+        ratios = sorted(d / m for d, m in rounds if d and m)
+        result["ratios"] = {
+            "single_p50_disagg_over_mono": dis["single"]["p50_ms"] / mono["single"]["p50_ms"],
+            "single_p50_disagg_over_mono_median_of_rounds": (
+                ratios[len(ratios) // 2] if ratios else float("nan")
+            ),
+            "max_rate_disagg_over_mono": (
+                dis["max_rate_within_budget"] / mono["max_rate_within_budget"]
+                if mono["max_rate_within_budget"]
+                else float("nan")
+            ),
+        }
+    if args.check:
+        diffs = [
+            p["max_abs_diff"]
+            for d in deps.values()
+            for p in [d["single"], *d["rates"]]
+            if p["max_abs_diff"] is not None
+        ]
+        result["max_abs_diff"] = max(diffs) if diffs else None
+    print_table(result)
+    if args.json:
+        write_json(result, args.json)
+        log(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        log(f"wrote {plot_results(result, plot)}")
+    return 0

@@ -1,0 +1,147 @@
+"""The `cleave serve` configuration: a TOML file (docs/serving.md, "Config file"), overridden
+by command-line flags. Every key is checked: an unknown key or a wrong type is an error that
+names the file, the key, what was expected and what arrived."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleave.errors import UsageError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class RouterConfig:
+    budget_ms: float = 1000.0  # latency budget of a request that names none
+    max_budget_ms: float = 60000.0  # the largest budget a request may ask for
+    body_limit_mb: float = 64.0  # larger request bodies get 413
+    connect_timeout_ms: int = 1000  # connecting to a shard or ranker
+    health_interval_ms: int = 1000  # how often backends are probed for readiness
+    ranker_connections: int = 2  # connections kept to each ranker
+    threads: int = 2  # router I/O threads (HTTP and backends)
+
+
+@dataclass
+class ShardConfig:
+    threads: int = 1  # lookup threads per shard
+
+
+@dataclass
+class RankerConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch CPU threads per ranker; 0: (cores - 1) / rankers, at least 1
+    max_batch: int = 256  # rows per batch at most
+    max_wait_ms: float = 0.0  # how long a request may wait for company; 0: work-conserving
+    cuda_graphs: bool = True
+
+
+@dataclass
+class ServeConfig:
+    name: str = ""  # model name in the URLs; "" -> the bundle directory's name
+    host: str = "127.0.0.1"
+    http_port: int = 0  # 0: an ephemeral port (the ready line says which)
+    shards: int = 1
+    rankers: int = 1
+    monolithic: bool = False
+    transport: str = "unix"  # internal sockets: "unix" (co-located) or "tcp" on loopback
+    restart: bool = False  # restart a child that dies instead of stopping the deployment
+    ready_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    router: RouterConfig = field(default_factory=RouterConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    ranker: RankerConfig = field(default_factory=RankerConfig)
+
+    def check(self) -> ServeConfig:
+        def need(ok: bool, key: str, expected: str, value) -> None:
+            if not ok:
+                raise UsageError(f"config {key}: expected {expected}, got {value!r}")
+
+        need(self.shards >= 1, "shards", "at least 1", self.shards)
+        need(self.rankers >= 1, "rankers", "at least 1", self.rankers)
+        need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
+        need(self.transport in ("unix", "tcp"), "transport", '"unix" or "tcp"', self.transport)
+        need(
+            self.ranker.device in ("auto", "cpu", "cuda"),
+            "ranker.device",
+            '"auto", "cpu" or "cuda"',
+            self.ranker.device,
+        )
+        need(self.ranker.max_batch >= 1, "ranker.max_batch", "at least 1", self.ranker.max_batch)
+        need(self.ranker.max_wait_ms >= 0, "ranker.max_wait_ms", ">= 0", self.ranker.max_wait_ms)
+        need(self.ranker.threads >= 0, "ranker.threads", ">= 0", self.ranker.threads)
+        need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
+        r = self.router
+        need(
+            0 < r.budget_ms <= r.max_budget_ms,
+            "router.budget_ms",
+            "in (0, max_budget_ms]",
+            r.budget_ms,
+        )
+        need(r.body_limit_mb > 0, "router.body_limit_mb", "> 0", r.body_limit_mb)
+        need(r.threads >= 1, "router.threads", "at least 1", r.threads)
+        need(
+            r.ranker_connections >= 1,
+            "router.ranker_connections",
+            "at least 1",
+            r.ranker_connections,
+        )
+        need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
+        return self
+
+    def ranker_threads(self) -> int:
+        if self.ranker.threads:
+            return self.ranker.threads
+        # One core is left to the router and shards: a torch thread that loses its core to
+        # them stalls every parallel region of the batch (measured: 1.5 ms -> 140 ms).
+        return max(1, ((os.cpu_count() or 1) - 1) // self.rankers)
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _fill(obj, table: dict, where: str, path: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in table.items():
+        name = f"{where}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise UsageError(f"{path}: unknown key {name!r}; known keys here: {known}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UsageError(f"{path}: [{name}] must be a table, got {value!r}")
+            _fill(current, value, f"{name}.", path)
+            continue
+        kind = type(current)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise UsageError(
+                f"{path}: {name} must be {_KINDS[kind]}, got {type(value).__name__} {value!r}"
+            )
+        setattr(obj, key, value)
+
+
+def load(path: str | os.PathLike | None) -> ServeConfig:
+    """The defaults, overridden by the TOML file at `path` (if any)."""
+    config = ServeConfig()
+    if path is None:
+        return config
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"{path}: not valid TOML: {err}") from None
+    _fill(config, table, "", str(path))
+    return config

@@ -1,0 +1,60 @@
+"""The router process of `cleave serve`: `python -m cleave.launch.router CONFIG.json` runs the
+Rust router (`cleave._native.run_router`) until SIGTERM/SIGINT. `router_config` writes the JSON
+the router reads (crates/cleave-router's config; docs/serving.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cleave.launch.config import ServeConfig
+
+
+def router_config(
+    name: str,
+    bundle: Path,
+    config: ServeConfig,
+    routes: list[dict],
+    rankers: list[str],
+) -> dict:
+    r = config.router
+    return {
+        "model": name,
+        "bundle": str(bundle),
+        "host": config.host,
+        "http_port": config.http_port,
+        "mode": "monolithic" if config.monolithic else "disaggregated",
+        "shards": routes,
+        "rankers": rankers,
+        "budget_ms": r.budget_ms,
+        "max_budget_ms": r.max_budget_ms,
+        "body_limit_bytes": int(r.body_limit_mb * (1 << 20)),
+        "connect_timeout_ms": r.connect_timeout_ms,
+        "ready_timeout_ms": int(config.ready_timeout_s * 1000),
+        "health_interval_ms": r.health_interval_ms,
+        "ranker_connections": r.ranker_connections,
+        "threads": r.threads,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m cleave.launch.router CONFIG.json", file=sys.stderr)
+        return 2
+    from cleave._native import run_router
+
+    try:
+        text = Path(argv[0]).read_text()
+    except OSError as err:
+        print(f"cleave router: cannot read {argv[0]}: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_router(text)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"cleave router: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

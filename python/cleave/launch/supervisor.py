@@ -1,0 +1,223 @@
+"""Starts the processes of a deployment, gates on their readiness, watches them, stops them.
+
+A child is ready when it prints a line starting with "ready" on stdout. Its other output is
+forwarded to our stderr, prefixed with its name; the last lines are kept for error messages.
+Children run in their own session (a terminal's Ctrl-C reaches only the launcher, which then
+stops them in order) and die with the launcher if it is killed (Linux: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cleave.errors import CleaveError
+
+_TAIL_LINES = 20
+_RESTARTS_PER_MINUTE = 5
+
+
+class ChildFailed(CleaveError):
+    """A child exited or did not become ready: names it and shows its last output."""
+
+
+@dataclass
+class ChildSpec:
+    name: str  # "shard-0", "ranker-1", "router"
+    argv: list[str]
+    address: str = ""  # what it serves on, for messages
+    before_start: object = None  # callable run before each (re)start, e.g. remove a socket
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str = ""
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+    started: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        where = f", {self.spec.address}" if self.spec.address else ""
+        return f"{self.spec.name} (pid {self.proc.pid}{where})"
+
+    def output(self) -> str:
+        lines = list(self.tail)
+        if not lines:
+            return ""
+        return "\n  its last output:\n" + "\n".join(f"    {line}" for line in lines)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: SIGKILL it when the launcher dies.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    def __init__(self, restart: bool = False, log=None, env: dict | None = None):
+        self.restart = restart
+        self.log = log or sys.stderr
+        self.env = env
+        self.children: list[Child] = []
+        self.groups: list[list[str]] = []  # names, one list per start() call
+        self.stopping = threading.Event()
+        self._restarts: dict[str, collections.deque] = {}
+
+    # -- starting ------------------------------------------------------------------------------
+    def spawn(self, spec: ChildSpec) -> Child:
+        if callable(spec.before_start):
+            spec.before_start()
+        proc = subprocess.Popen(
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            env=self.env,
+        )
+        child = Child(spec, proc)
+        threading.Thread(target=self._read, args=(child, proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(child, proc.stderr, False), daemon=True).start()
+        return child
+
+    def _read(self, child: Child, stream, is_stdout: bool) -> None:
+        for raw in stream:
+            line = raw.rstrip("\n")
+            if is_stdout and not child.ready.is_set() and line.startswith("ready"):
+                child.ready_line = line
+                child.ready.set()
+                continue
+            child.tail.append(line)
+            try:
+                print(f"[{child.spec.name}] {line}", file=self.log, flush=True)
+            except (ValueError, OSError):  # our stderr is gone; keep draining the pipe
+                pass
+
+    def wait_ready(self, children: list[Child], timeout_s: float) -> None:
+        """Blocks until every child printed its ready line; raises ChildFailed naming the
+        first one that exits or is not ready in time."""
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            while not child.ready.wait(0.05):
+                code = child.proc.poll()
+                if code is not None:
+                    child.ready.wait(0.2)  # let the readers catch the last lines
+                    raise ChildFailed(
+                        f"{child.describe()} {_describe_exit(code)} before it was ready"
+                        f"{child.output()}"
+                    )
+                if self.stopping.is_set():
+                    raise ChildFailed(f"stopped while waiting for {child.describe()}")
+                if time.monotonic() > deadline:
+                    raise ChildFailed(
+                        f"{child.describe()} was not ready after {timeout_s:.0f} s{child.output()}"
+                    )
+
+    def start(self, specs: list[ChildSpec], timeout_s: float) -> list[Child]:
+        """Starts children together (they load in parallel), then waits for all of them."""
+        started = [self.spawn(spec) for spec in specs]
+        self.children.extend(started)
+        self.groups.append([spec.name for spec in specs])
+        self.wait_ready(started, timeout_s)
+        return started
+
+    # -- watching ------------------------------------------------------------------------------
+    def watch(self, ready_timeout_s: float) -> int:
+        """Until stop(): returns 0 when stopped, 1 when a child died (and is not restarted)."""
+        while not self.stopping.wait(0.1):
+            for i, child in enumerate(self.children):
+                code = child.proc.poll()
+                if code is None or self.stopping.is_set():
+                    continue
+                what = f"{child.describe()} {_describe_exit(code)}"
+                if not self.restart or not self._may_restart(child.spec.name):
+                    why = "" if not self.restart else f" ({_RESTARTS_PER_MINUTE} restarts a minute)"
+                    print(
+                        f"cleave serve: {what}; stopping the deployment{why}{child.output()}",
+                        file=self.log,
+                        flush=True,
+                    )
+                    return 1
+                print(f"cleave serve: {what}; restarting it", file=self.log, flush=True)
+                fresh = self.spawn(child.spec)
+                self.children[i] = fresh
+                try:
+                    self.wait_ready([fresh], ready_timeout_s)
+                except ChildFailed as err:
+                    if self.stopping.is_set():
+                        return 0
+                    print(f"cleave serve: restart failed: {err}", file=self.log, flush=True)
+                    return 1
+                print(f"cleave serve: {fresh.describe()} is ready again", file=self.log, flush=True)
+        return 0
+
+    def _may_restart(self, name: str) -> bool:
+        times = self._restarts.setdefault(name, collections.deque())
+        now = time.monotonic()
+        while times and now - times[0] > 60:
+            times.popleft()
+        times.append(now)
+        return len(times) <= _RESTARTS_PER_MINUTE
+
+    # -- stopping ------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stopping.set()
+
+    def stop(self, timeout_s: float) -> dict[str, int]:
+        """SIGTERM to the children, one start() group at a time, newest group first (the
+        router stops before the rankers and shards it calls); SIGKILL to any child still
+        running after `timeout_s`. Returns each child's exit code by name."""
+        self.stopping.set()
+        by_name = {child.spec.name: child for child in self.children}
+        codes = {}
+        for group in reversed(self.groups):
+            children = [by_name[name] for name in group]
+            for child in children:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in children:
+                try:
+                    child.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"cleave serve: {child.describe()} did not stop in {timeout_s:.0f} s; "
+                        "killing it",
+                        file=self.log,
+                        flush=True,
+                    )
+                    child.proc.kill()
+                    child.proc.wait()
+                codes[child.spec.name] = child.proc.returncode
+        return codes
+
+
+def install_signal_handlers(supervisor: Supervisor) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: supervisor.request_stop())
+
+
+def python_argv(*args: str) -> list[str]:
+    """A child command line that runs `cleave` with this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "cleave.cli", *args]

@@ -1,0 +1,189 @@
+"""The ranker's batching loop: take requests, join them into a batch, run it, reply.
+
+The loop only needs a *source* with two calls, so it does not care where requests come from
+(a `cleave._native.FrameServer` on a socket, or an in-process queue):
+
+* `recv(max_items, timeout_s) -> list[(conn_id, request_id, kind, payload)]`: waits at most
+  `timeout_s` for at least one request;
+* `reply(conn_id, request_id, kind, payload)` and
+  `reply_error(conn_id, request_id, code: int, message)`.
+
+Policy: requests are served in arrival order. A batch starts when the queued rows reach
+`max_batch`, or when the oldest request has waited `max_wait_s`; with `max_wait_s = 0` the loop
+is work-conserving (it runs whatever arrived while the previous batch computed). A batch is
+one call of the dense program: requests are never interleaved. A request whose deadline has
+passed when its batch starts is answered with error "deadline" and not computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from cleave.ranker.executor import DenseExecutor
+from cleave.ranker.payload import PayloadError, decode_request, encode_response
+from cleave.ranker.signature import Signature
+
+log = logging.getLogger("cleave.ranker")
+
+# Error codes of the error frames a ranker sends (docs/protocol.md): the wire's BadRequest and
+# Internal, and the rankers' own "deadline" (the router also knows it by the message prefix).
+ERR_BAD_REQUEST = 7
+ERR_INTERNAL = 12
+ERR_DEADLINE = 0x0110
+
+_IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
+
+
+@dataclass
+class Pending:
+    conn_id: int
+    request_id: int
+    arrived_ns: int  # Batcher.clock() when the ranker received it
+    deadline_us: int  # Unix microseconds; 0: none
+    tensors: list[torch.Tensor]
+    rows: int
+
+
+@dataclass
+class BatchStats:
+    requests: int = 0
+    batches: int = 0
+    dropped_deadline: int = 0
+    bad_requests: int = 0
+    failed: int = 0
+
+
+class Batcher:
+    def __init__(
+        self,
+        source,
+        executor: DenseExecutor,
+        signature: Signature,
+        kind: int,
+        max_batch: int = 256,
+        max_wait_s: float = 0.0,
+        wall_clock=time.time,
+        clock=time.monotonic_ns,
+    ):
+        self.source = source
+        self.executor = executor
+        self.signature = signature
+        self.kind = kind
+        self.max_batch = max(1, max_batch)
+        # Waiting for company is pointless when requests cannot share a batch.
+        self.max_wait_ns = int(max_wait_s * 1e9) if signature.batchable else 0
+        self.wall_clock = wall_clock  # for deadlines (Unix time, seconds)
+        self.clock = clock  # for queueing time and max_wait (nanoseconds)
+        self.queue: deque[Pending] = deque()
+        self.queued_rows = 0
+        self.stats = BatchStats()
+
+    def serve_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.step()
+
+    def step(self) -> int:
+        """Receives what is there (waiting as the policy says), runs at most one batch; returns
+        the number of requests the batch computed."""
+        self._receive(self._wait_s())
+        if not self.queue:
+            return 0
+        oldest = self.queue[0].arrived_ns
+        if self.queued_rows < self.max_batch and self.clock() - oldest < self.max_wait_ns:
+            return 0
+        return self._run(self._take())
+
+    def _wait_s(self) -> float:
+        if not self.queue:
+            return _IDLE_POLL_S
+        if self.queued_rows >= self.max_batch:
+            return 0.0
+        left_ns = self.queue[0].arrived_ns + self.max_wait_ns - self.clock()
+        return max(0.0, left_ns / 1e9)
+
+    def _receive(self, timeout_s: float) -> None:
+        for conn_id, request_id, kind, payload in self.source.recv(1024, timeout_s):
+            now = self.clock()
+            try:
+                if kind != self.kind:
+                    raise PayloadError(f"this ranker serves frame kind {self.kind}, got {kind}")
+                request = decode_request(payload)
+                rows = self.signature.check(request)
+            except PayloadError as err:
+                self.stats.bad_requests += 1
+                self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
+                continue
+            self.queue.append(
+                Pending(conn_id, request_id, now, request.deadline_us, request.tensors, rows)
+            )
+            self.queued_rows += rows
+
+    def _take(self) -> list[Pending]:
+        """Oldest first, up to max_batch rows (at least one request); drops expired ones."""
+        batch: list[Pending] = []
+        rows = 0
+        now_us = int(self.wall_clock() * 1e6)
+        while self.queue:
+            head = self.queue[0]
+            if batch and (not self.signature.batchable or rows + head.rows > self.max_batch):
+                break
+            self.queue.popleft()
+            self.queued_rows -= head.rows
+            if head.deadline_us and head.deadline_us < now_us:
+                self.stats.dropped_deadline += 1
+                late_us = now_us - head.deadline_us
+                self._error(
+                    head.conn_id,
+                    head.request_id,
+                    ERR_DEADLINE,
+                    f"deadline passed {late_us} us before the ranker could start it",
+                )
+                continue
+            batch.append(head)
+            rows += head.rows
+        return batch
+
+    def _run(self, batch: list[Pending]) -> int:
+        if not batch:
+            return 0
+        start = self.clock()
+        try:
+            outputs = self.executor.run(self.signature.join([p.tensors for p in batch]))
+            pieces = self.signature.split(outputs, [p.rows for p in batch])
+        except Exception as err:  # a model error fails its requests, never the ranker
+            if len(batch) > 1:  # find the request that fails instead of failing all of them
+                return sum(self._run([p]) for p in batch)
+            self.stats.failed += 1
+            log.warning("dense program failed: %s", err)
+            p = batch[0]
+            self._error(p.conn_id, p.request_id, ERR_INTERNAL, f"dense program failed: {err}")
+            return 0
+        compute_us = (self.clock() - start) // 1000
+        depth = len(self.queue)
+        for p, outs in zip(batch, pieces, strict=True):
+            queue_us = (start - p.arrived_ns) // 1000
+            payload = encode_response(queue_us, compute_us, len(batch), depth, outs)
+            self._reply(p.conn_id, p.request_id, payload)
+        self.stats.requests += len(batch)
+        self.stats.batches += 1
+        return len(batch)
+
+    # A reply that cannot be delivered (the source forgot the request, e.g. while closing) is
+    # logged: it must never stop the loop that serves everyone else.
+    def _reply(self, conn_id: int, request_id: int, payload: bytes) -> None:
+        try:
+            self.source.reply(conn_id, request_id, self.kind, payload)
+        except Exception as err:
+            log.warning("reply to request %d of connection %d lost: %s", request_id, conn_id, err)
+
+    def _error(self, conn_id: int, request_id: int, code: int, message: str) -> None:
+        try:
+            self.source.reply_error(conn_id, request_id, code, message)
+        except Exception as err:
+            log.warning("error reply to request %d lost: %s (%s)", request_id, err, message)

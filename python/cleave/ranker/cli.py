@@ -1,0 +1,74 @@
+"""`cleave ranker`: run a bundle's dense program (or, with --monolithic, the whole model) for
+routers, over the internal frame protocol."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from cleave.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bundle", required=True, help="bundle directory")
+    parser.add_argument("--listen", required=True, help="host:port or unix:/path")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--max-batch", type=int, default=256, help="rows per batch at most")
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=0.0, help="how long a request may wait for company"
+    )
+    parser.add_argument(
+        "--monolithic",
+        action="store_true",
+        help="run the whole model on RANK_FULL requests (the baseline)",
+    )
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run CUDA batches eagerly")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_batch < 1:
+        raise UsageError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_wait_ms < 0:
+        raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+
+    from cleave._native import FrameServer, WireError
+    from cleave.ranker.program import load_ranker
+
+    batcher = load_ranker(
+        args.bundle,
+        source=None,
+        monolithic=args.monolithic,
+        device=args.device,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        max_wait_s=args.max_wait_ms / 1000,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+    try:
+        server = FrameServer(args.listen)
+    except (OSError, ValueError, WireError) as err:
+        raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
+    batcher.source = server
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    device = batcher.executor.device
+    mode = "monolithic" if args.monolithic else "dense"
+    if not batcher.signature.batchable:
+        print(f"one request per batch: {batcher.signature.why_not}", file=sys.stderr, flush=True)
+    print(f"ready {server.address} device={device} mode={mode}", flush=True)
+    batcher.serve_forever(stop)
+    server.close()
+    s = batcher.stats
+    print(
+        f"ranker stopped: {s.requests} requests in {s.batches} batches, "
+        f"{s.dropped_deadline} past deadline, {s.bad_requests} malformed, {s.failed} failed",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,450 @@
+"""The router's HTTP API against malformed requests, on real processes over loopback: a router
+(`python -m cleave.launch.router`, i.e. `cleave._native.run_router`) in front of two embedding
+shards (`cleave shard`, each holding half of every table's rows) and a ranker (`cleave
+ranker`), serving the `shared` reference model (weighted sums, mean and max pooling, fixed-width
+bags).
+
+Every bad request must get a 4xx whose message names the input (or candidate) and the problem;
+after the whole matrix the router still answers a good request with the model's own scores,
+and it stops cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import cleave
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from cleave.models import MODELS, RequestGenerator
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+MODEL, SCALE = "shared", 0.01
+BODY_LIMIT = 256 << 10
+TOLERANCE = 1e-5
+KSERVE = {
+    torch.float32: "FP32",
+    torch.float16: "FP16",
+    torch.int64: "INT64",
+    torch.int32: "INT32",
+    torch.uint8: "UINT8",
+    torch.bool: "BOOL",
+}
+
+
+class Child:
+    """A child process whose stdout's first "ready ..." line gives its address."""
+
+    def __init__(self, name: str, argv: list[str], timeout_s: float = 120.0):
+        self.name = name
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        ready = threading.Event()
+        self.address = ""
+
+        def read():
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                if line.startswith("ready ") and not ready.is_set():
+                    self.address = line.split()[1]
+                    ready.set()
+                else:
+                    self.log.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                log = "\n".join(self.log)
+                raise RuntimeError(f"{name} did not become ready:\n{log}")
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cleave.cli", *args]
+
+
+class Deployment:
+    def __init__(self, root: Path):
+        self.model, example = MODELS[MODEL].factory(scale=SCALE, seed=0)
+        self.model.eval()
+        self.bundle = cleave.partition(self.model, example)
+        self.dir = self.bundle.save(root / "bundle")
+        self.manifest = self.bundle.manifest
+        self.children: list[Child] = []
+        routes = []
+        halves = [{}, {}]
+        for t in self.manifest["tables"]:
+            rows = int(t["rows"])
+            halves[0][t["name"]] = (0, rows // 2)
+            halves[1][t["name"]] = (rows // 2, rows)
+        for i, half in enumerate(halves):
+            rows = ",".join(f"{name}={a}:{b}" for name, (a, b) in half.items())
+            shard = self._start(
+                f"shard-{i}",
+                cli("shard", "--bundle", str(self.dir), "--listen", "127.0.0.1:0", "--rows", rows),
+            )
+            routes += [
+                {"table": name, "row_start": a, "row_end": b, "addr": shard.address}
+                for name, (a, b) in half.items()
+            ]
+        ranker = self._start(
+            "ranker",
+            cli("ranker", "--bundle", str(self.dir), "--listen", "127.0.0.1:0", "--threads", "1"),
+        )
+        config = {
+            "model": MODEL,
+            "bundle": str(self.dir),
+            "http_port": 0,
+            "shards": routes,
+            "rankers": [ranker.address],
+            "budget_ms": 20000,
+            "body_limit_bytes": BODY_LIMIT,
+            "threads": 1,
+        }
+        path = root / "router.json"
+        path.write_text(json.dumps(config))
+        self.router = self._start(
+            "router", [sys.executable, "-m", "cleave.launch.router", str(path)]
+        )
+        self.url = f"{self.router.address}/v2/models/{MODEL}"
+
+    def _start(self, name: str, argv: list[str]) -> Child:
+        try:
+            child = Child(name, argv)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.children.append(child)
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("router_http"))
+    yield d
+    d.stop()
+
+
+def request(url: str, body: bytes | None = None) -> tuple[int, str]:
+    method = "GET" if body is None else "POST"
+    req = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method=method
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def post(url: str, body) -> tuple[int, dict]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, text = request(url, raw)
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, {"error": text}
+
+
+def good_request(deployment, batch: int = 4, seed: int = 3):
+    """A KServe body for `batch` generated candidates, and the model's own scores for them."""
+    gen = RequestGenerator(MODEL, scale=SCALE, seed=seed, min_pooling=1)
+    args = gen.batch(batch)
+    named = deployment.bundle.named_inputs(*args)
+    body = {
+        "inputs": [
+            {
+                "name": name,
+                "datatype": KSERVE[t.dtype],
+                "shape": list(t.shape),
+                "data": t.flatten().tolist(),
+            }
+            for name, t in named.items()
+        ]
+    }
+    with torch.inference_mode():
+        want = [t.double() for t in pytree.tree_leaves(deployment.model(*args))]
+    return body, want
+
+
+def feature(deployment, pred):
+    return next(f for f in deployment.manifest["features"] if pred(f))
+
+
+def with_input(body: dict, name: str, **changes) -> dict:
+    body = copy.deepcopy(body)
+    entry = next(i for i in body["inputs"] if i["name"] == name)
+    entry.update(changes)
+    return body
+
+
+def without_input(body: dict, name: str) -> dict:
+    body = copy.deepcopy(body)
+    body["inputs"] = [i for i in body["inputs"] if i["name"] != name]
+    return body
+
+
+def data_of(body: dict, name: str) -> list:
+    return next(i for i in body["inputs"] if i["name"] == name)["data"]
+
+
+def malformed_infer_bodies(deployment, good: dict) -> list[tuple[str, object, int, list[str]]]:
+    """(case, body, status, substrings the error must contain)."""
+    weighted = feature(deployment, lambda f: f["weights"])
+    ids, offsets, weights = weighted["ids"], weighted["offsets"], weighted["weights"]
+    rows = next(t["rows"] for t in deployment.manifest["tables"] if t["name"] == weighted["table"])
+    fixed = feature(deployment, lambda f: f["layout"] == "fixed")
+    n_ids = len(data_of(good, ids))
+    bad_ids = list(data_of(good, ids))
+    bad_ids[-1] = rows  # one past the table's last row
+    return [
+        ("not JSON", b'{"inputs": [', 400, ["invalid JSON"]),
+        ("not an object", b"[1, 2]", 400, ["invalid JSON"]),
+        ("inputs not a list", {"inputs": 7}, 400, ["invalid JSON"]),
+        ("unknown field", {**good, "extra": 1}, 400, ["invalid JSON", "extra"]),
+        (
+            "unknown input",
+            {"inputs": [*good["inputs"], {**good["inputs"][0], "name": "nope"}]},
+            400,
+            ['unknown input "nope"'],
+        ),
+        ("duplicate input", {"inputs": [*good["inputs"], good["inputs"][0]]}, 400, ["given twice"]),
+        ("missing input", without_input(good, offsets), 400, [f'missing input "{offsets}"']),
+        (
+            "wrong datatype",
+            with_input(good, "dense_x", datatype="FP64"),
+            400,
+            ['input "dense_x"', 'datatype "FP64", expected "FP32"'],
+        ),
+        (
+            "wrong rank",
+            with_input(good, "dense_x", shape=[len(data_of(good, "dense_x"))]),
+            400,
+            ['input "dense_x"', "dimensions, expected 2"],
+        ),
+        (
+            "wrong static size",
+            with_input(good, "dense_x", shape=[len(data_of(good, "dense_x")) // 4, 4]),
+            400,
+            ['input "dense_x"', "expected 8"],
+        ),
+        (
+            "data does not fill the shape",
+            with_input(good, ids, data=data_of(good, ids)[:-1] or [0]),
+            400,
+            [f'input "{ids}"', "values"],
+        ),
+        (
+            "ragged nested data",
+            with_input(good, "dense_x", data=[[0.0] * 8, [0.0] * 7]),
+            400,
+            ['input "dense_x"', "ragged"],
+        ),
+        (
+            "string data",
+            with_input(good, "dense_x", data=["a"] * len(data_of(good, "dense_x"))),
+            400,
+            ['input "dense_x"', "string"],
+        ),
+        (
+            "non-integer ids",
+            with_input(good, ids, data=[0.5] * n_ids),
+            400,
+            [f'input "{ids}"', "expected an int64"],
+        ),
+        (
+            "batch sizes disagree",
+            with_input(good, offsets, shape=[3], data=[0, 0, 0]),
+            400,
+            [f'input "{offsets}"', "but B is 4"],
+        ),
+        (
+            "id past the table",
+            with_input(good, ids, data=bad_ids),
+            400,
+            [f'input "{ids}"', f"id {rows} at position {n_ids - 1}", f"rows [0, {rows})"],
+        ),
+        (
+            "negative id",
+            with_input(good, ids, data=[-3] + data_of(good, ids)[1:]),
+            400,
+            [f'input "{ids}"', "id -3 at position 0"],
+        ),
+        (
+            "offsets do not start at 0",
+            with_input(good, offsets, data=[1, 1, 1, 1]),
+            400,
+            [f'input "{offsets}"', "offsets[0] is 1, expected 0"],
+        ),
+        (
+            "offsets decrease",
+            with_input(good, offsets, data=[0, min(1, n_ids), 0, 0]),
+            400,
+            [f'input "{offsets}"', "must not decrease"],
+        ),
+        (
+            "offsets past the ids",
+            with_input(good, offsets, data=[0, 0, 0, n_ids + 5]),
+            400,
+            [f'input "{offsets}"', f"outside [0, {n_ids}]"],
+        ),
+        (
+            "weights not one per id",
+            with_input(good, weights, shape=[n_ids + 1], data=[1.0] * (n_ids + 1)),
+            400,
+            [f'input "{weights}"'],
+        ),
+        (
+            "fixed bags for the wrong batch",
+            with_input(good, fixed["ids"], shape=[3, 2], data=[0] * 6),
+            400,
+            [f'input "{fixed["ids"]}"', "but B is 4"],
+        ),
+        (
+            "negative budget",
+            {**good, "parameters": {"budget_ms": -1}},
+            400,
+            ["budget_ms is -1"],
+        ),
+        ("unknown output", {**good, "outputs": [{"name": "nope"}]}, 400, ['unknown output "nope"']),
+        ("body over the limit", b" " * (BODY_LIMIT + 1), 413, [f"limit of {BODY_LIMIT} bytes"]),
+    ]
+
+
+def test_malformed_infer_requests_get_4xx_naming_the_input(deployment):
+    good, want = good_request(deployment)
+    cases = malformed_infer_bodies(deployment, good)
+    for case, body, status, needles in cases:
+        got, reply = post(f"{deployment.url}/infer", body)
+        assert got == status, (case, reply)
+        message = reply.get("error", "")
+        for needle in needles:
+            assert needle in message, (case, needle, message)
+
+    # The router is unharmed: the good request gets the model's scores.
+    status, reply = post(f"{deployment.url}/infer", good)
+    assert status == 200, reply
+    for out, w in zip(reply["outputs"], want, strict=True):
+        got = torch.tensor(out["data"], dtype=torch.float64).reshape(out["shape"])
+        assert got.shape == w.shape
+        assert (got - w).abs().max().item() <= TOLERANCE
+
+    status, metrics = request(f"{deployment.router.address}/metrics")
+    assert status == 200
+    invalid = sum(1 for _, _, s, n in cases if s == 400 and "invalid JSON" not in n)
+    assert f'cleave_router_errors_total{{kind="invalid_input"}} {invalid}' in metrics
+    assert 'cleave_router_errors_total{kind="too_large"} 1' in metrics
+
+
+def rank_body(deployment, good: dict) -> dict:
+    """The per-feature form of the first two candidates of `good`."""
+    manifest = deployment.manifest
+    jagged = {f["ids"]: f for f in manifest["features"] if f["layout"] == "offsets"}
+    offsets = {f["offsets"] for f in jagged.values()}
+    tensors = {i["name"]: torch.tensor(i["data"]).reshape(i["shape"]) for i in good["inputs"]}
+    candidates = []
+    for c in range(2):
+        cand = {}
+        for spec in manifest["inputs"]:
+            name = spec["name"]
+            if name in offsets:
+                continue
+            f = jagged.get(name) or next((f for f in jagged.values() if f["weights"] == name), None)
+            if f is not None:
+                o = tensors[f["offsets"]].tolist()
+                end = o[c + 1] if c + 1 < len(o) else len(tensors[f["ids"]])
+                cand[name] = tensors[name][o[c] : end].tolist()
+            else:
+                cand[name] = tensors[name][c].tolist()
+        candidates.append(cand)
+    return {"candidates": candidates}
+
+
+def test_malformed_rank_requests_get_4xx_naming_the_candidate(deployment):
+    good, _ = good_request(deployment)
+    body = rank_body(deployment, good)
+    status, reply = post(f"{deployment.url}/rank", body)
+    assert status == 200, reply
+    assert len(reply["outputs"]["output_0"]) == 2
+
+    weighted = feature(deployment, lambda f: f["weights"])
+    ids, offsets, weights = weighted["ids"], weighted["offsets"], weighted["weights"]
+    cases = []
+    b = copy.deepcopy(body)
+    del b["candidates"][1]["dense_x"]
+    cases.append((b, ['candidate 1: input "dense_x": missing']))
+    b = copy.deepcopy(body)
+    b["candidates"][0][offsets] = [0]
+    cases.append((b, [f'candidate 0: input "{offsets}"', f'under "{ids}"']))
+    b = copy.deepcopy(body)
+    b["candidates"][1]["dense_x"] = [0.0] * 7
+    cases.append((b, ['candidate 1: input "dense_x": row has shape [7]']))
+    b = copy.deepcopy(body)
+    b["candidates"][0][weights] = b["candidates"][0][weights] + [1.0]
+    cases.append((b, [f'candidate 0: input "{weights}"', "one weight per id"]))
+    b = copy.deepcopy(body)
+    b["candidates"][1][ids] = 5
+    cases.append((b, [f'candidate 1: input "{ids}": must be a list of ids']))
+    b = copy.deepcopy(body)
+    b["shared"] = {"dense_x": [0.0] * 8}
+    cases.append((b, ['input "dense_x": has one value per candidate']))
+    cases.append(({"candidates": []}, ['"candidates" is empty']))
+    for body_, needles in cases:
+        status, reply = post(f"{deployment.url}/rank", body_)
+        assert status == 400, (needles, reply)
+        for needle in needles:
+            assert needle in reply["error"], (needle, reply)
+    # Still serving.
+    assert post(f"{deployment.url}/rank", body)[0] == 200
+
+
+def test_metadata_health_and_unknown_models(deployment):
+    status, text = request(deployment.url)
+    assert status == 200
+    meta = json.loads(text)
+    assert [i["name"] for i in meta["inputs"]] == [i["name"] for i in deployment.manifest["inputs"]]
+    assert meta["inputs"][0] == {"name": "dense_x", "datatype": "FP32", "shape": [-1, 8]}
+    assert request(f"{deployment.router.address}/v2/health/live")[0] == 200
+    assert request(f"{deployment.router.address}/v2/health/ready")[0] == 200
+    assert request(f"{deployment.url}/ready")[0] == 200
+    status, reply = post(f"{deployment.router.address}/v2/models/nope/infer", {"inputs": []})
+    assert status == 404
+    assert 'unknown model "nope"' in reply["error"]
+
+
+def test_router_stops_cleanly_on_sigterm(deployment):
+    # Last in this module: stops the router (the fixture then stops the rest).
+    assert deployment.router.stop() == 0

@@ -1,0 +1,328 @@
+"""End-to-end serving: real `cleave serve` deployments (shard, ranker and router processes) on
+loopback, driven through the HTTP API, checked against the original PyTorch models.
+
+The matrix covers every reference model, 1 and 3 shards, 1 and 2 rankers and the monolithic
+baseline with five deployments: one bundle per deployment. Then failures: a shard killed under
+load, a child dying without restart, SIGTERM, bad configurations; and a ranker process fed
+malformed frames directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import cleave
+import numpy as np
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.launch.process import ServeProcess
+from cleave.models import MODELS, RequestGenerator
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+SCALES = {"dlrm": 0.002, "dcn": 0.0005, "din": 0.002, "shared": 0.01}
+TOLERANCE = 1e-5
+
+
+class Served:
+    """A model, its bundle and its request generator."""
+
+    def __init__(self, name: str, root: Path):
+        self.name = name
+        self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
+        self.model.eval()
+        self.bundle = cleave.partition(self.model, example)
+        self.dir = self.bundle.save(root / name)
+        self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
+
+    def request(self, batch: int) -> tuple[bytes, list[np.ndarray]]:
+        args = self.generator.batch(batch)
+        with torch.inference_mode():
+            want = [t.double().numpy() for t in pytree.tree_leaves(self.model(*args))]
+        return infer_body(self.bundle.named_inputs(*args)), want
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Served]:
+    root = tmp_path_factory.mktemp("bundles")
+    return {name: Served(name, root) for name in SCALES}
+
+
+def post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        text = err.read()
+        try:
+            return err.code, json.loads(text)
+        except ValueError:
+            return err.code, {"error": text.decode(errors="replace")}
+
+
+def infer_url(server: ServeProcess, served: Served) -> str:
+    return f"{server.url}/v2/models/{served.dir.name}/infer"
+
+
+def check_scores(server: ServeProcess, served: Served, batches=(1, 7, 64)) -> None:
+    for batch in batches:
+        body, want = served.request(batch)
+        status, reply = post(infer_url(server, served), body)
+        assert status == 200, reply
+        got = outputs_of(reply)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want, strict=True):
+            assert np.abs(g - w).max() <= TOLERANCE, (served.name, batch)
+
+
+@pytest.mark.parametrize(
+    "model, shards, rankers, monolithic",
+    [
+        ("dlrm", 3, 2, False),
+        ("dcn", 1, 1, False),
+        ("din", 3, 1, False),
+        ("shared", 1, 2, False),
+        ("dlrm", 1, 1, True),
+    ],
+)
+def test_scores_equal_the_original_model(models, model, shards, rankers, monolithic):
+    served = models[model]
+    flags = ["--shards", str(shards), "--rankers", str(rankers), "--threads", "1"]
+    if monolithic:
+        flags.append("--monolithic")
+    with ServeProcess(served.dir, *flags) as server:
+        check_scores(server, served)
+        # Concurrent requests from several clients: batching must not mix rows up.
+        bodies = [served.request(b) for b in (3, 5, 9, 17, 2, 30)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda bw: post(infer_url(server, served), bw[0]), bodies))
+        for (status, reply), (_, want) in zip(replies, bodies, strict=True):
+            assert status == 200, reply
+            for g, w in zip(outputs_of(reply), want, strict=True):
+                assert np.abs(g - w).max() <= TOLERANCE
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+def children(pid: int) -> dict[str, int]:
+    """The launcher's children by role name (shard-0, ranker-1, router), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != pid:
+            continue
+        line = " ".join(cmdline)
+        if "cleave.launch.router" in line:
+            found["router"] = int(entry.name)
+        for arg in cmdline:
+            for role in ("shard", "ranker"):
+                if arg.endswith(".sock") and f"/{role}-" in arg:
+                    found[Path(arg).stem] = int(entry.name)
+    return found
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, tmp_path):
+    served = models["dlrm"]
+    config = tmp_path / "serve.toml"
+    config.write_text("restart = true\nshards = 3\n[ranker]\nthreads = 1\n")
+    requests = [served.request(16) for _ in range(4)]
+    with ServeProcess(served.dir, "--config", str(config)) as server:
+        url = infer_url(server, served)
+        assert post(url, requests[0][0])[0] == 200
+        shard = children(server.proc.pid)["shard-1"]
+        results, stop = [], threading.Event()
+
+        def load(worker: int) -> None:  # closed-loop clients, busy before, during and after
+            i = worker
+            while not stop.is_set():
+                body, want = requests[i % len(requests)]
+                start = time.monotonic()
+                status, reply = post(url, body, timeout=30)
+                results.append((time.monotonic(), time.monotonic() - start, status, reply, want))
+                i += 1
+
+        workers = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(0.5)
+            killed_at = time.monotonic()
+            os.kill(shard, signal.SIGKILL)
+            wait_until(
+                lambda: children(server.proc.pid).get("shard-1") not in (None, shard),
+                30,
+                "the launcher to restart shard-1",
+            )
+            wait_until(
+                lambda: any(t > killed_at and s == 200 for t, _, s, _, _ in results[-3:]),
+                30,
+                "requests to succeed again",
+            )
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(60)
+        failed = [(took, status, reply) for _, took, status, reply, _ in results if status != 200]
+        assert failed, "no request observed the outage"
+        for took, status, reply in failed:
+            assert status in (502, 503), reply
+            assert "shard-1.sock" in reply["error"], reply  # names the shard
+            assert took < 5.0, took  # an error, fast: not a hang until some timeout
+        for _, _, status, reply, want in results:
+            if status == 200:  # before, during (no lookup on shard-1 yet) and after
+                for g, w in zip(outputs_of(reply), want, strict=True):
+                    assert np.abs(g - w).max() <= TOLERANCE
+        assert results[-1][2] == 200
+        assert "restarting it" in "\n".join(server.log)
+
+
+def test_child_dying_stops_the_launcher_with_a_clear_message(models):
+    served = models["shared"]
+    server = ServeProcess(served.dir, "--threads", "1").start()
+    try:
+        ranker = children(server.proc.pid)["ranker-0"]
+        os.kill(ranker, signal.SIGKILL)
+        code = server.proc.wait(30)
+    finally:
+        server.stop()
+    assert code == 1
+    log = "\n".join(server.log)
+    assert "ranker-0" in log and "killed by SIGKILL" in log and "stopping the deployment" in log
+    assert not children(server.proc.pid)
+
+
+def test_sigterm_stops_everything_cleanly(models):
+    served = models["shared"]
+    server = ServeProcess(served.dir, "--shards", "2", "--threads", "1").start()
+    pids = children(server.proc.pid)
+    assert set(pids) == {"shard-0", "shard-1", "ranker-0", "router"}
+    assert server.stop() == 0
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists()
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_bad_configuration_is_a_clear_error(models, tmp_path):
+    bundle = str(models["shared"].dir)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("shards = 2\n[ranker]\nmax_bacth = 3\n")
+    result = run_serve(bundle, "--config", str(bad))
+    assert result.returncode == 2
+    assert "unknown key 'ranker.max_bacth'" in result.stderr and "max_batch" in result.stderr
+    bad.write_text('shards = "two"\n')
+    result = run_serve(bundle, "--config", str(bad))
+    assert result.returncode == 2 and "shards must be an integer, got str 'two'" in result.stderr
+    bad.write_text("shards = [\n")
+    result = run_serve(bundle, "--config", str(bad))
+    assert result.returncode == 2 and "not valid TOML" in result.stderr
+    result = run_serve(bundle, "--shards", "0")
+    assert result.returncode == 2 and "config shards: expected at least 1, got 0" in result.stderr
+    result = run_serve(str(tmp_path / "nowhere"))
+    assert result.returncode == 2 and "is not a directory" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = run_serve(str(tmp_path / "empty"))
+    assert result.returncode == 2 and "manifest.json: not found" in result.stderr
+
+
+# -- a ranker process on its own -------------------------------------------------------------
+
+
+def test_ranker_process_answers_malformed_frames_and_keeps_serving(models, tmp_path):
+    from cleave._native import FrameClient, WireError
+    from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
+
+    served = models["shared"]
+    address = f"unix:{tmp_path / 'ranker.sock'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(served.dir)]
+        + ["--listen", address, "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"ready {address} device=cpu mode=dense"), proc.stderr.read()
+        client = FrameClient(address, timeout_s=10)
+        assert client.ready()
+        args = served.generator.batch(5)
+        named = served.bundle.named_inputs(*args)
+        values = {**named, **served.bundle.sparse_reference(named)}
+        good = [values[n] for n in served.bundle.manifest["dense"]["inputs"]]
+        bad = [
+            (b"\x01\x02", "request header needs 16 bytes"),
+            (encode_request(0, good[:-1]), f"expected {len(good)} tensors"),
+            (encode_request(0, [good[0].half(), *good[1:]]), "expected torch.float32"),
+            (encode_request(0, good)[:-4], "data bytes"),
+            (encode_request(1, good), "deadline passed"),
+        ]
+        for payload, message in bad:
+            with pytest.raises(WireError, match=message):
+                client.call(KIND_RANK, payload)
+            with pytest.raises(WireError, match="serves frame kind"):
+                client.call(KIND_RANK + 5, encode_request(0, good))
+        reply = decode_response(client.call(KIND_RANK, encode_request(0, good)))
+        with torch.inference_mode():
+            want = served.model(*args)
+        assert np.abs(reply.tensors[0].numpy() - want.numpy()).max() <= TOLERANCE
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        summary = "1 requests in 1 batches, 1 past deadline, 9 malformed, 0 failed"
+        assert summary in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ranker_refuses_a_bad_listen_address(models):
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(models["shared"].dir)]
+        + ["--listen", "nowhere", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "cannot listen on 'nowhere'" in result.stderr

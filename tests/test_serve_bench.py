@@ -1,0 +1,33 @@
+"""`cleave bench serve --quick`: the serving benchmark runs end to end (both deployments, checks
+every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_serve_quick_compare(tmp_path):
+    out = tmp_path / "serve.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--compare", "--check"]
+        + ["--model", "shared", "--scale", "0.01", "--candidates", "16"]
+        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["deployments"]) == {"monolithic", "disaggregated"}
+    for deployment in report["deployments"].values():
+        assert [p["rate"] for p in deployment["rates"]] == [20.0, 40.0]
+        for point in [deployment["single"], *deployment["rates"]]:
+            assert point["ok"] > 0 and point["p99_ms"] > 0
+        assert "compute_us" in deployment["rates"][0]["stages_us"]
+    assert report["deployments"]["disaggregated"]["rates"][0]["stages_us"]["lookup_us"] > 0
+    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
+    assert "single_p50_disagg_over_mono" in report["ratios"]
+    assert (tmp_path / "serve.png").stat().st_size > 10_000
+    assert "max rate with p99 <= 25 ms" in result.stdout

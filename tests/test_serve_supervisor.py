@@ -1,0 +1,165 @@
+"""The launcher's supervisor on small real child processes (Python one-liners): readiness,
+failures named with the child's output, restarts, ordered stop, SIGKILL after the grace time.
+Also the table-range plan and the config file."""
+
+from __future__ import annotations
+
+import io
+import sys
+import textwrap
+import threading
+
+import pytest
+from cleave.errors import UsageError
+from cleave.launch import config as config_io
+from cleave.launch.serve import table_ranges
+from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor
+
+
+def child(name: str, body: str) -> ChildSpec:
+    return ChildSpec(name, [sys.executable, "-c", textwrap.dedent(body)], f"unix:/tmp/{name}")
+
+
+READY_THEN_WAIT = """
+    import signal, sys, time
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    def stop(*_):
+        if out:
+            open(out, "a").write(NAME + "\\n")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print("starting up", flush=True)
+    print("ready unix:/tmp/" + NAME, flush=True)
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def waiting(name: str, record=None) -> ChildSpec:
+    spec = child(name, f"NAME = {name!r}\n" + textwrap.dedent(READY_THEN_WAIT))
+    if record:
+        spec.argv.append(str(record))
+    return spec
+
+
+def test_start_waits_for_ready_lines_and_stop_goes_newest_group_first(tmp_path):
+    record = tmp_path / "stopped"
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    try:
+        first = sup.start([waiting("shard-0", record), waiting("ranker-0", record)], 30)
+        (router,) = sup.start([waiting("router", record)], 30)
+        assert [c.ready_line for c in first] == [
+            "ready unix:/tmp/shard-0",
+            "ready unix:/tmp/ranker-0",
+        ]
+        assert router.ready_line == "ready unix:/tmp/router"
+    finally:
+        codes = sup.stop(10)
+    assert codes == {"router": 0, "shard-0": 0, "ranker-0": 0}
+    stopped = record.read_text().split()
+    assert stopped[0] == "router" and sorted(stopped[1:]) == ["ranker-0", "shard-0"]
+    assert "[shard-0] starting up" in log.getvalue()
+
+
+def test_child_exiting_before_ready_is_named_with_its_output():
+    sup = Supervisor(log=io.StringIO())
+    crash = child("shard-2", "import sys; print('no table t9', file=sys.stderr); sys.exit(3)")
+    with pytest.raises(ChildFailed) as err:
+        sup.start([waiting("ranker-0"), crash], 30)
+    sup.stop(5)
+    message = str(err.value)
+    assert "shard-2 (pid" in message and "unix:/tmp/shard-2" in message
+    assert "exited with code 3 before it was ready" in message and "no table t9" in message
+
+
+def test_child_not_ready_in_time():
+    sup = Supervisor(log=io.StringIO())
+    slow = child("ranker-1", "import time; print('loading', flush=True); time.sleep(60)")
+    with pytest.raises(ChildFailed, match=r"ranker-1 .* was not ready after 1 s[\s\S]*loading"):
+        sup.start([slow], 1)
+    sup.stop(5)
+
+
+def test_watch_reports_a_dead_child_and_returns_1():
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    (spec,) = sup.start([waiting("shard-1")], 30)
+    spec.proc.kill()
+    assert sup.watch(30) == 1
+    sup.stop(5)
+    assert "shard-1 (pid" in log.getvalue() and "was killed by SIGKILL" in log.getvalue()
+    assert "stopping the deployment" in log.getvalue()
+
+
+def test_watch_restarts_a_dead_child_when_asked():
+    log = io.StringIO()
+    sup = Supervisor(restart=True, log=log)
+    (first,) = sup.start([waiting("shard-1")], 30)
+    first.proc.kill()
+    result = {}
+    watcher = threading.Thread(target=lambda: result.setdefault("code", sup.watch(30)))
+    watcher.start()
+    try:
+        for _ in range(300):
+            if sup.children[0] is not first and sup.children[0].ready.is_set():
+                break
+            threading.Event().wait(0.05)
+        fresh = sup.children[0]
+        assert fresh is not first and fresh.ready.is_set() and fresh.proc.poll() is None
+        assert "restarting it" in log.getvalue()
+    finally:
+        sup.request_stop()
+        watcher.join(10)
+        sup.stop(5)
+    assert result["code"] == 0
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    stubborn = child(
+        "router",
+        """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    sup.start([stubborn], 30)
+    codes = sup.stop(0.5)
+    assert codes["router"] == -9 and "did not stop in" in log.getvalue()
+
+
+# -- the plan and the config file ----------------------------------------------------------
+
+
+def test_table_ranges_cut_every_table_into_contiguous_ranges():
+    manifest = {"tables": [{"name": "a", "rows": 10}, {"name": "b", "rows": 2}]}
+    plan = table_ranges(manifest, 3)
+    assert plan == [{"a": (0, 3)}, {"a": (3, 6), "b": (0, 1)}, {"a": (6, 10), "b": (1, 2)}]
+    for table in manifest["tables"]:
+        ranges = sorted(p[table["name"]] for p in plan if table["name"] in p)
+        assert ranges[0][0] == 0 and ranges[-1][1] == table["rows"]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("shards = 3\nrestart = true\n[ranker]\nmax_wait_ms = 2\ndevice = 'cpu'\n")
+    config = config_io.load(path).check()
+    assert (config.shards, config.restart, config.ranker.max_wait_ms) == (3, True, 2.0)
+    assert config.rankers == 1 and config.ranker.max_batch == 256
+    path.write_text("[ranker]\nthreads = true\n")
+    with pytest.raises(UsageError, match=r"ranker.threads must be an integer, got bool True"):
+        config_io.load(path)
+    path.write_text("[shard]\nspeed = 1\n")
+    with pytest.raises(UsageError, match=r"unknown key 'shard.speed'; known keys here: threads"):
+        config_io.load(path)
+    path.write_text("router = 3\n")
+    with pytest.raises(UsageError, match=r"\[router\] must be a table"):
+        config_io.load(path)
+    path.write_text("transport = 'udp'\n")
+    with pytest.raises(UsageError, match=r'transport: expected "unix" or "tcp", got \'udp\''):
+        config_io.load(path).check()

@@ -1,0 +1,571 @@
+"""`cleave shard` processes on loopback, checked against torch.nn.functional.embedding_bag.
+
+Bundles are written here with numpy (docs/bundle.md: manifest.json + tables/*.bin), so these
+tests depend only on the shard. Every bad-input case talks to a shard over a raw socket (or
+the client) and is followed by a good request that must still succeed."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from cleave import _native
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROWS = {"f32": 1000, "f16": 300, "i8": 257, "wide": 40}
+DIMS = {"f32": 16, "f16": 8, "i8": 12, "wide": 128}
+DTYPES = {"f32": "float32", "f16": "float16", "i8": "int8_rowwise", "wide": "float32"}
+LOOKUP = 0x0100
+HEADER = struct.Struct("<4sBBHQII")
+START_TIMEOUT_S = 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Bundles, shard processes, raw frames
+
+
+class Tables(dict):
+    """Table name -> its values as float32 (what a lookup reads: dequantized for float16 and
+    int8_rowwise). `terms`: per value, the magnitude of the terms it is computed from (|value|,
+    or |q * scale| + |bias| for int8_rowwise), the scale of its rounding error."""
+
+    def __init__(self):
+        super().__init__()
+        self.terms: dict[str, np.ndarray] = {}
+
+
+def write_bundle(root: Path, seed: int = 0) -> Tables:
+    """Writes a bundle of the tables above and returns their values."""
+    rng = np.random.default_rng(seed)
+    (root / "tables").mkdir(parents=True)
+    metas, values = [], Tables()
+    for name, rows in ROWS.items():
+        dim, dtype = DIMS[name], DTYPES[name]
+        w = rng.standard_normal((rows, dim)).astype(np.float32) * 3
+        if dtype == "float32":
+            data, values[name] = w.tobytes(), w
+        elif dtype == "float16":
+            h = w.astype(np.float16)
+            data, values[name] = h.tobytes(), h.astype(np.float32)
+        else:
+            lo, hi = w.min(axis=1), w.max(axis=1)
+            scale = ((hi - lo) / 255).astype(np.float32)
+            q = np.round((w - lo[:, None]) / scale[:, None]).clip(0, 255).astype(np.uint8)
+            bias = lo.astype(np.float32)
+            row = np.zeros((rows, dim + 8), dtype=np.uint8)
+            row[:, :dim] = q
+            row[:, dim : dim + 4] = scale.view(np.uint8).reshape(rows, 4)
+            row[:, dim + 4 :] = bias.view(np.uint8).reshape(rows, 4)
+            data = row.tobytes()
+            values[name] = q.astype(np.float32) * scale[:, None] + bias[:, None]
+            values.terms[name] = np.abs(q * scale[:, None]) + np.abs(bias[:, None])
+        values.terms.setdefault(name, np.abs(values[name]))
+        (root / "tables" / f"{name}.bin").write_bytes(data)
+        metas.append(
+            {
+                "name": name,
+                "file": f"tables/{name}.bin",
+                "rows": rows,
+                "dim": dim,
+                "dtype": dtype,
+                "row_bytes": len(data) // rows,
+                "crc32": zlib.crc32(data),
+            }
+        )
+    manifest = {"format": "cleave-bundle", "version": 1, "producer": "test_shard", "tables": metas}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return values
+
+
+class Shard:
+    """One `cleave shard` process; `address` and `metrics` come from its ready line."""
+
+    def __init__(self, bundle: Path, *flags: str, listen: str = "127.0.0.1:0"):
+        argv = [sys.executable, "-m", "cleave.cli", "shard", "--bundle", str(bundle)]
+        argv += ["--listen", listen, "--metrics-port", "0", *flags]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.address = ""
+        self.metrics = ""
+
+    def wait_ready(self) -> Shard:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.1):
+                line = self.proc.stdout.readline()
+                if line.startswith("ready "):
+                    words = line.split()
+                    self.address = words[1]
+                    self.metrics = next(w for w in words if w.startswith("metrics="))[8:]
+                    return self
+                if not line:
+                    break
+        self.proc.kill()
+        raise AssertionError(f"shard not ready: {self.proc.stderr.read()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.metrics + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def metric(self, name: str) -> float:
+        _, text = self.get("/metrics")
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"metric {name} missing")
+
+
+def start(bundle: Path, specs: list[tuple[str, ...]]) -> list[Shard]:
+    """Starts shards in parallel (each spec: extra flags) and waits until all are ready."""
+    shards = [Shard(bundle, *flags) for flags in specs]
+    return [s.wait_ready() for s in shards]
+
+
+def split_ranges(n_shards: int) -> list[str]:
+    """--rows for shard i of n: every table cut into n contiguous ranges (some may be empty)."""
+    return [
+        ",".join(f"{t}={r * i // n_shards}:{r * (i + 1) // n_shards}" for t, r in ROWS.items())
+        for i in range(n_shards)
+    ]
+
+
+def routes_for(shards: list[Shard], n: int) -> list[tuple[str, int, int, str]]:
+    return [
+        (t, r * i // n, r * (i + 1) // n, s.address)
+        for i, s in enumerate(shards)
+        for t, r in ROWS.items()
+    ]
+
+
+def frame(kind: int, rid: int, payload: bytes, flags: int = 0) -> bytes:
+    return HEADER.pack(b"CLVW", 1, flags, kind, rid, len(payload), 0) + payload
+
+
+def connect(address: str, hello: bool = True) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    if hello:
+        s.sendall(frame(0, 0, bytes([0, 0, 0, 0])))
+        flags, kind, _, payload = read_frame(s)
+        assert (flags, kind, len(payload)) == (1, 0, 4)
+    return s
+
+
+def read_frame(s: socket.socket) -> tuple[int, int, int, bytes]:
+    head = recv_exact(s, HEADER.size)
+    magic, version, flags, kind, rid, n, _ = HEADER.unpack(head)
+    assert (magic, version) == (b"CLVW", 1)
+    return flags, kind, rid, recv_exact(s, n)
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def error_of(f: tuple[int, int, int, bytes]) -> tuple[int, str]:
+    flags, _, _, payload = f
+    assert flags == 3, f"expected an error frame, got flags {flags}"
+    return struct.unpack("<H", payload[:2])[0], payload[2:].decode()
+
+
+def assert_closed(s: socket.socket) -> None:
+    s.settimeout(10)
+    assert s.recv(1) == b"", "expected the shard to close the connection"
+
+
+# Error codes (docs/protocol.md).
+MALFORMED, UNSUPPORTED_VERSION, TOO_LARGE, TIMEOUT, HANDSHAKE = 1, 2, 3, 4, 5
+UNKNOWN_KIND, BAD_REQUEST, NOT_FOUND, OUT_OF_RANGE = 6, 7, 8, 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def reference(values: dict, table: str, pooling: str, ids, offsets, weights=None):
+    w = torch.from_numpy(values[table])
+    ids_t = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    if pooling == "none":
+        return F.embedding(ids_t, w).numpy()
+    offs = torch.as_tensor(np.asarray(offsets[:-1], dtype=np.int64))
+    psw = None if weights is None else torch.as_tensor(np.asarray(weights, dtype=np.float32))
+    out = F.embedding_bag(ids_t, w, offs, mode=pooling, per_sample_weights=psw)
+    return out.numpy()
+
+
+def magnitude(values: Tables, table: str, pooling: str, ids, offsets, weights=None):
+    """Per output element, the same pooling of |terms|: the scale rounding errors grow with."""
+    w = None if weights is None else np.abs(np.asarray(weights, dtype=np.float32))
+    return reference({table: values.terms[table]}, table, pooling, ids, offsets, w) + 1e-30
+
+
+def check(values, client, requests) -> None:
+    got = client.lookup(requests)
+    assert len(got) == len(requests)
+    for (table, pooling, ids, offsets, *weights), out in zip(requests, got, strict=True):
+        w = weights[0] if weights else None
+        ref = reference(values, table, pooling, ids, offsets, w)
+        assert out.dtype == np.float32 and out.shape == ref.shape, (out.shape, ref.shape)
+        if pooling in ("max", "none") and DTYPES[table] != "int8_rowwise":
+            np.testing.assert_array_equal(out, ref, err_msg=f"{table} {pooling}")  # copies
+        else:
+            diff = np.abs(out - ref)
+            bound = 1e-6 * magnitude(values, table, pooling, ids, offsets, w)
+            assert (diff <= bound).all(), f"{table} {pooling}: max diff {diff.max()}"
+
+
+def bags(rng, rows: int, n_bags: int, max_len: int):
+    lengths = rng.integers(0, max_len + 1, size=n_bags)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return rng.integers(0, rows, size=int(offsets[-1])).astype(np.int64), offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: one bundle; deployments of 1, 2 and 5 shards, started together
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shard-bundle") / "bundle"
+    return root, write_bundle(root)
+
+
+@pytest.fixture(scope="module")
+def deployments(bundle):
+    root, _ = bundle
+    specs = (
+        [()] + [("--rows", r) for r in split_ranges(2)] + [("--rows", r) for r in split_ranges(5)]
+    )
+    shards = start(root, specs)
+    groups = {1: shards[:1], 2: shards[1:3], 5: shards[3:]}
+    clients = {n: _native.ShardClient(routes_for(g, n), timeout_s=10) for n, g in groups.items()}
+    yield groups, clients
+    for s in shards:
+        assert s.stop() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@pytest.mark.parametrize("n_shards", [1, 2, 5])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "max", "none"])
+def test_every_dtype_and_pooling_matches_torch(bundle, deployments, n_shards, pooling):
+    _, values = bundle
+    _, clients = deployments
+    rng = np.random.default_rng(n_shards * 10 + len(pooling))
+    requests = []
+    for table, rows in ROWS.items():
+        ids, offsets = bags(rng, rows, n_bags=24, max_len=30)
+        requests.append((table, pooling, ids, None if pooling == "none" else offsets))
+    check(values, clients[n_shards], requests)
+
+
+@pytest.mark.parametrize("n_shards", [1, 2, 5])
+def test_empty_bags_repeated_ids_boundaries_and_weights(bundle, deployments, n_shards):
+    _, values = bundle
+    _, clients = deployments
+    rows = ROWS["f32"]
+    # Every range boundary of every deployment, on both sides, repeated.
+    edges = sorted({rows * i // k + d for k in (2, 5) for i in range(k + 1) for d in (-1, 0)})
+    edges = [e for e in edges if 0 <= e < rows]
+    ids = np.array(edges + edges[::-1] + [7, 7, 7, 7], dtype=np.int64)
+    offsets = np.array([0, 0, len(edges), len(edges), 2 * len(edges), len(ids), len(ids)])
+    weights = np.linspace(-2, 2, len(ids)).astype(np.float32)
+    requests = [("f32", p, ids, offsets) for p in ("sum", "mean", "max")]
+    requests += [("f32", "sum", ids, offsets, weights), ("f32", "none", ids, None)]
+    requests += [("f32", p, np.array([], np.int64), np.array([0, 0, 0])) for p in ("sum", "max")]
+    requests += [("i8", "mean", np.array([0, 256, 0]), np.array([0, 3]))]
+    check(values, clients[n_shards], requests)
+    empty = clients[n_shards].lookup([("f32", "max", np.array([], np.int64), np.array([0, 0]))])
+    np.testing.assert_array_equal(empty[0], np.zeros((1, DIMS["f32"]), np.float32))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    table=st.sampled_from(sorted(ROWS)),
+    pooling=st.sampled_from(["sum", "mean", "max", "none"]),
+    n_shards=st.sampled_from([1, 2, 5]),
+)
+def test_random_batches_match_torch(bundle, deployments, data, table, pooling, n_shards):
+    _, values = bundle
+    _, clients = deployments
+    lengths = data.draw(st.lists(st.integers(0, 12), min_size=0, max_size=8), label="bag sizes")
+    ids = data.draw(
+        st.lists(st.integers(0, ROWS[table] - 1), min_size=sum(lengths), max_size=sum(lengths)),
+        label="ids",
+    )
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = np.array(ids, dtype=np.int64)
+    if pooling == "none":
+        request = (table, pooling, ids, None)
+    elif pooling == "sum" and data.draw(st.booleans(), label="weighted"):
+        w = data.draw(st.lists(st.floats(-4, 4, width=32), min_size=len(ids), max_size=len(ids)))
+        request = (table, pooling, ids, offsets, np.array(w, dtype=np.float32))
+    else:
+        request = (table, pooling, ids, offsets)
+    if pooling != "none" and len(lengths) == 0:
+        return  # embedding_bag needs at least one bag
+    check(values, clients[n_shards], [request])
+
+
+def test_metrics_ready_live_and_counters(deployments):
+    groups, clients = deployments
+    shard = groups[1][0]
+    before = shard.metric("cleave_shard_rows_total")
+    clients[1].lookup([("f32", "sum", np.arange(10), np.array([0, 4, 10]))])
+    assert shard.metric("cleave_shard_rows_total") == before + 10
+    assert shard.get("/ready") == (200, "ready\n")
+    assert shard.get("/live") == (200, "live\n")
+    _, text = shard.get("/metrics")
+    assert "# TYPE cleave_shard_request_duration_seconds histogram" in text
+    assert 'cleave_shard_table_rows{table="f32",row_start="0",row_end="1000"} 1000' in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: each case, then a good request on the same shard
+
+
+@pytest.fixture(scope="module")
+def lone(bundle):
+    root, values = bundle
+    (shard,) = start(root, [("--frame-timeout", "0.5")])
+    yield shard, values
+    assert shard.stop() == 0
+
+
+def good_request(shard: Shard, values) -> None:
+    client = _native.ShardClient([(t, 0, r, shard.address) for t, r in ROWS.items()], timeout_s=10)
+    check(values, client, [("f16", "sum", np.array([1, 2, 299]), np.array([0, 1, 3]))])
+
+
+def lookup_frame(requests, rid: int = 1) -> bytes:
+    return frame(LOOKUP, rid, _native.encode_lookups(requests))
+
+
+def test_bad_lookups_get_error_frames_and_the_connection_stays(lone):
+    shard, values = lone
+    s = connect(shard.address)
+    one = (np.array([1]), np.array([0, 1]))
+    cases = [
+        ([("nope", "sum", *one)], NOT_FOUND, 'table "nope" is not held'),
+        ([("f32", "sum", np.array([1000]), one[1])], OUT_OF_RANGE, "id 1000"),
+        ([("f32", "max", np.array([-3]), one[1])], OUT_OF_RANGE, "id -3"),
+    ]
+    for rid, (requests, code, says) in enumerate(cases):
+        s.sendall(lookup_frame(requests, rid))
+        f = read_frame(s)
+        assert f[2] == rid
+        got_code, message = error_of(f)
+        assert (got_code, says in message) == (code, True), message
+    payload = bytearray(_native.encode_lookups([("f32", "sum", *one)]))
+    bad_dtype = bytes(payload[:9]) + bytes([7]) + bytes(payload[10:])
+    truncated = bytes(payload[:-4])
+    for rid, (body, says) in enumerate(
+        [
+            (bad_dtype, "id dtype 7 unknown"),
+            (truncated, "truncated"),
+            (b"\x01", "truncated"),
+            (bytes(payload[:8]) + b"\x00" * 3, "announces 1 lookups but its 11 bytes"),
+        ],
+        start=10,
+    ):
+        s.sendall(frame(LOOKUP, rid, body))
+        code, message = error_of(read_frame(s))
+        assert code == BAD_REQUEST and says in message, message
+    s.sendall(frame(0x0200, 99, b""))
+    assert error_of(read_frame(s))[0] == UNKNOWN_KIND
+    s.sendall(lookup_frame([("f32", "none", np.array([5]), None)], 100))
+    flags, _, rid, body = read_frame(s)
+    assert (flags, rid) == (1, 100)
+    got = np.frombuffer(body[8 + 16 :], dtype=np.float32)
+    np.testing.assert_array_equal(got, values["f32"][5])
+    good_request(shard, values)
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["bad magic", "version", "reserved", "oversized", "no hello", "silent", "mid-frame timeout"],
+)
+def test_malformed_frames_close_the_connection_and_others_are_served(lone, what):
+    shard, values = lone
+    other = connect(shard.address)  # a second client, busy throughout
+    s = connect(shard.address, hello=what not in ("no hello", "silent"))
+    good = lookup_frame([("f32", "sum", np.array([3]), np.array([0, 1]))], 5)
+    expected = {
+        "bad magic": (b"GET /metrics HTTP/1.1\r\n\r\n" + b" " * 8, MALFORMED),
+        "version": (good[:4] + b"\x02" + good[5:], UNSUPPORTED_VERSION),
+        "reserved": (good[:20] + b"\x01" + good[21:], MALFORMED),
+        "oversized": (HEADER.pack(b"CLVW", 1, 0, LOOKUP, 5, 1 << 31, 0), TOO_LARGE),
+        "no hello": (good, HANDSHAKE),
+        "silent": (b"", TIMEOUT),
+        "mid-frame timeout": (good[:30], TIMEOUT),
+    }
+    data, code = expected[what]
+    s.sendall(data)
+    other.sendall(good)
+    assert read_frame(other)[0] == 1  # served while the bad one waits for its timeout
+    got, message = error_of(read_frame(s))
+    assert got == code, message
+    assert_closed(s)
+    other.sendall(good)
+    assert read_frame(other)[0] == 1
+    good_request(shard, values)
+
+
+def test_disconnect_mid_frame_and_wrong_client_types(lone):
+    shard, values = lone
+    for cut in (1, 24, 40):
+        s = connect(shard.address)
+        s.sendall(lookup_frame([("f32", "sum", np.arange(8), np.array([0, 8]))])[:cut])
+        s.close()
+    good_request(shard, values)
+    client = _native.ShardClient([("f32", 0, 1000, shard.address)])
+    with pytest.raises(TypeError, match="ids must be a 1-D integer numpy array, got an array of"):
+        client.lookup([("f32", "sum", np.array([1.5]), np.array([0, 1]))])
+    with pytest.raises(ValueError, match="last offset is 2, expected the number of ids 1"):
+        client.lookup([("f32", "sum", np.array([1]), np.array([0, 2]))])
+    with pytest.raises(ValueError, match="pooling must be sum, mean, max or none"):
+        client.lookup([("f32", "median", np.array([1]), np.array([0, 1]))])
+    with pytest.raises(ValueError, match="outside every route"):
+        client.lookup([("f32", "sum", np.array([1000]), np.array([0, 1]))])
+    # Routes that promise rows the shard lacks: the shard's own range check answers.
+    wrong = _native.ShardClient([("f32", 0, 5000, shard.address)])
+    with pytest.raises(_native.ShardError, match=f"shard {shard.address}: error 9 .*id 4000"):
+        wrong.lookup([("f32", "sum", np.array([4000]), np.array([0, 1]))])
+    good_request(shard, values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures and shutdown
+
+
+def test_killed_shard_is_named_in_the_error(bundle):
+    root, values = bundle
+    a, b = start(root, [("--rows", r) for r in split_ranges(2)])
+    client = _native.ShardClient(routes_for([a, b], 2), timeout_s=30)
+    request = [("f32", "sum", np.array([1, 999]), np.array([0, 2]))]
+    check(values, client, request)
+    b.proc.kill()
+    b.proc.wait(timeout=10)
+    # Refused at once: a connect error, not the 30 s timeout.
+    with pytest.raises(_native.ShardError, match=f"shard {b.address}: .*(connect|closed)"):
+        client.lookup(request)
+    check(values, client, [("f32", "sum", np.array([1, 2]), np.array([0, 2]))])  # a only
+    assert a.stop() == 0
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_zero(bundle):
+    root, values = bundle
+    (shard,) = start(root, [()])
+    s = connect(shard.address)
+    ids = np.arange(0, 1000, 3)
+    data = lookup_frame([("f32", "sum", ids, np.array([0, len(ids)]))], 42)
+    s.sendall(data[: len(data) // 2])
+    deadline = time.monotonic() + 10
+    while shard.metric("cleave_shard_frames_receiving") != 1:
+        assert time.monotonic() < deadline, "the shard never saw the partial frame"
+        time.sleep(0.01)
+    shard.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while shard.get("/ready")[0] != 503:  # draining: no longer ready, still serving
+        assert time.monotonic() < deadline, "the shard stayed ready after SIGTERM"
+        time.sleep(0.01)
+    s.sendall(data[len(data) // 2 :])
+    flags, _, rid, body = read_frame(s)
+    assert (flags, rid) == (1, 42)
+    got = np.frombuffer(body[8 + 16 + 8 :], dtype=np.float32)
+    np.testing.assert_allclose(got, values["f32"][ids].sum(axis=0), rtol=1e-5, atol=1e-4)
+    assert_closed(s)
+    assert shard.proc.wait(timeout=20) == 0
+
+
+def test_unix_socket_and_table_subsets(bundle, tmp_path):
+    root, values = bundle
+    path = tmp_path / "shard.sock"
+    shard = Shard(root, "--tables", "f16,i8", "--rows", "10:200", listen=f"unix:{path}")
+    shard.wait_ready()
+    assert shard.address == f"unix:{path}"
+    client = _native.ShardClient(
+        [("f16", 10, 200, shard.address), ("i8", 10, 200, shard.address)], timeout_s=10
+    )
+    check(values, client, [("f16", "mean", np.array([10, 199]), np.array([0, 2]))])
+    with pytest.raises(_native.ShardError, match="not held"):
+        _native.ShardClient([("f32", 0, 10, shard.address)]).lookup(
+            [("f32", "sum", np.array([1]), np.array([0, 1]))]
+        )
+    assert shard.stop(signal.SIGINT) == 0  # Ctrl-C stops as cleanly as SIGTERM
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--bundle", "/nonexistent/bundle"), "manifest.json"),
+        (("--tables", "f32,zzz"), '"zzz" is not in'),
+        (("--rows", "5:1"), "START 5 is after END 1"),
+        (("--rows", "f32=1:2", "--tables", "f16"), "not among --tables"),
+        (("--listen", "nowhere"), "expected host:port or unix:/path"),
+        (("--threads", "0"), "at least 1"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_a_message(bundle, flags, says):
+    root, _ = bundle
+    argv = [sys.executable, "-m", "cleave.cli", "shard", "--bundle", str(root)]
+    argv += ["--listen", "127.0.0.1:0", *flags]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r
+    assert says in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_shard_command_does_not_import_torch(bundle):
+    root, _ = bundle
+    code = (
+        "import sys, cleave.cli, cleave.launch.shard\n"
+        "cleave.cli.build_parser(['shard'])\n"
+        "print('torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "False", r
+    assert os.environ.get("CLEAVE_NO_SUCH_VAR") is None

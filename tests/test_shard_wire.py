@@ -1,0 +1,125 @@
+"""`cleave._native.FrameServer` / `FrameClient`: the generic data plane a Python ranker serves
+frames with, over real loopback and Unix sockets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from cleave import _native
+
+KIND = 0x0200
+
+
+def serve(server: _native.FrameServer, stop: threading.Event) -> None:
+    """A toy ranker: replies each request's float32 payload doubled; kind 0x0201 errors."""
+    while not stop.is_set():
+        for conn, rid, kind, payload in server.recv(max_items=16, timeout_s=0.05):
+            if kind == KIND + 1:
+                server.reply_error(conn, rid, 7, f"kind {kind:#x} is refused here")
+            else:
+                server.reply(conn, rid, kind, np.frombuffer(payload, np.float32) * 2)
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def ranker(request, tmp_path):
+    address = "127.0.0.1:0" if request.param == "tcp" else f"unix:{tmp_path}/ranker.sock"
+    server = _native.FrameServer(address, io_threads=2)
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(server, stop), daemon=True)
+    thread.start()
+    yield server
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_pipelined_calls_from_many_threads_get_their_own_replies(ranker):
+    client = _native.FrameClient(ranker.address, timeout_s=10, connections=3)
+
+    def call(i: int) -> None:
+        x = np.arange(i, i + 1000, dtype=np.float32)
+        got = np.frombuffer(client.call(KIND, x.tobytes()), np.float32)
+        np.testing.assert_array_equal(got, 2 * x)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(call, range(200)))
+    client.ping()
+    assert client.ready()
+    assert ranker.pending() == 0
+
+
+def test_errors_name_the_peer(ranker):
+    client = _native.FrameClient(ranker.address, timeout_s=10)
+    with pytest.raises(_native.WireError, match=r"error 7 \(bad_request\): kind 0x201 is refused"):
+        client.call(KIND + 1, b"")
+    with pytest.raises(_native.WireError, match=r"control kind 0x0005 is not defined"):
+        client.call(5, b"")
+    assert np.frombuffer(client.call(KIND, b"\x00\x00\x80\x3f"), np.float32)[0] == 2.0
+
+
+def test_reply_checks_its_arguments():
+    with _native.FrameServer("127.0.0.1:0") as server:
+        client = _native.FrameClient(server.address, timeout_s=10)
+        result = {}
+        caller = threading.Thread(target=lambda: result.update(r=client.call(KIND, b"abc")))
+        caller.start()
+        (conn, rid, kind, payload) = server.recv(timeout_s=10)[0]
+        assert (kind, payload) == (KIND, b"abc")
+        with pytest.raises(ValueError, match="reply kind 0x0300 for request .* of kind 0x0200"):
+            server.reply(conn, rid, 0x0300, b"")
+        for bad in (3.5, 3, "text"):
+            with pytest.raises(TypeError, match="payload must be bytes"):
+                server.reply(conn, rid, kind, bad)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            server.reply(conn, rid, kind, np.zeros((4, 4), np.float32)[:, 1])
+        with pytest.raises(ValueError, match="no request 999 of connection"):
+            server.reply(conn, 999, kind, b"")
+        server.reply(conn, rid, kind, memoryview(b"xyz"))
+        caller.join()
+        assert result["r"] == b"xyz"
+        with pytest.raises(ValueError, match="already answered, or never received"):
+            server.reply(conn, rid, kind, b"again")
+        assert server.recv(timeout_s=0.01) == []
+
+
+def test_close_answers_what_is_pending_and_raw_garbage_is_refused():
+    server = _native.FrameServer("127.0.0.1:0", frame_timeout_s=0.3)
+    host, port = server.address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    raw.sendall(b"\x00" * 24)
+    head = raw.recv(24)
+    magic, _, flags, _, _, n, _ = struct.unpack("<4sBBHQII", head)
+    body = raw.recv(n)
+    assert (magic, flags, struct.unpack("<H", body[:2])[0]) == (b"CLVW", 3, 1)
+    assert b"bad frame magic" in body
+
+    client = _native.FrameClient(server.address, timeout_s=10)
+    errors = []
+
+    def call() -> None:
+        try:
+            client.call(KIND, b"never answered")
+        except _native.WireError as err:
+            errors.append(str(err))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert len(server.recv(timeout_s=10)) == 1
+    server.close()
+    caller.join()
+    assert errors and "internal" in errors[0] and server.address in errors[0], errors
+    server.close()  # idempotent
+    with pytest.raises(_native.WireError, match="cannot connect"):
+        _native.FrameClient(server.address, timeout_s=2).call(KIND, b"")
+
+
+def test_bad_addresses_and_timeouts_are_value_errors():
+    with pytest.raises(ValueError, match="expected host:port or unix:/path"):
+        _native.FrameServer("localhost")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        _native.FrameClient("127.0.0.1:1", timeout_s=0)
