@@ -45,7 +45,8 @@ def test_quick_run_writes_every_case(tmp_path):
         assert KEYS <= r.keys(), KEYS - r.keys()
         for key in ("cleave_rows_per_s", "torch_rows_per_s", "limit_rows_per_s"):
             assert r[key] > 0, (r["case"], key)
-        assert r["cleave_vs_torch"] == r["cleave_rows_per_s"] / r["torch_rows_per_s"]
+        # One round: the ratio of medians is the median of ratios.
+        assert abs(r["cleave_vs_torch"] - r["cleave_rows_per_s"] / r["torch_rows_per_s"]) < 1e-9
         # Cleave and torch computed the same pooled bags.
         assert r["max_rel_diff_vs_torch"] < 1e-5, r
         assert ("cpu_time" in r) == (r["threads"] == 1)

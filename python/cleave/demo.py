@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rankers", type=int, default=1)
 
 
+def _as_outputs(scores) -> list[dict]:
+    """The reference's output in the shape of a KServe response's `outputs`."""
+    return [{"shape": list(scores.shape), "data": scores.reshape(-1).tolist()}]
+
+
 def _stage_rank(stage: str) -> int:
     from cleave.bench.plot import STAGE_ORDER
 
@@ -34,6 +39,7 @@ def _stage_rank(stage: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from cleave.bench import serve as bench
+    from cleave.partitioner.cli import print_summary
 
     out = Path(args.out)
     t0 = time.perf_counter()
@@ -63,11 +69,14 @@ def run(args: argparse.Namespace) -> int:
         check=True,
     )
     workload = bench.Workload(bench_args)
-    manifest = bench.read_bundle_summary(workload.bundle_dir)
+    print_summary(workload.bundle_dir, workload.bundle.summary())
+    round_trip = max(
+        workload.check(i, {"outputs": _as_outputs(workload.bundle.reference(*x))})
+        for i, x in enumerate(workload.inputs)
+    )
     say(
-        f"bundle {workload.bundle_dir}: {manifest['tables']} tables, "
-        f"{manifest['table_mib']:.0f} MiB of embeddings; dense program takes "
-        f"{manifest['dense_inputs']} tensors"
+        f"round trip: bundle.reference equals the model on {len(workload.inputs)} requests "
+        f"(max abs diff {round_trip:.2e})"
     )
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
     say(f"starting cleave serve: {args.shards} shards, {args.rankers} ranker(s), router")
@@ -98,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     bench.write_json(result, json_path)
     plot = bench.plot_results(result, out / "demo.png")
     print(f"\nresults: {json_path}\nplot:    {plot}")
-    ok = checked > 0 and worst is not None and worst <= TOLERANCE and not failures
+    served_ok = checked > 0 and worst is not None and worst <= TOLERANCE and not failures
+    ok = round_trip <= TOLERANCE and served_ok
     print(
         f"checked {checked} responses against the original model: max abs diff "
         f"{worst if worst is not None else 'n/a'} (tolerance {TOLERANCE}); "

@@ -3,7 +3,7 @@
 //! table and ids, so `cleave bench lookup` reports the engine's rate as a fraction of it.
 
 use crate::error::EmbedError;
-use crate::kernels::{prefetch_row, RowsView};
+use crate::kernels::{prefetch_row, prefetch_row_as, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::lookup::check_ids;
 use crate::table::Table;
 
@@ -45,17 +45,35 @@ fn fold_rows(rows: &RowsView, ids: &[i64]) -> u64 {
         // SAFETY: ids were checked by the caller; the CPU has AVX-512 F.
         return unsafe {
             match rows.row_bytes / 64 {
-                0 => fold_rows_avx512::<0>(rows, ids),
-                1 => fold_rows_avx512::<1>(rows, ids),
-                2 => fold_rows_avx512::<2>(rows, ids),
-                3 => fold_rows_avx512::<3>(rows, ids),
-                4 => fold_rows_avx512::<4>(rows, ids),
+                0 => fold_rows_shaped::<0>(rows, ids),
+                1 => fold_rows_shaped::<1>(rows, ids),
+                2 => fold_rows_shaped::<2>(rows, ids),
+                3 => fold_rows_shaped::<3>(rows, ids),
+                4 => fold_rows_shaped::<4>(rows, ids),
                 _ => fold_rows_portable(rows, ids),
             }
         };
     }
     // SAFETY: ids were checked by the caller.
     unsafe { fold_rows_portable(rows, ids) }
+}
+
+/// `fold_rows_avx512` with the table's prefetch shape as a constant, as in the kernels.
+///
+/// # Safety
+/// As `fold_rows_avx512`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fold_rows_shaped<const FULL: usize>(rows: &RowsView, ids: &[i64]) -> u64 {
+    // SAFETY: forwarded.
+    unsafe {
+        match rows.lines.shape() {
+            PF_TWO => fold_rows_avx512::<FULL, PF_TWO>(rows, ids),
+            PF_THREE => fold_rows_avx512::<FULL, PF_THREE>(rows, ids),
+            PF_FOUR => fold_rows_avx512::<FULL, PF_FOUR>(rows, ids),
+            _ => fold_rows_avx512::<FULL, PF_MANY>(rows, ids),
+        }
+    }
 }
 
 /// Rows of `FULL` whole 64-byte chunks and a tail of under 64 bytes: one unmasked 64-byte load
@@ -66,7 +84,7 @@ fn fold_rows(rows: &RowsView, ids: &[i64]) -> u64 {
 /// Every id lies in `rows`; `rows.row_bytes / 64 == FULL`; the CPU has AVX-512 F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn fold_rows_avx512<const FULL: usize>(rows: &RowsView, ids: &[i64]) -> u64 {
+unsafe fn fold_rows_avx512<const FULL: usize, const PF: u8>(rows: &RowsView, ids: &[i64]) -> u64 {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_si512(); FULL];
     let mut tail_acc = 0u64;
@@ -74,7 +92,7 @@ unsafe fn fold_rows_avx512<const FULL: usize>(rows: &RowsView, ids: &[i64]) -> u
     // SAFETY (whole body): ids are checked; loads stay inside each row.
     unsafe {
         for &id in ids.iter().take(distance) {
-            prefetch_row(rows.row(id), rows.lines);
+            prefetch_row_as::<PF>(rows.row(id), rows.lines);
         }
         let mut fold = |p: usize| {
             let row = rows.row(*ids.get_unchecked(p));
@@ -90,13 +108,21 @@ unsafe fn fold_rows_avx512<const FULL: usize>(rows: &RowsView, ids: &[i64]) -> u
                 tail_acc ^= (*row.add(at) as u64) << (8 * i);
             }
         };
-        // As in the kernels: ids with a row `distance` ahead prefetch it, the rest do not.
+        // As in the kernels: ids with a row `distance` ahead prefetch it, the rest do not, and
+        // two ids per iteration.
         let split = n.saturating_sub(distance);
-        for p in 0..split {
-            prefetch_row(rows.row(*ids.get_unchecked(p + distance)), rows.lines);
+        let mut p = 0;
+        while p + 2 <= split {
+            prefetch_row_as::<PF>(rows.row(*ids.get_unchecked(p + distance)), rows.lines);
+            prefetch_row_as::<PF>(rows.row(*ids.get_unchecked(p + 1 + distance)), rows.lines);
             fold(p);
+            fold(p + 1);
+            p += 2;
         }
-        for p in split..n {
+        for p in p..n {
+            if p < split {
+                prefetch_row_as::<PF>(rows.row(*ids.get_unchecked(p + distance)), rows.lines);
+            }
             fold(p);
         }
         let all = acc

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::net::{tcp, unix, TcpListener, TcpStream, UnixListener, UnixStream};
 
 /// Where a peer listens.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -84,6 +84,90 @@ impl Stream {
             StdStream::Tcp(s) => Stream::Tcp(TcpStream::from_std(s)?),
             StdStream::Unix(s) => Stream::Unix(UnixStream::from_std(s)?),
         })
+    }
+
+    /// Borrows the reading and writing sides separately, so one task can wait on both at once
+    /// (no lock: both halves stay with the task that owns the stream).
+    pub fn split(&mut self) -> (ReadHalf<'_>, WriteHalf<'_>) {
+        match self {
+            Stream::Tcp(s) => {
+                let (r, w) = s.split();
+                (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
+            }
+            Stream::Unix(s) => {
+                let (r, w) = s.split();
+                (ReadHalf::Unix(r), WriteHalf::Unix(w))
+            }
+        }
+    }
+}
+
+/// The reading side of a borrowed [`Stream`].
+#[derive(Debug)]
+pub enum ReadHalf<'a> {
+    Tcp(tcp::ReadHalf<'a>),
+    Unix(unix::ReadHalf<'a>),
+}
+
+/// The writing side of a borrowed [`Stream`].
+#[derive(Debug)]
+pub enum WriteHalf<'a> {
+    Tcp(tcp::WriteHalf<'a>),
+    Unix(unix::WriteHalf<'a>),
+}
+
+impl AsyncRead for ReadHalf<'_> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ReadHalf::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            ReadHalf::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for WriteHalf<'_> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            WriteHalf::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            WriteHalf::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            WriteHalf::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            WriteHalf::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Tcp(s) => Pin::new(s).poll_flush(cx),
+            WriteHalf::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            WriteHalf::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
     }
 }
 

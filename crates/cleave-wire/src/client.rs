@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::addr::{Address, Stream};
-use crate::conn::{read_header, read_payload, write_frames, FrameReader, HeaderError};
+use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
 use crate::error::WireError;
 use crate::frame::{encode_hello, kind, ConnClass, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
@@ -261,11 +261,14 @@ async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireErr
 enum Event {
     Call(Option<Call>),
     Read(io::Result<usize>),
+    Wrote(io::Result<usize>),
     Sweep,
     Idle,
 }
 
 /// Owns one connection on an I/O thread: writes calls, matches responses to them by id.
+/// Reading never waits for writing: a peer that stops reading requests until its responses are
+/// taken (back-pressure) would otherwise deadlock with a client blocked on a full send buffer.
 async fn run_connection(
     addr: Address,
     class: ConnClass,
@@ -304,23 +307,26 @@ async fn run_connection(
     let mut pending: HashMap<u64, oneshot::Sender<Outcome>> = HashMap::new();
     let mut next_id: u64 = 1;
     let mut reader = FrameReader::new(config.max_payload);
-    let mut staging = BytesMut::new();
-    let mut batch: Vec<Frame> = Vec::new();
+    let mut writer = FrameWriter::new();
+    let (mut rd, mut wr) = stream.split();
     let mut accepting = true;
     // Callers that timed out leave entries behind; sweep them now and then.
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
     let mut last_activity = tokio::time::Instant::now();
 
     let failure: Option<String> = 'conn: loop {
-        if !accepting && pending.is_empty() {
+        // Nothing left to wait for (requests of callers that gave up need not go out).
+        let quiet = pending.is_empty();
+        if !accepting && quiet {
             break None;
         }
         let event = tokio::select! {
             c = calls.recv(), if accepting => Event::Call(c),
-            r = reader.fill(&mut stream) => Event::Read(r),
+            r = reader.fill(&mut rd) => Event::Read(r),
+            w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
             _ = sweep.tick() => Event::Sweep,
             _ = tokio::time::sleep_until(last_activity + config.idle_close),
-                if pending.is_empty() => Event::Idle,
+                if quiet => Event::Idle,
         };
         if matches!(event, Event::Call(Some(_)) | Event::Read(Ok(1..))) {
             last_activity = tokio::time::Instant::now();
@@ -332,14 +338,13 @@ async fn run_connection(
                 while let Some(c) = next {
                     let id = next_id;
                     next_id += 1;
-                    batch.push(Frame::request(c.kind, id, c.payload));
+                    writer.push(Frame::request(c.kind, id, c.payload));
                     pending.insert(id, c.reply);
                     next = calls.try_recv().ok();
                 }
-                if let Err(e) = write_frames(&mut stream, &mut staging, batch.drain(..)).await {
-                    break Some(format!("write failed: {e}"));
-                }
             }
+            Event::Wrote(Err(e)) => break Some(format!("write failed: {e}")),
+            Event::Wrote(Ok(_)) => {}
             Event::Read(Ok(0)) => break Some("the peer closed the connection".to_owned()),
             Event::Read(Err(e)) => break Some(format!("read failed: {e}")),
             Event::Read(Ok(_)) => loop {
@@ -383,10 +388,15 @@ async fn run_connection(
             Event::Idle => break None,
         }
     };
-    // Calls not yet written may go elsewhere; those written failed with the connection.
+    // Calls not yet (wholly) written may go elsewhere; those written failed with the connection.
     calls.close();
     while let Ok(c) = calls.try_recv() {
         let _ = c.reply.send(Outcome::NotSent);
+    }
+    for id in writer.unwritten() {
+        if let Some(reply) = pending.remove(&id) {
+            let _ = reply.send(Outcome::NotSent);
+        }
     }
     if let Some(reason) = failure {
         for (_, reply) in pending.drain() {

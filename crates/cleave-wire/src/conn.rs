@@ -1,9 +1,10 @@
 //! Reading and writing frames on one stream; shared by the server and client loops.
 
-use std::io;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
 
-use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::addr::Stream;
 use crate::frame::{Frame, FrameDecoder, FrameError, Header, HEADER_LEN};
@@ -11,6 +12,8 @@ use crate::frame::{Frame, FrameDecoder, FrameError, Header, HEADER_LEN};
 /// Payloads up to this size are copied next to their header so that a burst of small frames
 /// goes out in one write; larger ones are written from their own buffer.
 const COPY_LIMIT: usize = 16 << 10;
+/// Most buffers handed to one vectored write.
+const MAX_SLICES: usize = 64;
 /// Read buffer grows in steps of at least this.
 const READ_CHUNK: usize = 64 << 10;
 
@@ -30,7 +33,7 @@ impl FrameReader {
     }
 
     /// Reads once from the stream; `Ok(0)` is end of stream.
-    pub(crate) async fn fill(&mut self, stream: &mut Stream) -> io::Result<usize> {
+    pub(crate) async fn fill<R: AsyncRead + Unpin>(&mut self, stream: &mut R) -> io::Result<usize> {
         if self.buf.capacity() - self.buf.len() < READ_CHUNK / 4 {
             self.buf.reserve(READ_CHUNK);
         }
@@ -56,27 +59,100 @@ impl FrameReader {
     }
 }
 
-/// Writes `frames` in order, batching small ones into few writes.
-pub(crate) async fn write_frames(
-    stream: &mut Stream,
-    staging: &mut BytesMut,
-    frames: impl IntoIterator<Item = Frame>,
-) -> io::Result<()> {
-    for f in frames {
-        f.header().encode(staging);
-        if f.payload.len() <= COPY_LIMIT {
-            staging.extend_from_slice(&f.payload);
-        } else {
-            stream.write_all(staging).await?;
-            staging.clear();
-            stream.write_all(&f.payload).await?;
+/// Queue of frames going out, written a piece at a time so that a connection's loop can keep
+/// reading while the peer is slow to take what it writes. `write_some` is cancel-safe (one write
+/// call; what it wrote is recorded before it returns), so it can be a `select!` branch.
+pub(crate) struct FrameWriter {
+    /// Bytes to write, in order; small frames are coalesced in `staging` first.
+    chunks: VecDeque<Bytes>,
+    staging: BytesMut,
+    /// Per frame not yet fully written: its request id and where it ends in the byte count.
+    ends: VecDeque<(u64, u64)>,
+    queued: u64,
+    written: u64,
+}
+
+impl FrameWriter {
+    pub(crate) fn new() -> FrameWriter {
+        FrameWriter {
+            chunks: VecDeque::new(),
+            staging: BytesMut::new(),
+            ends: VecDeque::new(),
+            queued: 0,
+            written: 0,
         }
     }
-    if !staging.is_empty() {
-        stream.write_all(staging).await?;
-        staging.clear();
+
+    /// Queues `f` after the frames already queued.
+    pub(crate) fn push(&mut self, f: Frame) {
+        f.header().encode(&mut self.staging);
+        self.queued += (HEADER_LEN + f.payload.len()) as u64;
+        self.ends.push_back((f.request_id, self.queued));
+        if f.payload.len() <= COPY_LIMIT {
+            self.staging.extend_from_slice(&f.payload);
+        } else {
+            self.chunks.push_back(self.staging.split().freeze());
+            self.chunks.push_back(f.payload);
+        }
     }
-    Ok(())
+
+    /// Whether any bytes wait to be written.
+    pub(crate) fn has_pending(&self) -> bool {
+        self.written < self.queued
+    }
+
+    /// Request ids of the frames not yet fully written (so the peer cannot have acted on them).
+    pub(crate) fn unwritten(&self) -> impl Iterator<Item = u64> + '_ {
+        self.ends.iter().map(|&(id, _)| id)
+    }
+
+    /// Writes once, as much as the stream takes; returns how many frames are now fully written.
+    pub(crate) async fn write_some<W: AsyncWrite + Unpin>(
+        &mut self,
+        w: &mut W,
+    ) -> io::Result<usize> {
+        if !self.has_pending() {
+            return Ok(0);
+        }
+        if !self.staging.is_empty() {
+            self.chunks.push_back(self.staging.split().freeze());
+        }
+        let slices: Vec<IoSlice<'_>> = self
+            .chunks
+            .iter()
+            .take(MAX_SLICES)
+            .map(|c| IoSlice::new(c))
+            .collect();
+        let n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        self.written += n as u64;
+        let mut left = n;
+        while left > 0 {
+            let front = self
+                .chunks
+                .front_mut()
+                .expect("wrote no more than was queued");
+            if front.len() <= left {
+                left -= front.len();
+                self.chunks.pop_front();
+            } else {
+                front.advance(left);
+                left = 0;
+            }
+        }
+        let mut done = 0;
+        while self
+            .ends
+            .front()
+            .is_some_and(|&(_, end)| end <= self.written)
+        {
+            self.ends.pop_front();
+            done += 1;
+        }
+        Ok(done)
+    }
 }
 
 /// Why reading a header failed.

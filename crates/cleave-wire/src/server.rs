@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::addr::{Address, Listener, StdListener, Stream};
-use crate::conn::{read_header, read_payload, write_frames, FrameReader, HeaderError};
+use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
 use crate::frame::{decode_hello, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 
@@ -384,25 +384,28 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
 
 enum Event {
     Reply(Frame),
+    Wrote(io::Result<usize>),
     Shutdown,
     Read(io::Result<usize>),
     Deadline,
 }
 
 /// Serves one connection until the peer closes it, a framing error or timeout, idleness, or
-/// shutdown; always after writing every reply it owes.
+/// shutdown; always after writing every reply it owes. Writes progress alongside reads: while
+/// the peer is slow to take replies, the loop still reads (unless back-pressure pauses it) and
+/// still notices timeouts and shutdown.
 async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64, _token: Token) {
     let cfg = &shared.config;
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let mut reader = FrameReader::new(cfg.max_payload);
-    let mut staging = BytesMut::new();
+    let mut writer = FrameWriter::new();
+    let (mut rd, mut wr) = stream.split();
     let mut shutdown = shared.shutdown.clone();
-    let mut owed = 0usize; // frames this side still has to write
+    let mut owed = 0usize; // frames this side has still to write in full
     let mut reading = true;
     let mut draining = false;
     let mut frame_deadline: Option<Instant> = None;
     let mut last_activity = Instant::now();
-    let mut batch: Vec<Frame> = Vec::new();
     let mut gauges = Gauges {
         stats: &shared.stats,
         receiving: false,
@@ -428,23 +431,20 @@ async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64,
         let event = tokio::select! {
             biased;
             Some(f) = rx.recv() => Event::Reply(f),
-            r = reader.fill(&mut stream), if reading && !paused => Event::Read(r),
+            w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
+            r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
             _ = wait_shutdown(&mut shutdown), if !draining => Event::Shutdown,
             _ = sleep_until(deadline), if deadline.is_some() => Event::Deadline,
         };
         match event {
             Event::Reply(f) => {
-                batch.push(f);
+                writer.push(f);
                 while let Ok(f) = rx.try_recv() {
-                    batch.push(f);
+                    writer.push(f);
                 }
-                let n = batch.len();
-                if write_frames(&mut stream, &mut staging, batch.drain(..))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
+            }
+            Event::Wrote(Err(_)) => return,
+            Event::Wrote(Ok(n)) => {
                 owed -= n;
                 last_activity = Instant::now();
             }

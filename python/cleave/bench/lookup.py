@@ -9,11 +9,15 @@ Cases (docs/benchmarks.md explains the choice):
 * ``int8-cached``: one int8_rowwise table of dim 64 that fits in the last-level cache; pooling
   factor 100.
 
-For each case and thread count it measures, interleaved over several rounds (medians reported):
+For each case and thread count it measures, interleaved over several rounds (medians reported;
+ratios are medians of the per-round ratios):
 Cleave (`cleave._native.TableSet.pool`), PyTorch (`torch.nn.functional.embedding_bag`, or for
 int8 its fused 8-bit row-wise kernel) with the same thread count, and the memory limit: a minimal
 loop that reads the same rows with software prefetch and does nothing else
-(`TableSet.gather_sum_prefetch`). Every rate counts looked-up rows (ids) per second.
+(`TableSet.gather_sum_prefetch`, best of three prefetch distances). Every rate counts looked-up
+rows (ids) per second. On one thread it also reports rates per CPU-second of the measuring
+thread, which a busy shared machine disturbs less. `--resident` holds the tables in memory
+instead of mapping them; `--realtime` measures under SCHED_FIFO.
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small tables, one short round")
     parser.add_argument("--workdir", help="where tables are written (default: a temporary dir)")
     parser.add_argument("--threads", help="thread counts, e.g. 1,2 (default: 1 and all cores)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per case (default 5)")
-    parser.add_argument("--seconds", type=float, help="seconds per measurement (default 0.4)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per case (default 7)")
+    parser.add_argument("--seconds", type=float, help="seconds per measurement (default 0.3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--resident",
@@ -90,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cores = len(os.sched_getaffinity(0))
     threads = _thread_counts(args.threads, cores)
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
-    seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.4)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 7)
+    seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
     if rounds < 1 or seconds <= 0:
         raise UsageError(f"--rounds must be >= 1 and --seconds > 0, got {rounds} and {seconds}")
 
@@ -382,6 +386,13 @@ def _measure(
                 )
     median = {key: statistics.median(v) for key, v in samples.items() if v}
     cleave, torch_rate, limit_rate = (median["wall", k] for k in ("cleave", "torch", "limit"))
+
+    def ratio(clock, a, b):
+        # Median of the per-round ratios: the three of a round ran within a second or two of
+        # each other, so slow drifts of a shared machine cancel out of each ratio.
+        pairs = zip(samples[clock, a], samples[clock, b], strict=True)
+        return statistics.median(x / y for x, y in pairs)
+
     table_bytes = case.tables * case.rows * (4 * DIM if case.dtype == "float32" else DIM + 8)
     result = {
         "case": case.name,
@@ -399,9 +410,9 @@ def _measure(
         "cleave_rows_per_s": cleave,
         "torch_rows_per_s": torch_rate,
         "limit_rows_per_s": limit_rate,
-        "cleave_vs_torch": cleave / torch_rate,
-        "cleave_vs_limit": cleave / limit_rate,
-        "torch_vs_limit": torch_rate / limit_rate,
+        "cleave_vs_torch": ratio("wall", "cleave", "torch"),
+        "cleave_vs_limit": ratio("wall", "cleave", "limit"),
+        "torch_vs_limit": ratio("wall", "torch", "limit"),
         "samples_rows_per_s": {k: samples["wall", k] for k in ("cleave", "torch", "limit")},
         "kernel": ts.kernel,
         "prefetch_distance": distance,
@@ -415,8 +426,8 @@ def _measure(
     }
     if threads == 1:
         cpu = {f"{k}_rows_per_cpu_s": median["cpu", k] for k in ("cleave", "torch", "limit")}
-        cpu["cleave_vs_torch"] = cpu["cleave_rows_per_cpu_s"] / cpu["torch_rows_per_cpu_s"]
-        cpu["cleave_vs_limit"] = cpu["cleave_rows_per_cpu_s"] / cpu["limit_rows_per_cpu_s"]
+        cpu["cleave_vs_torch"] = ratio("cpu", "cleave", "torch")
+        cpu["cleave_vs_limit"] = ratio("cpu", "cleave", "limit")
         result["cpu_time"] = cpu
     target = TARGETS.get(case.name)
     if target:

@@ -116,10 +116,12 @@ class Workload:
             bundle = cleave.partition(model, example)
             bundle.save(self.bundle_dir, overwrite=True)
         generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
-        self.bodies, self.expected = [], []
+        self.bundle = bundle
+        self.inputs, self.bodies, self.expected = [], [], []
         with torch.inference_mode():
             for _ in range(args.requests):
                 inputs = generator.batch(args.candidates)
+                self.inputs.append(inputs)
                 self.bodies.append(infer_body(bundle.named_inputs(*inputs), args.budget_ms))
                 flat = pytree.tree_leaves(model(*inputs))
                 self.expected.append([t.double().numpy() for t in flat])

@@ -81,10 +81,7 @@ class Bundle:
             "features": len(self.manifest["features"]),
             "sparse_bytes": table_bytes,
             "dense_bytes": dense_bytes,
-            "boundary": [
-                {"name": b["name"], "shape": b["shape"], "bytes_per_sample": _bytes_per_sample(b)}
-                for b in self.manifest["boundary"]
-            ],
+            "boundary": [_crossing(b) for b in self.manifest["boundary"]],
             "shared_inputs": self.manifest["shared_inputs"],
         }
 
@@ -178,10 +175,19 @@ def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
     return Bundle(manifest, tables, dense, path)
 
 
-def _bytes_per_sample(tensor: dict) -> int:
+def _crossing(tensor: dict) -> dict:
+    """How much of a boundary tensor crosses: bytes per sample (or per request, for a tensor
+    looked up once per request), times any sizes that vary per request."""
     itemsize = torch.empty((), dtype=getattr(torch, tensor["dtype"])).element_size()
-    per_sample = [d for d in tensor["shape"][1:] if isinstance(d, int)]
-    return int(np.prod(per_sample, dtype=np.int64)) * itemsize
+    rest = tensor["shape"][1:]
+    static = int(np.prod([d for d in rest if isinstance(d, int)], dtype=np.int64)) * itemsize
+    return {
+        "name": tensor["name"],
+        "shape": tensor["shape"],
+        "bytes": static,
+        "per": "request" if tensor["shape"][:1] == [1] else "sample",
+        "times": [d for d in rest if isinstance(d, str)],
+    }
 
 
 class _FullModel(torch.nn.Module):

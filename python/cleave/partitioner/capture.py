@@ -7,8 +7,10 @@ length, not only the example's. Export's own errors become Cleave errors in the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
+import logging
 import re
 
 import torch
@@ -76,10 +78,22 @@ def capture(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
     args = check_inputs(args)
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_specialization():
             return torch.export.export(model, args, dynamic_shapes=dynamic_shapes(args))
     except Exception as err:  # export raises dozens of types; all become one user-facing error
         raise UnsupportedModelError(_explain(err)) from err
+
+
+@contextlib.contextmanager
+def _quiet_specialization():
+    """Export warns when a size of 1 is pinned; for shared inputs (batch 1) that is intended."""
+    logger = logging.getLogger("torch._export.non_strict_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _explain(err: Exception) -> str:

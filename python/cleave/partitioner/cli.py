@@ -89,10 +89,15 @@ def print_summary(path, summary: dict) -> None:
         f"{_mib(summary['sparse_bytes'])}"
     )
     print(f"dense side:  {_mib(summary['dense_bytes'])} of weights")
-    per_sample = sum(b["bytes_per_sample"] for b in summary["boundary"])
+    per_sample = sum(b["bytes"] for b in summary["boundary"] if b["per"] == "sample")
     print(f"boundary:    {len(summary['boundary'])} tensors, {per_sample} bytes per sample")
+    groups: dict[tuple, list[str]] = {}  # tensors of one shape are listed together
     for b in summary["boundary"]:
-        print(f"  {b['name']:<24} {str(b['shape']):<16} {b['bytes_per_sample']:>8} B/sample")
+        size = " x ".join([f"{b['bytes']} B", *b["times"]]) + f" per {b['per']}"
+        groups.setdefault((str(b["shape"]), size), []).append(b["name"])
+    for (shape, size), names in groups.items():
+        label = names[0] if len(names) == 1 else f"{len(names)} x ({names[0]} ... {names[-1]})"
+        print(f"  {label:<44} {shape:<16} {size}")
     if summary["shared_inputs"]:
         print(f"shared inputs (looked up once per request): {', '.join(summary['shared_inputs'])}")
 

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{prefetch_row_as, scalar, RowsView, PF_FOUR, PF_MANY, PF_TWO};
+use super::{prefetch_row_as, scalar, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::bundle::TableDtype;
 use crate::lookup::Pooling;
 
@@ -80,6 +80,7 @@ unsafe fn bags_any_shape<const DT: u8, const MODE: u8>(
     unsafe {
         match rows.lines.shape() {
             PF_TWO => bags::<DT, MODE, PF_TWO>(rows, ids, offsets, weights, out),
+            PF_THREE => bags::<DT, MODE, PF_THREE>(rows, ids, offsets, weights, out),
             PF_FOUR => bags::<DT, MODE, PF_FOUR>(rows, ids, offsets, weights, out),
             _ => bags::<DT, MODE, PF_MANY>(rows, ids, offsets, weights, out),
         }

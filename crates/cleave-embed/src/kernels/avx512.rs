@@ -4,11 +4,11 @@
 
 use std::arch::x86_64::*;
 
-use super::{prefetch_row_as, RowsView, PF_FOUR, PF_MANY, PF_TWO};
+use super::{prefetch_row_as, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::bundle::TableDtype;
 use crate::lookup::Pooling;
 
-// Const-generic switches, so that each (dtype, mode) pair compiles to its own loop.
+// Const-generic switches, so that each (dtype, mode, prefetch shape) compiles to its own loop.
 const F32: u8 = 0;
 const F16: u8 = 1;
 const I8: u8 = 2;
@@ -66,6 +66,7 @@ unsafe fn bags_any_shape<const DT: u8, const MODE: u8>(
     unsafe {
         match rows.lines.shape() {
             PF_TWO => bags::<DT, MODE, PF_TWO>(rows, ids, offsets, weights, out),
+            PF_THREE => bags::<DT, MODE, PF_THREE>(rows, ids, offsets, weights, out),
             PF_FOUR => bags::<DT, MODE, PF_FOUR>(rows, ids, offsets, weights, out),
             _ => bags::<DT, MODE, PF_MANY>(rows, ids, offsets, weights, out),
         }

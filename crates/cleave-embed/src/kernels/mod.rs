@@ -181,8 +181,6 @@ pub(crate) fn prefetch_distance(row_bytes: usize, table_bytes: u64) -> usize {
 pub(crate) struct RowLines {
     /// Number of distinct prefetches per row (at least 1).
     pub count: usize,
-    /// Offset of the third prefetch of a `FOUR`-shaped row (128, or `last` for three).
-    pub third: usize,
     /// Offset of the last one.
     pub last: usize,
 }
@@ -192,8 +190,9 @@ pub(crate) struct RowLines {
 /// and a branch per row splits the kernel's loop into blocks whose accumulators the compiler
 /// then copies between registers (both measured on Zen 5).
 pub(crate) const PF_TWO: u8 = 0; // rows over at most 2 lines: offsets 0 and last
-pub(crate) const PF_FOUR: u8 = 1; // 3 or 4 lines: 0, 64, third, last
-pub(crate) const PF_MANY: u8 = 2; // more: every 64 bytes, then last
+pub(crate) const PF_THREE: u8 = 1; // 0, 64, last (e.g. 72-byte int8 rows of dim 64)
+pub(crate) const PF_FOUR: u8 = 2; // 0, 64, 128, last (e.g. 256-byte float32 rows of dim 64)
+pub(crate) const PF_MANY: u8 = 3; // more: every 64 bytes, then last
 
 impl RowLines {
     pub fn of(row_bytes: usize) -> RowLines {
@@ -205,14 +204,14 @@ impl RowLines {
         } else {
             (steps + 1, row_bytes - 1)
         };
-        let third = if count >= 4 { 128 } else { last };
-        RowLines { count, third, last }
+        RowLines { count, last }
     }
 
     pub fn shape(&self) -> u8 {
         match self.count {
             0..=2 => PF_TWO,
-            3 | 4 => PF_FOUR,
+            3 => PF_THREE,
+            4 => PF_FOUR,
             _ => PF_MANY,
         }
     }
@@ -230,9 +229,11 @@ pub(crate) fn prefetch_row_as<const SHAPE: u8>(row: *const u8, lines: RowLines) 
             unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(offset) as *const i8) }
         };
         at(0);
-        if SHAPE == PF_FOUR {
+        if SHAPE == PF_THREE {
             at(64);
-            at(lines.third);
+        } else if SHAPE == PF_FOUR {
+            at(64);
+            at(128);
         } else if SHAPE == PF_MANY {
             let mut offset = 64;
             while offset < lines.last {
@@ -251,6 +252,7 @@ pub(crate) fn prefetch_row_as<const SHAPE: u8>(row: *const u8, lines: RowLines) 
 pub(crate) fn prefetch_row(row: *const u8, lines: RowLines) {
     match lines.shape() {
         PF_TWO => prefetch_row_as::<PF_TWO>(row, lines),
+        PF_THREE => prefetch_row_as::<PF_THREE>(row, lines),
         PF_FOUR => prefetch_row_as::<PF_FOUR>(row, lines),
         _ => prefetch_row_as::<PF_MANY>(row, lines),
     }
@@ -401,7 +403,8 @@ mod tests {
             // The offsets prefetch_row_as visits for the row's shape.
             let offsets: Vec<usize> = match lines.shape() {
                 PF_TWO => vec![0, lines.last],
-                PF_FOUR => vec![0, 64, lines.third, lines.last],
+                PF_THREE => vec![0, 64, lines.last],
+                PF_FOUR => vec![0, 64, 128, lines.last],
                 _ => (0..lines.last).step_by(64).chain([lines.last]).collect(),
             };
             assert!(
