@@ -21,13 +21,17 @@
 //!
 //! # Partial pooling
 //! A shard holds a row range of a table, so a bag's ids may be spread over several shards.
-//! Each shard pools the ids it holds and returns the result with the bag's count; the caller
-//! merges exactly with [`merge`]: sums add up, a mean is the merged sum divided by the merged
-//! count, and a max takes the maximum over the shards whose count is not zero.
+//! Each shard pools the ids it holds with [`Pooling::partial`] of the feature's pooling and
+//! returns the result with the bag's counts; the caller merges with [`merge`] and [`finish`]:
+//! sums add up, a mean is the merged sum divided by the merged count, and a max takes the
+//! maximum over the shards whose count is not zero.
 //!
 //! # Threads
-//! [`pool`] and [`gather`] run on the calling thread. An [`Engine`] owns a fixed pool of worker
+//! [`pool()`] and [`gather`] run on the calling thread. An [`Engine`] owns a fixed pool of worker
 //! threads and splits [`PoolJob`]s across them by bag ranges and tables.
+//!
+//! [`limit::gather_sum_prefetch`] is the memory-limit loop `cleave bench lookup` compares the
+//! engine with.
 
 pub mod bundle;
 pub mod error;

@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import zlib
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.machine import describe, go_realtime
 from cleave.errors import UsageError
 
 DIM = 64
@@ -118,12 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             prepared.append((case, bundles[key], _batches(case, rng)))
         if args.realtime:  # threads started from now on (engine, torch, limit) inherit it
-            try:
-                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-            except OSError as err:
-                raise UsageError(
-                    f"--realtime needs SCHED_FIFO (root or CAP_SYS_NICE): {err}"
-                ) from None
+            go_realtime()
         results = []
         for case, bundle, batches in prepared:
             for n in threads:
@@ -136,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     report = {
         "benchmark": "lookup",
-        "machine": machine(),
+        "machine": describe(),
         "config": {
             "quick": args.quick,
             "rounds": rounds,
@@ -455,22 +449,6 @@ def _max_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # --- reporting ----------------------------------------------------------------------------
-
-
-def machine() -> dict:
-    info = {"cpu": platform.processor(), "cores": len(os.sched_getaffinity(0)), "llc": None}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                info["cpu"] = value.strip()
-            elif key.strip() == "L3 cache":
-                info["llc"] = value.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    info["platform"] = platform.platform()
-    return info
 
 
 _COLUMNS = (

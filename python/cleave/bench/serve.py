@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+from cleave.bench.machine import describe, go_realtime
 from cleave.bench.plot import plot_results
 from cleave.errors import UsageError
 
@@ -64,31 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the load generator and the deployments (which inherit it) under SCHED_FIFO, "
         "so other processes on a shared machine do not add their scheduling delays (root)",
     )
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        mem_kb = 0
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_kb / 2**20, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
 
 
 class Workload:
@@ -152,7 +126,7 @@ def read_bundle_summary(bundle_dir: Path) -> dict:
 def new_result(args, workload: Workload) -> dict:
     return {
         "benchmark": "serve",
-        "machine": machine(),
+        "machine": describe(),
         "model": args.model,
         "scale": workload.scale,
         "candidates": args.candidates,
@@ -384,10 +358,7 @@ def run(args: argparse.Namespace) -> int:
     )
     result = new_result(args, workload)
     if args.realtime:  # after the workload is built: only the measurement runs under it
-        try:  # children inherit the policy: the router, shards and rankers run under it too
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        except (AttributeError, OSError) as err:
-            raise UsageError(f"--realtime needs SCHED_FIFO (root or CAP_SYS_NICE): {err}") from None
+        go_realtime()  # children inherit it: the router, shards and rankers run under it too
     if args.url:
         plan = [("given", None)]
     elif args.compare:

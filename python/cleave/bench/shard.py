@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.machine import describe, go_realtime
 from cleave.errors import CleaveError, UsageError
 
 TABLES = 26
@@ -60,18 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the shard, the load generator and the reference under SCHED_FIFO, so that "
         "other processes on a shared machine do not add their scheduling delays (needs root)",
     )
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def write_tables(root: Path, rows: int, dim: int, seed: int) -> list[np.ndarray]:
@@ -183,10 +170,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--fractions must lie in (0, 2], got {args.fractions!r}")
 
     if args.realtime:
-        try:  # this thread, and every thread and process started from it, inherit the policy
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        except (OSError, AttributeError) as err:
-            raise UsageError(f"--realtime needs SCHED_FIFO (root or CAP_SYS_NICE): {err}") from None
+        go_realtime()
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-bs-"))
     bundle = workdir / "bundle"
     if bundle.exists():
@@ -196,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     samples = 200 if args.quick else 2000
     result = {
         "benchmark": "shard",
-        "machine": machine(),
+        "machine": describe(),
         "config": {
             "tables": TABLES,
             "rows": rows,
