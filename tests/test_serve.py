@@ -106,6 +106,8 @@ def test_scores_equal_the_original_model(models, model, shards, rankers, monolit
         flags.append("--monolithic")
     with ServeProcess(served.dir, *flags) as server:
         check_scores(server, served)
+        if monolithic:  # the baseline is one process: the router and the whole model
+            assert list(children(server.proc.pid)) == ["ranker-0"]
         # Concurrent requests from several clients: batching must not mix rows up.
         bodies = [served.request(b) for b in (3, 5, 9, 17, 2, 30)]
         from concurrent.futures import ThreadPoolExecutor

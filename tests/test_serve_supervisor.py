@@ -163,3 +163,6 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path.write_text("transport = 'udp'\n")
     with pytest.raises(UsageError, match=r'transport: expected "unix" or "tcp", got \'udp\''):
         config_io.load(path).check()
+    path.write_text("monolithic = true\nrankers = 2\n")
+    with pytest.raises(UsageError, match=r"rankers: expected 1 with monolithic, got 2"):
+        config_io.load(path).check()

@@ -65,6 +65,8 @@ class ServeConfig:
 
         need(self.shards >= 1, "shards", "at least 1", self.shards)
         need(self.rankers >= 1, "rankers", "at least 1", self.rankers)
+        if self.monolithic:  # the baseline is one process: one ranker loop beside the router
+            need(self.rankers == 1, "rankers", "1 with monolithic", self.rankers)
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
         need(self.transport in ("unix", "tcp"), "transport", '"unix" or "tcp"', self.transport)
         need(

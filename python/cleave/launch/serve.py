@@ -1,7 +1,7 @@
 """`cleave serve BUNDLE`: one deployment on this machine — S embedding shards, R rankers and
 one router, each a process, started in that order and gated on readiness, supervised, and
-stopped cleanly on SIGINT/SIGTERM. With --monolithic: the whole model in the rankers behind the
-same router (the baseline). docs/serving.md describes it."""
+stopped cleanly on SIGINT/SIGTERM. With --monolithic: the whole model and the router in one
+process (the baseline). docs/serving.md describes it."""
 
 from __future__ import annotations
 
@@ -166,24 +166,32 @@ class Deployment:
         return specs
 
     def router_spec(self, shards: list[ChildSpec], rankers: list[ChildSpec]) -> ChildSpec:
-        from cleave.launch.router import router_config
-
         routes = [
             {"table": table, "row_start": a, "row_end": b, "addr": spec.address}
             for spec, ranges in zip(shards, self.ranges, strict=True)
             for table, (a, b) in ranges.items()
         ]
-        config = router_config(
-            self.name,
-            self.bundle,
-            self.config,
-            routes,
-            [spec.address for spec in rankers],
-        )
+        path = self._router_config(routes, [spec.address for spec in rankers])
+        argv = [sys.executable, "-m", "cleave.launch.router", str(path)]
+        return ChildSpec("router", argv, self._http())
+
+    def monolith_spec(self) -> ChildSpec:
+        """The monolithic baseline: the whole model and the router in one process."""
+        (ranker,) = self.ranker_specs()
+        path = self._router_config([], [])  # the process fills in its own ranker address
+        argv = [*ranker.argv, "--with-router", str(path)]
+        return ChildSpec("monolith", argv, self._http(), ranker.before_start)
+
+    def _router_config(self, routes: list[dict], rankers: list[str]) -> Path:
+        from cleave.launch.router import router_config
+
+        config = router_config(self.name, self.bundle, self.config, routes, rankers)
         path = self.runtime / "router.json"
         path.write_text(json.dumps(config, indent=1))
-        argv = [sys.executable, "-m", "cleave.launch.router", str(path)]
-        return ChildSpec("router", argv, f"http {self.config.host}:{self.config.http_port}")
+        return path
+
+    def _http(self) -> str:
+        return f"http {self.config.host}:{self.config.http_port}"
 
 
 def _learn_address(spec: ChildSpec, ready_line: str) -> None:
@@ -208,14 +216,17 @@ def run(args: argparse.Namespace) -> int:
     install_signal_handlers(supervisor)
     try:
         deployment = Deployment(bundle.resolve(), config, runtime)
-        shards, rankers = deployment.shard_specs(), deployment.ranker_specs()
-        # Shards and rankers load in parallel; the router needs their addresses.
-        started = supervisor.start(shards + rankers, config.ready_timeout_s)
-        for child in started:
-            _learn_address(child.spec, child.ready_line)
-        (router,) = supervisor.start(
-            [deployment.router_spec(shards, rankers)], config.ready_timeout_s
-        )
+        if config.monolithic:
+            (router,) = supervisor.start([deployment.monolith_spec()], config.ready_timeout_s)
+        else:
+            shards, rankers = deployment.shard_specs(), deployment.ranker_specs()
+            # Shards and rankers load in parallel; the router needs their addresses.
+            started = supervisor.start(shards + rankers, config.ready_timeout_s)
+            for child in started:
+                _learn_address(child.spec, child.ready_line)
+            (router,) = supervisor.start(
+                [deployment.router_spec(shards, rankers)], config.ready_timeout_s
+            )
         url = router.ready_line.split()[1] if len(router.ready_line.split()) > 1 else ""
         mode = "monolithic" if config.monolithic else f"{config.shards} shards"
         print(

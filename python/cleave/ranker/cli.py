@@ -4,9 +4,11 @@ routers, over the internal frame protocol."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from cleave.errors import UsageError
 
@@ -26,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the whole model on RANK_FULL requests (the baseline)",
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run CUDA batches eagerly")
+    parser.add_argument(
+        "--with-router",
+        metavar="CONFIG.json",
+        help="also run the router (its JSON config) in this process: the one-process "
+        "monolithic baseline of `cleave serve --monolithic`",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, WireError) as err:
         raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
     batcher.source = server
+    if args.with_router:
+        return _serve_with_router(batcher, server, args.with_router)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -65,10 +75,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"ready {server.address} device={device} mode={mode}", flush=True)
     batcher.serve_forever(stop)
     server.close()
+    _report(batcher)
+    return 0
+
+
+def _serve_with_router(batcher, server, config_path: str) -> int:
+    """The router on this (main) thread, where it handles SIGTERM/SIGINT and prints its ready
+    line; the batching loop on a second thread, fed through this process's own socket."""
+    from cleave._native import run_router
+
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--with-router {config_path}: {err}") from None
+    config["rankers"] = [server.address]
+    stop = threading.Event()
+    loop = threading.Thread(target=batcher.serve_forever, args=(stop,), name="ranker")
+    loop.start()
+    try:
+        run_router(json.dumps(config))
+    except (ValueError, RuntimeError) as err:
+        print(f"cleave router: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop.set()
+        loop.join()
+        server.close()
+        _report(batcher)
+    return 0
+
+
+def _report(batcher) -> None:
     s = batcher.stats
     print(
         f"ranker stopped: {s.requests} requests in {s.batches} batches, "
         f"{s.dropped_deadline} past deadline, {s.bad_requests} malformed, {s.failed} failed",
         file=sys.stderr,
     )
-    return 0
