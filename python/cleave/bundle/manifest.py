@@ -68,6 +68,10 @@ def check(manifest: dict, path: Path) -> None:
     for key, kind in _REQUIRED.items():
         if not isinstance(manifest.get(key), kind):
             fail(f"expected {key!r} to be a {kind.__name__}, found {manifest.get(key)!r}")
+    for i in manifest["inputs"]:
+        if i.get("role") not in INPUT_ROLES:
+            role = i.get("role")
+            fail(f"input {i.get('name')!r}: role must be one of {INPUT_ROLES}, found {role!r}")
     inputs = {i["name"] for i in manifest["inputs"]}
     tables = {t["name"] for t in manifest["tables"]}
     boundary = {b["name"] for b in manifest["boundary"]}

@@ -11,7 +11,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from cleave import __name__ as _pkg
 from cleave.bundle import Bundle
 from cleave.bundle import tables as table_io
 from cleave.bundle.manifest import FORMAT, VERSION
@@ -112,7 +111,7 @@ def emit(
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "producer": f"{_pkg} {_version()}",
+        "producer": f"cleave {_version()}",
         "inputs": inputs,
         "outputs": outputs,
         "output_spec": pytree.treespec_dumps(ep.call_spec.out_spec),

@@ -105,13 +105,6 @@ def size_hint(value) -> int:
     return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
 
 
-def numel_hint(node: fx.Node) -> int:
-    n = 1
-    for d in node.meta["val"].shape:
-        n *= size_hint(d)
-    return n
-
-
 def find_seam(ep: torch.export.ExportedProgram) -> Seam:
     graph = ep.graph
     sig = ep.graph_signature
