@@ -30,7 +30,6 @@ def emit(
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     placeholders = dict(zip(names, (by_name[n] for n in sig.user_inputs), strict=True))
     input_name = {node: name for name, node in placeholders.items()}
-    user_inputs = names
     state = {**ep.state_dict, **ep.constants}
     sources = {
         **sig.inputs_to_parameters,
@@ -78,10 +77,10 @@ def emit(
 
     needed = set(seam.dense_nodes) | {a for n in seam.dense_nodes for a in n.all_input_nodes}
     needed |= set(output.all_input_nodes)
-    dense_model_inputs = [n for n in user_inputs if placeholders[n] in needed]
+    dense_model_inputs = [n for n in names if placeholders[n] in needed]
     dense_inputs = dense_model_inputs + [b["name"] for b in boundary]
 
-    roles = {n: set() for n in user_inputs}
+    roles = {n: set() for n in names}
     for f in features:
         for key, role in (("ids", "ids"), ("offsets", "offsets"), ("weights", "weights")):
             if f[key]:
@@ -95,7 +94,7 @@ def emit(
             "shape": symbols.shape(placeholders[n].meta["val"].shape),
             "role": _role(roles[n]),
         }
-        for n in user_inputs
+        for n in names
     ]
     flat_outputs = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, fx.Node)]
     outputs = [
@@ -127,7 +126,7 @@ def emit(
     node_of = {n: placeholders[n] for n in dense_model_inputs}
     node_of.update({f["output"]: lk.output for f, lk in zip(features, seam.lookups, strict=True)})
     module = _dense_module(ep, seam, [node_of[n] for n in dense_inputs], dense_inputs, sources)
-    example = dict(zip(user_inputs, pytree.tree_leaves(args), strict=True))
+    example = dict(zip(names, pytree.tree_leaves(args), strict=True))
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
