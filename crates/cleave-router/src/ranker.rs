@@ -24,6 +24,9 @@ pub struct Ranker {
     addr: String,
     /// f64 bits of the moving average of queue_us + compute_us; 0 until the first reply.
     ewma_us: AtomicU64,
+    /// f64 bits of the moving average of compute_us / batch_requests: the ranker's time per
+    /// request when busy, for admission control (`RankerPool::expected_wait`).
+    service_us: AtomicU64,
     outstanding: AtomicU64,
     healthy: AtomicBool,
     last_error: Mutex<String>,
@@ -46,15 +49,15 @@ impl Ranker {
         self.healthy.load(Ordering::Relaxed)
     }
 
-    fn record(&self, latency_us: f64) {
-        // Racy read-modify-write is fine: a lost sample only slows the average down.
-        let old = self.ewma_us();
-        let new = if old == 0.0 {
-            latency_us
-        } else {
-            old + EWMA_ALPHA * (latency_us - old)
-        };
-        self.ewma_us.store(new.to_bits(), Ordering::Relaxed);
+    pub fn service_us(&self) -> f64 {
+        f64::from_bits(self.service_us.load(Ordering::Relaxed))
+    }
+
+    fn record(&self, response: &RankResponse) {
+        let latency_us = response.queue_us as f64 + response.compute_us as f64;
+        let service_us = response.compute_us as f64 / response.batch_requests.max(1) as f64;
+        update_ewma(&self.ewma_us, latency_us);
+        update_ewma(&self.service_us, service_us);
     }
 
     fn mark(&self, healthy: bool, error: Option<String>) {
@@ -69,6 +72,17 @@ impl Ranker {
         let latency = if ewma == 0.0 { UNMEASURED_US } else { ewma };
         latency * (self.outstanding() + 1) as f64
     }
+}
+
+/// Racy read-modify-write is fine: a lost sample only slows the average down.
+fn update_ewma(cell: &AtomicU64, sample: f64) {
+    let old = f64::from_bits(cell.load(Ordering::Relaxed));
+    let new = if old == 0.0 {
+        sample
+    } else {
+        old + EWMA_ALPHA * (sample - old)
+    };
+    cell.store(new.to_bits(), Ordering::Relaxed);
 }
 
 /// Decrements a ranker's outstanding count when the call ends, however it ends.
@@ -131,6 +145,7 @@ impl RankerPool {
                     client: Client::new(addr, io.clone(), config.clone()),
                     addr: a.clone(),
                     ewma_us: AtomicU64::new(0f64.to_bits()),
+                    service_us: AtomicU64::new(0f64.to_bits()),
                     outstanding: AtomicU64::new(0),
                     healthy: AtomicBool::new(false),
                     last_error: Mutex::new("not probed yet".into()),
@@ -184,7 +199,7 @@ impl RankerPool {
                     let response = decode_response(&reply).map_err(|e| {
                         RequestError::new(ErrorKind::Ranker, format!("ranker {}: {e}", ranker.addr))
                     })?;
-                    ranker.record(response.queue_us as f64 + response.compute_us as f64);
+                    ranker.record(&response);
                     ranker.mark(true, None);
                     return Ok(Ranked {
                         response,
@@ -204,6 +219,18 @@ impl RankerPool {
             ErrorKind::Unavailable,
             format!("no ranker could be reached: {}", failures.join("; ")),
         ))
+    }
+
+    /// How long a request sent now would wait for a ranker to finish it: over the healthy
+    /// rankers, the least (outstanding + 1) × time per request. `None` when no ranker is
+    /// healthy. Unmeasured rankers count as free.
+    pub fn expected_wait(&self) -> Option<Duration> {
+        self.rankers
+            .iter()
+            .filter(|r| r.is_healthy())
+            .map(|r| (r.outstanding() + 1) as f64 * r.service_us())
+            .min_by(f64::total_cmp)
+            .map(|us| Duration::from_secs_f64(us / 1e6))
     }
 
     /// Probes every ranker's readiness once; returns the problems (empty: all ready).
@@ -294,6 +321,7 @@ mod tests {
             client: Client::new("127.0.0.1:1".parse().unwrap(), io, ClientConfig::default()),
             addr: "r".into(),
             ewma_us: AtomicU64::new(ewma.to_bits()),
+            service_us: AtomicU64::new(0f64.to_bits()),
             outstanding: AtomicU64::new(outstanding),
             healthy: AtomicBool::new(true),
             last_error: Mutex::new(String::new()),
@@ -309,12 +337,41 @@ mod tests {
         assert!(ranker(0.0, 0).score() < ranker(10.0, 0).score());
     }
 
+    fn reply(queue_us: u32, compute_us: u32, batch_requests: u32) -> RankResponse {
+        RankResponse {
+            queue_us,
+            compute_us,
+            batch_requests,
+            queue_depth: 0,
+            outputs: vec![],
+        }
+    }
+
     #[test]
-    fn moving_average() {
+    fn moving_averages() {
         let r = ranker(0.0, 0);
-        r.record(1000.0);
-        assert_eq!(r.ewma_us(), 1000.0);
-        r.record(2000.0);
+        r.record(&reply(400, 600, 2));
+        assert_eq!((r.ewma_us(), r.service_us()), (1000.0, 300.0));
+        r.record(&reply(1000, 1000, 1));
         assert!((r.ewma_us() - 1200.0).abs() < 1e-9);
+        assert!((r.service_us() - 440.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn expected_wait_is_the_least_loaded_healthy_ranker() {
+        let (busy, idle, down) = (ranker(0.0, 9), ranker(0.0, 1), ranker(0.0, 0));
+        busy.record(&reply(0, 1000, 1)); // 10 × 1 ms
+        idle.record(&reply(0, 4000, 1)); // 2 × 4 ms
+        down.record(&reply(0, 10, 1));
+        down.mark(false, None);
+        let pool = RankerPool {
+            rankers: vec![Arc::new(busy), Arc::new(idle), Arc::new(down)],
+            next: AtomicUsize::new(0),
+        };
+        assert_eq!(pool.expected_wait(), Some(Duration::from_millis(8)));
+        for r in pool.rankers() {
+            r.mark(false, None);
+        }
+        assert_eq!(pool.expected_wait(), None);
     }
 }

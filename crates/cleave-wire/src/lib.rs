@@ -7,6 +7,8 @@
 //! * [`Client`]: pipelined calls to one peer over a few data connections and one control
 //!   connection, responses matched by request id.
 //!
+//! * [`health`]: the readiness schema every role serves.
+//!
 //! The layout, limits and timeouts are specified in docs/protocol.md.
 
 mod addr;
@@ -14,6 +16,7 @@ mod client;
 mod conn;
 mod error;
 pub mod frame;
+pub mod health;
 mod io;
 mod server;
 
