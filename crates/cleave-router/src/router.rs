@@ -14,24 +14,28 @@ use crate::sparse::Shards;
 use crate::tensor::Tensor;
 use crate::validate::{check_request, show_shape, Symbols};
 
-/// A request's latency budget, fixed when it arrives.
+/// A request's latency budget, fixed when it arrives, and the id that follows it through
+/// every role (logs, wire frames, the client's `x-request-id`).
 #[derive(Clone, Copy, Debug)]
 pub struct Budget {
+    /// When the request arrived (its first byte, where the front door knows it).
     pub start: Instant,
     pub budget: Duration,
-    /// The same instant on the wall clock, for the ranker's deadline.
+    pub trace_id: u64,
+    /// The same instant on the wall clock, for the deadline other processes read.
     start_unix: Duration,
 }
 
 impl Budget {
     pub fn new(start: Instant, budget_ms: f64) -> Budget {
-        let start_unix = SystemTime::now()
+        let now_unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         Budget {
             start,
             budget: Duration::from_secs_f64(budget_ms / 1e3),
-            start_unix,
+            trace_id: next_trace_id(),
+            start_unix: now_unix.saturating_sub(start.elapsed()),
         }
     }
 
@@ -59,6 +63,27 @@ impl Budget {
         } else {
             Ok(())
         }
+    }
+}
+
+/// Unique per process and unlikely to repeat across processes: a per-process random start
+/// (from the clock and the pid) plus a counter. Never 0, which the wire reads as "none".
+fn next_trace_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static BASE: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let base = *BASE.get_or_init(|| {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos() as u64;
+        // A multiplicative hash spreads nearby seeds far apart.
+        (nanos ^ ((std::process::id() as u64) << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    });
+    match base.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) {
+        0 => 1,
+        id => id,
     }
 }
 
