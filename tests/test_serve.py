@@ -157,29 +157,42 @@ def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def closed_loop(url: str, requests, workers: int = 3):
+    """Clients that each send the next request when the last one answered, until stopped;
+    returns (results, stop): results are (time answered, seconds, status, reply, want)."""
+    results, stop = [], threading.Event()
+
+    def load(worker: int) -> None:
+        i = worker
+        while not stop.is_set():
+            body, want = requests[i % len(requests)]
+            start = time.monotonic()
+            status, reply = post(url, body, timeout=30)
+            results.append((time.monotonic(), time.monotonic() - start, status, reply, want))
+            i += 1
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+
+    def finish() -> None:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+    return results, finish
+
+
 def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, tmp_path):
     served = models["dlrm"]
     config = tmp_path / "serve.toml"
-    config.write_text("restart = true\nshards = 3\n[ranker]\nthreads = 1\n")
+    config.write_text("shards = 3\n[ranker]\nthreads = 1\n")
     requests = [served.request(16) for _ in range(4)]
     with ServeProcess(served.dir, "--config", str(config)) as server:
         url = infer_url(server, served)
         assert post(url, requests[0][0])[0] == 200
         shard = children(server.proc.pid)["shard-1"]
-        results, stop = [], threading.Event()
-
-        def load(worker: int) -> None:  # closed-loop clients, busy before, during and after
-            i = worker
-            while not stop.is_set():
-                body, want = requests[i % len(requests)]
-                start = time.monotonic()
-                status, reply = post(url, body, timeout=30)
-                results.append((time.monotonic(), time.monotonic() - start, status, reply, want))
-                i += 1
-
-        workers = [threading.Thread(target=load, args=(w,)) for w in range(3)]
-        for w in workers:
-            w.start()
+        results, finish = closed_loop(url, requests)  # busy before, during and after
         try:
             time.sleep(0.5)
             killed_at = time.monotonic()
@@ -195,9 +208,7 @@ def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, t
                 "requests to succeed again",
             )
         finally:
-            stop.set()
-            for w in workers:
-                w.join(60)
+            finish()
         failed = [(took, status, reply) for _, took, status, reply, _ in results if status != 200]
         assert failed, "no request observed the outage"
         for took, status, reply in failed:
@@ -212,9 +223,63 @@ def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, t
         assert "restarting it" in "\n".join(server.log)
 
 
-def test_child_dying_stops_the_launcher_with_a_clear_message(models):
+def kill_ranker_under_load(served: Served, rankers: int):
+    """SIGKILLs ranker-0 under load and waits for the launcher to bring it back; returns the
+    results, when it was killed and when the launcher saw it ready again."""
+    requests = [served.request(8) for _ in range(4)]
+    flags = ["--rankers", str(rankers), "--threads", "1"]
+    with ServeProcess(served.dir, *flags) as server:
+        url = infer_url(server, served)
+        assert post(url, requests[0][0])[0] == 200
+        ranker = children(server.proc.pid)["ranker-0"]
+        results, finish = closed_loop(url, requests)
+        try:
+            time.sleep(0.5)
+            killed_at = time.monotonic()
+            os.kill(ranker, signal.SIGKILL)
+            wait_until(
+                lambda: (
+                    "ranker-0" in "\n".join(server.log)
+                    and "is ready again" in "\n".join(server.log)
+                ),
+                60,
+                "the launcher to restart ranker-0",
+            )
+            back_at = time.monotonic()
+            count = len(results)
+            wait_until(lambda: len(results) > count + 20, 30, "more requests after the restart")
+        finally:
+            finish()
+        assert children(server.proc.pid)["ranker-0"] != ranker
+    for _, _, status, reply, want in results:
+        if status == 200:
+            for g, w in zip(outputs_of(reply), want, strict=True):
+                assert np.abs(g - w).max() <= TOLERANCE
+    return results, killed_at, back_at
+
+
+def test_a_killed_ranker_of_two_costs_no_request(models):
+    results, _, _ = kill_ranker_under_load(models["shared"], rankers=2)
+    failed = [(status, reply) for _, _, status, reply, _ in results if status != 200]
+    assert not failed, failed[:3]
+    assert len(results) > 40
+
+
+def test_a_killed_lone_ranker_costs_503s_only_until_it_is_back(models):
+    results, killed_at, back_at = kill_ranker_under_load(models["shared"], rankers=1)
+    failed = [(t, status, reply) for t, _, status, reply, _ in results if status != 200]
+    assert failed, "no request observed the outage"
+    for t, status, reply in failed:
+        assert status == 503, reply  # unavailable, never a 502 or a hang
+        assert "ranker" in reply["error"], reply
+        # The launcher's "ready again" line is read a moment after the ranker answers.
+        assert killed_at <= t <= back_at + 1.0, (t - killed_at, back_at - killed_at)
+    assert results[-1][2] == 200
+
+
+def test_child_dying_with_fail_stop_stops_the_launcher_with_a_clear_message(models):
     served = models["shared"]
-    server = ServeProcess(served.dir, "--threads", "1").start()
+    server = ServeProcess(served.dir, "--threads", "1", "--fail-stop").start()
     try:
         ranker = children(server.proc.pid)["ranker-0"]
         os.kill(ranker, signal.SIGKILL)
@@ -223,7 +288,8 @@ def test_child_dying_stops_the_launcher_with_a_clear_message(models):
         server.stop()
     assert code == 1
     log = "\n".join(server.log)
-    assert "ranker-0" in log and "killed by SIGKILL" in log and "stopping the deployment" in log
+    assert "ranker-0" in log and "killed by SIGKILL" in log
+    assert "stopping the deployment (fail-stop)" in log
     assert not children(server.proc.pid)
 
 

@@ -31,3 +31,38 @@ def test_bench_serve_quick_compare(tmp_path):
     assert "single_p50_disagg_over_mono" in report["ratios"]
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     assert "max rate with p99 <= 25 ms" in result.stdout
+
+
+def bench(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "stress.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags]
+        + ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
+        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, json.loads(out.read_text())
+
+
+def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
+    flags = ["--capacity", "40", "--duration", "1", "--idle-connections", "20"]
+    result, report = bench(tmp_path, "--overload", *flags, "--idle-wait-s", "1")
+    (dep,) = report["deployments"].values()
+    assert list(dep["phases"]) == ["before", "burst", "after"]
+    assert [p["rate"] for p in dep["phases"].values()] == [16.0, 120.0, 16.0]
+    assert sum(s["sent"] for s in dep["timeline"]) == sum(
+        p["sent"] for p in dep["phases"].values()
+    )
+    assert dep["idle_connections"]["opened"] == 20
+    assert "5xx other than 503" in result.stdout and (tmp_path / "stress.png").exists()
+
+    result, report = bench(tmp_path, "--soak", "0.1", "--capacity", "40")
+    (dep,) = report["deployments"].values()
+    roles = {name.split()[0] for name in dep["processes"]}
+    assert {"router", "shard-0", "ranker-0"} <= roles
+    for proc in dep["processes"].values():
+        assert proc["rss_median_mib"] > 0 and proc["fds_max"] >= proc["fds_min"] > 0
+    assert dep["windows"] and "max dev %" in result.stdout

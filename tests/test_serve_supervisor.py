@@ -13,7 +13,7 @@ import pytest
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.serve import table_ranges
-from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor
+from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
 
 
 def child(name: str, body: str) -> ChildSpec:
@@ -81,9 +81,9 @@ def test_child_not_ready_in_time():
     sup.stop(5)
 
 
-def test_watch_reports_a_dead_child_and_returns_1():
+def test_watch_with_fail_stop_reports_a_dead_child_and_returns_1():
     log = io.StringIO()
-    sup = Supervisor(log=log)
+    sup = Supervisor(fail_stop=True, log=log)
     (spec,) = sup.start([waiting("shard-1")], 30)
     spec.proc.kill()
     assert sup.watch(30) == 1
@@ -92,27 +92,80 @@ def test_watch_reports_a_dead_child_and_returns_1():
     assert "stopping the deployment" in log.getvalue()
 
 
-def test_watch_restarts_a_dead_child_when_asked():
-    log = io.StringIO()
-    sup = Supervisor(restart=True, log=log)
-    (first,) = sup.start([waiting("shard-1")], 30)
-    first.proc.kill()
-    result = {}
+def watching(sup: Supervisor) -> tuple[threading.Thread, dict]:
+    result: dict = {}
     watcher = threading.Thread(target=lambda: result.setdefault("code", sup.watch(30)))
     watcher.start()
+    return watcher, result
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("timed out")
+
+
+def test_watch_restarts_a_dead_child_by_default_while_the_others_keep_running():
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    first, other = sup.start([waiting("shard-1"), waiting("ranker-0")], 30)
+    first.proc.kill()
+    watcher, result = watching(sup)
     try:
-        for _ in range(300):
-            if sup.children[0] is not first and sup.children[0].ready.is_set():
-                break
-            threading.Event().wait(0.05)
+        wait_for(lambda: sup.restarts.get("shard-1") == 1)
         fresh = sup.children[0]
         assert fresh is not first and fresh.ready.is_set() and fresh.proc.poll() is None
-        assert "restarting it" in log.getvalue()
+        assert sup.children[1] is other and other.proc.poll() is None  # never touched
+        assert "restarting it in 0.5 s (restart 1 in a row)" in log.getvalue()
+        assert "is ready again" in log.getvalue()
     finally:
         sup.request_stop()
         watcher.join(10)
         sup.stop(5)
     assert result["code"] == 0
+
+
+def test_a_child_that_keeps_dying_is_restarted_with_growing_backoff(tmp_path):
+    starts = tmp_path / "starts"
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    # Ready at once the first time, then exits before it is ready on every restart.
+    flaky = child(
+        "ranker-1",
+        f"""
+        import pathlib, sys, time
+        p = pathlib.Path({str(starts)!r})
+        n = int(p.read_text()) if p.exists() else 0
+        p.write_text(str(n + 1))
+        if n:
+            sys.exit(4)
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    (first,) = sup.start([flaky], 30)
+    first.proc.kill()
+    watcher, result = watching(sup)
+    try:
+        wait_for(lambda: "restart 3 in a row" in log.getvalue())
+        assert sup.restarts.get("ranker-1") is None  # never ready again
+    finally:
+        sup.request_stop()
+        watcher.join(10)
+        sup.stop(5)
+    text = log.getvalue()
+    assert "restarting it in 0.5 s (restart 1 in a row)" in text
+    assert "restart failed: ranker-1 (pid" in text and "exited with code 4 before it was" in text
+    assert "restarting it in 1.0 s (restart 2 in a row)" in text
+    assert "restarting it in 2.0 s (restart 3 in a row)" in text
+    assert result["code"] == 0
+
+
+def test_backoff_doubles_up_to_its_cap():
+    assert [backoff_s(a) for a in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 4.0]
+    assert backoff_s(7) == 30.0 and backoff_s(60) == 30.0
 
 
 def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
@@ -147,12 +200,15 @@ def test_table_ranges_cut_every_table_into_contiguous_ranges():
 
 def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("shards = 3\nrestart = true\n[ranker]\nmax_wait_ms = 2\ndevice = 'cpu'\n")
+    path.write_text("shards = 3\nfail_stop = true\n[ranker]\nmax_wait_ms = 2\ndevice = 'cpu'\n")
     config = config_io.load(path).check()
-    assert (config.shards, config.restart, config.ranker.max_wait_ms) == (3, True, 2.0)
+    assert (config.shards, config.fail_stop, config.ranker.max_wait_ms) == (3, True, 2.0)
     assert config.rankers == 1 and config.ranker.max_batch == 256
     path.write_text("[ranker]\nthreads = true\n")
     with pytest.raises(UsageError, match=r"ranker.threads must be an integer, got bool True"):
+        config_io.load(path)
+    path.write_text("restart = true\n")
+    with pytest.raises(UsageError, match=r"key 'restart' was removed: restarts are the default"):
         config_io.load(path)
     path.write_text("[shard]\nspeed = 1\n")
     with pytest.raises(UsageError, match=r"unknown key 'shard.speed'; known keys here: threads"):

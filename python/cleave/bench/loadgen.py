@@ -153,7 +153,24 @@ def open_loop(
 ) -> list[Sample]:
     """Poisson arrivals at `rate` per second for `duration_s`, cycling through `bodies` in a
     seeded random order; `check(index, response_json)` returns a max abs diff to record."""
-    times = poisson_times(rate, duration_s, seed)
+    return open_loop_phases(url, bodies, [(rate, duration_s)], timeout_s, seed, check)
+
+
+def open_loop_phases(
+    url: str,
+    bodies: Sequence[bytes],
+    phases: Sequence[tuple[float, float]],
+    timeout_s: float = 10.0,
+    seed: int = 0,
+    check: Callable[[int, dict], float] | None = None,
+) -> list[Sample]:
+    """Poisson arrivals at each phase's (rate, seconds) in turn, in one run: the load changes
+    without a pause, and a sample's scheduled time counts from the first phase's start."""
+    pieces, offset = [], 0.0
+    for i, (rate, duration_s) in enumerate(phases):
+        pieces.append(offset + poisson_times(rate, duration_s, seed + 7919 * i))
+        offset += duration_s
+    times = np.concatenate(pieces) if pieces else np.zeros(0)
     order = np.random.default_rng(seed + 1).integers(0, len(bodies), size=len(times))
     with _no_collections():
         return asyncio.run(_open_loop(url, bodies, times, timeout_s, check, order))

@@ -85,3 +85,44 @@ def plot_results(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_stress(result: dict, path: str | Path) -> Path:
+    """--overload: answers per second by status (stacked) and the 200s' p99, over time.
+    --soak: each process's resident memory over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ((name, report),) = result["deployments"].items()
+    fig, ax = plt.subplots(figsize=(11, 5))
+    if "timeline" in report:
+        seconds = report["timeline"]
+        t = [s["t"] for s in seconds]
+        keys = sorted({k for s in seconds for k in s["counts"]}, key=lambda k: (k != "200", k))
+        bottom = [0] * len(t)
+        for key in keys:
+            counts = [s["counts"].get(key, 0) for s in seconds]
+            ax.bar(t, counts, bottom=bottom, width=0.9, label=key)
+            bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+        ax.axhline(report["capacity_rps"], color="grey", linestyle=":", label="capacity")
+        ax.set_xlabel("scheduled send time (s)")
+        ax.set_ylabel("requests per second, by answer")
+        right = ax.twinx()
+        right.plot(t, [s["p99_ms"] for s in seconds], color="black", marker=".", label="p99")
+        right.set_ylabel("p99 of the 200s (ms)")
+        ax.set_title(f"{name}: overload burst at 3x capacity")
+    else:
+        for proc, entry in report["processes"].items():
+            ax.plot(entry["t"], [r / 2**20 for r in entry["rss"]], marker=".", label=proc)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_title(f"{name}: soak at {report['rate']:.0f} requests/s")
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from cleave.bench.machine import describe, go_realtime
-from cleave.bench.plot import plot_results
+from cleave.bench.plot import plot_results, plot_stress
 from cleave.errors import UsageError
 
 __all__ = [
@@ -57,6 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run of a few seconds (tests, CI)"
     )
+    stress = parser.add_mutually_exclusive_group()
+    stress.add_argument(
+        "--overload",
+        action="store_true",
+        help="40%% of capacity, a 3x burst, 40%% again, --duration seconds each (2 s client "
+        "timeout; requests carry no budget, the router's default applies)",
+    )
+    stress.add_argument(
+        "--soak",
+        type=float,
+        metavar="MINUTES",
+        help="40%% of capacity for MINUTES, sampling every process's RSS and open files",
+    )
+    parser.add_argument(
+        "--capacity", type=float, help="requests/s for --overload/--soak (default: search)"
+    )
+    parser.add_argument(
+        "--idle-connections",
+        type=int,
+        default=0,
+        help="with --overload: hold this many idle connections open during the run",
+    )
+    parser.add_argument(
+        "--idle-wait-s",
+        type=float,
+        default=90.0,
+        help="after --overload, how long to wait for the router to close the idle connections",
+    )
     parser.add_argument(
         "--realtime",
         action="store_true",
@@ -90,13 +118,16 @@ class Workload:
             bundle = cleave.partition(model, example)
             bundle.save(self.bundle_dir, overwrite=True)
         generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
+        # Overload and soak runs send no budget: the router's default is what they test.
+        stress = getattr(args, "overload", False) or getattr(args, "soak", None)
+        body_budget = None if stress else args.budget_ms
         self.bundle = bundle
         self.inputs, self.bodies, self.expected = [], [], []
         with torch.inference_mode():
             for _ in range(args.requests):
                 inputs = generator.batch(args.candidates)
                 self.inputs.append(inputs)
-                self.bodies.append(infer_body(bundle.named_inputs(*inputs), args.budget_ms))
+                self.bodies.append(infer_body(bundle.named_inputs(*inputs), body_budget))
                 flat = pytree.tree_leaves(model(*inputs))
                 self.expected.append([t.double().numpy() for t in flat])
         self.name = self.bundle_dir.name
@@ -275,6 +306,28 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
     return result
 
 
+def _stress(targets: dict, workload, result: dict, args, log) -> int:
+    from cleave.bench import overload as stress
+
+    ((name, target),) = targets.items()
+    log(f"{name}:")
+    with target:
+        if args.overload:
+            report = stress.overload(target, workload, args, log)
+        else:
+            report = stress.soak(target, workload, args, log)
+    result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
+    result["deployments"][name] = report
+    (stress.print_overload if args.overload else stress.print_soak)(report)
+    if args.json:
+        write_json(result, args.json)
+        log(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        log(f"wrote {plot_stress(result, plot)}")
+    return 0
+
+
 def _search(probe, args) -> float:
     """Doubles the rate until a probe misses the budget, then bisects three times."""
     lo, hi = 0.0, None
@@ -346,6 +399,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rates must be > 0, got {args.rates!r}")
     if args.duration <= 0 or args.candidates < 1 or args.requests < 1 or args.single < 1:
         raise UsageError("--duration, --candidates, --requests and --single must be positive")
+    if args.soak is not None and args.soak <= 0:
+        raise UsageError(f"--soak takes minutes > 0, got {args.soak}")
+    if (args.overload or args.soak) and args.compare:
+        raise UsageError("--overload and --soak measure one deployment: drop --compare")
+    if args.idle_connections < 0 or args.capacity is not None and args.capacity <= 0:
+        raise UsageError("--idle-connections must be >= 0 and --capacity > 0")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -371,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
         else Target(workload.bundle_dir, _serve_flags(args, monolithic))
         for name, monolithic in plan
     }
+    if args.overload or args.soak:
+        return _stress(targets, workload, result, args, log)
     paired = {}
     if len(targets) > 1:  # both up (idle ones cost nothing), single requests in turns
         log("single-request latency, deployments in alternating rounds:")

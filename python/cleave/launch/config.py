@@ -51,7 +51,7 @@ class ServeConfig:
     rankers: int = 1
     monolithic: bool = False
     transport: str = "unix"  # internal sockets: "unix" (co-located) or "tcp" on loopback
-    restart: bool = False  # restart a child that dies instead of stopping the deployment
+    fail_stop: bool = False  # a child that dies stops the deployment (default: restart it)
     ready_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -108,10 +108,19 @@ class ServeConfig:
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+# Keys that older versions took, with what replaced them.
+_REPLACED = {
+    "restart": "restarts are the default now; set fail_stop = true to stop the deployment "
+    "when a child dies instead",
+}
+
+
 def _fill(obj, table: dict, where: str, path: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in table.items():
         name = f"{where}{key}"
+        if name in _REPLACED:
+            raise UsageError(f"{path}: key {name!r} was removed: {_REPLACED[name]}")
         if key not in fields:
             known = ", ".join(sorted(fields))
             raise UsageError(f"{path}: unknown key {name!r}; known keys here: {known}")

@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
     parser.add_argument("--transport", choices=["unix", "tcp"], help="internal sockets")
     parser.add_argument(
-        "--restart", action="store_true", default=None, help="restart children that die"
+        "--fail-stop",
+        action="store_true",
+        default=None,
+        help="stop the deployment when a child dies (default: restart it with backoff)",
     )
     parser.add_argument(
         "--monolithic", action="store_true", default=None, help="serve the original model whole"
@@ -52,7 +55,7 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
         "shards": args.shards,
         "rankers": args.rankers,
         "transport": args.transport,
-        "restart": args.restart,
+        "fail_stop": args.fail_stop,
         "monolithic": args.monolithic,
     }
     ranker = {
@@ -190,6 +193,15 @@ class Deployment:
         path.write_text(json.dumps(config, indent=1))
         return path
 
+    def pin_http_port(self, url: str) -> None:
+        """The router bound an ephemeral port: a restarted router must come back on it, or
+        clients lose the deployment."""
+        port = int(url.rsplit(":", 1)[1])
+        path = self.runtime / "router.json"
+        config = json.loads(path.read_text())
+        config["http_port"] = port
+        path.write_text(json.dumps(config, indent=1))
+
     def _http(self) -> str:
         return f"http {self.config.host}:{self.config.http_port}"
 
@@ -212,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     config.check()
 
     runtime = Path(tempfile.mkdtemp(prefix="cleave-serve-"))
-    supervisor = Supervisor(restart=config.restart)
+    supervisor = Supervisor(fail_stop=config.fail_stop)
     install_signal_handlers(supervisor)
     try:
         deployment = Deployment(bundle.resolve(), config, runtime)
@@ -228,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
                 [deployment.router_spec(shards, rankers)], config.ready_timeout_s
             )
         url = router.ready_line.split()[1] if len(router.ready_line.split()) > 1 else ""
+        deployment.pin_http_port(url)
         mode = "monolithic" if config.monolithic else f"{config.shards} shards"
         print(
             f"cleave serve: model {deployment.name!r}, {mode}, {config.rankers} rankers",

@@ -4,6 +4,10 @@ A child is ready when it prints a line starting with "ready" on stdout. Its othe
 forwarded to our stderr, prefixed with its name; the last lines are kept for error messages.
 Children run in their own session (a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order) and die with the launcher if it is killed (Linux: PR_SET_PDEATHSIG).
+
+A child that dies is restarted after a backoff delay (doubling from 0.5 s up to 30 s, back to
+the start once it has run a minute) while the others keep serving; with `fail_stop` the first
+death stops the deployment instead.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from dataclasses import dataclass, field
 from cleave.errors import CleaveError
 
 _TAIL_LINES = 20
-_RESTARTS_PER_MINUTE = 5
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 30.0
+_STABLE_S = 60.0  # a child that ran this long since it was ready restarts without delay growth
+_WATCH_TICK_S = 0.1
 
 
 class ChildFailed(CleaveError):
@@ -43,6 +50,7 @@ class Child:
     ready_line: str = ""
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     started: float = field(default_factory=time.monotonic)
+    ready_at: float = 0.0  # time.monotonic() of the ready line
 
     def describe(self) -> str:
         where = f", {self.spec.address}" if self.spec.address else ""
@@ -72,15 +80,32 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+@dataclass
+class _Recovery:
+    """A dead child on its way back: waiting out its backoff, then starting."""
+
+    attempt: int  # restarts in a row, this one included
+    due: float  # time.monotonic() of the next start
+    starting: Child | None = None
+    ready_by: float = 0.0
+
+
+def backoff_s(attempt: int) -> float:
+    """Delay before restart number `attempt` (1, 2, ...) in a row."""
+    return min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (attempt - 1))
+
+
 class Supervisor:
-    def __init__(self, restart: bool = False, log=None, env: dict | None = None):
-        self.restart = restart
+    def __init__(self, fail_stop: bool = False, log=None, env: dict | None = None):
+        self.fail_stop = fail_stop
         self.log = log or sys.stderr
         self.env = env
         self.children: list[Child] = []
         self.groups: list[list[str]] = []  # names, one list per start() call
         self.stopping = threading.Event()
-        self._restarts: dict[str, collections.deque] = {}
+        self.restarts: dict[str, int] = {}  # name -> restarts so far, for reports and tests
+        self._recovering: dict[str, _Recovery] = {}
+        self._attempts: dict[str, int] = {}  # name -> restarts in a row without a stable run
 
     # -- starting ------------------------------------------------------------------------------
     def spawn(self, spec: ChildSpec) -> Child:
@@ -107,6 +132,7 @@ class Supervisor:
             line = raw.rstrip("\n")
             if is_stdout and not child.ready.is_set() and line.startswith("ready"):
                 child.ready_line = line
+                child.ready_at = time.monotonic()
                 child.ready.set()
                 continue
             child.tail.append(line)
@@ -145,41 +171,63 @@ class Supervisor:
 
     # -- watching ------------------------------------------------------------------------------
     def watch(self, ready_timeout_s: float) -> int:
-        """Until stop(): returns 0 when stopped, 1 when a child died (and is not restarted)."""
-        while not self.stopping.wait(0.1):
+        """Until stop(): returns 0 when stopped. A dead child is restarted with backoff while
+        the others keep serving; with `fail_stop`, returns 1 as soon as a child dies."""
+        while not self.stopping.wait(_WATCH_TICK_S):
             for i, child in enumerate(self.children):
-                code = child.proc.poll()
-                if code is None or self.stopping.is_set():
-                    continue
-                what = f"{child.describe()} {_describe_exit(code)}"
-                if not self.restart or not self._may_restart(child.spec.name):
-                    why = "" if not self.restart else f" ({_RESTARTS_PER_MINUTE} restarts a minute)"
-                    print(
-                        f"cleave serve: {what}; stopping the deployment{why}{child.output()}",
-                        file=self.log,
-                        flush=True,
-                    )
-                    return 1
-                print(f"cleave serve: {what}; restarting it", file=self.log, flush=True)
-                fresh = self.spawn(child.spec)
-                self.children[i] = fresh
-                try:
-                    self.wait_ready([fresh], ready_timeout_s)
-                except ChildFailed as err:
-                    if self.stopping.is_set():
-                        return 0
-                    print(f"cleave serve: restart failed: {err}", file=self.log, flush=True)
-                    return 1
-                print(f"cleave serve: {fresh.describe()} is ready again", file=self.log, flush=True)
+                if self.stopping.is_set():
+                    break
+                recovery = self._recovering.get(child.spec.name)
+                if recovery is None:
+                    code = child.proc.poll()
+                    if code is None:
+                        continue
+                    what = f"{child.describe()} {_describe_exit(code)}"
+                    if self.fail_stop:
+                        self._say(f"{what}; stopping the deployment (fail-stop){child.output()}")
+                        return 1
+                    self._schedule(child, f"{what}{child.output()}")
+                elif recovery.starting is None:
+                    if time.monotonic() >= recovery.due:
+                        recovery.starting = self.children[i] = self.spawn(child.spec)
+                        recovery.ready_by = time.monotonic() + ready_timeout_s
+                else:
+                    self._follow_start(child, recovery, ready_timeout_s)
         return 0
 
-    def _may_restart(self, name: str) -> bool:
-        times = self._restarts.setdefault(name, collections.deque())
-        now = time.monotonic()
-        while times and now - times[0] > 60:
-            times.popleft()
-        times.append(now)
-        return len(times) <= _RESTARTS_PER_MINUTE
+    def _schedule(self, child: Child, what: str) -> None:
+        name = child.spec.name
+        stable = child.ready.is_set() and time.monotonic() - child.ready_at >= _STABLE_S
+        attempt = 1 if stable else self._attempts.get(name, 0) + 1
+        self._attempts[name] = attempt
+        delay = backoff_s(attempt)
+        self._recovering[name] = _Recovery(attempt, time.monotonic() + delay)
+        self._say(f"{what}\n  restarting it in {delay:.1f} s (restart {attempt} in a row)")
+
+    def _follow_start(self, child: Child, recovery: _Recovery, ready_timeout_s: float) -> None:
+        name = child.spec.name
+        if child.ready.is_set():
+            del self._recovering[name]
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self._say(f"{child.describe()} is ready again")
+            return
+        code = child.proc.poll()
+        if code is None and time.monotonic() < recovery.ready_by:
+            return
+        if code is None:
+            child.proc.kill()
+            child.proc.wait()
+            why = f"was not ready after {ready_timeout_s:.0f} s; killed it"
+        else:
+            why = f"{_describe_exit(code)} before it was ready"
+        del self._recovering[name]
+        self._schedule(child, f"restart failed: {child.describe()} {why}{child.output()}")
+
+    def _say(self, message: str) -> None:
+        try:
+            print(f"cleave serve: {message}", file=self.log, flush=True)
+        except (ValueError, OSError):
+            pass
 
     # -- stopping ------------------------------------------------------------------------------
     def request_stop(self) -> None:
