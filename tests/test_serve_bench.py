@@ -53,9 +53,7 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     (dep,) = report["deployments"].values()
     assert list(dep["phases"]) == ["before", "burst", "after"]
     assert [p["rate"] for p in dep["phases"].values()] == [16.0, 120.0, 16.0]
-    assert sum(s["sent"] for s in dep["timeline"]) == sum(
-        p["sent"] for p in dep["phases"].values()
-    )
+    assert sum(s["sent"] for s in dep["timeline"]) == sum(p["sent"] for p in dep["phases"].values())
     assert dep["idle_connections"]["opened"] == 20
     assert "5xx other than 503" in result.stdout and (tmp_path / "stress.png").exists()
 
@@ -66,3 +64,12 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     for proc in dep["processes"].values():
         assert proc["rss_median_mib"] > 0 and proc["fds_max"] >= proc["fds_min"] > 0
     assert dep["windows"] and "max dev %" in result.stdout
+
+
+def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_path):
+    # Every request gets 504 (the budget is 1 µs): the report says so, with "-" latencies.
+    result, report = bench(tmp_path, "--quick", "--compare", "--budget-ms", "0.001")
+    for dep in report["deployments"].values():
+        assert dep["single"]["p50_ms"] is None and dep["single"]["errors"]["http_504"] > 0
+        assert dep["max_rate_within_budget"] == 0.0
+    assert "max rate with p99 <= 0.001 ms: 0/s" in result.stdout

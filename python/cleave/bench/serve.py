@@ -253,7 +253,7 @@ def paired_single(targets: dict[str, Target], workload: Workload, args, log) -> 
     for name in targets:
         result[name] = {**summarize(samples[name], 1.0, args.budget_ms), "round_p50_ms": p50s[name]}
         s = result[name]
-        log(f"  {name} single request: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms")
+        log(f"  {name} single request: p50 {_ms(s['p50_ms'])} ms  p99 {_ms(s['p99_ms'])} ms")
     return result
 
 
@@ -274,7 +274,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         samples = sequential(infer(), workload.bodies, args.single, check=check)
         result["single"] = summarize(samples, 1.0, args.budget_ms)
         s = result["single"]
-        log(f"  single request: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms")
+        log(f"  single request: p50 {_ms(s['p50_ms'])} ms  p99 {_ms(s['p99_ms'])} ms")
 
     def probe(rate: float) -> dict:
         for point in result["rates"]:  # the search may come back to a rate of the sweep
@@ -286,10 +286,9 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
         point["within_budget"] = _ok(point, rate, args.budget_ms)
         result["rates"].append(point)
-        p99 = f"{point['p99_ms']:.2f}" if point["p99_ms"] is not None else "-"
         log(
             f"  {rate:8.1f}/s: {point['throughput_rps']:8.1f}/s ok, p50 "
-            f"{point['p50_ms'] or 0:.2f} ms, p99 {p99} ms, errors {point['errors']}"
+            f"{_ms(point['p50_ms'])} ms, p99 {_ms(point['p99_ms'])} ms, errors {point['errors']}"
         )
         if not point["within_budget"] and target.restartable:
             target.restart()
@@ -326,6 +325,15 @@ def _stress(targets: dict, workload, result: dict, args, log) -> int:
     if plot:
         log(f"wrote {plot_stress(result, plot)}")
     return 0
+
+
+def _ms(value: float | None, width: int = 0) -> str:
+    """A latency for the table; "-" when nothing succeeded (every request over budget)."""
+    return f"{value:{width}.2f}" if value is not None else f"{'-':>{width}}"
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b else float("nan")
 
 
 def _search(probe, args) -> float:
@@ -365,14 +373,11 @@ def print_table(result: dict) -> None:
     for name, dep in result["deployments"].items():
         s = dep["single"]
         print(
-            f"{name:<14} {'single':>8} {'':>8} {'':>8} {s['p50_ms']:8.2f} {s['p95_ms']:8.2f} "
-            f"{s['p99_ms']:8.2f}"
+            f"{name:<14} {'single':>8} {'':>8} {'':>8} {_ms(s['p50_ms'], 8)} "
+            f"{_ms(s['p95_ms'], 8)} {_ms(s['p99_ms'], 8)}  {s['errors'] or ''}"
         )
         for p in sorted(dep["rates"], key=lambda p: p["rate"]):
-            fmt = [
-                f"{p[k]:8.2f}" if p[k] is not None else f"{'-':>8}"
-                for k in ("p50_ms", "p95_ms", "p99_ms")
-            ]
+            fmt = [_ms(p[k], 8) for k in ("p50_ms", "p95_ms", "p99_ms")]
             print(
                 f"{name:<14} {p['rate']:8.1f} {p['throughput_rps']:8.1f} {p['goodput_rps']:8.1f} "
                 f"{' '.join(fmt)}  {p['errors'] or ''}"
@@ -459,14 +464,14 @@ def run(args: argparse.Namespace) -> int:
         )
         ratios = sorted(d / m for d, m in rounds if d and m)
         result["ratios"] = {
-            "single_p50_disagg_over_mono": dis["single"]["p50_ms"] / mono["single"]["p50_ms"],
+            "single_p50_disagg_over_mono": _ratio(
+                dis["single"]["p50_ms"], mono["single"]["p50_ms"]
+            ),
             "single_p50_disagg_over_mono_median_of_rounds": (
                 ratios[len(ratios) // 2] if ratios else float("nan")
             ),
-            "max_rate_disagg_over_mono": (
-                dis["max_rate_within_budget"] / mono["max_rate_within_budget"]
-                if mono["max_rate_within_budget"]
-                else float("nan")
+            "max_rate_disagg_over_mono": _ratio(
+                dis["max_rate_within_budget"], mono["max_rate_within_budget"]
             ),
         }
     if args.check:
