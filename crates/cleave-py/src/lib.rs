@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 mod embed;
+mod loadgen;
 mod router;
 mod shard;
 mod shard_client;
@@ -14,6 +15,7 @@ mod wire;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     embed::register(m)?;
+    loadgen::register(m)?;
     router::register(m)?;
     wire::register(m)?;
     shard::register(m)?;

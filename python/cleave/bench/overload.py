@@ -79,6 +79,7 @@ def overload(target, workload, args, log) -> dict:
             workload.bodies,
             [(rate, duration) for _, rate, duration in phases],
             timeout_s=CLIENT_TIMEOUT_S,
+            replies=False,
         )
         idle_report = idle.wait_closed(args.idle_wait_s) if idle else None
     finally:

@@ -1,0 +1,136 @@
+//! An open-loop HTTP load generator (`cleave bench serve`'s client).
+//!
+//! Send times are given up front and a request goes out at its time whether or not earlier
+//! ones have answered; latency counts from the *scheduled* time, so a client that falls behind
+//! shows up as latency (no coordinated omission). It runs on one thread of its own: a Python
+//! client spent most of a core at a few thousand requests per second, on the same cores as the
+//! deployment it measured. Responses are kept whole (when asked) and parsed after the run.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Uri;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// What happened to one request.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// Which body was sent.
+    pub body: usize,
+    /// Its send time from the start of the run.
+    pub scheduled_s: f64,
+    /// How late the client sent it.
+    pub lag_s: f64,
+    /// From the scheduled time to the whole response (or the failure).
+    pub latency_s: f64,
+    /// HTTP status; 0 when there was none.
+    pub status: u16,
+    /// "" when a response arrived, else "timeout" or "connection: ...".
+    pub error: String,
+    /// The response body, for 200s when asked for.
+    pub reply: Option<Bytes>,
+}
+
+/// One run: POST `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start.
+pub struct Run {
+    pub url: String,
+    pub bodies: Vec<Bytes>,
+    pub times_s: Vec<f64>,
+    pub order: Vec<usize>,
+    pub timeout: Duration,
+    pub keep_replies: bool,
+}
+
+impl Run {
+    /// Runs the schedule to the end (every request answered or timed out).
+    pub fn execute(self) -> Result<Vec<Outcome>, String> {
+        let uri: Uri = self
+            .url
+            .parse()
+            .map_err(|e| format!("url {:?}: {e}", self.url))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!("url {:?}: expected http://HOST:PORT/...", self.url));
+        }
+        if self.times_s.len() != self.order.len() {
+            return Err(format!(
+                "{} send times but {} body indices",
+                self.times_s.len(),
+                self.order.len()
+            ));
+        }
+        if let Some(&bad) = self.order.iter().find(|&&i| i >= self.bodies.len()) {
+            return Err(format!(
+                "body index {bad} out of range: {} bodies",
+                self.bodies.len()
+            ));
+        }
+        if self.times_s.iter().any(|t| !t.is_finite() || *t < 0.0) {
+            return Err("send times must be finite and >= 0".into());
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the load generator's runtime: {e}"))?;
+        Ok(runtime.block_on(self.drive(uri)))
+    }
+
+    async fn drive(self, uri: Uri) -> Vec<Outcome> {
+        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let start = tokio::time::Instant::now() + Duration::from_millis(50);
+        let mut tasks = Vec::with_capacity(self.times_s.len());
+        for (&at, &body) in self.times_s.iter().zip(&self.order) {
+            let scheduled = start + Duration::from_secs_f64(at);
+            tokio::time::sleep_until(scheduled).await;
+            let lag_s = scheduled.elapsed().as_secs_f64();
+            let request = hyper::Request::post(uri.clone())
+                .header("content-type", "application/json")
+                .body(Full::new(self.bodies[body].clone()))
+                .expect("a POST of a parsed URI is a valid request");
+            let client = client.clone();
+            let (timeout, keep) = (self.timeout, self.keep_replies);
+            tasks.push(tokio::spawn(async move {
+                let mut outcome = Outcome {
+                    body,
+                    scheduled_s: at,
+                    lag_s,
+                    latency_s: 0.0,
+                    status: 0,
+                    error: String::new(),
+                    reply: None,
+                };
+                let exchange = async {
+                    let response = client.request(request).await.map_err(|e| e.to_string())?;
+                    let status = response.status().as_u16();
+                    let bytes = response
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .to_bytes();
+                    Ok::<_, String>((status, bytes))
+                };
+                match tokio::time::timeout(timeout, exchange).await {
+                    Ok(Ok((status, bytes))) => {
+                        outcome.status = status;
+                        if keep && status == 200 {
+                            outcome.reply = Some(bytes);
+                        }
+                    }
+                    Ok(Err(e)) => outcome.error = format!("connection: {e}"),
+                    Err(_) => outcome.error = "timeout".into(),
+                }
+                outcome.latency_s = scheduled.elapsed().as_secs_f64();
+                outcome
+            }));
+        }
+        let mut outcomes = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            if let Ok(outcome) = task.await {
+                outcomes.push(outcome);
+            }
+        }
+        outcomes
+    }
+}

@@ -1,0 +1,62 @@
+//! `cleave._native.http_load`: the open-loop HTTP load generator of `cleave bench serve`
+//! (crate cleave-loadgen), run with the GIL released.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use cleave_loadgen::Run;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::wire::duration;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(http_load, m)?)?;
+    Ok(())
+}
+
+/// One outcome per request, in schedule order:
+/// `(body, scheduled_s, lag_s, latency_s, status, error, reply)`; `error` is "" on a response,
+/// "timeout" or "connection: ..."; `reply` is the body of a 200 when `keep_replies`, else None.
+type Row = (usize, f64, f64, f64, u16, String, Option<Py<PyBytes>>);
+
+/// POSTs `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start, whether or not
+/// earlier requests have answered; each request may take `timeout_s`.
+#[pyfunction]
+#[pyo3(signature = (url, bodies, times_s, order, timeout_s=10.0, keep_replies=false))]
+fn http_load(
+    py: Python<'_>,
+    url: String,
+    bodies: Vec<Vec<u8>>,
+    times_s: Vec<f64>,
+    order: Vec<usize>,
+    timeout_s: f64,
+    keep_replies: bool,
+) -> PyResult<Vec<Row>> {
+    let timeout: Duration = duration(timeout_s, "timeout_s")?;
+    let run = Run {
+        url,
+        bodies: bodies.into_iter().map(Bytes::from).collect(),
+        times_s,
+        order,
+        timeout,
+        keep_replies,
+    };
+    let outcomes = py.detach(|| run.execute()).map_err(PyValueError::new_err)?;
+    Ok(outcomes
+        .into_iter()
+        .map(|o| {
+            let reply = o.reply.map(|b| PyBytes::new(py, &b).unbind());
+            (
+                o.body,
+                o.scheduled_s,
+                o.lag_s,
+                o.latency_s,
+                o.status,
+                o.error,
+                reply,
+            )
+        })
+        .collect())
+}
