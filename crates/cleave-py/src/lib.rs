@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 mod embed;
+mod health;
 mod loadgen;
 mod router;
 mod shard;
@@ -15,6 +16,7 @@ mod wire;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     embed::register(m)?;
+    health::register(m)?;
     loadgen::register(m)?;
     router::register(m)?;
     wire::register(m)?;

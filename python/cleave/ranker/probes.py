@@ -1,0 +1,90 @@
+"""A ranker's HTTP probes, the same as every role's: `/live`, `/ready` (the health schema of
+docs/protocol.md, "Health") and `/metrics` (Prometheus text from prometheus-client), served on a
+thread of their own so that probes never wait behind a batch."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _BatcherCollector:
+    """Reads the batching loop's counters when scraped: the loop itself stays free of metrics
+    calls on its hot path."""
+
+    def __init__(self, batcher):
+        self.batcher = batcher
+
+    def collect(self):
+        s = self.batcher.stats
+        requests = CounterMetricFamily(
+            "cleave_ranker_requests", "requests answered, by outcome", labels=["outcome"]
+        )
+        for outcome, value in (
+            ("ok", s.requests),
+            ("deadline", s.dropped_deadline),
+            ("bad_request", s.bad_requests),
+            ("failed", s.failed),
+        ):
+            requests.add_metric([outcome], value)
+        yield requests
+        yield CounterMetricFamily("cleave_ranker_batches", "batches run", value=s.batches)
+        yield GaugeMetricFamily(
+            "cleave_ranker_queue_depth", "requests waiting", value=len(self.batcher.queue)
+        )
+
+
+class Probes:
+    """`/live`, `/ready`, `/metrics` on `host:port` (port 0 picks one) until `close()`."""
+
+    def __init__(self, batcher, host: str = "127.0.0.1", port: int = 0):
+        self.registry = CollectorRegistry()
+        self.registry.register(_BatcherCollector(batcher))
+        self.problems: list[str] = []  # why the ranker cannot serve (stopping, for one)
+        probes = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the standard library's name)
+                path = self.path.split("?", 1)[0]
+                if path == "/live":
+                    probes._send(self, 200, "application/json", b'{"live":true}')
+                elif path == "/ready":
+                    from cleave._native import health
+
+                    status, body = health("ranker", [], list(probes.problems))
+                    probes._send(self, status, "application/json", body.encode())
+                elif path == "/metrics":
+                    text = generate_latest(probes.registry)
+                    probes._send(self, 200, "text/plain; version=0.0.4", text)
+                else:
+                    probes._send(self, 404, "application/json", b'{"error":"no such endpoint"}')
+
+            def log_message(self, *args):  # no line per probe on stderr
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="probes")
+        self.thread.daemon = True
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @staticmethod
+    def _send(handler, status: int, content_type: str, body: bytes) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", content_type)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
