@@ -16,6 +16,7 @@ COMMANDS = {
     "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
     "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),
     "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
+    "testbed": ("cleave.testbed.cli", "emulated multi-host network of namespaces on this machine"),
 }
 BENCHMARKS = {
     "lookup": ("cleave.bench.lookup", "pooled lookup rate vs PyTorch and the memory limit"),

@@ -1,0 +1,99 @@
+"""`cleave testbed up|down|list`. An instance made here outlives the command: it is recorded
+as CLI-owned and stays until `cleave testbed down --name NAME` (or `--all`) removes it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cleave.testbed import instances, shaping
+from cleave.testbed.testbed import Testbed
+
+DEFAULT_NAME = "default"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="create N hosts; prints HOSTNAME NETNS ADDRESS per host")
+    up.add_argument("--hosts", type=int, required=True, metavar="N", help="hosts, 1..200")
+    up.add_argument(
+        "--link-gbit",
+        type=float,
+        default=1.0,
+        metavar="G",
+        help="rate of every host link, each direction (default 1)",
+    )
+    up.add_argument(
+        "--burst-kb",
+        type=float,
+        default=shaping.DEFAULT_BURST_KB,
+        help=f"htb burst (default {shaping.DEFAULT_BURST_KB:g})",
+    )
+    up.add_argument(
+        "--queue-kb",
+        type=float,
+        default=shaping.DEFAULT_QUEUE_KB,
+        help=f"bfifo queue limit (default {shaping.DEFAULT_QUEUE_KB:g})",
+    )
+    up.add_argument("--name", default=DEFAULT_NAME, help=f"(default {DEFAULT_NAME!r})")
+    down = sub.add_parser("down", help="remove a CLI-made testbed, or all leftovers")
+    which = down.add_mutually_exclusive_group()
+    which.add_argument("--name", default=DEFAULT_NAME, help=f"(default {DEFAULT_NAME!r})")
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every CLI-made testbed and every leftover of a dead owner",
+    )
+    sub.add_parser("list", help="every testbed on this machine")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "up":
+        return _up(args)
+    if args.action == "down":
+        return _down(args)
+    return _list()
+
+
+def _up(args: argparse.Namespace) -> int:
+    tb = Testbed(
+        args.hosts,
+        args.link_gbit,
+        burst_kb=args.burst_kb,
+        queue_kb=args.queue_kb,
+        name=args.name,
+        detached=True,
+    ).up()
+    for h in tb.hosts:
+        print(f"{h.name} {h.netns} {h.address}")
+    print(f"root - {tb.root_address}", flush=True)
+    print(
+        f"testbed {tb.name!r} is up: slot {tb.slot}, {tb.subnet}, {tb.shape.gbit:g} Gbit/s "
+        f"links; remove it with `cleave testbed down --name {tb.name}`",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    if args.all:
+        removed, kept = instances.remove_all()
+        print(f"removed {len(removed)} testbed(s)" + (f": slots {removed}" if removed else ""))
+        if kept:
+            print(f"left (owned by running processes): {', '.join(kept)}")
+        return 0
+    slot = instances.remove_by_name(args.name)
+    print(f"removed testbed {args.name!r} (slot {slot})")
+    return 0
+
+
+def _list() -> int:
+    rows = instances.list_all()
+    header = ("NAME", "SLOT", "SUBNET", "HOSTS", "GBIT", "OWNER", "STATUS")
+    table = [header] + [
+        (r.name, str(r.slot), r.subnet, r.hosts, r.link_gbit, r.owner, r.status) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+    return 0

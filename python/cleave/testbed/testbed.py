@@ -1,0 +1,306 @@
+"""`Testbed`: N emulated hosts, each a network namespace joined by a shaped veth pair to one
+bridge in the root namespace, which also holds an address on it (docs/testbed.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import subprocess
+import time
+from dataclasses import dataclass
+
+from cleave.errors import UsageError
+from cleave.testbed import exit_hooks, naming, resources, shaping, state
+from cleave.testbed.commands import TestbedError, ip, require_privileges
+from cleave.testbed.owner import CLI, PROCESS, Owner
+
+log = logging.getLogger(__name__)
+RUN_TIMEOUT_S = 60.0  # default bound of Testbed.run
+STOP_WAIT_S = 2.0  # per signal, for processes started with popen
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    name: str  # h0, h1, ...
+    netns: str  # cleave-<slot>-h<index>
+    address: str  # 198.18.x.(11+index)
+    veth: str  # the host's interface, inside netns
+    bridge_port: str  # its peer on the bridge, in the root namespace
+
+
+def _check_positive(what: str, value: float, upper: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{what} must be a number, got {value!r}")
+    if not (math.isfinite(value) and 0 < value <= upper):
+        raise UsageError(f"{what} must be > 0 and <= {upper:g}, got {value!r}")
+    return float(value)
+
+
+class Testbed:
+    """An emulated multi-host network on this machine. Use as a context manager, or call
+    up() and down(). Owned by this process: removed when it exits (atexit, SIGTERM, SIGHUP),
+    and by the next up() anywhere if it was killed. ``detached=True`` (what `cleave testbed
+    up` uses) makes it owned by nobody: it stays until removed by name."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+    def __init__(
+        self,
+        hosts: int,
+        link_gbit: float = 1.0,
+        *,
+        burst_kb: float = shaping.DEFAULT_BURST_KB,
+        queue_kb: float = shaping.DEFAULT_QUEUE_KB,
+        name: str | None = None,
+        detached: bool = False,
+    ):
+        if isinstance(hosts, bool) or not isinstance(hosts, int):
+            raise UsageError(f"hosts must be an integer, got {hosts!r}")
+        if not 1 <= hosts <= naming.MAX_HOSTS:
+            raise UsageError(f"hosts must be 1..{naming.MAX_HOSTS}, got {hosts}")
+        if name is not None and not naming.NAME_RE.match(name):
+            raise UsageError(
+                f"name must be 1-32 characters of letters, digits, '_', '.', '-' starting with "
+                f"a letter or digit, got {name!r}"
+            )
+        self.shape = shaping.Shape(
+            gbit=_check_positive("link_gbit", link_gbit, 100.0),
+            burst_kb=_check_positive("burst_kb", burst_kb, 1024.0 * 1024),
+            queue_kb=_check_positive("queue_kb", queue_kb, 1024.0 * 1024),
+        )
+        self.host_count = hosts
+        self.requested_name = name
+        self.detached = detached
+        self._slot: int | None = None
+        self._name: str | None = None
+        self._hosts: list[Host] = []
+        self._procs: list[subprocess.Popen] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def up(self) -> Testbed:
+        """Create the namespaces, veths, bridge and qdiscs. Removes leftovers of dead owners
+        first. On any failure everything made so far is removed and the error re-raised."""
+        if self._slot is not None:
+            raise UsageError(f"testbed {self._name!r} is already up")
+        require_privileges()
+        owner = Owner.current(CLI if self.detached else PROCESS)
+        with state.locked():
+            resources.reclaim_dead()
+            inst = self._claim(owner)
+        self._slot, self._name = inst.slot, inst.name
+        if not self.detached:
+            exit_hooks.register(id(self), self.down)
+        try:
+            self._build(owner)
+        except BaseException as err:
+            try:
+                self.down()
+            except Exception as cleanup_err:  # report both; the next up() retries the removal
+                log.error("removing the partial testbed after %r failed: %s", err, cleanup_err)
+            raise
+        return self
+
+    def _claim(self, owner: Owner) -> state.InstanceState:
+        """Pick a free slot and record it (the caller holds the lock): its state file exists
+        before anything of it exists in the kernel."""
+        states, broken = state.read_all()
+        names = {s.name: s for s in states.values()}
+        if self.requested_name in names:
+            other = names[self.requested_name]
+            raise UsageError(
+                f"testbed name {self.requested_name!r} is in use by slot {other.slot} "
+                f"(owner {other.owner.describe()}); pick another --name or remove it with "
+                f"`cleave testbed down --name {self.requested_name}`"
+            )
+        busy = set(states) | set(broken) | resources.slots_present()
+        routed = resources.routed_networks()
+        for slot in range(naming.SLOTS):
+            subnet = naming.Names(slot).subnet
+            if slot in busy or any(net.overlaps(subnet) for net in routed):
+                continue
+            name = self.requested_name or f"tb{slot}"
+            if name in names:  # someone chose our default name for theirs
+                name = f"tb{slot}-{owner.pid}"
+            inst = state.InstanceState(
+                slot=slot,
+                name=name,
+                hosts=self.host_count,
+                link_gbit=self.shape.gbit,
+                burst_kb=self.shape.burst_kb,
+                queue_kb=self.shape.queue_kb,
+                owner=owner,
+                created=time.time(),
+            )
+            state.write(inst)
+            return inst
+        raise TestbedError(
+            f"no free /24 left in {naming.RANGE}: {len(busy)} slots hold testbeds and "
+            f"others overlap existing routes; remove some with `cleave testbed down --all`"
+        )
+
+    def _build(self, owner: Owner) -> None:
+        assert self._slot is not None
+        n = naming.Names(self._slot)
+        prefix = n.subnet.prefixlen
+        # nf_call_* 0: the host firewall (br_netfilter) must not filter traffic between hosts.
+        ip(
+            "link",
+            "add",
+            "name",
+            n.bridge,
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "nf_call_iptables",
+            "0",
+            "nf_call_ip6tables",
+            "0",
+            "nf_call_arptables",
+            "0",
+        )
+        ip("link", "set", "dev", n.bridge, "alias", owner.alias())
+        ip("addr", "add", f"{n.root_address}/{prefix}", "dev", n.bridge)
+        ip("link", "set", "dev", n.bridge, "up")
+        for i in range(self.host_count):
+            host = Host(
+                index=i,
+                name=f"h{i}",
+                netns=n.netns(i),
+                address=n.host_address(i),
+                veth=n.host_veth(i),
+                bridge_port=n.bridge_veth(i),
+            )
+            ip("netns", "add", host.netns)
+            ip(
+                "link",
+                "add",
+                host.bridge_port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.veth,
+                "netns",
+                host.netns,
+            )
+            ip("link", "set", "dev", host.bridge_port, "master", n.bridge, "up")
+            ip("-n", host.netns, "link", "set", "dev", "lo", "up")
+            ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", host.veth)
+            ip("-n", host.netns, "link", "set", "dev", host.veth, "up")
+            shaping.apply(host.veth, self.shape, netns=host.netns)  # host -> bridge
+            shaping.apply(host.bridge_port, self.shape)  # bridge -> host
+            self._hosts.append(host)
+
+    def down(self) -> None:
+        """Stop processes started in the hosts and remove everything this testbed made.
+        Idempotent. If removal fails the state file stays, so a later up() retries it."""
+        if self._slot is None:
+            return
+        self._stop_procs()
+        resources.remove_slot(self._slot)
+        state.remove(self._slot)
+        exit_hooks.unregister(id(self))
+        self._slot = None
+        self._hosts = []
+
+    def __enter__(self) -> Testbed:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def _stop_procs(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=STOP_WAIT_S)
+
+    # -- what it is ------------------------------------------------------------------------
+
+    def _require_up(self) -> int:
+        if self._slot is None:
+            raise UsageError("the testbed is not up: call up() or use it as a context manager")
+        return self._slot
+
+    @property
+    def slot(self) -> int:
+        """The instance id: selects the subnet and appears in every name."""
+        return self._require_up()
+
+    @property
+    def name(self) -> str:
+        self._require_up()
+        assert self._name is not None
+        return self._name
+
+    @property
+    def hosts(self) -> list[Host]:
+        self._require_up()
+        return list(self._hosts)
+
+    @property
+    def root_address(self) -> str:
+        """The root namespace's address on the bridge: tests and clients there use it."""
+        return naming.Names(self._require_up()).root_address
+
+    @property
+    def subnet(self) -> str:
+        return str(naming.Names(self._require_up()).subnet)
+
+    def __repr__(self) -> str:
+        if self._slot is None:
+            return f"Testbed(hosts={self.host_count}, link_gbit={self.shape.gbit:g}, down)"
+        return (
+            f"Testbed({self._name!r}, slot={self._slot}, subnet={self.subnet}, "
+            f"hosts={self.host_count}, link_gbit={self.shape.gbit:g})"
+        )
+
+    # -- using it --------------------------------------------------------------------------
+
+    def host(self, which: Host | int | str) -> Host:
+        """A host of this testbed by Host, index or name ("h0")."""
+        hosts = self.hosts
+        for h in hosts:
+            if which == h or which == h.index or which == h.name:
+                return h
+        names = ", ".join(h.name for h in hosts)
+        raise UsageError(f"no host {which!r} in testbed {self._name!r} (hosts: {names})")
+
+    def exec_argv(self, host: Host | int | str, argv: list[str]) -> list[str]:
+        """``argv`` wrapped to run inside the host's namespace."""
+        return ["ip", "netns", "exec", self.host(host).netns, *argv]
+
+    def popen(self, host: Host | int | str, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` inside the host. down() stops it if it is still running."""
+        proc = subprocess.Popen(self.exec_argv(host, argv), **kw)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: Host | int | str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        """subprocess.run inside the host; bounded by RUN_TIMEOUT_S unless ``timeout`` given."""
+        kw.setdefault("timeout", RUN_TIMEOUT_S)
+        return subprocess.run(self.exec_argv(host, argv), **kw)
+
+    def set_link(self, host: Host | int | str, up: bool) -> None:
+        """Take the host's link down (both veth ends) or bring it back; its address, routes
+        and shaping survive."""
+        h = self.host(host)
+        where = "up" if up else "down"
+        # Bridge side last going down and first coming up, so the host side flaps cleanly.
+        steps = [
+            ["-n", h.netns, "link", "set", "dev", h.veth, where],
+            ["link", "set", "dev", h.bridge_port, where],
+        ]
+        for step in reversed(steps) if up else steps:
+            ip(*step)
