@@ -91,9 +91,9 @@ def test_close_answers_what_is_pending_and_raw_garbage_is_refused():
     server = _native.FrameServer("127.0.0.1:0", frame_timeout_s=0.3)
     host, port = server.address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=10)
-    raw.sendall(b"\x00" * 24)
-    head = raw.recv(24)
-    magic, _, flags, _, _, n, _ = struct.unpack("<4sBBHQII", head)
+    raw.sendall(b"\x00" * 40)
+    head = raw.recv(40)
+    magic, _, flags, _, _, n, _, _, _ = struct.unpack("<4sBBHQIIQQ", head)
     body = raw.recv(n)
     assert (magic, flags, struct.unpack("<H", body[:2])[0]) == (b"CLVW", 3, 1)
     assert b"bad frame magic" in body

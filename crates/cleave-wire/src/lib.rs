@@ -21,8 +21,8 @@ mod io;
 mod server;
 
 pub use addr::Address;
-pub use client::{Client, ClientConfig};
+pub use client::{Client, ClientConfig, ClientStats};
 pub use error::WireError;
 pub use frame::{ConnClass, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
-pub use server::{Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};

@@ -1,11 +1,12 @@
 //! The server side: an acceptor and a control thread, data I/O threads that each own their
 //! connections, and a [`Handler`] that answers application frames.
 
+use std::collections::HashMap;
 use std::io;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
@@ -14,7 +15,7 @@ use tokio::time::Instant;
 
 use crate::addr::{Address, Listener, StdListener, Stream};
 use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
-use crate::frame::{decode_hello, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::frame::{decode_hello, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD, VERSION};
 use crate::io::IoThreads;
 
 /// Limits and timeouts of a server.
@@ -55,6 +56,27 @@ pub struct Request {
     pub request_id: u64,
     pub kind: u16,
     pub payload: Bytes,
+    /// When the caller stops waiting, Unix µs; 0 = none. A request already late when it
+    /// arrives never reaches the handler (the server answers `deadline`).
+    pub deadline_unix_us: u64,
+    /// The id of the client request this serves, for logs; 0 = none.
+    pub trace_id: u64,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Request {
+    /// Whether the caller has cancelled the request (a CANCEL frame arrived for it). Whatever
+    /// the handler answers afterwards is not sent; a handler that has not started may skip it.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+}
+
+/// The time now as Unix microseconds, the unit of frame deadlines.
+pub fn unix_now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Answers one request, once, from any thread. Dropping it unanswered sends an `internal`
@@ -64,6 +86,9 @@ pub struct Responder {
     tx: mpsc::UnboundedSender<Frame>,
     kind: u16,
     request_id: u64,
+    /// Echoed in the reply's header.
+    deadline_unix_us: u64,
+    trace_id: u64,
     done: bool,
 }
 
@@ -94,7 +119,9 @@ impl Responder {
 
     fn send(&mut self, f: Frame) {
         self.done = true;
-        let _ = self.tx.send(f);
+        let _ = self
+            .tx
+            .send(f.with_context(self.deadline_unix_us, self.trace_id));
     }
 }
 
@@ -122,6 +149,11 @@ pub trait Handler: Send + Sync + 'static {
     fn ready(&self) -> bool {
         true
     }
+
+    /// Called on the I/O thread when a CANCEL frame arrives for a request of this connection
+    /// that has not been answered yet (its `Request::is_cancelled` is already true). A handler
+    /// that queues requests drops it here; its reply, if any, is discarded.
+    fn cancelled(&self, _conn_id: u64, _request_id: u64) {}
 }
 
 /// Live counts of a server, for metrics.
@@ -129,6 +161,8 @@ pub trait Handler: Send + Sync + 'static {
 pub struct ServerStats {
     connections: AtomicU64,
     frames_receiving: AtomicU64,
+    cancelled: AtomicU64,
+    expired: AtomicU64,
 }
 
 impl ServerStats {
@@ -140,6 +174,16 @@ impl ServerStats {
     /// Connections in the middle of receiving a frame.
     pub fn frames_receiving(&self) -> u64 {
         self.frames_receiving.load(Ordering::Relaxed)
+    }
+
+    /// CANCEL frames that found their request unanswered.
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered `deadline` without reaching the handler.
+    pub fn expired(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
     }
 }
 
@@ -406,6 +450,8 @@ async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64,
     let mut draining = false;
     let mut frame_deadline: Option<Instant> = None;
     let mut last_activity = Instant::now();
+    // Application requests not answered yet, with their cancel flags.
+    let mut in_flight: HashMap<u64, Arc<AtomicBool>> = HashMap::new();
     let mut gauges = Gauges {
         stats: &shared.stats,
         receiving: false,
@@ -438,9 +484,18 @@ async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64,
         };
         match event {
             Event::Reply(f) => {
-                writer.push(f);
-                while let Ok(f) = rx.try_recv() {
-                    writer.push(f);
+                let mut next = Some(f);
+                while let Some(f) = next {
+                    let cancelled = !kind::is_control(f.kind)
+                        && in_flight
+                            .remove(&f.request_id)
+                            .is_some_and(|c| c.load(Ordering::Relaxed));
+                    if cancelled {
+                        owed -= 1; // the caller forgot the id: nothing goes out
+                    } else {
+                        writer.push(f);
+                    }
+                    next = rx.try_recv().ok();
                 }
             }
             Event::Wrote(Err(_)) => return,
@@ -463,8 +518,12 @@ async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64,
                     match reader.next() {
                         Ok(Some(frame)) => {
                             completed = true;
-                            owed += 1;
-                            dispatch(frame, &shared, conn_id, &tx);
+                            if frame.is_cancel() {
+                                cancel(&frame, &shared, conn_id, &in_flight);
+                            } else {
+                                owed += 1;
+                                dispatch(frame, &shared, conn_id, &tx, &mut in_flight);
+                            }
                         }
                         Ok(None) => break,
                         Err(e) => {
@@ -549,10 +608,31 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-fn dispatch(frame: Frame, shared: &Shared, conn_id: u64, tx: &mpsc::UnboundedSender<Frame>) {
+/// A CANCEL frame: marks its request cancelled if it is still unanswered; never answered.
+fn cancel(frame: &Frame, shared: &Shared, conn_id: u64, in_flight: &HashMap<u64, Arc<AtomicBool>>) {
+    let Some(flag) = in_flight.get(&frame.request_id) else {
+        return; // answered already, or never sent: nothing to do
+    };
+    if !flag.swap(true, Ordering::Relaxed) {
+        shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        shared.handler.cancelled(conn_id, frame.request_id);
+    }
+}
+
+/// Answers one request frame: control kinds here, late requests with `deadline`, the rest
+/// through the handler. Exactly one reply frame follows on `tx`, now or later.
+fn dispatch(
+    frame: Frame,
+    shared: &Shared,
+    conn_id: u64,
+    tx: &mpsc::UnboundedSender<Frame>,
+    in_flight: &mut HashMap<u64, Arc<AtomicBool>>,
+) {
     let (k, id) = (frame.kind, frame.request_id);
+    let context = (frame.deadline_unix_us, frame.trace_id);
     let error = |code, msg: String| {
-        let _ = tx.send(Frame::error(k, id, code, &msg));
+        let f = Frame::error(k, id, code, &msg).with_context(context.0, context.1);
+        let _ = tx.send(f);
     };
     if frame.is_response() {
         return error(
@@ -569,27 +649,47 @@ fn dispatch(frame: Frame, shared: &Shared, conn_id: u64, tx: &mpsc::UnboundedSen
             "HELLO is only valid as the first frame of a connection".to_owned(),
         ),
         kind::PING => {
-            let _ = tx.send(Frame::response(k, id, Bytes::new()));
+            let _ =
+                tx.send(Frame::response(k, id, Bytes::new()).with_context(context.0, context.1));
         }
         kind::READY => {
-            let ready = shared.handler.ready() as u8;
-            let _ = tx.send(Frame::response(k, id, Bytes::copy_from_slice(&[ready])));
+            let ready = Bytes::copy_from_slice(&[shared.handler.ready() as u8]);
+            let _ = tx.send(Frame::response(k, id, ready).with_context(context.0, context.1));
         }
         k if kind::is_control(k) => error(
             ErrorCode::UnknownKind,
-            format!("control kind {k:#06x} is not defined in protocol version 1"),
+            format!("control kind {k:#06x} is not defined in protocol version {VERSION}"),
         ),
         _ => {
+            let deadline = frame.deadline_unix_us;
+            let now = if deadline == 0 { 0 } else { unix_now_us() };
+            if now > deadline {
+                shared.stats.expired.fetch_add(1, Ordering::Relaxed);
+                return error(
+                    ErrorCode::Deadline,
+                    format!(
+                        "deadline passed {} us before the server could start the request",
+                        now - deadline
+                    ),
+                );
+            }
+            let cancelled = Arc::new(AtomicBool::new(false));
+            in_flight.insert(id, cancelled.clone());
             let request = Request {
                 conn_id,
                 request_id: id,
                 kind: k,
                 payload: frame.payload,
+                deadline_unix_us: deadline,
+                trace_id: frame.trace_id,
+                cancelled,
             };
             let responder = Responder {
                 tx: tx.clone(),
                 kind: k,
                 request_id: id,
+                deadline_unix_us: deadline,
+                trace_id: frame.trace_id,
                 done: false,
             };
             // A panicking handler must not take the connection (or thread) down; the dropped
