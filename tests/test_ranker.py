@@ -10,7 +10,14 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from cleave.ranker.batcher import ERR_BAD_REQUEST, ERR_DEADLINE, ERR_INTERNAL, Batcher
+from cleave import _native
+from cleave.ranker.batcher import (
+    ERR_BAD_REQUEST,
+    ERR_DEADLINE,
+    ERR_INTERNAL,
+    ERR_OVERLOADED,
+    Batcher,
+)
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.local import LocalQueue, RankerError
 from cleave.ranker.payload import (
@@ -107,7 +114,7 @@ def make_batcher(monolithic=False, manifest=DENSE_MANIFEST, module=None, **kw):
 
 
 def submit(queue, tensors, deadline_us=0, kind=KIND_RANK):
-    return queue.submit(kind, encode_request(deadline_us, tensors))
+    return queue.submit(kind, encode_request(tensors), deadline_us)
 
 
 # -- payloads ------------------------------------------------------------------------------
@@ -125,8 +132,7 @@ def test_payload_round_trip_every_dtype():
         torch.zeros(0, 7),
         torch.tensor(2.5),
     ]
-    request = decode_request(encode_request(123456789, tensors))
-    assert request.deadline_us == 123456789
+    request = decode_request(encode_request(tensors))
     for got, want in zip(request.tensors, tensors, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     response = decode_response(encode_response(1, 2, 3, 4, tensors[:2]))
@@ -135,28 +141,28 @@ def test_payload_round_trip_every_dtype():
 
 
 def test_request_tensors_share_the_payload_memory():
-    payload = bytearray(encode_request(0, [torch.zeros(4)]))
+    payload = bytearray(encode_request([torch.zeros(4)]))
     tensor = decode_request(payload).tensors[0]
-    payload[16 + 8 + 8] = 0x80  # first data byte after the header and one dim
-    payload[16 + 8 + 8 + 3] = 0x3F
+    payload[8 + 8 + 8] = 0x80  # first data byte after the header and one dim
+    payload[8 + 8 + 8 + 3] = 0x3F
     assert tensor[0].item() != 0.0  # no copy was made
 
 
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda b: b[:10], "header needs 16 bytes"),
-        (lambda b: b[:20], "header needs 8 bytes"),
+        (lambda b: b[:5], "request header needs 8 bytes"),
+        (lambda b: b[:12], "tensor 0 at byte 8: header needs 8 bytes"),
         (lambda b: b[:-8], "data bytes"),
         (lambda b: b + bytes(8), "payload has"),
-        (lambda b: b[:16] + bytes([9]) + b[17:], "dtype code 9"),
-        (lambda b: b[:8] + struct.pack("<I", 5) + b[12:], "payload ends"),
-        (lambda b: b[:17] + bytes([200]) + b[18:], "200 dims, at most 16"),
-        (lambda b: b[:17] + bytes([9]) + b[18:], "9 dims need 72 bytes"),
+        (lambda b: b[:8] + bytes([9]) + b[9:], "dtype code 9"),
+        (lambda b: struct.pack("<I", 5) + b[4:], "payload ends"),
+        (lambda b: b[:9] + bytes([200]) + b[10:], "200 dims, at most 16"),
+        (lambda b: b[:9] + bytes([9]) + b[10:], "9 dims need 72 bytes"),
     ],
 )
 def test_malformed_payloads_are_errors(mutate, message):
-    good = encode_request(0, [torch.randn(2, 3)])
+    good = encode_request([torch.randn(2, 3)])
     with pytest.raises(PayloadError, match=message):
         decode_request(mutate(good))
 
@@ -164,7 +170,7 @@ def test_malformed_payloads_are_errors(mutate, message):
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=256), st.integers(0, 200), st.binary(min_size=1, max_size=8))
 def test_decoder_never_fails_other_than_with_payload_error(noise, at, patch):
-    good = bytearray(encode_request(7, [torch.randn(2, 3), torch.arange(4)]))
+    good = bytearray(encode_request([torch.randn(2, 3), torch.arange(4)]))
     mutated = good[:at] + patch + good[at + len(patch) :]
     for payload in (noise, bytes(mutated)):
         try:
@@ -178,15 +184,15 @@ def test_signature_validates_names_dtypes_and_symbols():
     sig = signature(DENSE_MANIFEST, monolithic=False)
     from cleave.ranker.payload import RankRequest
 
-    assert sig.check(RankRequest(0, dense_request(5, 0))) == 5
+    assert sig.check(RankRequest(dense_request(5, 0))) == 5
     with pytest.raises(PayloadError, match="expected 2 tensors"):
-        sig.check(RankRequest(0, dense_request(5, 0)[:1]))
+        sig.check(RankRequest(dense_request(5, 0)[:1]))
     with pytest.raises(PayloadError, match="'pooled_0': expected torch.float32"):
-        sig.check(RankRequest(0, [torch.randn(5, 4), torch.zeros(5, 3, dtype=torch.int64)]))
+        sig.check(RankRequest([torch.randn(5, 4), torch.zeros(5, 3, dtype=torch.int64)]))
     with pytest.raises(PayloadError, match="'pooled_0' dim 1: expected 3, got 2"):
-        sig.check(RankRequest(0, [torch.randn(5, 4), torch.randn(5, 2)]))
+        sig.check(RankRequest([torch.randn(5, 4), torch.randn(5, 2)]))
     with pytest.raises(PayloadError, match=r"dim 0 \(B\) is 4, but input 'dense_x' has B = 5"):
-        sig.check(RankRequest(0, [torch.randn(5, 4), torch.randn(4, 3)]))
+        sig.check(RankRequest([torch.randn(5, 4), torch.randn(4, 3)]))
 
 
 # -- joining and splitting -----------------------------------------------------------------
@@ -318,12 +324,46 @@ def test_expired_deadline_is_dropped_and_others_are_served():
     assert batcher.stats.dropped_deadline == 1
 
 
+def test_error_codes_are_the_wire_crates():
+    assert (ERR_BAD_REQUEST, ERR_INTERNAL, ERR_DEADLINE, ERR_OVERLOADED) == (7, 12, 13, 14)
+    assert _native.ERROR_CODES["cancelled"] == _native.ERR_CANCELLED == 15
+    assert sorted(_native.ERROR_CODES.values()) == list(range(1, 16))
+
+
+def test_a_full_queue_answers_overloaded_at_once_and_serves_the_rest():
+    queue, batcher, _ = make_batcher(max_batch=2, max_queue=3)
+    futures = [submit(queue, dense_request(2, s)) for s in range(5)]
+    batcher._receive(0.0)  # all five arrive before any batch runs
+    for f in futures[3:]:
+        with pytest.raises(RankerError) as err:
+            f.result(timeout=0)
+        assert err.value.code == ERR_OVERLOADED and "queue full (3 requests)" in err.value.message
+    while not all(f.done() for f in futures[:3]):
+        batcher.step()
+    assert [decode_response(f.result()).batch_requests for f in futures[:3]] == [1, 1, 1]
+    assert batcher.stats.overloaded == 2 and batcher.stats.requests == 3
+
+
+def test_cancelled_requests_leave_the_queue_unanswered():
+    queue, batcher, _ = make_batcher(max_batch=2)
+    futures = [submit(queue, dense_request(2, s)) for s in range(4)]
+    queue.cancel(futures[0].request_id)  # still in the source: never received
+    batcher._receive(0.0)
+    queue.cancel(futures[2].request_id)  # already in the batcher's queue
+    while not all(f.done() for f in futures):
+        batcher.step()
+    assert futures[0].cancelled() and futures[2].cancelled()
+    served = [decode_response(f.result()).batch_requests for f in (futures[1], futures[3])]
+    assert served == [1, 1]
+    assert (batcher.stats.cancelled, batcher.stats.requests, batcher.queued_rows) == (1, 2, 0)
+
+
 @pytest.mark.parametrize(
     "payload, message",
     [
-        (b"\x00" * 5, "header needs 16 bytes"),
-        (encode_request(0, [torch.randn(2, 4)]), "expected 2 tensors"),
-        (encode_request(0, [torch.randn(2, 4), torch.randn(2, 3).half()]), "float32"),
+        (b"\x00" * 5, "header needs 8 bytes"),
+        (encode_request([torch.randn(2, 4)]), "expected 2 tensors"),
+        (encode_request([torch.randn(2, 4), torch.randn(2, 3).half()]), "float32"),
     ],
 )
 def test_bad_requests_get_errors_and_the_loop_goes_on(payload, message):

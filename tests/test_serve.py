@@ -362,24 +362,24 @@ def test_ranker_process_answers_malformed_frames_and_keeps_serving(models, tmp_p
         values = {**named, **served.bundle.sparse_reference(named)}
         good = [values[n] for n in served.bundle.manifest["dense"]["inputs"]]
         bad = [
-            (b"\x01\x02", "request header needs 16 bytes"),
-            (encode_request(0, good[:-1]), f"expected {len(good)} tensors"),
-            (encode_request(0, [good[0].half(), *good[1:]]), "expected torch.float32"),
-            (encode_request(0, good)[:-4], "data bytes"),
-            (encode_request(1, good), "deadline passed"),
+            (b"\x01\x02", "request header needs 8 bytes"),
+            (encode_request(good[:-1]), f"expected {len(good)} tensors"),
+            (encode_request([good[0].half(), *good[1:]]), "expected torch.float32"),
+            (encode_request(good)[:-4], "data bytes"),
         ]
         for payload, message in bad:
             with pytest.raises(WireError, match=message):
                 client.call(KIND_RANK, payload)
             with pytest.raises(WireError, match="serves frame kind"):
-                client.call(KIND_RANK + 5, encode_request(0, good))
-        reply = decode_response(client.call(KIND_RANK, encode_request(0, good)))
+                client.call(KIND_RANK + 5, encode_request(good))
+        reply = decode_response(client.call(KIND_RANK, encode_request(good), trace_id=7))
         with torch.inference_mode():
             want = served.model(*args)
         assert np.abs(reply.tensors[0].numpy() - want.numpy()).max() <= TOLERANCE
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        summary = "1 requests in 1 batches, 1 past deadline, 9 malformed, 0 failed"
+        summary = "1 requests in 1 batches, 0 past deadline, 0 cancelled, 0 refused (queue full), "
+        summary += "8 malformed, 0 failed"
         assert summary in proc.stderr.read()
     finally:
         if proc.poll() is None:

@@ -32,7 +32,7 @@ ROWS = {"f32": 1000, "f16": 300, "i8": 257, "wide": 40}
 DIMS = {"f32": 16, "f16": 8, "i8": 12, "wide": 128}
 DTYPES = {"f32": "float32", "f16": "float16", "i8": "int8_rowwise", "wide": "float32"}
 LOOKUP = 0x0100
-HEADER = struct.Struct("<4sBBHQII")
+HEADER = struct.Struct("<4sBBHQIIQQ")  # protocol version 2: deadline_unix_us, trace_id
 START_TIMEOUT_S = 30
 
 
@@ -168,8 +168,8 @@ def routes_for(shards: list[Shard], n: int) -> list[tuple[str, int, int, str]]:
     ]
 
 
-def frame(kind: int, rid: int, payload: bytes, flags: int = 0) -> bytes:
-    return HEADER.pack(b"CLVW", 1, flags, kind, rid, len(payload), 0) + payload
+def frame(kind: int, rid: int, payload: bytes, flags: int = 0, deadline_us: int = 0) -> bytes:
+    return HEADER.pack(b"CLVW", 2, flags, kind, rid, len(payload), 0, deadline_us, 0) + payload
 
 
 def connect(address: str, hello: bool = True) -> socket.socket:
@@ -184,8 +184,8 @@ def connect(address: str, hello: bool = True) -> socket.socket:
 
 def read_frame(s: socket.socket) -> tuple[int, int, int, bytes]:
     head = recv_exact(s, HEADER.size)
-    magic, version, flags, kind, rid, n, _ = HEADER.unpack(head)
-    assert (magic, version) == (b"CLVW", 1)
+    magic, version, flags, kind, rid, n, _, _, _ = HEADER.unpack(head)
+    assert (magic, version) == (b"CLVW", 2)
     return flags, kind, rid, recv_exact(s, n)
 
 
@@ -213,6 +213,7 @@ def assert_closed(s: socket.socket) -> None:
 # Error codes (docs/protocol.md).
 MALFORMED, UNSUPPORTED_VERSION, TOO_LARGE, TIMEOUT, HANDSHAKE = 1, 2, 3, 4, 5
 UNKNOWN_KIND, BAD_REQUEST, NOT_FOUND, OUT_OF_RANGE = 6, 7, 8, 9
+DEADLINE = 13
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +356,15 @@ def test_metrics_ready_live_and_counters(deployments):
     before = shard.metric("cleave_shard_rows_total")
     clients[1].lookup([("f32", "sum", np.arange(10), np.array([0, 4, 10]))])
     assert shard.metric("cleave_shard_rows_total") == before + 10
-    assert shard.get("/ready") == (200, "ready\n")
+    status, body = shard.get("/ready")
+    assert status == 200, body
+    assert json.loads(body) == {
+        "role": "shard",
+        "status": "ready",
+        "ready": True,
+        "degraded": [],
+        "problems": [],
+    }
     assert shard.get("/live") == (200, "live\n")
     _, text = shard.get("/metrics")
     assert "# TYPE cleave_shard_request_duration_seconds histogram" in text
@@ -420,6 +429,11 @@ def test_bad_lookups_get_error_frames_and_the_connection_stays(lone):
     assert (flags, rid) == (1, 100)
     got = np.frombuffer(body[8 + 16 :], dtype=np.float32)
     np.testing.assert_array_equal(got, values["f32"][5])
+    # A lookup whose deadline (header, Unix µs) has passed is answered `deadline`, not looked up.
+    late = _native.encode_lookups([("f32", "none", np.array([5]), None)])
+    s.sendall(frame(LOOKUP, 101, late, deadline_us=1))
+    code, message = error_of(read_frame(s))
+    assert code == DEADLINE and "deadline passed" in message, message
     good_request(shard, values)
 
 
@@ -434,9 +448,9 @@ def test_malformed_frames_close_the_connection_and_others_are_served(lone, what)
     good = lookup_frame([("f32", "sum", np.array([3]), np.array([0, 1]))], 5)
     expected = {
         "bad magic": (b"GET /metrics HTTP/1.1\r\n\r\n" + b" " * 8, MALFORMED),
-        "version": (good[:4] + b"\x02" + good[5:], UNSUPPORTED_VERSION),
+        "version": (good[:4] + b"\x01" + good[5:], UNSUPPORTED_VERSION),
         "reserved": (good[:20] + b"\x01" + good[21:], MALFORMED),
-        "oversized": (HEADER.pack(b"CLVW", 1, 0, LOOKUP, 5, 1 << 31, 0), TOO_LARGE),
+        "oversized": (HEADER.pack(b"CLVW", 2, 0, LOOKUP, 5, 1 << 31, 0, 0, 0), TOO_LARGE),
         "no hello": (good, HANDSHAKE),
         "silent": (b"", TIMEOUT),
         "mid-frame timeout": (good[:30], TIMEOUT),

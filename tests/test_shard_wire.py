@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,7 +19,7 @@ KIND = 0x0200
 def serve(server: _native.FrameServer, stop: threading.Event) -> None:
     """A toy ranker: replies each request's float32 payload doubled; kind 0x0201 errors."""
     while not stop.is_set():
-        for conn, rid, kind, payload in server.recv(max_items=16, timeout_s=0.05):
+        for conn, rid, kind, payload, _, _ in server.recv(max_items=16, timeout_s=0.05):
             if kind == KIND + 1:
                 server.reply_error(conn, rid, 7, f"kind {kind:#x} is refused here")
             else:
@@ -66,10 +67,14 @@ def test_reply_checks_its_arguments():
     with _native.FrameServer("127.0.0.1:0") as server:
         client = _native.FrameClient(server.address, timeout_s=10)
         result = {}
-        caller = threading.Thread(target=lambda: result.update(r=client.call(KIND, b"abc")))
+        call = lambda: result.update(r=client.call(KIND, b"abc", trace_id=31))  # noqa: E731
+        caller = threading.Thread(target=call)
         caller.start()
-        (conn, rid, kind, payload) = server.recv(timeout_s=10)[0]
-        assert (kind, payload) == (KIND, b"abc")
+        before_us = time.time() * 1e6
+        (conn, rid, kind, payload, deadline_us, trace_id) = server.recv(timeout_s=10)[0]
+        assert (kind, payload, trace_id) == (KIND, b"abc", 31)
+        # The header carries now + the client's timeout (10 s) as the deadline.
+        assert before_us < deadline_us <= time.time() * 1e6 + 10e6
         with pytest.raises(ValueError, match="reply kind 0x0300 for request .* of kind 0x0200"):
             server.reply(conn, rid, 0x0300, b"")
         for bad in (3.5, 3, "text"):
@@ -91,9 +96,9 @@ def test_close_answers_what_is_pending_and_raw_garbage_is_refused():
     server = _native.FrameServer("127.0.0.1:0", frame_timeout_s=0.3)
     host, port = server.address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=10)
-    raw.sendall(b"\x00" * 24)
-    head = raw.recv(24)
-    magic, _, flags, _, _, n, _ = struct.unpack("<4sBBHQII", head)
+    raw.sendall(b"\x00" * 40)
+    head = raw.recv(40)
+    magic, _, flags, _, _, n, _, _, _ = struct.unpack("<4sBBHQIIQQ", head)
     body = raw.recv(n)
     assert (magic, flags, struct.unpack("<H", body[:2])[0]) == (b"CLVW", 3, 1)
     assert b"bad frame magic" in body
@@ -123,3 +128,49 @@ def test_bad_addresses_and_timeouts_are_value_errors():
         _native.FrameServer("localhost")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         _native.FrameClient("127.0.0.1:1", timeout_s=0)
+
+
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_caller_that_gives_up_cancels_its_request():
+    with _native.FrameServer("127.0.0.1:0") as server:
+        client = _native.FrameClient(server.address, timeout_s=10)
+        # One exchange first, so that the data connection is open before the short timeouts.
+        warm = threading.Thread(target=lambda: client.call(KIND, b"warm"))
+        warm.start()
+        (conn, rid, _, _, _, _) = server.recv(timeout_s=10)[0]
+        server.reply(conn, rid, KIND, b"")
+        warm.join()
+        # Queued, never received: the cancel removes it before Python sees it.
+        with pytest.raises(_native.WireError, match="no response within"):
+            client.call(KIND, b"queued", timeout_s=0.2)
+        wait_for(lambda: server.stats()["cancelled"] == 1, "the CANCEL never arrived")
+        assert server.recv(timeout_s=0.05) == [] and server.pending() == 0
+        # Received, then cancelled: reported once by cancelled(); its reply is not sent.
+        result = {}
+        caller = threading.Thread(
+            target=lambda: result.update(r=_call_or_error(client, b"taken", 1.0))
+        )
+        caller.start()
+        (conn, rid, _, payload, _, _) = server.recv(timeout_s=10)[0]
+        assert payload == b"taken"
+        caller.join()
+        assert "no response within" in result["r"]
+        wait_for(lambda: server.stats()["cancelled"] == 2, "the second CANCEL never arrived")
+        assert server.cancelled() == [(conn, rid)]
+        assert server.cancelled() == []
+        server.reply(conn, rid, KIND, b"late")  # accepted, dropped
+        assert server.pending() == 0
+        assert client.stats() == {"orphan_responses": 0, "cancels_sent": 2}
+
+
+def _call_or_error(client, payload: bytes, timeout_s: float) -> str:
+    try:
+        return client.call(KIND, payload, timeout_s=timeout_s).decode()
+    except _native.WireError as err:
+        return str(err)

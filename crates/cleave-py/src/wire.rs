@@ -1,8 +1,10 @@
 //! `cleave._native.FrameServer` and `FrameClient`: the internal data plane (crate cleave-wire)
 //! for Python. A Python ranker serves frames with `FrameServer`: `recv` hands over requests
-//! (GIL released while waiting), `reply` answers them from any thread. `FrameClient` makes
-//! calls (tests, tools). Transport failures and error frames raise `cleave._native.WireError`
-//! with a message naming the peer.
+//! (GIL released while waiting), `reply` answers them from any thread, `cancelled` says which
+//! of those handed over their callers gave up on. `FrameClient` makes calls (tests, tools).
+//! Transport failures and error frames raise `cleave._native.WireError` with a message naming
+//! the peer. The wire's error codes are module constants `ERR_<NAME>` and the dict
+//! `ERROR_CODES` (name -> code).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,7 +19,7 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 pyo3::create_exception!(
     _native,
@@ -31,6 +33,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WireError", m.py().get_type::<WireError>())?;
     m.add_class::<FrameServer>()?;
     m.add_class::<FrameClient>()?;
+    let codes = PyDict::new(m.py());
+    for code in ErrorCode::all() {
+        let name = code.name();
+        m.add(
+            format!("ERR_{}", name.to_uppercase()).as_str(),
+            code.to_u16(),
+        )?;
+        codes.set_item(name, code.to_u16())?;
+    }
+    m.add("ERROR_CODES", codes)?;
     Ok(())
 }
 
@@ -88,6 +100,8 @@ struct Item {
     request_id: u64,
     kind: u16,
     payload: Bytes,
+    deadline_us: u64,
+    trace_id: u64,
 }
 
 /// Requests handed from the I/O threads to Python, and the responders for their replies.
@@ -96,6 +110,8 @@ struct Inbox {
     items: Mutex<VecDeque<Item>>,
     arrived: Condvar,
     responders: Mutex<HashMap<(u64, u64), Responder>>,
+    /// Requests handed to Python whose callers have cancelled them since the last look.
+    cancelled: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Handler for Inbox {
@@ -118,12 +134,35 @@ impl Handler for Inbox {
             request_id: request.request_id,
             kind: request.kind,
             payload: request.payload,
+            deadline_us: request.deadline_unix_us,
+            trace_id: request.trace_id,
         };
         self.items
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(item);
         self.arrived.notify_one();
+    }
+
+    /// Still queued: dropped here, Python never sees it. Handed out: Python learns it from
+    /// `FrameServer.cancelled()`. Either way the server sends no reply for it.
+    fn cancelled(&self, conn_id: u64, request_id: u64) {
+        let key = (conn_id, request_id);
+        let queued = {
+            let mut q = self.items.lock().unwrap_or_else(|e| e.into_inner());
+            let at = q.iter().position(|it| (it.conn_id, it.request_id) == key);
+            at.and_then(|i| q.remove(i)).is_some()
+        };
+        let mut responders = self.responders.lock().unwrap_or_else(|e| e.into_inner());
+        if queued {
+            responders.remove(&key);
+        } else if responders.contains_key(&key) {
+            drop(responders);
+            self.cancelled
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(key);
+        }
     }
 }
 
@@ -175,7 +214,9 @@ impl FrameServer {
     }
 
     /// Waits up to `timeout_s` (forever if None) for requests and returns up to `max_items`
-    /// of them as `(conn_id, request_id, kind, payload: bytes)`; empty on timeout.
+    /// of them as `(conn_id, request_id, kind, payload: bytes, deadline_us, trace_id)`
+    /// (`deadline_us`: Unix µs, 0 = none; `trace_id`: 0 = none); empty on timeout. Requests
+    /// cancelled while queued are not returned.
     #[pyo3(signature = (max_items=64, timeout_s=None))]
     fn recv<'py>(
         &self,
@@ -213,6 +254,8 @@ impl FrameServer {
                     it.request_id.into_pyobject(py)?.into_any(),
                     it.kind.into_pyobject(py)?.into_any(),
                     payload.into_any(),
+                    it.deadline_us.into_pyobject(py)?.into_any(),
+                    it.trace_id.into_pyobject(py)?.into_any(),
                 ],
             )
         });
@@ -253,6 +296,34 @@ impl FrameServer {
         self.take(conn_id, request_id)?
             .error(ErrorCode::from_u16(code), message);
         Ok(())
+    }
+
+    /// `[(conn_id, request_id)]` of requests returned by `recv` whose callers have cancelled
+    /// them since the last call: drop them if not started. A reply to one is accepted and not
+    /// sent (the caller has forgotten it), so every received request still gets one reply.
+    fn cancelled(&self) -> Vec<(u64, u64)> {
+        std::mem::take(
+            &mut *self
+                .inbox
+                .cancelled
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
+    }
+
+    /// Counts of the server: `{"connections", "cancelled", "expired"}` (cancelled: CANCEL
+    /// frames that found their request unanswered; expired: requests answered `deadline`
+    /// on arrival, never returned by `recv`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let guard = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(server) = guard.as_ref() {
+            let s = server.stats();
+            d.set_item("connections", s.connections())?;
+            d.set_item("cancelled", s.cancelled())?;
+            d.set_item("expired", s.expired())?;
+        }
+        Ok(d)
     }
 
     /// Requests received and not answered yet.
@@ -359,21 +430,33 @@ impl FrameClient {
         })
     }
 
-    /// Sends a request of `kind` and returns the response payload as bytes.
-    #[pyo3(signature = (kind, payload, timeout_s=None))]
+    /// Sends a request of `kind` and returns the response payload as bytes. Its deadline on
+    /// the wire is now + the timeout; `trace_id` (0: none) travels in the header.
+    #[pyo3(signature = (kind, payload, timeout_s=None, trace_id=0))]
     fn call<'py>(
         &self,
         py: Python<'py>,
         kind: u16,
         payload: &Bound<'py, PyAny>,
         timeout_s: Option<f64>,
+        trace_id: u64,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let payload = bytes_like(payload)?;
         let timeout = timeout_s.map_or(Ok(self.timeout), |t| duration(t, "timeout_s"))?;
+        let call = self.client.call_traced(kind, payload, timeout, trace_id);
         let reply = py
-            .detach(|| self.rt.block_on(self.client.call(kind, payload, timeout)))
+            .detach(|| self.rt.block_on(call))
             .map_err(|e| WireError::new_err(e.to_string()))?;
         Ok(PyBytes::new(py, &reply))
+    }
+
+    /// `{"orphan_responses", "cancels_sent"}` so far (docs/protocol.md, "CANCEL").
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.client.stats();
+        let d = PyDict::new(py);
+        d.set_item("orphan_responses", s.orphan_responses)?;
+        d.set_item("cancels_sent", s.cancels_sent)?;
+        Ok(d)
     }
 
     /// PING over the control connection.

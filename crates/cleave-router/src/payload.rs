@@ -3,12 +3,13 @@
 //!
 //! ```text
 //! tensor   := dtype:u8 ndim:u8 reserved:u16 reserved:u32 dims:u64[ndim] data pad(to 8)
-//! request  := deadline_unix_us:u64 n_tensors:u32 reserved:u32 tensor[n_tensors]
+//! request  := n_tensors:u32 reserved:u32 tensor[n_tensors]
 //! response := queue_us:u32 compute_us:u32 batch_requests:u32 queue_depth:u32
 //!             n_tensors:u32 reserved:u32 tensor[n_tensors]
 //! ```
 //! All integers little-endian. Decoding checks every length against the buffer, so a
-//! truncated or hostile payload is an error, never a panic or a huge allocation.
+//! truncated or hostile payload is an error, never a panic or a huge allocation. The request's
+//! deadline and trace id travel in the frame header (protocol version 2), not here.
 
 use std::fmt;
 
@@ -17,8 +18,6 @@ use crate::tensor::{numel, DType, Tensor};
 /// Frame kinds of the ranker messages (application kinds 0x0110..0x011f are the rankers').
 pub const RANK: u16 = 0x0110;
 pub const RANK_FULL: u16 = 0x0111;
-/// Error code of a ranker's error frame for a request whose deadline passed in its queue.
-pub const ERR_DEADLINE: u16 = 0x0110;
 
 /// Dims a tensor header may declare; more is a corrupt payload.
 const MAX_NDIM: usize = 16;
@@ -36,7 +35,6 @@ pub struct RankResponse {
 /// A decoded RANK / RANK_FULL request (the ranker's side; the router uses it in tests).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RankRequest {
-    pub deadline_unix_us: u64,
     pub tensors: Vec<Tensor>,
 }
 
@@ -66,14 +64,10 @@ fn put_tensor(out: &mut Vec<u8>, t: &Tensor) {
     out.resize(out.len().next_multiple_of(8), 0);
 }
 
-/// Packs one request's tensors behind its deadline, in one allocation.
-pub fn encode_request<'a>(
-    deadline_unix_us: u64,
-    tensors: impl IntoIterator<Item = &'a Tensor> + Clone,
-) -> Vec<u8> {
-    let size = 16 + tensors.clone().into_iter().map(tensor_len).sum::<usize>();
+/// Packs one request's tensors, in one allocation.
+pub fn encode_request<'a>(tensors: impl IntoIterator<Item = &'a Tensor> + Clone) -> Vec<u8> {
+    let size = 8 + tensors.clone().into_iter().map(tensor_len).sum::<usize>();
     let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&deadline_unix_us.to_le_bytes());
     let count = tensors.clone().into_iter().count() as u32;
     out.extend_from_slice(&count.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
@@ -196,14 +190,10 @@ pub fn decode_response(buf: &[u8]) -> Result<RankResponse, PayloadError> {
 
 pub fn decode_request(buf: &[u8]) -> Result<RankRequest, PayloadError> {
     let mut r = Reader { buf, pos: 0 };
-    let deadline_unix_us = r.u64("deadline_unix_us")?;
     let count = r.u32("n_tensors")?;
     r.u32("reserved")?;
     let tensors = r.tensors(count)?;
-    Ok(RankRequest {
-        deadline_unix_us,
-        tensors,
-    })
+    Ok(RankRequest { tensors })
 }
 
 #[cfg(test)]
@@ -223,19 +213,17 @@ mod tests {
     #[test]
     fn request_round_trip() {
         let tensors = sample();
-        let buf = encode_request(1_700_000_000_123_456, &tensors);
+        let buf = encode_request(&tensors);
         assert_eq!(buf.len() % 8, 0);
         let back = decode_request(&buf).unwrap();
-        assert_eq!(back.deadline_unix_us, 1_700_000_000_123_456);
         assert_eq!(back.tensors, tensors);
     }
 
     #[test]
     fn request_layout_is_the_documented_one() {
         let t = Tensor::new(DType::I32, vec![1], 7i32.to_le_bytes().to_vec()).unwrap();
-        let buf = encode_request(9, [&t]);
+        let buf = encode_request([&t]);
         let mut want = Vec::new();
-        want.extend_from_slice(&9u64.to_le_bytes());
         want.extend_from_slice(&1u32.to_le_bytes());
         want.extend_from_slice(&0u32.to_le_bytes());
         want.extend_from_slice(&[3, 1, 0, 0, 0, 0, 0, 0]);
@@ -276,25 +264,24 @@ mod tests {
     #[test]
     fn hostile_headers_are_errors() {
         let mut buf = Vec::new();
-        buf.extend_from_slice(&0u64.to_le_bytes());
         buf.extend_from_slice(&u32::MAX.to_le_bytes()); // claims 4 billion tensors
         buf.extend_from_slice(&0u32.to_le_bytes());
         assert!(decode_request(&buf).is_err());
 
-        let mut bad_dtype = encode_request(0, &[Tensor::from_f32(vec![1], &[1.0])]);
-        bad_dtype[16] = 99;
+        let mut bad_dtype = encode_request(&[Tensor::from_f32(vec![1], &[1.0])]);
+        bad_dtype[8] = 99;
         assert!(decode_request(&bad_dtype)
             .unwrap_err()
             .0
             .contains("dtype code 99"));
 
-        let mut huge = encode_request(0, &[Tensor::from_f32(vec![1, 1], &[1.0])]);
+        let mut huge = encode_request(&[Tensor::from_f32(vec![1, 1], &[1.0])]);
+        huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
-        huge[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_request(&huge).is_err());
 
-        let mut many_dims = encode_request(0, &[Tensor::from_f32(vec![1], &[1.0])]);
-        many_dims[17] = 200;
+        let mut many_dims = encode_request(&[Tensor::from_f32(vec![1], &[1.0])]);
+        many_dims[9] = 200;
         assert!(decode_request(&many_dims)
             .unwrap_err()
             .0

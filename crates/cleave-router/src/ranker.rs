@@ -1,17 +1,18 @@
 //! The rankers this router sends payloads to, and the choice among them: the ranker with the
 //! lowest expected latency, from a moving average of the queue + compute times it reports,
 //! scaled by the requests already outstanding on it (Prism §4.1: load balancing by real-time
-//! processing latency).
+//! processing latency). A ranker that cannot take a request (unreachable, died, overloaded,
+//! not ready) hands it to the next one, each at most once, within the request's budget.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use cleave_wire::{Address, Client, ClientConfig, IoThreads, WireError};
+use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError};
 
 use crate::error::{ErrorKind, RequestError, Stage};
-use crate::payload::{decode_response, RankResponse, ERR_DEADLINE};
+use crate::payload::{decode_response, RankResponse};
 
 /// Weight of the newest sample in the moving average.
 const EWMA_ALPHA: f64 = 0.2;
@@ -176,22 +177,39 @@ impl RankerPool {
             .collect()
     }
 
-    /// Sends one payload to the best ranker, within `timeout`. A ranker that cannot be reached
-    /// is marked down and the next one is tried; the request itself is never sent twice.
+    /// Sends one payload to the best ranker, within `timeout` (what is left of the request's
+    /// budget; it is also the deadline on the wire), with the request's trace id. A ranker
+    /// that could not take the request ([`retry_elsewhere`]) passes it to the next in order of
+    /// preference, each ranker at most once: requests are pure, so running one twice is
+    /// harmless. When every ranker failed that way the request is `Unavailable` (503).
     pub async fn rank(
         &self,
         kind: u16,
         payload: Bytes,
         timeout: Duration,
+        trace_id: u64,
     ) -> Result<Ranked, RequestError> {
         let started = Instant::now();
         let mut failures: Vec<String> = Vec::new();
         for ranker in self.order() {
             let left = timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(RequestError {
+                    kind: ErrorKind::Deadline,
+                    message: format!(
+                        "latency budget ran out before a ranker could take the request: {}",
+                        failures.join("; ")
+                    ),
+                    stage: Some(Stage::Ranker),
+                });
+            }
             ranker.outstanding.fetch_add(1, Ordering::Relaxed);
             let guard = Outstanding(ranker);
             let sent = Instant::now();
-            let result = ranker.client.call(kind, payload.clone(), left).await;
+            let result = ranker
+                .client
+                .call_traced(kind, payload.clone(), left, trace_id)
+                .await;
             let round_trip = sent.elapsed();
             drop(guard);
             match result {
@@ -207,17 +225,25 @@ impl RankerPool {
                         round_trip,
                     });
                 }
-                // Not reached at all: safe to try another ranker.
-                Err(e @ (WireError::Connect { .. } | WireError::Handshake { .. })) => {
-                    ranker.mark(false, Some(e.to_string()));
-                    failures.push(e.to_string());
-                }
-                Err(e) => return Err(call_error(ranker, e)),
+                Err(e) => match retry_elsewhere(&e) {
+                    Some(retry) => {
+                        if retry == Retry::Down {
+                            ranker.mark(false, Some(e.to_string()));
+                        }
+                        failures.push(e.to_string());
+                    }
+                    None => return Err(call_error(ranker, e)),
+                },
             }
         }
+        let what = if failures.is_empty() {
+            "this router has no rankers".to_owned()
+        } else {
+            failures.join("; ")
+        };
         Err(RequestError::new(
             ErrorKind::Unavailable,
-            format!("no ranker could be reached: {}", failures.join("; ")),
+            format!("no ranker could take the request: {what}"),
         ))
     }
 
@@ -271,6 +297,32 @@ impl RankerPool {
     }
 }
 
+/// Why a ranker could not take a request that another ranker may serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retry {
+    /// Unreachable, gone, not ready or stopping: marked down until a probe finds it back.
+    Down,
+    /// Alive but its queue is full (`overloaded`): it stays in the pool.
+    Busy,
+}
+
+/// Whether a failed call may be retried on another ranker: the ranker could not be reached
+/// (connect, handshake), its connection closed before the reply (it died), or it refused
+/// with a code that another ranker may not (`ErrorCode::retry_elsewhere`). `None`: the
+/// failure is the request's own answer (a budget timeout, `deadline`, `bad_request`, ...).
+pub fn retry_elsewhere(e: &WireError) -> Option<Retry> {
+    match e {
+        WireError::Connect { .. } | WireError::Handshake { .. } | WireError::Closed { .. } => {
+            Some(Retry::Down)
+        }
+        WireError::Remote { code, .. } if code.retry_elsewhere() => match code {
+            ErrorCode::Overloaded => Some(Retry::Busy),
+            _ => Some(Retry::Down),
+        },
+        _ => None,
+    }
+}
+
 fn call_error(ranker: &Ranker, e: WireError) -> RequestError {
     match &e {
         WireError::Timeout { .. } => RequestError {
@@ -282,30 +334,98 @@ fn call_error(ranker: &Ranker, e: WireError) -> RequestError {
             stage: Some(Stage::Ranker),
         },
         // The ranker dropped the request: its deadline passed while it was queued.
-        WireError::Remote { code, message, .. } if is_deadline(code.to_u16(), message) => {
-            RequestError {
-                kind: ErrorKind::Deadline,
-                message: format!("ranker {} dropped the request: {message}", ranker.addr),
-                stage: Some(Stage::Queue),
-            }
-        }
+        WireError::Remote {
+            code: ErrorCode::Deadline,
+            message,
+            ..
+        } => RequestError {
+            kind: ErrorKind::Deadline,
+            message: format!("ranker {} dropped the request: {message}", ranker.addr),
+            stage: Some(Stage::Queue),
+        },
         WireError::Remote { .. } => {
             RequestError::new(ErrorKind::Ranker, format!("ranker {e}")).at(Stage::Compute)
         }
         _ => {
-            ranker.mark(false, Some(e.to_string()));
+            if matches!(e, WireError::Protocol { .. }) {
+                ranker.mark(false, Some(e.to_string()));
+            }
             RequestError::new(ErrorKind::Ranker, format!("ranker {e}")).at(Stage::Transfer)
         }
     }
 }
 
-fn is_deadline(code: u16, message: &str) -> bool {
-    code == ERR_DEADLINE || message.starts_with("deadline")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn which_failures_go_to_the_next_ranker() {
+        let addr: Address = "127.0.0.1:9".parse().unwrap();
+        let remote = |code| WireError::Remote {
+            addr: addr.clone(),
+            code,
+            message: "m".into(),
+        };
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let cases = [
+            (
+                WireError::Connect {
+                    addr: addr.clone(),
+                    source: refused,
+                },
+                Some(Retry::Down),
+            ),
+            (
+                WireError::Handshake {
+                    addr: addr.clone(),
+                    reason: "r".into(),
+                },
+                Some(Retry::Down),
+            ),
+            (
+                WireError::Closed {
+                    addr: addr.clone(),
+                    reason: "the peer closed the connection".into(),
+                },
+                Some(Retry::Down),
+            ),
+            (remote(ErrorCode::Overloaded), Some(Retry::Busy)),
+            (remote(ErrorCode::NotReady), Some(Retry::Down)),
+            (remote(ErrorCode::ShuttingDown), Some(Retry::Down)),
+            (remote(ErrorCode::Deadline), None),
+            (remote(ErrorCode::BadRequest), None),
+            (remote(ErrorCode::Internal), None),
+            (remote(ErrorCode::Other(300)), None),
+            (
+                WireError::Timeout {
+                    addr: addr.clone(),
+                    after: Duration::from_millis(5),
+                },
+                None,
+            ),
+            (
+                WireError::TooLarge {
+                    addr: addr.clone(),
+                    len: 9,
+                    max: 8,
+                },
+                None,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(retry_elsewhere(&e), want, "{e}");
+        }
+        let r = ranker(0.0, 0);
+        let deadline = call_error(&r, remote(ErrorCode::Deadline));
+        assert_eq!(
+            (deadline.kind, deadline.stage),
+            (ErrorKind::Deadline, Some(Stage::Queue))
+        );
+        let internal = call_error(&r, remote(ErrorCode::Internal));
+        assert_eq!(internal.kind, ErrorKind::Ranker);
+        assert!(r.is_healthy(), "a ranker that answers is not down");
+    }
 
     #[test]
     fn prefers_healthy_then_fast_then_rotates() {

@@ -126,10 +126,10 @@ impl Router {
             Mode::Monolithic => Vec::new(),
             Mode::Disaggregated => {
                 let lookups = std::mem::take(&mut checked.lookups);
-                let pooled =
-                    tokio::time::timeout(budget.left(), self.shards.lookup(&self.model, lookups))
-                        .await
-                        .map_err(|_| budget.expired(Stage::Lookup))??;
+                let lookup = self.shards.lookup(&self.model, lookups, budget);
+                let pooled = tokio::time::timeout(budget.left(), lookup)
+                    .await
+                    .map_err(|_| budget.expired(Stage::Lookup))??;
                 self.metrics.observe(Stage::Lookup, lookup_start.elapsed());
                 pooled
             }
@@ -137,23 +137,21 @@ impl Router {
         let lookup = lookup_start.elapsed();
         // The fused payload: every tensor the ranker needs, in one buffer.
         let (kind, payload) = match self.mode {
-            Mode::Monolithic => (
-                RANK_FULL,
-                encode_request(budget.deadline_unix_us(), &checked.inputs),
-            ),
+            Mode::Monolithic => (RANK_FULL, encode_request(&checked.inputs)),
             Mode::Disaggregated => {
                 let tensors = self.model.dense.iter().map(|source| match *source {
                     DenseSource::Input(i) => &checked.inputs[i],
                     DenseSource::Feature(f) => &pooled[f],
                 });
-                (RANK, encode_request(budget.deadline_unix_us(), tensors))
+                (RANK, encode_request(tensors))
             }
         };
         budget.check(Stage::Lookup)?;
 
+        // The deadline on the wire is now + what is left: the budget's own deadline.
         let ranked = self
             .rankers
-            .rank(kind, Bytes::from(payload), budget.left())
+            .rank(kind, Bytes::from(payload), budget.left(), budget.trace_id)
             .await?;
         let r = &ranked.response;
         let batch_requests = r.batch_requests;

@@ -13,12 +13,15 @@ use cleave_wire::{IoThreads, WireError};
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
 use crate::model::Model;
+use crate::router::Budget;
 use crate::tensor::{numel, Tensor};
 use crate::validate::Lookup;
 
 /// The shards of a disaggregated router (none in monolithic mode).
 pub struct Shards {
     client: Option<ShardClient>,
+    /// Caps one lookup's wait below the request's budget.
+    call_timeout: Duration,
 }
 
 impl Shards {
@@ -53,18 +56,25 @@ impl Shards {
         };
         Ok(Shards {
             client: Some(ShardClient::with_io(table, io.clone(), &config)),
+            call_timeout,
         })
     }
 
     pub fn none() -> Shards {
-        Shards { client: None }
+        Shards {
+            client: None,
+            call_timeout: Duration::ZERO,
+        }
     }
 
-    /// One boundary tensor per feature (indexed like `model.features`).
+    /// One boundary tensor per feature (indexed like `model.features`). The shards get the
+    /// request's trace id and its deadline (what is left of the budget, capped by the
+    /// configured call timeout).
     pub async fn lookup(
         &self,
         model: &Model,
         lookups: Vec<Lookup>,
+        budget: &Budget,
     ) -> Result<Vec<Tensor>, RequestError> {
         let Some(client) = &self.client else {
             return Err(RequestError::new(
@@ -82,7 +92,11 @@ impl Shards {
                     .map_err(|e| RequestError::input(&model.inputs[f.ids].name, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let pooled = client.lookup(&batch).await.map_err(shard_error)?;
+        let timeout = budget.left().min(self.call_timeout);
+        let pooled = client
+            .lookup_traced(&batch, timeout, budget.trace_id)
+            .await
+            .map_err(shard_error)?;
         pooled
             .into_iter()
             .zip(dims)

@@ -103,9 +103,16 @@ fn write_bundle(dir: &Path) {
     std::fs::write(dir.join("manifest.json"), manifest.to_string()).unwrap();
 }
 
+/// What the ranker received: the payload and the header's deadline and trace id.
+struct Received {
+    request: RankRequest,
+    deadline_unix_us: u64,
+    trace_id: u64,
+}
+
 /// A ranker that keeps every RANK request and answers zeros.
 #[derive(Default)]
-struct Recorder(Mutex<Vec<RankRequest>>);
+struct Recorder(Mutex<Vec<Received>>);
 
 impl Handler for Recorder {
     fn handle(&self, request: Request, responder: Responder) {
@@ -117,7 +124,11 @@ impl Handler for Recorder {
             Err(e) => return responder.error(ErrorCode::BadRequest, &e.to_string()),
         };
         let b = r.tensors[0].dims[0];
-        self.0.lock().unwrap().push(r);
+        self.0.lock().unwrap().push(Received {
+            request: r,
+            deadline_unix_us: request.deadline_unix_us,
+            trace_id: request.trace_id,
+        });
         let out = Tensor::from_f32(vec![b, 1], &vec![0.0; b]);
         let response = RankResponse {
             queue_us: 1,
@@ -289,7 +300,8 @@ fn the_fused_payload_holds_the_reference_boundary_tensors() {
     let (status, v) = post(router.addr, "/v2/models/m/infer", &good_infer());
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["outputs"][0]["shape"], json!([2, 1]));
-    let got = recorder.0.lock().unwrap().pop().unwrap();
+    let received = recorder.0.lock().unwrap().pop().unwrap();
+    let got = &received.request;
     let want = expected();
     assert_eq!(got.tensors.len(), want.len());
     let names = [
@@ -307,7 +319,15 @@ fn the_fused_payload_holds_the_reference_boundary_tensors() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_micros() as u64;
-    assert!(got.deadline_unix_us > now_us && got.deadline_unix_us < now_us + 2_000_000);
+    let deadline = received.deadline_unix_us;
+    assert!(
+        deadline > now_us && deadline < now_us + 2_000_000,
+        "{deadline}"
+    );
+    assert_ne!(
+        received.trace_id, 0,
+        "the router's trace id travels to the ranker"
+    );
 
     // The per-feature form builds the same payload.
     let rank = json!({
@@ -322,7 +342,7 @@ fn the_fused_payload_holds_the_reference_boundary_tensors() {
     let (status, v) = post(router.addr, "/v2/models/m/rank", &rank);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["outputs"]["output_0"], json!([[0.0], [0.0]]));
-    let got = recorder.0.lock().unwrap().pop().unwrap();
+    let got = recorder.0.lock().unwrap().pop().unwrap().request;
     for ((g, w), name) in got.tensors.iter().zip(&want).zip(names) {
         assert_close(g, w, name);
     }

@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use cleave_router::payload::{
-    decode_request, encode_response, RankResponse, ERR_DEADLINE, RANK_FULL,
-};
+use cleave_router::payload::{decode_request, encode_response, RankResponse, RANK_FULL};
 use cleave_router::{RouterConfig, Tensor};
 use cleave_wire::{ErrorCode, Handler, Request, Responder, Server, ServerConfig};
 use serde_json::{json, Value};
@@ -43,6 +41,8 @@ enum Behaviour {
     Reports(u32),
     Slow(Duration),
     DropLate,
+    /// Answers every request `overloaded` (its queue is full).
+    Overloaded,
 }
 
 struct TestRanker(Behaviour);
@@ -57,7 +57,10 @@ impl Handler for TestRanker {
             match behaviour {
                 Behaviour::Slow(d) => std::thread::sleep(d),
                 Behaviour::DropLate => {
-                    return responder.error(ErrorCode::Other(ERR_DEADLINE), "5 us late")
+                    return responder.error(ErrorCode::Deadline, "deadline passed 5 us ago")
+                }
+                Behaviour::Overloaded => {
+                    return responder.error(ErrorCode::Overloaded, "queue full (1024 requests)")
                 }
                 Behaviour::Sum | Behaviour::Reports(_) => {}
             }
@@ -427,4 +430,39 @@ fn requests_go_to_the_ranker_that_reports_the_lowest_latency() {
         addrs[0]
     );
     assert!(metrics.contains(&line), "{metrics}");
+}
+
+/// Requests are pure, so a ranker that cannot take one (overloaded, or killed: its
+/// connections close or refuse) hands it to the next: every request still succeeds.
+#[test]
+fn requests_fail_over_to_a_ranker_that_can_take_them() {
+    let good = ranker(Behaviour::Sum);
+    let busy = ranker(Behaviour::Overloaded);
+    let doomed = ranker(Behaviour::Sum);
+    let addrs = [
+        busy.local_addr().to_string(),
+        doomed.local_addr().to_string(),
+        good.local_addr().to_string(),
+    ];
+    let router = start(&addrs, json!({})).unwrap();
+    // Every ranker holds a connection from the router now (readiness probes, a first request).
+    let (status, v) = post(router.addr, "/v2/models/tiny/infer", &good_infer());
+    assert_eq!(status, 200, "{v}");
+    drop(doomed);
+    for i in 0..12 {
+        let (status, v) = post(router.addr, "/v2/models/tiny/infer", &good_infer());
+        assert_eq!(status, 200, "request {i}: {v}");
+        assert_eq!(v["outputs"][0]["data"], json!([6.0, 15.0]));
+        assert_eq!(v["parameters"]["ranker"], addrs[2], "request {i}");
+    }
+
+    // When no ranker can take it: 503, naming each.
+    let router = start(&addrs[..1], json!({})).unwrap();
+    let (status, v) = post(router.addr, "/v2/models/tiny/infer", &good_infer());
+    assert_eq!(status, 503, "{v}");
+    let msg = v["error"].as_str().unwrap();
+    assert!(
+        msg.contains(&addrs[0]) && msg.contains("overloaded"),
+        "{msg}"
+    );
 }

@@ -134,12 +134,7 @@ fn read_frame(c: &mut impl Read) -> io::Result<Frame> {
     let h = Header::decode(&head, u32::MAX).map_err(io::Error::other)?;
     let mut payload = vec![0u8; h.payload_len as usize];
     c.read_exact(&mut payload)?;
-    Ok(Frame {
-        flags: h.flags,
-        kind: h.kind,
-        request_id: h.request_id,
-        payload: payload.into(),
-    })
+    Ok(Frame::from_header(&h, payload.into()))
 }
 
 fn request_bytes(id: u64, payload: &Bytes) -> Vec<u8> {

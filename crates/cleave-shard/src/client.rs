@@ -138,8 +138,21 @@ impl ShardClient {
     }
 
     /// Looks up a batch: one result per lookup, in order. Pooled results have one row per bag
-    /// (`counts` the number of ids pooled); gathers one row per id.
+    /// (`counts` the number of ids pooled); gathers one row per id. Within the configured
+    /// timeout, without a trace id.
     pub async fn lookup(&self, batch: &[Lookup]) -> Result<Vec<Pooled>, ClientError> {
+        self.lookup_traced(batch, self.timeout, 0).await
+    }
+
+    /// [`lookup`](Self::lookup) within `timeout` (each shard's frame carries now + `timeout`
+    /// as its deadline, so a shard drops it once nobody waits) and with the client request's
+    /// trace id on every frame.
+    pub async fn lookup_traced(
+        &self,
+        batch: &[Lookup],
+        timeout: Duration,
+        trace_id: u64,
+    ) -> Result<Vec<Pooled>, ClientError> {
         let plan = self.plan(batch)?;
         let calls: Vec<_> = plan
             .iter()
@@ -149,7 +162,10 @@ impl ShardClient {
                 let views = subs.iter().map(|sub| sub_view(sub, batch));
                 let payload = encode_request(views);
                 let client = &self.clients[s];
-                async move { (s, client.call(LOOKUP, payload, self.timeout).await) }
+                async move {
+                    let reply = client.call_traced(LOOKUP, payload, timeout, trace_id);
+                    (s, reply.await)
+                }
             })
             .collect();
         let mut merged: Vec<Merged> = (0..batch.len()).map(|_| Merged::None).collect();

@@ -1,5 +1,5 @@
-//! The shard's HTTP side: `/metrics` (Prometheus text), `/ready` and `/live`, on a thread of
-//! its own so that probes never wait behind lookups.
+//! The shard's HTTP side: `/metrics` (Prometheus text), `/ready` (the shared health JSON) and
+//! `/live`, on a thread of its own so that probes never wait behind lookups.
 
 use std::io;
 use std::net::SocketAddr;
@@ -11,6 +11,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
+use cleave_wire::health::Health;
 use cleave_wire::ServerStats;
 use tokio::sync::oneshot;
 
@@ -93,10 +94,14 @@ async fn metrics(State(p): State<Probe>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
+/// The health schema every role shares (cleave_wire::health): 200 while ready, 503 with the
+/// reason otherwise.
 async fn ready(State(p): State<Probe>) -> impl IntoResponse {
-    if p.service.is_ready() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
-    }
+    let health = Health::new("shard", Vec::new(), p.service.problems());
+    let status = StatusCode::from_u16(health.http_status()).unwrap_or(StatusCode::OK);
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        health.to_json(),
+    )
 }

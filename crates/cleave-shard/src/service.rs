@@ -74,7 +74,19 @@ impl ShardService {
     }
 
     pub fn is_ready(&self) -> bool {
-        self.loaded.get().is_some() && !self.stopping.load(Ordering::Relaxed)
+        self.problems().is_empty()
+    }
+
+    /// Why the shard cannot serve (empty when ready), for `/ready`.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.loaded.get().is_none() {
+            problems.push("the shard is still opening its tables".to_owned());
+        }
+        if self.stopping.load(Ordering::Relaxed) {
+            problems.push("the shard is stopping".to_owned());
+        }
+        problems
     }
 
     /// (table, row range) of every table held; empty before loading.

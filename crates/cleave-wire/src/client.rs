@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +16,7 @@ use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderErr
 use crate::error::WireError;
 use crate::frame::{encode_hello, kind, ConnClass, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
+use crate::server::unix_now_us;
 
 /// Connections and limits of a client.
 #[derive(Clone, Debug)]
@@ -58,18 +59,62 @@ struct Inner {
     data: Vec<Mutex<Option<ConnHandle>>>,
     control: Mutex<Option<ConnHandle>>,
     next: AtomicUsize,
+    counters: Arc<Counters>,
+}
+
+/// What a client has seen that its callers have not: counts since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Responses and request-level error frames for a request id nobody waits for (its
+    /// caller timed out or went away); logged and dropped.
+    pub orphan_responses: u64,
+    /// CANCEL frames sent for requests whose callers gave up after they were sent.
+    pub cancels_sent: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    orphan_responses: AtomicU64,
+    cancels_sent: AtomicU64,
 }
 
 #[derive(Clone)]
 struct ConnHandle {
-    calls: mpsc::UnboundedSender<Call>,
+    msgs: mpsc::UnboundedSender<Msg>,
+    /// Request ids of this connection, allocated by callers so they can cancel by id.
+    next_id: Arc<AtomicU64>,
     peer_max: u32,
 }
 
+enum Msg {
+    Call(Call),
+    /// The caller of this request gave up: forget it and tell the peer.
+    Cancel(u64),
+}
+
 struct Call {
+    id: u64,
     kind: u16,
     payload: Bytes,
+    deadline_unix_us: u64,
+    trace_id: u64,
     reply: oneshot::Sender<Outcome>,
+}
+
+/// Sends `Msg::Cancel` for its request when dropped armed: the caller timed out, or its
+/// future was dropped, before the outcome arrived.
+struct CancelOnDrop<'a> {
+    msgs: &'a mpsc::UnboundedSender<Msg>,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.msgs.send(Msg::Cancel(self.id));
+        }
+    }
 }
 
 enum Outcome {
@@ -89,6 +134,7 @@ impl Client {
             data: (0..n).map(|_| Mutex::new(None)).collect(),
             control: Mutex::new(None),
             next: AtomicUsize::new(0),
+            counters: Arc::default(),
         };
         Client {
             inner: Arc::new(inner),
@@ -99,15 +145,39 @@ impl Client {
         &self.inner.addr
     }
 
-    /// Sends one request and waits for its response payload. Control kinds go over the
-    /// control connection. An error frame from the peer becomes `WireError::Remote`.
+    /// Counts of orphan responses and cancels so far.
+    pub fn stats(&self) -> ClientStats {
+        let c = &self.inner.counters;
+        ClientStats {
+            orphan_responses: c.orphan_responses.load(Ordering::Relaxed),
+            cancels_sent: c.cancels_sent.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sends one request and waits for its response payload; `call_traced` with trace id 0.
     pub async fn call(
         &self,
         kind: u16,
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, WireError> {
-        match tokio::time::timeout(timeout, self.call_inner(kind, payload)).await {
+        self.call_traced(kind, payload, timeout, 0).await
+    }
+
+    /// Sends one request, whose deadline on the wire is now + `timeout` (Unix µs), and waits
+    /// for its response payload. Control kinds go over the control connection. An error frame
+    /// from the peer becomes `WireError::Remote`. A request that times out (or whose future is
+    /// dropped) after it was queued for sending is cancelled on the wire (CANCEL).
+    pub async fn call_traced(
+        &self,
+        kind: u16,
+        payload: Bytes,
+        timeout: Duration,
+        trace_id: u64,
+    ) -> Result<Bytes, WireError> {
+        let deadline_unix_us = unix_now_us().saturating_add(timeout.as_micros() as u64);
+        let call = self.call_inner(kind, payload, deadline_unix_us, trace_id);
+        match tokio::time::timeout(timeout, call).await {
             Ok(r) => r,
             Err(_) => Err(WireError::Timeout {
                 addr: self.inner.addr.clone(),
@@ -146,7 +216,13 @@ impl Client {
         }
     }
 
-    async fn call_inner(&self, kind: u16, payload: Bytes) -> Result<Bytes, WireError> {
+    async fn call_inner(
+        &self,
+        kind: u16,
+        payload: Bytes,
+        deadline_unix_us: u64,
+        trace_id: u64,
+    ) -> Result<Bytes, WireError> {
         let inner = &*self.inner;
         let (slot, class) = if kind::is_control(kind) {
             (&inner.control, ConnClass::Control)
@@ -165,18 +241,26 @@ impl Client {
                 });
             }
             let (tx, rx) = oneshot::channel();
-            if conn
-                .calls
-                .send(Call {
-                    kind,
-                    payload: payload.clone(),
-                    reply: tx,
-                })
-                .is_err()
-            {
+            let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
+            let call = Call {
+                id,
+                kind,
+                payload: payload.clone(),
+                deadline_unix_us,
+                trace_id,
+                reply: tx,
+            };
+            if conn.msgs.send(Msg::Call(call)).is_err() {
                 continue;
             }
-            match rx.await {
+            let mut guard = CancelOnDrop {
+                msgs: &conn.msgs,
+                id,
+                armed: true,
+            };
+            let outcome = rx.await;
+            guard.armed = false;
+            match outcome {
                 Ok(Outcome::Done(r)) => return r,
                 Ok(Outcome::NotSent) | Err(_) => continue,
             }
@@ -194,7 +278,7 @@ impl Client {
     ) -> Result<ConnHandle, WireError> {
         {
             let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(h) = guard.as_ref().filter(|h| !h.calls.is_closed()) {
+            if let Some(h) = guard.as_ref().filter(|h| !h.msgs.is_closed()) {
                 return Ok(h.clone());
             }
         }
@@ -204,6 +288,7 @@ impl Client {
             inner.addr.clone(),
             class,
             inner.config.clone(),
+            inner.counters.clone(),
             tx,
         ));
         let handle = rx.await.map_err(|_| WireError::Closed {
@@ -259,10 +344,9 @@ async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireErr
 }
 
 enum Event {
-    Call(Option<Call>),
+    Msg(Option<Msg>),
     Read(io::Result<usize>),
     Wrote(io::Result<usize>),
-    Sweep,
     Idle,
 }
 
@@ -273,6 +357,7 @@ async fn run_connection(
     addr: Address,
     class: ConnClass,
     config: ClientConfig,
+    counters: Arc<Counters>,
     ready: oneshot::Sender<Result<ConnHandle, WireError>>,
 ) {
     let (mut stream, peer_max) =
@@ -294,24 +379,21 @@ async fn run_connection(
                 return;
             }
         };
-    let (tx, mut calls) = mpsc::unbounded_channel::<Call>();
-    if ready
-        .send(Ok(ConnHandle {
-            calls: tx,
-            peer_max,
-        }))
-        .is_err()
-    {
+    let (tx, mut msgs) = mpsc::unbounded_channel::<Msg>();
+    let handle = ConnHandle {
+        msgs: tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        peer_max,
+    };
+    if ready.send(Ok(handle)).is_err() {
         return;
     }
-    let mut pending: HashMap<u64, oneshot::Sender<Outcome>> = HashMap::new();
-    let mut next_id: u64 = 1;
+    // Calls written (or queued to be), by id, with their kinds for a CANCEL.
+    let mut pending: HashMap<u64, (u16, oneshot::Sender<Outcome>)> = HashMap::new();
     let mut reader = FrameReader::new(config.max_payload);
     let mut writer = FrameWriter::new();
     let (mut rd, mut wr) = stream.split();
     let mut accepting = true;
-    // Callers that timed out leave entries behind; sweep them now and then.
-    let mut sweep = tokio::time::interval(Duration::from_secs(1));
     let mut last_activity = tokio::time::Instant::now();
 
     let failure: Option<String> = 'conn: loop {
@@ -321,26 +403,36 @@ async fn run_connection(
             break None;
         }
         let event = tokio::select! {
-            c = calls.recv(), if accepting => Event::Call(c),
+            m = msgs.recv(), if accepting => Event::Msg(m),
             r = reader.fill(&mut rd) => Event::Read(r),
             w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
-            _ = sweep.tick() => Event::Sweep,
             _ = tokio::time::sleep_until(last_activity + config.idle_close),
                 if quiet => Event::Idle,
         };
-        if matches!(event, Event::Call(Some(_)) | Event::Read(Ok(1..))) {
+        if matches!(event, Event::Msg(Some(_)) | Event::Read(Ok(1..))) {
             last_activity = tokio::time::Instant::now();
         }
         match event {
-            Event::Call(None) => accepting = false,
-            Event::Call(Some(first)) => {
+            Event::Msg(None) => accepting = false,
+            Event::Msg(Some(first)) => {
                 let mut next = Some(first);
-                while let Some(c) = next {
-                    let id = next_id;
-                    next_id += 1;
-                    writer.push(Frame::request(c.kind, id, c.payload));
-                    pending.insert(id, c.reply);
-                    next = calls.try_recv().ok();
+                while let Some(m) = next {
+                    match m {
+                        Msg::Call(c) => {
+                            let f = Frame::request(c.kind, c.id, c.payload)
+                                .with_context(c.deadline_unix_us, c.trace_id);
+                            writer.push(f);
+                            pending.insert(c.id, (c.kind, c.reply));
+                        }
+                        // Still pending: the request is (or will be) on the wire before this.
+                        Msg::Cancel(id) => {
+                            if let Some((k, _)) = pending.remove(&id) {
+                                writer.push(Frame::cancel(k, id));
+                                counters.cancels_sent.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    next = msgs.try_recv().ok();
                 }
             }
             Event::Wrote(Err(e)) => break Some(format!("write failed: {e}")),
@@ -350,27 +442,8 @@ async fn run_connection(
             Event::Read(Ok(_)) => loop {
                 match reader.next() {
                     Ok(Some(f)) if f.is_response() => {
-                        let result = if f.is_error() {
-                            let body = ErrorBody::decode(&f.payload);
-                            Err(WireError::Remote {
-                                addr: addr.clone(),
-                                code: body.code,
-                                message: body.message,
-                            })
-                        } else {
-                            Ok(f.payload)
-                        };
-                        match (pending.remove(&f.request_id), result) {
-                            (Some(reply), result) => {
-                                let _ = reply.send(Outcome::Done(result));
-                            }
-                            // An error about no call of ours concerns the connection itself.
-                            (None, Err(WireError::Remote { code, message, .. })) => {
-                                break 'conn Some(format!(
-                                    "the peer closed the connection with error {code}: {message}"
-                                ));
-                            }
-                            (None, _) => {} // the caller gave up waiting
+                        if let Some(reason) = deliver(f, &mut pending, &addr, &counters) {
+                            break 'conn Some(reason);
                         }
                     }
                     Ok(Some(f)) => {
@@ -384,22 +457,23 @@ async fn run_connection(
                     Err(e) => break 'conn Some(format!("protocol error: {e}")),
                 }
             },
-            Event::Sweep => pending.retain(|_, reply| !reply.is_closed()),
             Event::Idle => break None,
         }
     };
     // Calls not yet (wholly) written may go elsewhere; those written failed with the connection.
-    calls.close();
-    while let Ok(c) = calls.try_recv() {
-        let _ = c.reply.send(Outcome::NotSent);
+    msgs.close();
+    while let Ok(m) = msgs.try_recv() {
+        if let Msg::Call(c) = m {
+            let _ = c.reply.send(Outcome::NotSent);
+        }
     }
     for id in writer.unwritten() {
-        if let Some(reply) = pending.remove(&id) {
+        if let Some((_, reply)) = pending.remove(&id) {
             let _ = reply.send(Outcome::NotSent);
         }
     }
     if let Some(reason) = failure {
-        for (_, reply) in pending.drain() {
+        for (_, (_, reply)) in pending.drain() {
             let err = WireError::Closed {
                 addr: addr.clone(),
                 reason: reason.clone(),
@@ -408,4 +482,54 @@ async fn run_connection(
         }
     }
     let _ = stream.shutdown().await;
+}
+
+/// Hands a response (or error frame) to its caller. One for a request nobody waits for any
+/// more is logged and counted, never fatal: its caller timed out, and the peer answered
+/// anyway. Returns why the connection must close: a connection-level error frame that
+/// concerns no call (the peer closes after sending it).
+fn deliver(
+    f: Frame,
+    pending: &mut HashMap<u64, (u16, oneshot::Sender<Outcome>)>,
+    addr: &Address,
+    counters: &Counters,
+) -> Option<String> {
+    let body = f.is_error().then(|| ErrorBody::decode(&f.payload));
+    let len = f.payload.len();
+    let caller = pending.remove(&f.request_id);
+    let result = match body.clone() {
+        Some(ErrorBody { code, message }) => Err(WireError::Remote {
+            addr: addr.clone(),
+            code,
+            message,
+        }),
+        None => Ok(f.payload),
+    };
+    let unsent = match caller {
+        Some((_, reply)) => match reply.send(Outcome::Done(result)) {
+            Ok(()) => return None,
+            Err(_) => "its caller went away",
+        },
+        None => match &body {
+            Some(b) if b.code.closes_connection() => {
+                return Some(format!(
+                    "the peer closed the connection with error {}: {}",
+                    b.code, b.message
+                ))
+            }
+            _ => "no call waits for that id (timed out, or never made)",
+        },
+    };
+    counters.orphan_responses.fetch_add(1, Ordering::Relaxed);
+    match body {
+        Some(b) => tracing::warn!(
+            peer = %addr, request_id = f.request_id, code = %b.code, message = %b.message,
+            "error frame dropped: {unsent}"
+        ),
+        None => tracing::warn!(
+            peer = %addr, request_id = f.request_id, bytes = len,
+            "response dropped: {unsent}"
+        ),
+    }
+    None
 }

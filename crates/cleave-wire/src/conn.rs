@@ -7,7 +7,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::addr::Stream;
-use crate::frame::{Frame, FrameDecoder, FrameError, Header, HEADER_LEN};
+use crate::frame::{Frame, FrameDecoder, FrameError, Header, HEADER_LEN, PREFIX_LEN};
 
 /// Payloads up to this size are copied next to their header so that a burst of small frames
 /// goes out in one write; larger ones are written from their own buffer.
@@ -168,10 +168,11 @@ pub(crate) async fn read_header(
     max_payload: u32,
 ) -> Result<Header, HeaderError> {
     let mut head = [0u8; HEADER_LEN];
-    stream
-        .read_exact(&mut head)
-        .await
-        .map_err(HeaderError::Io)?;
+    // The prefix first: a peer of another version (shorter header) is told so at once.
+    let (prefix, rest) = head.split_at_mut(PREFIX_LEN);
+    stream.read_exact(prefix).await.map_err(HeaderError::Io)?;
+    Header::check_prefix(prefix).map_err(HeaderError::Frame)?;
+    stream.read_exact(rest).await.map_err(HeaderError::Io)?;
     Header::decode(&head, max_payload).map_err(HeaderError::Frame)
 }
 
@@ -179,10 +180,5 @@ pub(crate) async fn read_header(
 pub(crate) async fn read_payload(stream: &mut Stream, h: &Header) -> io::Result<Frame> {
     let mut payload = vec![0u8; h.payload_len as usize];
     stream.read_exact(&mut payload).await?;
-    Ok(Frame {
-        flags: h.flags,
-        kind: h.kind,
-        request_id: h.request_id,
-        payload: payload.into(),
-    })
+    Ok(Frame::from_header(h, payload.into()))
 }

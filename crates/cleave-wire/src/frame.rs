@@ -1,14 +1,17 @@
-//! Frames: a fixed 24-byte little-endian header followed by `payload_len` bytes.
+//! Frames: a fixed 40-byte little-endian header followed by `payload_len` bytes. This file is
+//! the one home of the codec: every header is read by [`Header::decode`].
 //!
 //! ```text
 //! offset size field
-//!  0     4    magic        b"CLVW"
-//!  4     1    version      1
-//!  5     1    flags        bit 0 RESPONSE, bit 1 ERROR; other bits 0
-//!  6     2    kind         u16: 0x0000-0x00ff control, 0x0100- application
-//!  8     8    request_id   u64, chosen by the requester, echoed in the response
-//! 16     4    payload_len  u32, at most the receiver's frame limit
-//! 20     4    reserved     0
+//!  0     4    magic            b"CLVW"
+//!  4     1    version          2
+//!  5     1    flags            bit 0 RESPONSE, bit 1 ERROR, bit 2 CANCEL; other bits 0
+//!  6     2    kind             u16: 0x0000-0x00ff control, 0x0100- application
+//!  8     8    request_id       u64, chosen by the requester, echoed in the response
+//! 16     4    payload_len      u32, at most the receiver's frame limit
+//! 20     4    reserved         0
+//! 24     8    deadline_unix_us u64, the request's absolute deadline (Unix µs); 0 = none
+//! 32     8    trace_id         u64, the id of the client request it serves; 0 = none
 //! ```
 //!
 //! docs/protocol.md is the reference; this file and that page change together.
@@ -20,9 +23,11 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"CLVW";
 /// The protocol version this crate speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Bytes in a frame header.
-pub const HEADER_LEN: usize = 24;
+pub const HEADER_LEN: usize = 40;
+/// Leading header bytes that every version shares: magic, version, flags, kind, request id.
+pub const PREFIX_LEN: usize = 16;
 /// Default largest payload a peer accepts (64 MiB).
 pub const DEFAULT_MAX_PAYLOAD: u32 = 64 << 20;
 
@@ -32,8 +37,11 @@ pub mod flags {
     pub const RESPONSE: u8 = 1 << 0;
     /// The frame is an error response; its payload is an [`ErrorBody`](super::ErrorBody).
     pub const ERROR: u8 = 1 << 1;
-    /// Every bit version 1 defines.
-    pub const KNOWN: u8 = RESPONSE | ERROR;
+    /// The caller gave up on the earlier request with the same id on this connection. Only on
+    /// a request frame, with an empty payload; nothing answers it.
+    pub const CANCEL: u8 = 1 << 2;
+    /// Every bit version 2 defines.
+    pub const KNOWN: u8 = RESPONSE | ERROR | CANCEL;
 }
 
 /// Frame kinds. Kinds below [`FIRST_APP`](kind::FIRST_APP) belong to this crate (connection
@@ -61,10 +69,14 @@ pub struct Header {
     pub kind: u16,
     pub request_id: u64,
     pub payload_len: u32,
+    /// Absolute deadline of the request, Unix microseconds; 0 = none.
+    pub deadline_unix_us: u64,
+    /// The id of the client request this frame serves (set by the router); 0 = none.
+    pub trace_id: u64,
 }
 
 impl Header {
-    /// Writes the 24 header bytes.
+    /// Writes the 40 header bytes.
     pub fn encode(&self, out: &mut impl BufMut) {
         out.put_slice(&MAGIC);
         out.put_u8(VERSION);
@@ -73,32 +85,54 @@ impl Header {
         out.put_u64_le(self.request_id);
         out.put_u32_le(self.payload_len);
         out.put_u32_le(0);
+        out.put_u64_le(self.deadline_unix_us);
+        out.put_u64_le(self.trace_id);
     }
 
     /// Parses and validates a header; `max_payload` is the receiver's frame limit.
-    pub fn decode(bytes: &[u8; HEADER_LEN], max_payload: u32) -> Result<Header, FrameError> {
-        let mut b = &bytes[..];
-        let mut magic = [0u8; 4];
-        b.copy_to_slice(&mut magic);
-        if magic != MAGIC {
+    /// Checks magic and version from the first bytes of a header, as many as have arrived
+    /// (up to [`PREFIX_LEN`]). Headers of other versions have other lengths (version 1: 24
+    /// bytes), so they are refused from their prefix rather than waited for.
+    pub fn check_prefix(bytes: &[u8]) -> Result<(), FrameError> {
+        if bytes.len() >= 4 && bytes[..4] != MAGIC {
+            let magic = bytes[..4].try_into().expect("4 bytes");
             return Err(FrameError::BadMagic(magic));
         }
-        let version = b.get_u8();
+        match bytes.get(4) {
+            Some(&found) if found != VERSION => Err(FrameError::UnsupportedVersion {
+                found,
+                // Where versions 1 and 2 put it, when it has arrived.
+                request_id: bytes
+                    .get(8..16)
+                    .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes"))),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn decode(bytes: &[u8; HEADER_LEN], max_payload: u32) -> Result<Header, FrameError> {
+        // Magic and version first: a peer of another version lays out the rest differently.
+        Header::check_prefix(bytes)?;
+        let mut b = &bytes[5..];
         let flags = b.get_u8();
         let kind = b.get_u16_le();
         let request_id = b.get_u64_le();
         let payload_len = b.get_u32_le();
         let reserved = b.get_u32_le();
-        // Version first: a newer peer may use flags and reserved bytes differently.
-        if version != VERSION {
-            return Err(FrameError::UnsupportedVersion {
-                found: version,
-                request_id,
-            });
-        }
-        if flags & !flags::KNOWN != 0 || (flags & flags::ERROR != 0 && flags & flags::RESPONSE == 0)
+        let deadline_unix_us = b.get_u64_le();
+        let trace_id = b.get_u64_le();
+        let response = flags & flags::RESPONSE != 0;
+        if flags & !flags::KNOWN != 0
+            || (flags & flags::ERROR != 0 && !response)
+            || (flags & flags::CANCEL != 0 && response)
         {
             return Err(FrameError::BadFlags { flags, request_id });
+        }
+        if flags & flags::CANCEL != 0 && payload_len != 0 {
+            return Err(FrameError::CancelWithPayload {
+                len: payload_len,
+                request_id,
+            });
         }
         if reserved != 0 {
             return Err(FrameError::BadReserved {
@@ -118,6 +152,8 @@ impl Header {
             kind,
             request_id,
             payload_len,
+            deadline_unix_us,
+            trace_id,
         })
     }
 }
@@ -128,24 +164,56 @@ pub struct Frame {
     pub flags: u8,
     pub kind: u16,
     pub request_id: u64,
+    /// Unix µs; 0 = none. Requests carry their deadline; responses echo it.
+    pub deadline_unix_us: u64,
+    /// 0 = none. Responses echo their request's.
+    pub trace_id: u64,
     pub payload: Bytes,
 }
 
 impl Frame {
+    /// A request without deadline or trace id (see [`Frame::with_context`]).
     pub fn request(kind: u16, request_id: u64, payload: Bytes) -> Frame {
         Frame {
             flags: 0,
             kind,
             request_id,
+            deadline_unix_us: 0,
+            trace_id: 0,
             payload,
+        }
+    }
+
+    /// Cancels the earlier request `request_id` of this connection.
+    pub fn cancel(kind: u16, request_id: u64) -> Frame {
+        Frame {
+            flags: flags::CANCEL,
+            ..Frame::request(kind, request_id, Bytes::new())
         }
     }
 
     pub fn response(kind: u16, request_id: u64, payload: Bytes) -> Frame {
         Frame {
             flags: flags::RESPONSE,
-            kind,
-            request_id,
+            ..Frame::request(kind, request_id, payload)
+        }
+    }
+
+    /// The same frame with a deadline (Unix µs) and a trace id.
+    pub fn with_context(mut self, deadline_unix_us: u64, trace_id: u64) -> Frame {
+        self.deadline_unix_us = deadline_unix_us;
+        self.trace_id = trace_id;
+        self
+    }
+
+    /// A frame from a decoded header and its payload.
+    pub fn from_header(h: &Header, payload: Bytes) -> Frame {
+        Frame {
+            flags: h.flags,
+            kind: h.kind,
+            request_id: h.request_id,
+            deadline_unix_us: h.deadline_unix_us,
+            trace_id: h.trace_id,
             payload,
         }
     }
@@ -158,9 +226,7 @@ impl Frame {
         .encode();
         Frame {
             flags: flags::RESPONSE | flags::ERROR,
-            kind,
-            request_id,
-            payload: body,
+            ..Frame::request(kind, request_id, body)
         }
     }
 
@@ -172,6 +238,10 @@ impl Frame {
         self.flags & flags::ERROR != 0
     }
 
+    pub fn is_cancel(&self) -> bool {
+        self.flags & flags::CANCEL != 0
+    }
+
     /// The header this frame is sent with. Payloads over 4 GiB cannot be framed; callers
     /// check sizes against the peer's limit (which is smaller) before building a frame.
     pub fn header(&self) -> Header {
@@ -180,6 +250,8 @@ impl Frame {
             kind: self.kind,
             request_id: self.request_id,
             payload_len: u32::try_from(self.payload.len()).unwrap_or(u32::MAX),
+            deadline_unix_us: self.deadline_unix_us,
+            trace_id: self.trace_id,
         }
     }
 
@@ -215,6 +287,7 @@ impl FrameDecoder {
             Some(h) => h,
             None => {
                 if buf.len() < HEADER_LEN {
+                    Header::check_prefix(&buf[..buf.len().min(PREFIX_LEN)])?;
                     return Ok(None);
                 }
                 let bytes: &[u8; HEADER_LEN] =
@@ -232,12 +305,7 @@ impl FrameDecoder {
         }
         self.header = None;
         let payload = buf.split_to(header.payload_len as usize).freeze();
-        Ok(Some(Frame {
-            flags: header.flags,
-            kind: header.kind,
-            request_id: header.request_id,
-            payload,
-        }))
+        Ok(Some(Frame::from_header(&header, payload)))
     }
 
     /// Whether part of a frame has been read (a header, or bytes in `buf`).
@@ -259,6 +327,7 @@ pub enum FrameError {
     BadFlags { flags: u8, request_id: u64 },
     BadReserved { value: u32, request_id: u64 },
     TooLarge { len: u32, max: u32, request_id: u64 },
+    CancelWithPayload { len: u32, request_id: u64 },
 }
 
 impl FrameError {
@@ -278,7 +347,8 @@ impl FrameError {
             FrameError::UnsupportedVersion { request_id, .. }
             | FrameError::BadFlags { request_id, .. }
             | FrameError::BadReserved { request_id, .. }
-            | FrameError::TooLarge { request_id, .. } => request_id,
+            | FrameError::TooLarge { request_id, .. }
+            | FrameError::CancelWithPayload { request_id, .. } => request_id,
         }
     }
 }
@@ -301,8 +371,12 @@ impl fmt::Display for FrameError {
             }
             FrameError::BadFlags { flags, .. } => write!(
                 f,
-                "bad frame flags {flags:#04x}: expected only RESPONSE (0x01) and ERROR (0x02), \
-                 ERROR only with RESPONSE"
+                "bad frame flags {flags:#04x}: expected only RESPONSE (0x01), ERROR (0x02) and \
+                 CANCEL (0x04), ERROR only with RESPONSE, CANCEL only without it"
+            ),
+            FrameError::CancelWithPayload { len, .. } => write!(
+                f,
+                "bad CANCEL frame: expected an empty payload, got {len} bytes"
             ),
             FrameError::BadReserved { value, .. } => {
                 write!(
@@ -322,8 +396,9 @@ impl fmt::Display for FrameError {
 
 impl std::error::Error for FrameError {}
 
-/// Error codes carried by error frames. Codes below 0x100 are the transport's; the rest are
-/// shared by applications (the shard uses `NotFound` for unknown tables, for example).
+/// Error codes carried by error frames (docs/protocol.md, "Error frames"). Codes 1–5 concern
+/// the connection (it closes); the others concern one request. The shard uses `NotFound` for
+/// unknown tables, a ranker `Deadline` for a request that expired in its queue, and so on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
     /// Header invalid (magic, flags, reserved bytes); the connection is closed.
@@ -350,64 +425,93 @@ pub enum ErrorCode {
     ShuttingDown,
     /// A bug or resource failure on the server.
     Internal,
+    /// The request's deadline passed before the server started it; not executed.
+    Deadline,
+    /// The server's queue is full; not executed, safe to retry elsewhere.
+    Overloaded,
+    /// The caller cancelled the request; not executed.
+    Cancelled,
     /// A code this version does not know (from a newer peer).
     Other(u16),
 }
 
+/// Every known code with its number and name, in order.
+const CODES: [(ErrorCode, u16, &str); 15] = [
+    (ErrorCode::MalformedFrame, 1, "malformed_frame"),
+    (ErrorCode::UnsupportedVersion, 2, "unsupported_version"),
+    (ErrorCode::FrameTooLarge, 3, "frame_too_large"),
+    (ErrorCode::Timeout, 4, "timeout"),
+    (ErrorCode::Handshake, 5, "handshake"),
+    (ErrorCode::UnknownKind, 6, "unknown_kind"),
+    (ErrorCode::BadRequest, 7, "bad_request"),
+    (ErrorCode::NotFound, 8, "not_found"),
+    (ErrorCode::OutOfRange, 9, "out_of_range"),
+    (ErrorCode::NotReady, 10, "not_ready"),
+    (ErrorCode::ShuttingDown, 11, "shutting_down"),
+    (ErrorCode::Internal, 12, "internal"),
+    (ErrorCode::Deadline, 13, "deadline"),
+    (ErrorCode::Overloaded, 14, "overloaded"),
+    (ErrorCode::Cancelled, 15, "cancelled"),
+];
+
 impl ErrorCode {
+    /// Every code this version knows, in numeric order (for tables and bindings).
+    pub fn all() -> impl Iterator<Item = ErrorCode> {
+        CODES.iter().map(|&(c, _, _)| c)
+    }
+
     pub fn to_u16(self) -> u16 {
         match self {
-            ErrorCode::MalformedFrame => 1,
-            ErrorCode::UnsupportedVersion => 2,
-            ErrorCode::FrameTooLarge => 3,
-            ErrorCode::Timeout => 4,
-            ErrorCode::Handshake => 5,
-            ErrorCode::UnknownKind => 6,
-            ErrorCode::BadRequest => 7,
-            ErrorCode::NotFound => 8,
-            ErrorCode::OutOfRange => 9,
-            ErrorCode::NotReady => 10,
-            ErrorCode::ShuttingDown => 11,
-            ErrorCode::Internal => 12,
             ErrorCode::Other(c) => c,
+            known => CODES
+                .iter()
+                .find(|(c, _, _)| *c == known)
+                .map_or(0, |&(_, n, _)| n),
         }
     }
 
     pub fn from_u16(code: u16) -> ErrorCode {
-        match code {
-            1 => ErrorCode::MalformedFrame,
-            2 => ErrorCode::UnsupportedVersion,
-            3 => ErrorCode::FrameTooLarge,
-            4 => ErrorCode::Timeout,
-            5 => ErrorCode::Handshake,
-            6 => ErrorCode::UnknownKind,
-            7 => ErrorCode::BadRequest,
-            8 => ErrorCode::NotFound,
-            9 => ErrorCode::OutOfRange,
-            10 => ErrorCode::NotReady,
-            11 => ErrorCode::ShuttingDown,
-            12 => ErrorCode::Internal,
-            c => ErrorCode::Other(c),
-        }
+        CODES
+            .iter()
+            .find(|&&(_, n, _)| n == code)
+            .map_or(ErrorCode::Other(code), |&(c, _, _)| c)
     }
 
-    /// Lower-case name used in messages and docs.
+    /// Lower-case name used in messages and docs ("other" for an unknown code).
     pub fn name(self) -> &'static str {
-        match self {
-            ErrorCode::MalformedFrame => "malformed_frame",
-            ErrorCode::UnsupportedVersion => "unsupported_version",
-            ErrorCode::FrameTooLarge => "frame_too_large",
-            ErrorCode::Timeout => "timeout",
-            ErrorCode::Handshake => "handshake",
-            ErrorCode::UnknownKind => "unknown_kind",
-            ErrorCode::BadRequest => "bad_request",
-            ErrorCode::NotFound => "not_found",
-            ErrorCode::OutOfRange => "out_of_range",
-            ErrorCode::NotReady => "not_ready",
-            ErrorCode::ShuttingDown => "shutting_down",
-            ErrorCode::Internal => "internal",
-            ErrorCode::Other(_) => "other",
-        }
+        CODES
+            .iter()
+            .find(|(c, _, _)| *c == self)
+            .map_or("other", |&(_, _, name)| name)
+    }
+
+    /// Connection-level codes (1–5): the stream cannot be trusted any more and the sender
+    /// closes the connection after this frame. Every other code concerns one request only.
+    pub fn closes_connection(self) -> bool {
+        matches!(self.to_u16(), 1..=5)
+    }
+
+    /// The server refused the request before doing any of its work, because of its own
+    /// state or the request's deadline, not because of what the request asks.
+    pub fn not_executed(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::NotReady
+                | ErrorCode::ShuttingDown
+                | ErrorCode::Overloaded
+                | ErrorCode::Deadline
+                | ErrorCode::Cancelled
+        )
+    }
+
+    /// Another replica may well serve the same request (within what is left of its budget):
+    /// this server could not take it now. Requests are pure (lookups, scoring), so retrying
+    /// one is always safe; retrying a `bad_request` or a `deadline` is merely pointless.
+    pub fn retry_elsewhere(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::NotReady | ErrorCode::ShuttingDown | ErrorCode::Overloaded
+        )
     }
 }
 
@@ -479,132 +583,5 @@ pub fn decode_hello(payload: &[u8]) -> Result<ConnClass, String> {
             payload.len(),
             &payload[..payload.len().min(8)]
         )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn header_layout_is_byte_exact() {
-        let h = Header {
-            flags: 1,
-            kind: 0x0102,
-            request_id: 0x0807060504030201,
-            payload_len: 9,
-        };
-        let mut out = BytesMut::new();
-        h.encode(&mut out);
-        assert_eq!(
-            &out[..],
-            &[
-                b'C', b'L', b'V', b'W', 1, 1, 0x02, 0x01, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0, 0, 0,
-                0, 0
-            ]
-        );
-        let arr: [u8; HEADER_LEN] = out[..].try_into().unwrap();
-        assert_eq!(Header::decode(&arr, 100).unwrap(), h);
-    }
-
-    #[test]
-    fn header_rejects_each_bad_field() {
-        let good = Frame::request(0x100, 7, Bytes::from_static(b"abc")).to_bytes();
-        let arr = |b: &[u8]| -> [u8; HEADER_LEN] { b[..HEADER_LEN].try_into().unwrap() };
-        let mut b = good.to_vec();
-        b[0] = b'X';
-        assert!(matches!(
-            Header::decode(&arr(&b), 100),
-            Err(FrameError::BadMagic(_))
-        ));
-        let mut b = good.to_vec();
-        b[4] = 2;
-        assert_eq!(
-            Header::decode(&arr(&b), 100),
-            Err(FrameError::UnsupportedVersion {
-                found: 2,
-                request_id: 7
-            })
-        );
-        let mut b = good.to_vec();
-        b[5] = 0x80;
-        assert!(matches!(
-            Header::decode(&arr(&b), 100),
-            Err(FrameError::BadFlags { .. })
-        ));
-        let mut b = good.to_vec();
-        b[5] = flags::ERROR;
-        assert!(matches!(
-            Header::decode(&arr(&b), 100),
-            Err(FrameError::BadFlags { .. })
-        ));
-        let mut b = good.to_vec();
-        b[22] = 1;
-        assert!(matches!(
-            Header::decode(&arr(&b), 100),
-            Err(FrameError::BadReserved { .. })
-        ));
-        assert_eq!(
-            Header::decode(&arr(&good), 2),
-            Err(FrameError::TooLarge {
-                len: 3,
-                max: 2,
-                request_id: 7
-            })
-        );
-        let err = Header::decode(&arr(&good), 2).unwrap_err();
-        assert_eq!(err.code(), ErrorCode::FrameTooLarge);
-        assert!(err.to_string().contains("3 bytes exceeds the limit of 2"));
-    }
-
-    #[test]
-    fn decoder_waits_for_whole_frames() {
-        let f = Frame::response(0x100, 3, Bytes::from_static(b"hello"));
-        let bytes = f.to_bytes();
-        let mut d = FrameDecoder::new(1 << 20);
-        let mut buf = BytesMut::new();
-        for (i, byte) in bytes.iter().enumerate() {
-            assert_eq!(
-                d.decode(&mut buf).unwrap(),
-                None,
-                "frame complete after {i} bytes"
-            );
-            buf.put_u8(*byte);
-        }
-        assert_eq!(d.decode(&mut buf).unwrap(), Some(f));
-        assert!(!d.in_frame(&buf));
-    }
-
-    #[test]
-    fn error_body_round_trips_and_tolerates_junk() {
-        let e = ErrorBody {
-            code: ErrorCode::OutOfRange,
-            message: "id 9 outside [0, 4)".into(),
-        };
-        assert_eq!(ErrorBody::decode(&e.encode()), e);
-        assert_eq!(ErrorBody::decode(&[1]).code, ErrorCode::MalformedFrame);
-        assert_eq!(
-            ErrorBody::decode(&[0xff, 0x7f, 0xff]).code,
-            ErrorCode::Other(0x7fff)
-        );
-        for c in 0..20u16 {
-            assert_eq!(ErrorCode::from_u16(c).to_u16(), c);
-        }
-    }
-
-    #[test]
-    fn hello_round_trips() {
-        assert_eq!(
-            decode_hello(&encode_hello(ConnClass::Data)),
-            Ok(ConnClass::Data)
-        );
-        assert_eq!(
-            decode_hello(&encode_hello(ConnClass::Control)),
-            Ok(ConnClass::Control)
-        );
-        assert!(decode_hello(&[2, 0, 0, 0])
-            .unwrap_err()
-            .contains("class 2 unknown"));
-        assert!(decode_hello(b"").unwrap_err().contains("0 bytes"));
     }
 }

@@ -1,6 +1,7 @@
 //! The internal data plane of Cleave: length-prefixed binary frames over TCP or Unix sockets.
 //!
-//! * [`frame`]: the 24-byte header, kinds, flags, error codes and an incremental decoder.
+//! * [`frame`]: the 40-byte header (deadline and trace id included), kinds, flags (CANCEL),
+//!   error codes and their classes, and an incremental decoder.
 //! * [`Server`]: accepts connections, hands each to one of its I/O threads (which owns it for
 //!   its life) and passes application frames to a [`Handler`]; control frames (PING, READY)
 //!   are answered by the server, and control connections live on a thread of their own.
@@ -18,11 +19,12 @@ mod error;
 pub mod frame;
 pub mod health;
 mod io;
+mod serve_conn;
 mod server;
 
 pub use addr::Address;
-pub use client::{Client, ClientConfig};
+pub use client::{Client, ClientConfig, ClientStats};
 pub use error::WireError;
 pub use frame::{ConnClass, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
-pub use server::{Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};

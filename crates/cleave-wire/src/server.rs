@@ -2,20 +2,19 @@
 //! connections, and a [`Handler`] that answers application frames.
 
 use std::io;
-use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
-use tokio::time::Instant;
 
 use crate::addr::{Address, Listener, StdListener, Stream};
-use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
+use crate::conn::{read_header, read_payload, HeaderError};
 use crate::frame::{decode_hello, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
+use crate::serve_conn::serve_connection;
 
 /// Limits and timeouts of a server.
 #[derive(Clone, Debug)]
@@ -55,6 +54,27 @@ pub struct Request {
     pub request_id: u64,
     pub kind: u16,
     pub payload: Bytes,
+    /// When the caller stops waiting, Unix µs; 0 = none. A request already late when it
+    /// arrives never reaches the handler (the server answers `deadline`).
+    pub deadline_unix_us: u64,
+    /// The id of the client request this serves, for logs; 0 = none.
+    pub trace_id: u64,
+    pub(crate) cancelled: Arc<AtomicBool>,
+}
+
+impl Request {
+    /// Whether the caller has cancelled the request (a CANCEL frame arrived for it). Whatever
+    /// the handler answers afterwards is not sent; a handler that has not started may skip it.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+}
+
+/// The time now as Unix microseconds, the unit of frame deadlines.
+pub fn unix_now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Answers one request, once, from any thread. Dropping it unanswered sends an `internal`
@@ -64,7 +84,30 @@ pub struct Responder {
     tx: mpsc::UnboundedSender<Frame>,
     kind: u16,
     request_id: u64,
+    /// Echoed in the reply's header.
+    deadline_unix_us: u64,
+    trace_id: u64,
     done: bool,
+}
+
+impl Responder {
+    /// The responder of a request that arrived with this header context.
+    pub(crate) fn new(
+        tx: mpsc::UnboundedSender<Frame>,
+        kind: u16,
+        request_id: u64,
+        deadline_unix_us: u64,
+        trace_id: u64,
+    ) -> Responder {
+        Responder {
+            tx,
+            kind,
+            request_id,
+            deadline_unix_us,
+            trace_id,
+            done: false,
+        }
+    }
 }
 
 impl Responder {
@@ -94,7 +137,9 @@ impl Responder {
 
     fn send(&mut self, f: Frame) {
         self.done = true;
-        let _ = self.tx.send(f);
+        let _ = self
+            .tx
+            .send(f.with_context(self.deadline_unix_us, self.trace_id));
     }
 }
 
@@ -122,13 +167,20 @@ pub trait Handler: Send + Sync + 'static {
     fn ready(&self) -> bool {
         true
     }
+
+    /// Called on the I/O thread when a CANCEL frame arrives for a request of this connection
+    /// that has not been answered yet (its `Request::is_cancelled` is already true). A handler
+    /// that queues requests drops it here; its reply, if any, is discarded.
+    fn cancelled(&self, _conn_id: u64, _request_id: u64) {}
 }
 
 /// Live counts of a server, for metrics.
 #[derive(Debug, Default)]
 pub struct ServerStats {
-    connections: AtomicU64,
-    frames_receiving: AtomicU64,
+    pub(crate) connections: AtomicU64,
+    pub(crate) frames_receiving: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) expired: AtomicU64,
 }
 
 impl ServerStats {
@@ -140,6 +192,16 @@ impl ServerStats {
     /// Connections in the middle of receiving a frame.
     pub fn frames_receiving(&self) -> u64 {
         self.frames_receiving.load(Ordering::Relaxed)
+    }
+
+    /// CANCEL frames that found their request unanswered.
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered `deadline` without reaching the handler.
+    pub fn expired(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
     }
 }
 
@@ -154,14 +216,15 @@ pub struct Server {
     drain_timeout: Duration,
 }
 
-struct Shared {
-    handler: Arc<dyn Handler>,
-    config: ServerConfig,
+/// What every connection of a server shares.
+pub(crate) struct Shared {
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) config: ServerConfig,
     next_conn: AtomicU64,
-    shutdown: watch::Receiver<bool>,
+    pub(crate) shutdown: watch::Receiver<bool>,
     live: Tracker,
     data_io: IoThreads,
-    stats: Arc<ServerStats>,
+    pub(crate) stats: Arc<ServerStats>,
 }
 
 impl Server {
@@ -245,7 +308,7 @@ impl Drop for Server {
 #[derive(Clone, Default)]
 struct Tracker(Arc<(Mutex<usize>, Condvar)>);
 
-struct Token(Tracker);
+pub(crate) struct Token(Tracker);
 
 impl Tracker {
     fn enter(&self) -> Token {
@@ -271,7 +334,7 @@ impl Drop for Token {
     }
 }
 
-async fn wait_shutdown(rx: &mut watch::Receiver<bool>) {
+pub(crate) async fn wait_shutdown(rx: &mut watch::Receiver<bool>) {
     // A dropped sender also means stop.
     let _ = rx.wait_for(|stop| *stop).await;
 }
@@ -378,225 +441,6 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
                     serve_connection(stream, shared, conn_id, token).await;
                 }
             });
-        }
-    }
-}
-
-enum Event {
-    Reply(Frame),
-    Wrote(io::Result<usize>),
-    Shutdown,
-    Read(io::Result<usize>),
-    Deadline,
-}
-
-/// Serves one connection until the peer closes it, a framing error or timeout, idleness, or
-/// shutdown; always after writing every reply it owes. Writes progress alongside reads: while
-/// the peer is slow to take replies, the loop still reads (unless back-pressure pauses it) and
-/// still notices timeouts and shutdown.
-async fn serve_connection(mut stream: Stream, shared: Arc<Shared>, conn_id: u64, _token: Token) {
-    let cfg = &shared.config;
-    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    let mut reader = FrameReader::new(cfg.max_payload);
-    let mut writer = FrameWriter::new();
-    let (mut rd, mut wr) = stream.split();
-    let mut shutdown = shared.shutdown.clone();
-    let mut owed = 0usize; // frames this side has still to write in full
-    let mut reading = true;
-    let mut draining = false;
-    let mut frame_deadline: Option<Instant> = None;
-    let mut last_activity = Instant::now();
-    let mut gauges = Gauges {
-        stats: &shared.stats,
-        receiving: false,
-    };
-    gauges.stats.connections.fetch_add(1, Ordering::Relaxed);
-
-    loop {
-        if !reading && owed == 0 {
-            break;
-        }
-        let paused = owed >= cfg.max_in_flight; // back-pressure: not reading for now
-        let deadline = if !reading || paused {
-            None
-        } else if reader.in_frame() {
-            frame_deadline
-        } else if owed == 0 {
-            cfg.idle_timeout.map(|t| last_activity + t)
-        } else {
-            None
-        };
-        // Bytes that arrived before a shutdown are read first, so a frame already started
-        // is finished rather than cut.
-        let event = tokio::select! {
-            biased;
-            Some(f) = rx.recv() => Event::Reply(f),
-            w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
-            r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
-            _ = wait_shutdown(&mut shutdown), if !draining => Event::Shutdown,
-            _ = sleep_until(deadline), if deadline.is_some() => Event::Deadline,
-        };
-        match event {
-            Event::Reply(f) => {
-                writer.push(f);
-                while let Ok(f) = rx.try_recv() {
-                    writer.push(f);
-                }
-            }
-            Event::Wrote(Err(_)) => return,
-            Event::Wrote(Ok(n)) => {
-                owed -= n;
-                last_activity = Instant::now();
-            }
-            Event::Shutdown => {
-                draining = true;
-                if !reader.in_frame() {
-                    reading = false;
-                }
-            }
-            // The peer closed its side (perhaps mid-frame): answer what it asked, then close.
-            Event::Read(Ok(0)) => reading = false,
-            Event::Read(Err(_)) => return,
-            Event::Read(Ok(_)) => {
-                let mut completed = false;
-                loop {
-                    match reader.next() {
-                        Ok(Some(frame)) => {
-                            completed = true;
-                            owed += 1;
-                            dispatch(frame, &shared, conn_id, &tx);
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            // The stream cannot be resynchronised: say why and close.
-                            owed += 1;
-                            let _ = tx.send(Frame::error(
-                                kind::HELLO,
-                                e.request_id(),
-                                e.code(),
-                                &e.to_string(),
-                            ));
-                            reading = false;
-                            break;
-                        }
-                    }
-                }
-                let now = Instant::now();
-                last_activity = now;
-                if reader.in_frame() {
-                    if completed || frame_deadline.is_none() {
-                        frame_deadline = Some(now + cfg.frame_timeout);
-                    }
-                } else {
-                    frame_deadline = None;
-                }
-                if draining && !reader.in_frame() {
-                    reading = false;
-                }
-                gauges.set_receiving(reading && reader.in_frame());
-            }
-            Event::Deadline => {
-                if reader.in_frame() {
-                    owed += 1;
-                    let msg = format!(
-                        "frame incomplete after {:.3} s ({} bytes of it arrived); closing",
-                        cfg.frame_timeout.as_secs_f64(),
-                        reader.buffered()
-                    );
-                    let id = reader.pending_request_id().unwrap_or(0);
-                    let _ = tx.send(Frame::error(kind::HELLO, id, ErrorCode::Timeout, &msg));
-                    reading = false;
-                    gauges.set_receiving(false);
-                } else {
-                    break; // idle
-                }
-            }
-        }
-    }
-    let _ = stream.shutdown().await;
-}
-
-/// Keeps a connection's share of the server's gauges, and returns it when dropped.
-struct Gauges<'a> {
-    stats: &'a ServerStats,
-    receiving: bool,
-}
-
-impl Gauges<'_> {
-    fn set_receiving(&mut self, now: bool) {
-        if now != self.receiving {
-            self.receiving = now;
-            if now {
-                self.stats.frames_receiving.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.stats.frames_receiving.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-impl Drop for Gauges<'_> {
-    fn drop(&mut self) {
-        self.set_receiving(false);
-        self.stats.connections.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
-}
-
-fn dispatch(frame: Frame, shared: &Shared, conn_id: u64, tx: &mpsc::UnboundedSender<Frame>) {
-    let (k, id) = (frame.kind, frame.request_id);
-    let error = |code, msg: String| {
-        let _ = tx.send(Frame::error(k, id, code, &msg));
-    };
-    if frame.is_response() {
-        return error(
-            ErrorCode::BadRequest,
-            format!(
-                "expected a request frame, got a response (flags {:#04x})",
-                frame.flags
-            ),
-        );
-    }
-    match k {
-        kind::HELLO => error(
-            ErrorCode::Handshake,
-            "HELLO is only valid as the first frame of a connection".to_owned(),
-        ),
-        kind::PING => {
-            let _ = tx.send(Frame::response(k, id, Bytes::new()));
-        }
-        kind::READY => {
-            let ready = shared.handler.ready() as u8;
-            let _ = tx.send(Frame::response(k, id, Bytes::copy_from_slice(&[ready])));
-        }
-        k if kind::is_control(k) => error(
-            ErrorCode::UnknownKind,
-            format!("control kind {k:#06x} is not defined in protocol version 1"),
-        ),
-        _ => {
-            let request = Request {
-                conn_id,
-                request_id: id,
-                kind: k,
-                payload: frame.payload,
-            };
-            let responder = Responder {
-                tx: tx.clone(),
-                kind: k,
-                request_id: id,
-                done: false,
-            };
-            // A panicking handler must not take the connection (or thread) down; the dropped
-            // responder answers `internal`.
-            let handler = &shared.handler;
-            let _ =
-                std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(request, responder)));
         }
     }
 }

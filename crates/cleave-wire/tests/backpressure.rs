@@ -139,10 +139,5 @@ fn read_frame(s: &mut TcpStream) -> Frame {
     let h = Header::decode(&head, u32::MAX).unwrap();
     let mut payload = vec![0u8; h.payload_len as usize];
     s.read_exact(&mut payload).unwrap();
-    Frame {
-        flags: h.flags,
-        kind: h.kind,
-        request_id: h.request_id,
-        payload: payload.into(),
-    }
+    Frame::from_header(&h, payload.into())
 }

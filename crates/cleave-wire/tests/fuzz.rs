@@ -1,5 +1,6 @@
 //! The frame decoder against random and mutated bytes: it never panics, never yields a frame
 //! larger than the limit, and decodes valid streams identically however they are split.
+//! Version 2 headers: 40 bytes, deadline and trace id at 24..40, the CANCEL flag.
 
 use bytes::{Bytes, BytesMut};
 use cleave_wire::frame::{flags, HEADER_LEN};
@@ -13,17 +14,30 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
         prop_oneof![
             Just(0u8),
             Just(flags::RESPONSE),
-            Just(flags::RESPONSE | flags::ERROR)
+            Just(flags::RESPONSE | flags::ERROR),
+            Just(flags::CANCEL)
         ],
         any::<u16>(),
         any::<u64>(),
         proptest::collection::vec(any::<u8>(), 0..300),
+        any::<u64>(),
+        any::<u64>(),
     )
-        .prop_map(|(flags, kind, request_id, payload)| Frame {
-            flags,
-            kind,
-            request_id,
-            payload: Bytes::from(payload),
+        .prop_map(|(flags, kind, request_id, payload, deadline, trace)| {
+            // A CANCEL frame carries no payload.
+            let payload = if flags == flags::CANCEL {
+                vec![]
+            } else {
+                payload
+            };
+            Frame {
+                flags,
+                kind,
+                request_id,
+                deadline_unix_us: deadline,
+                trace_id: trace,
+                payload: Bytes::from(payload),
+            }
         })
 }
 

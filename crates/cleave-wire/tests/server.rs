@@ -80,12 +80,7 @@ fn read_frame(s: &mut TcpStream) -> Option<Frame> {
     let h = Header::decode(&head, u32::MAX).unwrap();
     let mut payload = vec![0u8; h.payload_len as usize];
     s.read_exact(&mut payload).unwrap();
-    Some(Frame {
-        flags: h.flags,
-        kind: h.kind,
-        request_id: h.request_id,
-        payload: payload.into(),
-    })
+    Some(Frame::from_header(&h, payload.into()))
 }
 
 fn assert_closed(s: &mut TcpStream) {
@@ -459,4 +454,42 @@ fn back_pressure_pauses_reading_without_losing_requests() {
         }
     });
     assert!(s.join());
+}
+
+#[test]
+fn a_version_1_peer_is_refused_at_once_with_unsupported_version() {
+    let s = server(ServerConfig::default());
+    let Address::Tcp(a) = s.local_addr() else {
+        unreachable!()
+    };
+    // A version 1 HELLO: its 24-byte header and 4-byte payload are shorter than a version 2
+    // header, so the server must answer from the prefix rather than wait for 40 bytes.
+    let mut v1 = Vec::new();
+    v1.extend_from_slice(b"CLVW");
+    v1.extend_from_slice(&[1, 0, 0, 0]);
+    v1.extend_from_slice(&5u64.to_le_bytes());
+    v1.extend_from_slice(&4u32.to_le_bytes());
+    v1.extend_from_slice(&[0; 4]);
+    v1.extend_from_slice(&[0; 4]);
+    let mut c = TcpStream::connect(a).unwrap();
+    c.set_read_timeout(Some(T)).unwrap();
+    c.write_all(&v1).unwrap();
+    let f = read_frame(&mut c).unwrap();
+    let body = error_of(&f);
+    assert_eq!(body.code, ErrorCode::UnsupportedVersion, "{}", body.message);
+    assert!(
+        body.message.contains("version 1; this peer speaks 2"),
+        "{}",
+        body.message
+    );
+    assert_eq!(f.request_id, 5);
+    assert_closed(&mut c);
+    // Mid-connection, too: a version 1 frame after a good HELLO.
+    let mut c = raw(s.local_addr());
+    c.write_all(&v1).unwrap();
+    assert_eq!(
+        error_of(&read_frame(&mut c).unwrap()).code,
+        ErrorCode::UnsupportedVersion
+    );
+    assert_closed(&mut c);
 }

@@ -3,8 +3,11 @@
 The loop only needs a *source* with two calls, so it does not care where requests come from
 (a `cleave._native.FrameServer` on a socket, or an in-process queue):
 
-* `recv(max_items, timeout_s) -> list[(conn_id, request_id, kind, payload)]`: waits at most
-  `timeout_s` for at least one request;
+* `recv(max_items, timeout_s) -> list[(conn_id, request_id, kind, payload, deadline_us,
+  trace_id)]`: waits at most `timeout_s` for at least one request (`deadline_us`: Unix µs from
+  the frame header, 0 = none);
+* `cancelled() -> list[(conn_id, request_id)]`: requests already received whose callers gave
+  up since the last call;
 * `reply(conn_id, request_id, kind, payload)` and
   `reply_error(conn_id, request_id, code: int, message)`.
 
@@ -12,7 +15,10 @@ Policy: requests are served in arrival order. A batch starts when the queued row
 `max_batch`, or when the oldest request has waited `max_wait_s`; with `max_wait_s = 0` the loop
 is work-conserving (it runs whatever arrived while the previous batch computed). A batch is
 one call of the dense program: requests are never interleaved. A request whose deadline has
-passed when its batch starts is answered with error "deadline" and not computed.
+passed when its batch starts is answered with error `deadline` and not computed; one whose
+caller cancelled it is dropped from the queue. The queue holds at most `max_queue` requests:
+one more is answered `overloaded` at once (not executed, so the router retries it on another
+ranker).
 """
 
 from __future__ import annotations
@@ -25,17 +31,31 @@ from dataclasses import dataclass
 
 import torch
 
+from cleave._native import (
+    ERR_BAD_REQUEST,
+    ERR_CANCELLED,
+    ERR_DEADLINE,
+    ERR_INTERNAL,
+    ERR_OVERLOADED,
+)
+from cleave.ranker import DEFAULT_MAX_QUEUE
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import PayloadError, decode_request, encode_response
 from cleave.ranker.signature import Signature
 
 log = logging.getLogger("cleave.ranker")
 
-# Error codes of the error frames a ranker sends (docs/protocol.md): the wire's BadRequest and
-# Internal, and the rankers' own "deadline" (the router also knows it by the message prefix).
-ERR_BAD_REQUEST = 7
-ERR_INTERNAL = 12
-ERR_DEADLINE = 0x0110
+# The error codes a ranker answers with come from the wire crate (docs/protocol.md, "Error
+# frames"): re-exported here for the ranker's callers and tests.
+__all__ = [
+    "ERR_BAD_REQUEST",
+    "ERR_CANCELLED",
+    "ERR_DEADLINE",
+    "ERR_INTERNAL",
+    "ERR_OVERLOADED",
+    "Batcher",
+    "BatchStats",
+]
 
 _IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
 
@@ -55,6 +75,8 @@ class BatchStats:
     requests: int = 0
     batches: int = 0
     dropped_deadline: int = 0
+    cancelled: int = 0
+    overloaded: int = 0
     bad_requests: int = 0
     failed: int = 0
 
@@ -68,6 +90,7 @@ class Batcher:
         kind: int,
         max_batch: int = 256,
         max_wait_s: float = 0.0,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         wall_clock=time.time,
         clock=time.monotonic_ns,
     ):
@@ -78,6 +101,7 @@ class Batcher:
         self.max_batch = max(1, max_batch)
         # Waiting for company is pointless when requests cannot share a batch.
         self.max_wait_ns = int(max_wait_s * 1e9) if signature.batchable else 0
+        self.max_queue = max(1, max_queue)
         self.wall_clock = wall_clock  # for deadlines (Unix time, seconds)
         self.clock = clock  # for queueing time and max_wait (nanoseconds)
         self.queue: deque[Pending] = deque()
@@ -108,8 +132,15 @@ class Batcher:
         return max(0.0, left_ns / 1e9)
 
     def _receive(self, timeout_s: float) -> None:
-        for conn_id, request_id, kind, payload in self.source.recv(1024, timeout_s):
+        for conn_id, request_id, kind, payload, deadline_us, _trace in self.source.recv(
+            1024, timeout_s
+        ):
             now = self.clock()
+            if len(self.queue) >= self.max_queue:
+                self.stats.overloaded += 1
+                message = f"ranker queue full ({len(self.queue)} requests); not executed"
+                self._error(conn_id, request_id, ERR_OVERLOADED, message)
+                continue
             try:
                 if kind != self.kind:
                     raise PayloadError(f"this ranker serves frame kind {self.kind}, got {kind}")
@@ -119,10 +150,25 @@ class Batcher:
                 self.stats.bad_requests += 1
                 self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
                 continue
-            self.queue.append(
-                Pending(conn_id, request_id, now, request.deadline_us, request.tensors, rows)
-            )
+            self.queue.append(Pending(conn_id, request_id, now, deadline_us, request.tensors, rows))
             self.queued_rows += rows
+        self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose callers gave up leave the queue unanswered (the server would not send
+        a reply anyway); the `cancelled` reply only settles the source's books."""
+        gone = set(self.source.cancelled())
+        if not gone:
+            return
+        kept: deque[Pending] = deque()
+        for p in self.queue:
+            if (p.conn_id, p.request_id) in gone:
+                self.stats.cancelled += 1
+                self.queued_rows -= p.rows
+                self._error(p.conn_id, p.request_id, ERR_CANCELLED, "cancelled by the caller")
+            else:
+                kept.append(p)
+        self.queue = kept
 
     def _take(self) -> list[Pending]:
         """Oldest first, up to max_batch rows (at least one request); drops expired ones."""

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from cleave.errors import UsageError
+from cleave.ranker import DEFAULT_MAX_QUEUE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=256, help="rows per batch at most")
     parser.add_argument(
         "--max-wait-ms", type=float, default=0.0, help="how long a request may wait for company"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests waiting for a batch at most; one more is answered `overloaded` at once "
+        f"(the router retries it on another ranker); default {DEFAULT_MAX_QUEUE}",
     )
     parser.add_argument(
         "--monolithic",
@@ -39,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_wait_ms < 0:
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
     if args.threads is not None and args.threads < 1:
@@ -56,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_wait_s=args.max_wait_ms / 1000,
         cuda_graphs=not args.no_cuda_graphs,
+        max_queue=args.max_queue,
     )
     try:
         server = FrameServer(args.listen)
@@ -109,6 +120,7 @@ def _report(batcher) -> None:
     s = batcher.stats
     print(
         f"ranker stopped: {s.requests} requests in {s.batches} batches, "
-        f"{s.dropped_deadline} past deadline, {s.bad_requests} malformed, {s.failed} failed",
+        f"{s.dropped_deadline} past deadline, {s.cancelled} cancelled, {s.overloaded} refused "
+        f"(queue full), {s.bad_requests} malformed, {s.failed} failed",
         file=sys.stderr,
     )

@@ -1,5 +1,6 @@
 """An in-process request source with the FrameServer interface (`recv` / `reply` /
-`reply_error`), for callers in the same process as the batching loop: tests and tools."""
+`reply_error` / `cancelled`), for callers in the same process as the batching loop: tests and
+tools."""
 
 from __future__ import annotations
 
@@ -24,16 +25,37 @@ class LocalQueue:
         self._waiting: dict[int, Future] = {}
         self._cond = threading.Condition()
         self._next_id = 0
+        self._cancelled: list[tuple[int, int]] = []
 
-    def submit(self, kind: int, payload: bytes) -> Future:
-        """Queues one request; the future resolves to the response payload or RankerError."""
+    def submit(self, kind: int, payload: bytes, deadline_us: int = 0, trace_id: int = 0) -> Future:
+        """Queues one request; the future resolves to the response payload or RankerError.
+        `future.request_id` is its id (for `cancel`)."""
         future: Future = Future()
         with self._cond:
             self._next_id += 1
+            future.request_id = self._next_id
             self._waiting[self._next_id] = future
-            self._items.append((0, self._next_id, kind, payload))
+            self._items.append((0, self._next_id, kind, payload, deadline_us, trace_id))
             self._cond.notify()
         return future
+
+    def cancel(self, request_id: int) -> None:
+        """The caller gives up (as a CANCEL frame): dropped if still queued here, otherwise
+        reported by `cancelled()`; its future is cancelled and any reply is dropped."""
+        with self._cond:
+            future = self._waiting.pop(request_id, None)
+            queued = [item for item in self._items if item[1] == request_id]
+            if queued:
+                self._items.remove(queued[0])
+            elif future is not None:
+                self._cancelled.append((0, request_id))
+        if future is not None:
+            future.cancel()
+
+    def cancelled(self) -> list[tuple[int, int]]:
+        with self._cond:
+            out, self._cancelled = self._cancelled, []
+        return out
 
     def recv(self, max_items: int, timeout_s: float) -> list:
         deadline = time.monotonic() + timeout_s
@@ -46,12 +68,15 @@ class LocalQueue:
             count = min(max_items, len(self._items))
             return [self._items.popleft() for _ in range(count)]
 
+    # A reply to a cancelled request is dropped, as the FrameServer does.
     def reply(self, conn_id: int, request_id: int, kind: int, payload) -> None:
         with self._cond:
-            future = self._waiting.pop(request_id)
-        future.set_result(bytes(payload))
+            future = self._waiting.pop(request_id, None)
+        if future is not None:
+            future.set_result(bytes(payload))
 
     def reply_error(self, conn_id: int, request_id: int, code: int, message: str) -> None:
         with self._cond:
-            future = self._waiting.pop(request_id)
-        future.set_exception(RankerError(code, message))
+            future = self._waiting.pop(request_id, None)
+        if future is not None:
+            future.set_exception(RankerError(code, message))

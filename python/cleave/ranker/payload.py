@@ -2,11 +2,14 @@
 read straight into torch tensors that share the payload's memory (no JSON, no per-element copy).
 
 ```
-request  := deadline_unix_us:u64  n_tensors:u32  reserved:u32  tensor[n_tensors]
+request  := n_tensors:u32  reserved:u32  tensor[n_tensors]
 response := queue_us:u32 compute_us:u32 batch_requests:u32 queue_depth:u32 n_tensors:u32
             reserved:u32  tensor[n_tensors]
 tensor   := dtype:u8 ndim:u8 reserved:u16 reserved:u32 dims:u64[ndim] data pad(to 8 bytes)
 ```
+
+The request's deadline and trace id travel in the frame header (protocol version 2); the
+batcher gets them from `FrameServer.recv`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in DTYPES.ite
 # Manifest dtype names (docs/bundle.md) -> torch dtypes.
 DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
 
-_REQUEST_HEAD = struct.Struct("<QII")
+_REQUEST_HEAD = struct.Struct("<II")
 _RESPONSE_HEAD = struct.Struct("<IIIIII")
 _TENSOR_HEAD = struct.Struct("<BBHI")
 _U32_MAX = 2**32 - 1
@@ -50,7 +53,6 @@ class PayloadError(ValueError):
 
 @dataclass
 class RankRequest:
-    deadline_us: int  # Unix time in microseconds; 0 means no deadline
     tensors: list[torch.Tensor]
 
 
@@ -110,12 +112,12 @@ def decode_request(payload) -> RankRequest:
     """Reads a RANK/RANK_FULL payload; raises PayloadError naming the first problem."""
     buf = memoryview(payload).cast("B")
     if len(buf) < _REQUEST_HEAD.size:
-        raise PayloadError(f"request header needs 16 bytes, payload has {len(buf)}")
-    deadline_us, count, _ = _REQUEST_HEAD.unpack_from(buf, 0)
+        raise PayloadError(f"request header needs 8 bytes, payload has {len(buf)}")
+    count, _ = _REQUEST_HEAD.unpack_from(buf, 0)
     tensors, end = _read_tensors(buf, _REQUEST_HEAD.size, count, "request")
     if end != len(buf):
         raise PayloadError(f"request of {count} tensors ends at byte {end}, payload has {len(buf)}")
-    return RankRequest(deadline_us, tensors)
+    return RankRequest(tensors)
 
 
 def decode_response(payload) -> RankResponse:
@@ -143,8 +145,8 @@ def _tensor_parts(tensor: torch.Tensor) -> list[bytes | memoryview]:
     return [head, data, bytes(_pad8(nbytes) - nbytes)]
 
 
-def encode_request(deadline_us: int, tensors: list[torch.Tensor]) -> bytes:
-    parts: list[bytes | memoryview] = [_REQUEST_HEAD.pack(deadline_us, len(tensors), 0)]
+def encode_request(tensors: list[torch.Tensor]) -> bytes:
+    parts: list[bytes | memoryview] = [_REQUEST_HEAD.pack(len(tensors), 0)]
     for tensor in tensors:
         parts.extend(_tensor_parts(tensor))
     return b"".join(parts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cleave.errors import UsageError
+from cleave.ranker import DEFAULT_MAX_QUEUE
 from cleave.ranker.batcher import Batcher
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL
@@ -26,6 +27,7 @@ def load_ranker(
     max_batch: int = 256,
     max_wait_s: float = 0.0,
     cuda_graphs: bool = True,
+    max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
     or with `monolithic` for the whole model (lookups in PyTorch + the dense program)."""
@@ -44,4 +46,12 @@ def load_ranker(
     )
     executor.warm_up()
     kind = KIND_RANK_FULL if monolithic else KIND_RANK
-    return Batcher(source, executor, sig, kind, max_batch=max_batch, max_wait_s=max_wait_s)
+    return Batcher(
+        source,
+        executor,
+        sig,
+        kind,
+        max_batch=max_batch,
+        max_wait_s=max_wait_s,
+        max_queue=max_queue,
+    )

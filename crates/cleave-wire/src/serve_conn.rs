@@ -1,0 +1,292 @@
+//! One server connection on its I/O thread: reads frames, dispatches requests (control kinds
+//! answered here, late ones with `deadline`, the rest to the handler), applies CANCEL frames,
+//! and writes the replies, reads and writes progressing side by side.
+
+use std::collections::HashMap;
+use std::io;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::addr::Stream;
+use crate::conn::{FrameReader, FrameWriter};
+use crate::frame::{kind, ErrorCode, Frame, VERSION};
+use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
+
+enum Event {
+    Reply(Frame),
+    Wrote(io::Result<usize>),
+    Shutdown,
+    Read(io::Result<usize>),
+    Deadline,
+}
+
+/// Serves one connection until the peer closes it, a framing error or timeout, idleness, or
+/// shutdown; always after writing every reply it owes. Writes progress alongside reads: while
+/// the peer is slow to take replies, the loop still reads (unless back-pressure pauses it) and
+/// still notices timeouts and shutdown.
+pub(crate) async fn serve_connection(
+    mut stream: Stream,
+    shared: Arc<Shared>,
+    conn_id: u64,
+    _token: Token,
+) {
+    let cfg = &shared.config;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+    let mut reader = FrameReader::new(cfg.max_payload);
+    let mut writer = FrameWriter::new();
+    let (mut rd, mut wr) = stream.split();
+    let mut shutdown = shared.shutdown.clone();
+    let mut owed = 0usize; // frames this side has still to write in full
+    let mut reading = true;
+    let mut draining = false;
+    let mut frame_deadline: Option<Instant> = None;
+    let mut last_activity = Instant::now();
+    // Application requests not answered yet, with their cancel flags.
+    let mut in_flight: HashMap<u64, Arc<AtomicBool>> = HashMap::new();
+    let mut gauges = Gauges {
+        stats: &shared.stats,
+        receiving: false,
+    };
+    gauges.stats.connections.fetch_add(1, Ordering::Relaxed);
+
+    loop {
+        if !reading && owed == 0 {
+            break;
+        }
+        let paused = owed >= cfg.max_in_flight; // back-pressure: not reading for now
+        let deadline = if !reading || paused {
+            None
+        } else if reader.in_frame() {
+            frame_deadline
+        } else if owed == 0 {
+            cfg.idle_timeout.map(|t| last_activity + t)
+        } else {
+            None
+        };
+        // Bytes that arrived before a shutdown are read first, so a frame already started
+        // is finished rather than cut.
+        let event = tokio::select! {
+            biased;
+            Some(f) = rx.recv() => Event::Reply(f),
+            w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
+            r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
+            _ = wait_shutdown(&mut shutdown), if !draining => Event::Shutdown,
+            _ = sleep_until(deadline), if deadline.is_some() => Event::Deadline,
+        };
+        match event {
+            Event::Reply(f) => {
+                let mut next = Some(f);
+                while let Some(f) = next {
+                    let cancelled = !kind::is_control(f.kind)
+                        && in_flight
+                            .remove(&f.request_id)
+                            .is_some_and(|c| c.load(Ordering::Relaxed));
+                    if cancelled {
+                        owed -= 1; // the caller forgot the id: nothing goes out
+                    } else {
+                        writer.push(f);
+                    }
+                    next = rx.try_recv().ok();
+                }
+            }
+            Event::Wrote(Err(_)) => return,
+            Event::Wrote(Ok(n)) => {
+                owed -= n;
+                last_activity = Instant::now();
+            }
+            Event::Shutdown => {
+                draining = true;
+                if !reader.in_frame() {
+                    reading = false;
+                }
+            }
+            // The peer closed its side (perhaps mid-frame): answer what it asked, then close.
+            Event::Read(Ok(0)) => reading = false,
+            Event::Read(Err(_)) => return,
+            Event::Read(Ok(_)) => {
+                let mut completed = false;
+                loop {
+                    match reader.next() {
+                        Ok(Some(frame)) => {
+                            completed = true;
+                            if frame.is_cancel() {
+                                cancel(&frame, &shared, conn_id, &in_flight);
+                            } else {
+                                owed += 1;
+                                dispatch(frame, &shared, conn_id, &tx, &mut in_flight);
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            // The stream cannot be resynchronised: say why and close.
+                            owed += 1;
+                            let _ = tx.send(Frame::error(
+                                kind::HELLO,
+                                e.request_id(),
+                                e.code(),
+                                &e.to_string(),
+                            ));
+                            reading = false;
+                            break;
+                        }
+                    }
+                }
+                let now = Instant::now();
+                last_activity = now;
+                if reader.in_frame() {
+                    if completed || frame_deadline.is_none() {
+                        frame_deadline = Some(now + cfg.frame_timeout);
+                    }
+                } else {
+                    frame_deadline = None;
+                }
+                if draining && !reader.in_frame() {
+                    reading = false;
+                }
+                gauges.set_receiving(reading && reader.in_frame());
+            }
+            Event::Deadline => {
+                if reader.in_frame() {
+                    owed += 1;
+                    let msg = format!(
+                        "frame incomplete after {:.3} s ({} bytes of it arrived); closing",
+                        cfg.frame_timeout.as_secs_f64(),
+                        reader.buffered()
+                    );
+                    let id = reader.pending_request_id().unwrap_or(0);
+                    let _ = tx.send(Frame::error(kind::HELLO, id, ErrorCode::Timeout, &msg));
+                    reading = false;
+                    gauges.set_receiving(false);
+                } else {
+                    break; // idle
+                }
+            }
+        }
+    }
+    let _ = stream.shutdown().await;
+}
+
+/// Keeps a connection's share of the server's gauges, and returns it when dropped.
+struct Gauges<'a> {
+    stats: &'a ServerStats,
+    receiving: bool,
+}
+
+impl Gauges<'_> {
+    fn set_receiving(&mut self, now: bool) {
+        if now != self.receiving {
+            self.receiving = now;
+            if now {
+                self.stats.frames_receiving.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.stats.frames_receiving.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for Gauges<'_> {
+    fn drop(&mut self) {
+        self.set_receiving(false);
+        self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A CANCEL frame: marks its request cancelled if it is still unanswered; never answered.
+fn cancel(frame: &Frame, shared: &Shared, conn_id: u64, in_flight: &HashMap<u64, Arc<AtomicBool>>) {
+    let Some(flag) = in_flight.get(&frame.request_id) else {
+        return; // answered already, or never sent: nothing to do
+    };
+    if !flag.swap(true, Ordering::Relaxed) {
+        shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        shared.handler.cancelled(conn_id, frame.request_id);
+    }
+}
+
+/// Answers one request frame: control kinds here, late requests with `deadline`, the rest
+/// through the handler. Exactly one reply frame follows on `tx`, now or later.
+fn dispatch(
+    frame: Frame,
+    shared: &Shared,
+    conn_id: u64,
+    tx: &mpsc::UnboundedSender<Frame>,
+    in_flight: &mut HashMap<u64, Arc<AtomicBool>>,
+) {
+    let (k, id) = (frame.kind, frame.request_id);
+    let context = (frame.deadline_unix_us, frame.trace_id);
+    let error = |code, msg: String| {
+        let f = Frame::error(k, id, code, &msg).with_context(context.0, context.1);
+        let _ = tx.send(f);
+    };
+    if frame.is_response() {
+        return error(
+            ErrorCode::BadRequest,
+            format!(
+                "expected a request frame, got a response (flags {:#04x})",
+                frame.flags
+            ),
+        );
+    }
+    match k {
+        kind::HELLO => error(
+            ErrorCode::Handshake,
+            "HELLO is only valid as the first frame of a connection".to_owned(),
+        ),
+        kind::PING => {
+            let _ =
+                tx.send(Frame::response(k, id, Bytes::new()).with_context(context.0, context.1));
+        }
+        kind::READY => {
+            let ready = Bytes::copy_from_slice(&[shared.handler.ready() as u8]);
+            let _ = tx.send(Frame::response(k, id, ready).with_context(context.0, context.1));
+        }
+        k if kind::is_control(k) => error(
+            ErrorCode::UnknownKind,
+            format!("control kind {k:#06x} is not defined in protocol version {VERSION}"),
+        ),
+        _ => {
+            let deadline = frame.deadline_unix_us;
+            let now = if deadline == 0 { 0 } else { unix_now_us() };
+            if now > deadline {
+                shared.stats.expired.fetch_add(1, Ordering::Relaxed);
+                return error(
+                    ErrorCode::Deadline,
+                    format!(
+                        "deadline passed {} us before the server could start the request",
+                        now - deadline
+                    ),
+                );
+            }
+            let cancelled = Arc::new(AtomicBool::new(false));
+            in_flight.insert(id, cancelled.clone());
+            let request = Request {
+                conn_id,
+                request_id: id,
+                kind: k,
+                payload: frame.payload,
+                deadline_unix_us: deadline,
+                trace_id: frame.trace_id,
+                cancelled,
+            };
+            let responder = Responder::new(tx.clone(), k, id, deadline, frame.trace_id);
+            // A panicking handler must not take the connection (or thread) down; the dropped
+            // responder answers `internal`.
+            let handler = &shared.handler;
+            let _ =
+                std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(request, responder)));
+        }
+    }
+}
