@@ -258,7 +258,6 @@ def kill_ranker_under_load(served: Served, rankers: int):
     return results, killed_at, back_at
 
 
-@pytest.mark.xfail(reason="TEMPORARY until the ranker retry lands", strict=False)
 def test_a_killed_ranker_of_two_costs_no_request(models):
     results, _, _ = kill_ranker_under_load(models["shared"], rankers=2)
     failed = [(status, reply) for _, _, status, reply, _ in results if status != 200]
@@ -266,7 +265,6 @@ def test_a_killed_ranker_of_two_costs_no_request(models):
     assert len(results) > 40
 
 
-@pytest.mark.xfail(reason="TEMPORARY until the ranker retry lands", strict=False)
 def test_a_killed_lone_ranker_costs_503s_only_until_it_is_back(models):
     results, killed_at, back_at = kill_ranker_under_load(models["shared"], rankers=1)
     failed = [(t, status, reply) for t, _, status, reply, _ in results if status != 200]
