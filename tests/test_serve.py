@@ -345,7 +345,7 @@ def test_ranker_process_answers_malformed_frames_and_keeps_serving(models, tmp_p
     address = f"unix:{tmp_path / 'ranker.sock'}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(served.dir)]
-        + ["--listen", address, "--threads", "1"],
+        + ["--listen", address, "--threads", "1", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -353,6 +353,9 @@ def test_ranker_process_answers_malformed_frames_and_keeps_serving(models, tmp_p
     try:
         line = proc.stdout.readline()
         assert line.startswith(f"ready {address} device=cpu mode=dense"), proc.stderr.read()
+        probes = line.split("metrics=")[1].strip()
+        with urllib.request.urlopen(probes + "/ready", timeout=10) as response:
+            assert json.loads(response.read())["status"] == "ready"
         client = FrameClient(address, timeout_s=10)
         assert client.ready()
         args = served.generator.batch(5)
@@ -374,6 +377,9 @@ def test_ranker_process_answers_malformed_frames_and_keeps_serving(models, tmp_p
         with torch.inference_mode():
             want = served.model(*args)
         assert np.abs(reply.tensors[0].numpy() - want.numpy()).max() <= TOLERANCE
+        with urllib.request.urlopen(probes + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        assert 'cleave_ranker_requests_total{outcome="bad_request"} 8.0' in text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         summary = "1 requests in 1 batches, 0 past deadline, 0 cancelled, 0 refused (queue full), "

@@ -39,6 +39,7 @@ class RankerConfig:
     threads: int = 0  # torch CPU threads per ranker; 0: (cores - 1) / rankers, at least 1
     max_batch: int = 256  # rows per batch at most
     max_wait_ms: float = 0.0  # how long a request may wait for company; 0: work-conserving
+    max_queue: int = 1024  # requests waiting at most; more are refused `overloaded` at once
     cuda_graphs: bool = True
 
 
@@ -77,6 +78,7 @@ class ServeConfig:
         )
         need(self.ranker.max_batch >= 1, "ranker.max_batch", "at least 1", self.ranker.max_batch)
         need(self.ranker.max_wait_ms >= 0, "ranker.max_wait_ms", ">= 0", self.ranker.max_wait_ms)
+        need(self.ranker.max_queue >= 1, "ranker.max_queue", "at least 1", self.ranker.max_queue)
         need(self.ranker.threads >= 0, "ranker.threads", ">= 0", self.ranker.threads)
         need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
         r = self.router

@@ -137,6 +137,8 @@ class Deployment:
                 str(self.config.shard.threads),
                 "--rows",
                 rows,
+                "--metrics-port",
+                "0",
             )
             specs.append(ChildSpec(name, argv, address, self._before_start(address)))
         return specs
@@ -160,6 +162,10 @@ class Deployment:
                 str(c.max_batch),
                 "--max-wait-ms",
                 str(c.max_wait_ms),
+                "--max-queue",
+                str(c.max_queue),
+                "--metrics-port",
+                "0",
             )
             if self.config.monolithic:
                 argv.append("--monolithic")
@@ -215,6 +221,18 @@ def _learn_address(spec: ChildSpec, ready_line: str) -> None:
         spec.address = actual
 
 
+def _print_metrics(children, url: str) -> None:
+    """Where each role's /metrics, /ready and /live are: from the ready lines."""
+    where = [
+        f"{c.spec.name} {word.removeprefix('metrics=')}"
+        for c in children
+        for word in c.ready_line.split()
+        if word.startswith("metrics=")
+    ]
+    where.append(f"router {url}")
+    print(f"cleave serve: metrics: {', '.join(where)}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle)
     if not bundle.is_dir():
@@ -247,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        _print_metrics(supervisor.children, url)
         print(f"ready {url}", flush=True)
         code = supervisor.watch(config.ready_timeout_s)
     except ChildFailed as err:

@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(the router retries it on another ranker); default {DEFAULT_MAX_QUEUE}",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="HTTP port for /live, /ready, /metrics on the listen host (0 picks one)",
+    )
+    parser.add_argument(
         "--monolithic",
         action="store_true",
         help="run the whole model on RANK_FULL requests (the baseline)",
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
 
     from cleave._native import FrameServer, WireError
     from cleave.ranker.program import load_ranker
@@ -76,18 +83,41 @@ def run(args: argparse.Namespace) -> int:
     if args.with_router:
         return _serve_with_router(batcher, server, args.with_router)
 
+    probes = _probes(batcher, server.address, args.metrics_port)
     stop = threading.Event()
+
+    def on_signal(*_):
+        if probes:
+            probes.problems.append("stopping")
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     device = batcher.executor.device
     mode = "monolithic" if args.monolithic else "dense"
     if not batcher.signature.batchable:
         print(f"one request per batch: {batcher.signature.why_not}", file=sys.stderr, flush=True)
-    print(f"ready {server.address} device={device} mode={mode}", flush=True)
+    metrics = f" metrics={probes.address}" if probes else ""
+    print(f"ready {server.address} device={device} mode={mode}{metrics}", flush=True)
     batcher.serve_forever(stop)
     server.close()
+    if probes:
+        probes.close()
     _report(batcher)
     return 0
+
+
+def _probes(batcher, address: str, port: int | None):
+    """/live, /ready and /metrics on the listen address's host (loopback for Unix sockets)."""
+    if port is None:
+        return None
+    from cleave.ranker.probes import Probes
+
+    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0]
+    try:
+        return Probes(batcher, host.strip("[]"), port)
+    except OSError as err:
+        raise UsageError(f"--metrics-port {port}: cannot listen on {host}: {err}") from None
 
 
 def _serve_with_router(batcher, server, config_path: str) -> int:

@@ -26,6 +26,8 @@ class _BatcherCollector:
         for outcome, value in (
             ("ok", s.requests),
             ("deadline", s.dropped_deadline),
+            ("cancelled", s.cancelled),
+            ("overloaded", s.overloaded),
             ("bad_request", s.bad_requests),
             ("failed", s.failed),
         ):
