@@ -1,0 +1,327 @@
+//! Admission control: before a request's body is read, decide whether the router can still
+//! meet its budget, and refuse at once (503 + Retry-After) when it cannot, so that under
+//! overload the work that is accepted finishes in time instead of everything queueing.
+//!
+//! The estimate of a new request's latency is the time it has already spent (since its first
+//! byte), plus moving averages of reading + parsing and of the lookup stage, plus the wait at
+//! the rankers: the least (outstanding + 1) × time per request over the healthy rankers
+//! (`RankerPool::expected_wait`), plus the requests admitted here that have not reached a
+//! ranker yet, spread over the healthy rankers.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::ranker::RankerPool;
+
+/// Weight of the newest sample in the stage averages.
+const EWMA_ALPHA: f64 = 0.2;
+/// The longest Retry-After the router asks for (seconds).
+const MAX_RETRY_AFTER_S: u64 = 60;
+
+/// Why a request was refused; the label of `cleave_router_shed_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShedReason {
+    /// `max_connections` reached: the connection was refused by the front door.
+    Connections,
+    /// `max_in_flight` reached.
+    InFlight,
+    /// The estimated latency exceeds the request's budget.
+    Estimate,
+}
+
+impl ShedReason {
+    pub const ALL: [ShedReason; 3] = [
+        ShedReason::Connections,
+        ShedReason::InFlight,
+        ShedReason::Estimate,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShedReason::Connections => "connections",
+            ShedReason::InFlight => "in_flight",
+            ShedReason::Estimate => "estimate",
+        }
+    }
+}
+
+/// A refusal: why, in words, and when to come back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shed {
+    pub reason: ShedReason,
+    pub message: String,
+    /// Whole seconds, at least 1.
+    pub retry_after_s: u64,
+}
+
+/// What the rankers look like right now, as admission needs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankerLoad {
+    /// `RankerPool::expected_wait`: `None` when no ranker is healthy.
+    pub wait: Option<Duration>,
+    /// Requests currently sent to rankers and not answered.
+    pub outstanding: u64,
+    /// Mean time per request of the healthy rankers, divided by how many there are: what one
+    /// more queued request adds to everyone's wait.
+    pub per_request: Duration,
+}
+
+impl RankerLoad {
+    pub fn of(pool: &RankerPool) -> RankerLoad {
+        let healthy: Vec<_> = pool.rankers().iter().filter(|r| r.is_healthy()).collect();
+        let n = healthy.len().max(1) as f64;
+        let mean_us = healthy.iter().map(|r| r.service_us()).sum::<f64>() / n;
+        RankerLoad {
+            wait: pool.expected_wait(),
+            outstanding: pool.rankers().iter().map(|r| r.outstanding()).sum(),
+            per_request: Duration::from_secs_f64(mean_us / n / 1e6),
+        }
+    }
+}
+
+/// The router's admission state: requests in progress and the stage averages.
+pub struct Admission {
+    max_in_flight: usize,
+    /// Whether to shed on the estimate (the in-flight cap always applies).
+    shed: bool,
+    in_flight: AtomicUsize,
+    /// f64 bits of moving averages in µs (0: not measured yet).
+    parse_us: AtomicU64,
+    lookup_us: AtomicU64,
+    shed_total: [AtomicU64; ShedReason::ALL.len()],
+}
+
+/// A request admitted: counts as in flight until dropped.
+pub struct Permit<'a>(&'a Admission);
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Admission {
+    pub fn new(max_in_flight: usize, shed: bool) -> Admission {
+        Admission {
+            max_in_flight,
+            shed,
+            in_flight: AtomicUsize::new(0),
+            parse_us: AtomicU64::new(0),
+            lookup_us: AtomicU64::new(0),
+            shed_total: Default::default(),
+        }
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn shed_total(&self, reason: ShedReason) -> u64 {
+        self.shed_total[reason as usize].load(Ordering::Relaxed)
+    }
+
+    /// Counts a refusal made elsewhere (the front door's connection cap).
+    pub fn count(&self, reason: ShedReason) {
+        self.shed_total[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Feeds the averages from a request that went through: `parse` from its first byte to
+    /// its inputs parsed, `lookup` its shard stage (zero in monolithic mode).
+    pub fn observe(&self, parse: Duration, lookup: Duration) {
+        update_ewma(&self.parse_us, parse.as_secs_f64() * 1e6);
+        update_ewma(&self.lookup_us, lookup.as_secs_f64() * 1e6);
+    }
+
+    /// The latency a request would see if admitted now, less the time already spent.
+    pub fn estimate(&self, load: &RankerLoad) -> Duration {
+        let us = |cell: &AtomicU64| {
+            Duration::from_secs_f64(f64::from_bits(cell.load(Ordering::Relaxed)) / 1e6)
+        };
+        let ahead = (self.in_flight() as u64).saturating_sub(load.outstanding);
+        us(&self.parse_us)
+            + us(&self.lookup_us)
+            + load.wait.unwrap_or_default()
+            + load
+                .per_request
+                .saturating_mul(ahead.min(u32::MAX as u64) as u32)
+    }
+
+    /// Admits a request that has spent `elapsed` since its first byte and may take `budget`
+    /// in all, or says why not.
+    pub fn admit(
+        &self,
+        elapsed: Duration,
+        budget: Duration,
+        load: &RankerLoad,
+    ) -> Result<Permit<'_>, Shed> {
+        let estimate = self.estimate(load);
+        let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let permit = Permit(self);
+        // No healthy ranker: let the request fail fast as `unavailable`, which says why.
+        let decision = decide(
+            before,
+            self.max_in_flight,
+            elapsed,
+            budget,
+            load.wait.map(|_| estimate).filter(|_| self.shed),
+        );
+        match decision {
+            Ok(()) => Ok(permit),
+            Err(shed) => {
+                drop(permit);
+                self.count(shed.reason);
+                Err(shed)
+            }
+        }
+    }
+}
+
+/// The arithmetic of [`Admission::admit`]: `in_flight` requests are in progress (cap
+/// `max`); the request has spent `elapsed` of `budget`; `estimate` is what it would still
+/// take (`None`: do not judge by the estimate).
+pub fn decide(
+    in_flight: usize,
+    max: usize,
+    elapsed: Duration,
+    budget: Duration,
+    estimate: Option<Duration>,
+) -> Result<(), Shed> {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let drain = estimate.unwrap_or_default();
+    if in_flight >= max {
+        return Err(Shed {
+            reason: ShedReason::InFlight,
+            message: format!(
+                "overloaded: {in_flight} requests in progress, the router's cap \
+                 (max_in_flight) is {max}; retry later"
+            ),
+            retry_after_s: retry_after(drain),
+        });
+    }
+    match estimate {
+        Some(estimate) if elapsed + estimate > budget => Err(Shed {
+            reason: ShedReason::Estimate,
+            message: format!(
+                "overloaded: expected latency {:.1} ms ({:.1} ms spent, {:.1} ms estimated \
+                 for queues and stages) exceeds the budget of {:.1} ms; retry later or with \
+                 a larger budget",
+                ms(elapsed + estimate),
+                ms(elapsed),
+                ms(estimate),
+                ms(budget)
+            ),
+            retry_after_s: retry_after(estimate),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Whole seconds until the queues should have drained: at least 1, at most 60.
+pub fn retry_after(drain: Duration) -> u64 {
+    (drain.as_secs_f64().ceil() as u64).clamp(1, MAX_RETRY_AFTER_S)
+}
+
+/// Racy read-modify-write is fine: a lost sample only slows the average down.
+fn update_ewma(cell: &AtomicU64, sample: f64) {
+    let old = f64::from_bits(cell.load(Ordering::Relaxed));
+    let new = if old == 0.0 {
+        sample
+    } else {
+        old + EWMA_ALPHA * (sample - old)
+    };
+    cell.store(new.to_bits(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn decides_by_cap_then_estimate() {
+        assert_eq!(decide(0, 4, MS, 100 * MS, Some(50 * MS)), Ok(()));
+        // 1 ms spent + 99 ms to go is exactly the budget: admitted.
+        assert_eq!(decide(3, 4, MS, 100 * MS, Some(99 * MS)), Ok(()));
+        let e = decide(3, 4, 2 * MS, 100 * MS, Some(99 * MS)).unwrap_err();
+        assert_eq!(e.reason, ShedReason::Estimate);
+        assert!(
+            e.message
+                .contains("expected latency 101.0 ms (2.0 ms spent, 99.0 ms")
+                && e.message.contains("budget of 100.0 ms"),
+            "{}",
+            e.message
+        );
+        assert_eq!(e.retry_after_s, 1);
+        let e = decide(4, 4, MS, 100 * MS, Some(MS)).unwrap_err();
+        assert_eq!(e.reason, ShedReason::InFlight);
+        assert!(
+            e.message.contains("4 requests in progress"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("(max_in_flight) is 4"), "{}", e.message);
+        // No estimate (shedding off, or no ranker healthy): only the cap applies.
+        assert_eq!(decide(3, 4, 10 * MS, MS, None), Ok(()));
+    }
+
+    #[test]
+    fn retry_after_is_whole_seconds_from_the_drain_time() {
+        assert_eq!(retry_after(Duration::ZERO), 1);
+        assert_eq!(retry_after(300 * MS), 1);
+        assert_eq!(retry_after(1001 * MS), 2);
+        assert_eq!(retry_after(Duration::from_secs(3600)), 60);
+        let e = decide(0, 4, MS, 100 * MS, Some(Duration::from_millis(2500))).unwrap_err();
+        assert_eq!(e.retry_after_s, 3);
+    }
+
+    #[test]
+    fn estimate_adds_stages_wait_and_requests_ahead() {
+        let a = Admission::new(10, true);
+        a.observe(2 * MS, 3 * MS);
+        a.observe(4 * MS, 3 * MS); // parse average: 2 + 0.2 × 2 = 2.4 ms
+        let load = RankerLoad {
+            wait: Some(10 * MS),
+            outstanding: 1,
+            per_request: 5 * MS,
+        };
+        assert_eq!(
+            a.estimate(&load),
+            Duration::from_micros(2400 + 3000 + 10_000)
+        );
+        // Three admitted, one of them at a ranker: two more are ahead of a new request.
+        let permits: Vec<_> = (0..3)
+            .map(|_| {
+                a.admit(Duration::ZERO, Duration::from_secs(1), &load)
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(a.in_flight(), 3);
+        assert_eq!(
+            a.estimate(&load),
+            Duration::from_micros(2400 + 3000 + 10_000 + 2 * 5000)
+        );
+        let e = a.admit(Duration::ZERO, 20 * MS, &load).err().unwrap();
+        assert_eq!(e.reason, ShedReason::Estimate);
+        assert_eq!(a.in_flight(), 3, "a refused request is not in flight");
+        assert_eq!(a.shed_total(ShedReason::Estimate), 1);
+        drop(permits);
+        assert_eq!(a.in_flight(), 0);
+    }
+
+    #[test]
+    fn cap_applies_and_permits_release() {
+        let a = Admission::new(2, false);
+        let load = RankerLoad {
+            wait: Some(Duration::from_secs(100)),
+            ..RankerLoad::default()
+        };
+        let p1 = a.admit(Duration::ZERO, MS, &load).unwrap(); // shedding off: no estimate
+        let _p2 = a.admit(Duration::ZERO, MS, &load).unwrap();
+        let e = a.admit(Duration::ZERO, MS, &load).err().unwrap();
+        assert_eq!(e.reason, ShedReason::InFlight);
+        assert_eq!(a.shed_total(ShedReason::InFlight), 1);
+        drop(p1);
+        assert!(a.admit(Duration::ZERO, MS, &load).is_ok());
+    }
+}
