@@ -7,9 +7,13 @@
 //! the rankers: the least (outstanding + 1) × time per request over the healthy rankers
 //! (`RankerPool::expected_wait`), plus the requests admitted here that have not reached a
 //! ranker yet, spread over the healthy rankers.
+//!
+//! Averages only change when requests go through, so a router that sheds everything would
+//! keep its estimate forever: when nothing is in flight and nothing was admitted or measured
+//! for `PROBE_AFTER`, one request is admitted regardless, to measure again.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::ranker::RankerPool;
 
@@ -17,6 +21,9 @@ use crate::ranker::RankerPool;
 const EWMA_ALPHA: f64 = 0.2;
 /// The longest Retry-After the router asks for (seconds).
 const MAX_RETRY_AFTER_S: u64 = 60;
+/// How long an idle router that sheds by its estimate waits before admitting one request to
+/// measure again.
+const PROBE_AFTER: Duration = Duration::from_secs(1);
 
 /// Why a request was refused; the label of `cleave_router_shed_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +95,9 @@ pub struct Admission {
     /// f64 bits of moving averages in µs (0: not measured yet).
     parse_us: AtomicU64,
     lookup_us: AtomicU64,
+    /// When a request was last admitted or measured, in µs since `epoch`.
+    last_activity_us: AtomicU64,
+    epoch: Instant,
     shed_total: [AtomicU64; ShedReason::ALL.len()],
 }
 
@@ -108,6 +118,8 @@ impl Admission {
             in_flight: AtomicUsize::new(0),
             parse_us: AtomicU64::new(0),
             lookup_us: AtomicU64::new(0),
+            last_activity_us: AtomicU64::new(0),
+            epoch: Instant::now(),
             shed_total: Default::default(),
         }
     }
@@ -130,6 +142,8 @@ impl Admission {
     pub fn observe(&self, parse: Duration, lookup: Duration) {
         update_ewma(&self.parse_us, parse.as_secs_f64() * 1e6);
         update_ewma(&self.lookup_us, lookup.as_secs_f64() * 1e6);
+        let now_us = self.epoch.elapsed().as_micros() as u64;
+        self.last_activity_us.store(now_us, Ordering::Relaxed);
     }
 
     /// The latency a request would see if admitted now, less the time already spent.
@@ -165,12 +179,18 @@ impl Admission {
             budget,
             load.wait.map(|_| estimate).filter(|_| self.shed),
         );
+        let now_us = self.epoch.elapsed().as_micros() as u64;
+        let idle_for = now_us.saturating_sub(self.last_activity_us.load(Ordering::Relaxed));
+        let probe = before == 0 && Duration::from_micros(idle_for) >= PROBE_AFTER;
         match decision {
-            Ok(()) => Ok(permit),
-            Err(shed) => {
+            Err(shed) if !(probe && shed.reason == ShedReason::Estimate) => {
                 drop(permit);
                 self.count(shed.reason);
                 Err(shed)
+            }
+            _ => {
+                self.last_activity_us.store(now_us, Ordering::Relaxed);
+                Ok(permit)
             }
         }
     }
@@ -307,6 +327,28 @@ mod tests {
         assert_eq!(a.shed_total(ShedReason::Estimate), 1);
         drop(permits);
         assert_eq!(a.in_flight(), 0);
+        // Idle, but a request was admitted just now: the estimate still holds.
+        assert!(a.admit(Duration::ZERO, MS, &load).is_err());
+    }
+
+    #[test]
+    fn an_idle_router_admits_one_request_to_measure_again() {
+        let a = Admission::new(10, true);
+        a.observe(Duration::from_secs(5), Duration::ZERO); // averages from a bad moment
+        let load = RankerLoad {
+            wait: Some(MS),
+            ..RankerLoad::default()
+        };
+        // Nothing admitted yet for a while (the epoch is "long ago" for the probe).
+        let a = Admission {
+            epoch: Instant::now() - 2 * PROBE_AFTER,
+            ..a
+        };
+        let probe = a.admit(Duration::ZERO, 100 * MS, &load).unwrap();
+        // While the probe is in flight, and right after it, the estimate applies again.
+        assert!(a.admit(Duration::ZERO, 100 * MS, &load).is_err());
+        drop(probe);
+        assert!(a.admit(Duration::ZERO, 100 * MS, &load).is_err());
     }
 
     #[test]
