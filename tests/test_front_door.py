@@ -192,9 +192,13 @@ def test_connection_cap_refuses_the_extra_connection_only(backends):
                 sock.close()
 
         wait_for(one_more_served, "a connection is accepted again once one closed")
+        # Metrics over a connection already held: a new one might find the cap still reached.
+        status, _, text = get(held[0], "/metrics")
+        assert status == 200
+        assert 'cleave_router_shed_total{reason="connections"} ' in text.decode()
+        assert 'cleave_router_shed_total{reason="connections"} 0' not in text.decode()
         for sock in held:
             sock.close()
-        assert router.metric('cleave_router_shed_total{reason="connections"}') >= 1
 
 
 def test_in_flight_cap_sheds_without_reading_the_body(backends):
@@ -240,7 +244,7 @@ def test_budget_that_cannot_be_met_is_shed_at_once(backends):
         assert len(err.value.headers["x-request-id"]) == 16
         reply = json.loads(err.value.read())
         assert reply["stage"] == "admission"
-        assert "exceeds the budget of 0.0 ms" in reply["error"], reply
+        assert "exceeds 80% of the budget of 0.0 ms" in reply["error"], reply
         # The router stays healthy and serves requests with a budget it can meet.
         assert request(f"{router.address}/v2/health/ready")[0] == 200
         assert post(f"{router.url}/infer", good)[0] == 200

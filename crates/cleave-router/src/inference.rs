@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use serde_json::{json, Map, Value};
 
-use crate::admission::{RankerLoad, Shed};
+use crate::admission::{RankerLoad, Shed, Stages};
 use crate::body::read_body;
 use crate::conn::Arrival;
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -140,7 +140,7 @@ async fn run(
             app.set_budget(budget, req.budget_ms)?;
             let parsed = budget.start.elapsed();
             let inf = app.router.infer(req.inputs, budget).await?;
-            app.admission.observe(parsed, inf.lookup);
+            app.admission.observe(stages(parsed, &inf));
             Ok(infer_response(
                 model,
                 req.id.as_deref(),
@@ -154,7 +154,7 @@ async fn run(
             app.set_budget(budget, req.budget_ms)?;
             let parsed = budget.start.elapsed();
             let inf = app.router.infer(req.inputs, budget).await?;
-            app.admission.observe(parsed, inf.lookup);
+            app.admission.observe(stages(parsed, &inf));
             let outputs = model
                 .outputs
                 .iter()
@@ -184,6 +184,15 @@ fn header_budget(headers: &HeaderMap) -> Result<Option<f64>, RequestError> {
         _ => Err(RequestError::invalid(format!(
             "header {BUDGET_HEADER} is {value:?}, expected a positive number of milliseconds"
         ))),
+    }
+}
+
+fn stages(parse: Duration, inf: &Inference) -> Stages {
+    Stages {
+        parse,
+        lookup: inf.lookup,
+        transfer: inf.transfer,
+        batch: inf.compute,
     }
 }
 
