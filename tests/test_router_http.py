@@ -33,6 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
 MODEL, SCALE = "shared", 0.01
 BODY_LIMIT = 256 << 10
 TOLERANCE = 1e-5
+NO_BINARY = "binary tensor data is not supported yet (send JSON data, or binary_data: false)"
 KSERVE = {
     torch.float32: "FP32",
     torch.float16: "FP16",
@@ -340,6 +341,36 @@ def malformed_infer_bodies(deployment, good: dict) -> list[tuple[str, object, in
             ["budget_ms is -1"],
         ),
         ("unknown output", {**good, "outputs": [{"name": "nope"}]}, 400, ['unknown output "nope"']),
+        (
+            "empty outputs",
+            {**good, "outputs": []},
+            400,
+            ['"outputs" is empty; name at least one output', 'leave "outputs" out'],
+        ),
+        (
+            "binary input",
+            with_input(good, "dense_x", parameters={"binary_data": True}),
+            400,
+            ['input "dense_x"', "parameters.binary_data is true", NO_BINARY],
+        ),
+        (
+            "binary_data_size",
+            with_input(good, "dense_x", parameters={"binary_data_size": 32}),
+            400,
+            ['input "dense_x"', "parameters.binary_data_size is 32", NO_BINARY],
+        ),
+        (
+            "binary output",
+            {**good, "outputs": [{"name": "output_0", "parameters": {"binary_data": True}}]},
+            400,
+            ['output "output_0"', NO_BINARY],
+        ),
+        (
+            "binary_data_output",
+            {**good, "parameters": {"binary_data_output": True}},
+            400,
+            ["parameters.binary_data_output is true", NO_BINARY],
+        ),
         ("body over the limit", b" " * (BODY_LIMIT + 1), 413, [f"limit of {BODY_LIMIT} bytes"]),
     ]
 
@@ -361,6 +392,16 @@ def test_malformed_infer_requests_get_4xx_naming_the_input(deployment):
         got = torch.tensor(out["data"], dtype=torch.float64).reshape(out["shape"])
         assert got.shape == w.shape
         assert (got - w).abs().max().item() <= TOLERANCE
+
+    # tritonclient's JSON mode marks every tensor binary_data: false; that is JSON data.
+    json_mode = copy.deepcopy(good)
+    for entry in json_mode["inputs"]:
+        entry["parameters"] = {"binary_data": False}
+    json_mode["outputs"] = [{"name": "output_0", "parameters": {"binary_data": False}}]
+    json_mode["parameters"] = {"binary_data_output": False}
+    status, reply = post(f"{deployment.url}/infer", json_mode)
+    assert status == 200, reply
+    assert [o["name"] for o in reply["outputs"]] == ["output_0"]
 
     status, metrics = request(f"{deployment.router.address}/metrics")
     assert status == 200

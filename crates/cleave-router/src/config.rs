@@ -50,6 +50,27 @@ pub struct RouterConfig {
     /// I/O threads for backend connections and HTTP.
     #[serde(default = "default_threads")]
     pub threads: usize,
+    /// A request head, once its first byte arrived, must arrive whole within this.
+    #[serde(default = "default_header_timeout_ms")]
+    pub header_timeout_ms: u64,
+    /// A connection with no request in progress is closed after this.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// A body must keep arriving at this rate (after `body_grace_ms`), else 408.
+    #[serde(default = "default_body_min_bytes_per_s")]
+    pub body_min_bytes_per_s: u64,
+    /// How long a body may take before its rate is held to `body_min_bytes_per_s`.
+    #[serde(default = "default_body_grace_ms")]
+    pub body_grace_ms: u64,
+    /// Open client connections at most; one more is refused with 503.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Inference requests in progress at most (body read included); more are shed with 503.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    /// Shed a request at once when the estimated wait exceeds its budget.
+    #[serde(default = "default_shed")]
+    pub shed: bool,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -106,6 +127,27 @@ fn default_connections() -> usize {
 fn default_threads() -> usize {
     2
 }
+fn default_header_timeout_ms() -> u64 {
+    10_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    60_000
+}
+fn default_body_min_bytes_per_s() -> u64 {
+    16 << 10
+}
+fn default_body_grace_ms() -> u64 {
+    2_000
+}
+fn default_max_connections() -> usize {
+    16_384
+}
+fn default_max_in_flight() -> usize {
+    2_048
+}
+fn default_shed() -> bool {
+    true
+}
 
 impl RouterConfig {
     /// Parses and checks the JSON; errors say which field is wrong and why.
@@ -139,6 +181,18 @@ impl RouterConfig {
         }
         if self.body_limit_bytes == 0 {
             return bad("body_limit_bytes must be at least 1".into());
+        }
+        let at_least_one = [
+            ("header_timeout_ms", self.header_timeout_ms),
+            ("idle_timeout_ms", self.idle_timeout_ms),
+            ("body_min_bytes_per_s", self.body_min_bytes_per_s),
+            ("max_connections", self.max_connections as u64),
+            ("max_in_flight", self.max_in_flight as u64),
+        ];
+        for (key, value) in at_least_one {
+            if value == 0 {
+                return bad(format!("{key} is 0, expected at least 1"));
+            }
         }
         for r in &self.shards {
             if r.row_start >= r.row_end {
@@ -186,5 +240,34 @@ mod tests {
             r#"{"model": "m", "bundle": "b", "rankers": ["a:1"], "budget_ms": 0}"#,
         );
         assert!(e.unwrap_err().contains("budget_ms is 0"));
+    }
+
+    #[test]
+    fn front_door_defaults_and_checks() {
+        let base = r#""model": "m", "bundle": "b", "rankers": ["a:1"]"#;
+        let c = RouterConfig::from_json(&format!("{{{base}}}")).unwrap();
+        assert_eq!((c.header_timeout_ms, c.idle_timeout_ms), (10_000, 60_000));
+        assert_eq!((c.body_min_bytes_per_s, c.body_grace_ms), (16_384, 2_000));
+        assert_eq!(
+            (c.max_connections, c.max_in_flight, c.shed),
+            (16_384, 2_048, true)
+        );
+        for key in [
+            "header_timeout_ms",
+            "idle_timeout_ms",
+            "body_min_bytes_per_s",
+            "max_connections",
+            "max_in_flight",
+        ] {
+            let e = RouterConfig::from_json(&format!("{{{base}, \"{key}\": 0}}")).unwrap_err();
+            assert!(
+                e.contains(&format!("{key} is 0, expected at least 1")),
+                "{e}"
+            );
+        }
+        let e = RouterConfig::from_json(&format!("{{{base}, \"max_in_flight\": -1}}"));
+        assert!(e.unwrap_err().contains("expected usize"));
+        let c = RouterConfig::from_json(&format!("{{{base}, \"body_grace_ms\": 0}}")).unwrap();
+        assert_eq!(c.body_grace_ms, 0);
     }
 }

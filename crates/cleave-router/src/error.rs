@@ -24,6 +24,8 @@ pub enum Stage {
     /// Waiting for a ranker's reply, when the router cannot tell transfer, queue and compute
     /// apart (deadline errors only; no histogram).
     Ranker,
+    /// Admission control, before the body is read (shed requests only; no histogram).
+    Admission,
 }
 
 impl Stage {
@@ -45,6 +47,7 @@ impl Stage {
             Stage::Compute => "compute",
             Stage::Total => "total",
             Stage::Ranker => "ranker",
+            Stage::Admission => "admission",
         }
     }
 }
@@ -67,10 +70,14 @@ pub enum ErrorKind {
     Ranker,
     /// No backend of a kind is available right now.
     Unavailable,
+    /// Shed by admission control: the router is at its cap, or could not meet the budget.
+    Overloaded,
+    /// The body arrived slower than the router's minimum rate.
+    BodyTimeout,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 8] = [
+    pub const ALL: [ErrorKind; 10] = [
         ErrorKind::InvalidJson,
         ErrorKind::TooLarge,
         ErrorKind::UnknownModel,
@@ -79,6 +86,8 @@ impl ErrorKind {
         ErrorKind::Shard,
         ErrorKind::Ranker,
         ErrorKind::Unavailable,
+        ErrorKind::Overloaded,
+        ErrorKind::BodyTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -91,6 +100,8 @@ impl ErrorKind {
             ErrorKind::Shard => "shard",
             ErrorKind::Ranker => "ranker",
             ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Overloaded => "overloaded",
+            ErrorKind::BodyTimeout => "body_timeout",
         }
     }
 
@@ -101,7 +112,8 @@ impl ErrorKind {
             ErrorKind::UnknownModel => StatusCode::NOT_FOUND,
             ErrorKind::Deadline => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::Shard | ErrorKind::Ranker => StatusCode::BAD_GATEWAY,
-            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Unavailable | ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 }

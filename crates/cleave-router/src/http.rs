@@ -1,35 +1,41 @@
-//! The HTTP API (docs/api.md): KServe v2 endpoints, the per-feature `rank` form, metrics.
-//! Every failure becomes a JSON `{"error": ...}` with the status of its kind; nothing a client
-//! sends can take the process down.
+//! The HTTP API (docs/api.md): KServe v2 endpoints, the per-feature `rank` form, health,
+//! metrics. Every failure becomes a JSON `{"error": ...}` with the status of its kind; nothing
+//! a client sends can take the process down. The inference endpoints themselves are in
+//! inference.rs.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde_json::{json, Map, Value};
+use cleave_wire::health::Health;
+use serde_json::json;
 
-use crate::error::{ErrorKind, RequestError, Stage};
-use crate::kserve::{infer_response, model_metadata, parse_infer};
-use crate::rank_form::{parse_rank, NestedOutputs};
-use crate::router::{Budget, Inference, Router};
+use crate::admission::{Admission, ShedReason};
+use crate::body::BodyLimits;
+use crate::error::{ErrorKind, RequestError};
+use crate::front_door::DoorStats;
+use crate::inference::{infer, rank};
+use crate::kserve::model_metadata;
+use crate::metrics::FrontStats;
+use crate::router::{Budget, Router};
 
 /// What the handlers share.
 pub struct App {
     pub router: Router,
     pub default_budget_ms: f64,
     pub max_budget_ms: f64,
-    pub body_limit: usize,
-    /// Why the router is not ready (empty: every shard and ranker answered the last probe).
-    pub problems: Mutex<Vec<String>>,
+    pub body: BodyLimits,
+    pub admission: Admission,
+    pub door: Arc<DoorStats>,
+    /// The last probe's findings (docs/api.md, "Health").
+    pub health: Mutex<Health>,
 }
 
 impl App {
-    fn model(&self, name: &str) -> Result<&crate::model::Model, RequestError> {
+    pub fn model(&self, name: &str) -> Result<&crate::model::Model, RequestError> {
         let model = &self.router.model;
         if model.name == name {
             Ok(model)
@@ -44,50 +50,54 @@ impl App {
         }
     }
 
-    fn budget(&self, start: Instant, asked: Option<f64>) -> Result<Budget, RequestError> {
-        let ms = asked.unwrap_or(self.default_budget_ms);
+    /// Sets the budget a request asked for, within the router's largest.
+    pub fn set_budget(&self, budget: &mut Budget, asked: Option<f64>) -> Result<(), RequestError> {
+        let Some(ms) = asked else { return Ok(()) };
         if ms > self.max_budget_ms {
             return Err(RequestError::invalid(format!(
                 "budget_ms is {ms}, more than this router allows ({})",
                 self.max_budget_ms
             )));
         }
-        Ok(Budget::new(start, ms))
+        budget.budget = Duration::from_secs_f64(ms / 1e3);
+        Ok(())
     }
 
-    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, RequestError> {
-        body.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                RequestError::new(
-                    ErrorKind::TooLarge,
-                    format!(
-                        "request body is larger than the limit of {} bytes",
-                        self.body_limit
-                    ),
-                )
-            } else {
-                RequestError::json(rejection.body_text())
-            }
-        })
-    }
-
-    pub fn problems(&self) -> Vec<String> {
-        self.problems
+    pub fn health(&self) -> Health {
+        self.health
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+
+    fn front_stats(&self) -> FrontStats {
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let refused = load(&self.door.refused);
+        FrontStats {
+            in_flight: self.admission.in_flight(),
+            connections: self.door.open.load(std::sync::atomic::Ordering::Relaxed),
+            shed: ShedReason::ALL
+                .iter()
+                .map(|&r| match r {
+                    ShedReason::Connections => (r.as_str(), refused),
+                    _ => (r.as_str(), self.admission.shed_total(r)),
+                })
+                .collect(),
+            closed: vec![
+                ("header_timeout", load(&self.door.header_timeouts)),
+                ("idle_timeout", load(&self.door.idle_timeouts)),
+            ],
+        }
+    }
 }
 
 pub fn routes(app: Arc<App>) -> axum::Router {
-    let limit = app.body_limit;
     axum::Router::new()
         .route("/v2", get(server_metadata))
-        .route(
-            "/v2/health/live",
-            get(|| async { Json(json!({"live": true})) }),
-        )
+        .route("/v2/health/live", get(live))
         .route("/v2/health/ready", get(ready))
+        .route("/live", get(live))
+        .route("/ready", get(ready))
         .route("/v2/models/{name}", get(metadata))
         .route("/v2/models/{name}/ready", get(model_ready))
         .route("/v2/models/{name}/infer", post(infer))
@@ -99,24 +109,15 @@ pub fn routes(app: Arc<App>) -> axum::Router {
                 "no such endpoint; see docs/api.md for the routes this router serves",
             ))
         })
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
 
 /// A JSON body with the right content type.
-struct Json(Value);
-
-impl IntoResponse for Json {
-    fn into_response(self) -> Response {
-        json_bytes(StatusCode::OK, self.0.to_string().into_bytes())
-    }
-}
-
-fn json_bytes(status: StatusCode, body: Vec<u8>) -> Response {
+pub fn json_bytes(status: StatusCode, body: Vec<u8>) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-fn error_response(e: &RequestError) -> Response {
+pub fn error_response(e: &RequestError) -> Response {
     let mut body = json!({"error": e.message});
     if let Some(stage) = e.stage {
         body["stage"] = stage.as_str().into();
@@ -124,103 +125,25 @@ fn error_response(e: &RequestError) -> Response {
     json_bytes(e.status(), body.to_string().into_bytes())
 }
 
-/// Counts the outcome and renders it.
-fn finish(app: &App, start: Instant, result: Result<Vec<u8>, RequestError>) -> Response {
-    match result {
-        Ok(body) => {
-            app.router.metrics.observe(Stage::Total, start.elapsed());
-            json_bytes(StatusCode::OK, body)
-        }
-        Err(e) => {
-            app.router.metrics.error(e.kind);
-            error_response(&e)
-        }
-    }
+async fn server_metadata() -> Response {
+    let body = json!({"name": "cleave", "version": env!("CARGO_PKG_VERSION"), "extensions": []});
+    json_bytes(StatusCode::OK, body.to_string().into_bytes())
 }
 
-fn timings(inf: &Inference) -> Map<String, Value> {
-    let us = |d: std::time::Duration| Value::from(d.as_micros() as u64);
-    let mut p = Map::new();
-    p.insert("ranker".into(), inf.ranker.clone().into());
-    p.insert("lookup_us".into(), us(inf.lookup));
-    p.insert("transfer_us".into(), us(inf.transfer));
-    p.insert("queue_us".into(), us(inf.queue));
-    p.insert("compute_us".into(), us(inf.compute));
-    p.insert("batch_requests".into(), inf.batch_requests.into());
-    p
+fn health_response(health: &Health, status: StatusCode) -> Response {
+    json_bytes(status, health.to_json().into_bytes())
 }
 
-async fn infer(
-    State(app): State<Arc<App>>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let start = Instant::now();
-    app.router.metrics.request();
-    let result = async {
-        let model = app.model(&name)?;
-        let body = app.body(body)?;
-        let req = parse_infer(model, &body)?;
-        let budget = app.budget(start, req.budget_ms)?;
-        let inf = app.router.infer(req.inputs, &budget).await?;
-        let params = timings(&inf);
-        Ok(infer_response(
-            model,
-            req.id.as_deref(),
-            &inf.outputs,
-            req.outputs.as_deref(),
-            &params,
-        ))
-    }
-    .await;
-    finish(&app, start, result)
-}
-
-async fn rank(
-    State(app): State<Arc<App>>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let start = Instant::now();
-    app.router.metrics.request();
-    let result = async {
-        let model = app.model(&name)?;
-        let body = app.body(body)?;
-        let req = parse_rank(model, &body)?;
-        let budget = app.budget(start, req.budget_ms)?;
-        let inf = app.router.infer(req.inputs, &budget).await?;
-        let outputs = model
-            .outputs
-            .iter()
-            .map(|s| s.name.as_str())
-            .zip(inf.outputs.iter())
-            .collect();
-        let body = json!({
-            "model_name": model.name,
-            "id": req.id,
-            "candidates": req.candidates,
-            "outputs": serde_json::to_value(NestedOutputs(outputs)).unwrap_or(Value::Null),
-            "parameters": timings(&inf),
-        });
-        Ok(body.to_string().into_bytes())
-    }
-    .await;
-    finish(&app, start, result)
-}
-
-async fn server_metadata() -> Json {
-    Json(json!({"name": "cleave", "version": env!("CARGO_PKG_VERSION"), "extensions": []}))
+/// 200 while the process runs; the body is the current health, for information.
+async fn live(State(app): State<Arc<App>>) -> Response {
+    health_response(&app.health(), StatusCode::OK)
 }
 
 fn readiness(app: &App) -> Response {
-    let problems = app.problems();
-    let status = if problems.is_empty() {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    let body = json!({"ready": problems.is_empty(), "problems": problems});
-    json_bytes(status, body.to_string().into_bytes())
+    let health = app.health();
+    let status =
+        StatusCode::from_u16(health.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    health_response(&health, status)
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
@@ -236,13 +159,19 @@ async fn model_ready(State(app): State<Arc<App>>, Path(name): Path<String>) -> R
 
 async fn metadata(State(app): State<Arc<App>>, Path(name): Path<String>) -> Response {
     match app.model(&name) {
-        Ok(model) => Json(model_metadata(model)).into_response(),
+        Ok(model) => json_bytes(
+            StatusCode::OK,
+            model_metadata(model).to_string().into_bytes(),
+        ),
         Err(e) => error_response(&e),
     }
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let text = app.router.metrics.render(&app.router.rankers.loads());
+    let text = app
+        .router
+        .metrics
+        .render(&app.router.rankers.loads(), &app.front_stats());
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

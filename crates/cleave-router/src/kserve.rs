@@ -50,8 +50,31 @@ struct RawInput<'a> {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawOutput {
     name: String,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+}
+
+/// The one answer to every part of the binary tensor data extension.
+pub const NO_BINARY: &str =
+    "binary tensor data is not supported yet (send JSON data, or binary_data: false)";
+
+/// Rejects the binary tensor data extension in `parameters`: a flag among `flags` set to
+/// anything but false, or a `binary_data_size`. Says which parameter it found.
+fn check_not_binary(parameters: Option<&Map<String, Value>>, flags: &[&str]) -> Result<(), String> {
+    let Some(p) = parameters else { return Ok(()) };
+    for &flag in flags {
+        match p.get(flag) {
+            None | Some(Value::Bool(false)) => {}
+            Some(v) => return Err(format!("parameters.{flag} is {v}: {NO_BINARY}")),
+        }
+    }
+    match p.get("binary_data_size") {
+        Some(v) => Err(format!("parameters.binary_data_size is {v}: {NO_BINARY}")),
+        None => Ok(()),
+    }
 }
 
 /// Reads a `budget_ms` value: a positive number of milliseconds.
@@ -68,6 +91,8 @@ pub fn budget_param(value: Option<&Value>) -> Result<Option<f64>, RequestError> 
 /// Parses an infer request body against the model.
 pub fn parse_infer(model: &Model, body: &[u8]) -> Result<InferRequest, RequestError> {
     let raw: RawRequest = serde_json::from_slice(body).map_err(RequestError::json)?;
+    check_not_binary(raw.parameters.as_ref(), &["binary_data_output"])
+        .map_err(|e| RequestError::invalid(format!("request {e}")))?;
     let budget_ms = budget_param(raw.parameters.as_ref().and_then(|p| p.get("budget_ms")))?;
     let mut inputs: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
     for input in raw.inputs {
@@ -81,24 +106,7 @@ pub fn parse_infer(model: &Model, body: &[u8]) -> Result<InferRequest, RequestEr
     }
     let outputs = raw
         .outputs
-        .map(|requested| {
-            requested
-                .iter()
-                .map(|o| {
-                    model
-                        .outputs
-                        .iter()
-                        .position(|s| s.name == o.name)
-                        .ok_or_else(|| {
-                            RequestError::invalid(format!(
-                                "unknown output {:?}; the model returns {}",
-                                o.name,
-                                names(&model.outputs)
-                            ))
-                        })
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
+        .map(|requested| select_outputs(model, &requested))
         .transpose()?;
     Ok(InferRequest {
         id: raw.id,
@@ -106,6 +114,35 @@ pub fn parse_infer(model: &Model, body: &[u8]) -> Result<InferRequest, RequestEr
         inputs,
         outputs,
     })
+}
+
+/// Indices of the outputs a request names, in its order.
+fn select_outputs(model: &Model, requested: &[RawOutput]) -> Result<Vec<usize>, RequestError> {
+    if requested.is_empty() {
+        return Err(RequestError::invalid(format!(
+            "\"outputs\" is empty; name at least one output ({}), or leave \"outputs\" out \
+             to get all of them",
+            names(&model.outputs)
+        )));
+    }
+    requested
+        .iter()
+        .map(|o| {
+            check_not_binary(o.parameters.as_ref(), &["binary_data"])
+                .map_err(|e| RequestError::invalid(format!("output {:?}: {e}", o.name)))?;
+            model
+                .outputs
+                .iter()
+                .position(|s| s.name == o.name)
+                .ok_or_else(|| {
+                    RequestError::invalid(format!(
+                        "unknown output {:?}; the model returns {}",
+                        o.name,
+                        names(&model.outputs)
+                    ))
+                })
+        })
+        .collect()
 }
 
 pub fn unknown_input(model: &Model, name: &str) -> RequestError {
@@ -132,17 +169,9 @@ fn convert_input(spec: &TensorSpec, input: RawInput) -> Result<Tensor, RequestEr
                 format!("shape {:?} has a negative size", input.shape),
             )
         })?;
+    check_not_binary(input.parameters.as_ref(), &["binary_data"])
+        .map_err(|e| RequestError::input(&spec.name, e))?;
     check_declared(spec, &input.datatype, &shape)?;
-    if input
-        .parameters
-        .as_ref()
-        .is_some_and(|p| p.contains_key("binary_data_size"))
-    {
-        return Err(RequestError::input(
-            &spec.name,
-            "binary tensor data is not supported; send the values in \"data\"",
-        ));
-    }
     let raw = input
         .data
         .ok_or_else(|| RequestError::input(&spec.name, "no \"data\" given"))?;
@@ -316,7 +345,13 @@ mod tests {
             (
                 serde_json::json!([{"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
                                     "parameters": {"binary_data_size": 24}}]),
-                "binary tensor data",
+                "parameters.binary_data_size is 24: binary tensor data is not supported yet \
+                 (send JSON data, or binary_data: false)",
+            ),
+            (
+                serde_json::json!([{"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
+                                    "parameters": {"binary_data": true}}]),
+                "parameters.binary_data is true: binary tensor data is not supported yet",
             ),
         ];
         for (inputs, want) in cases {
@@ -354,6 +389,44 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.outputs, Some(vec![0]));
+    }
+
+    #[test]
+    fn empty_outputs_and_binary_data() {
+        let e = err(br#"{"inputs": [], "outputs": []}"#);
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message.contains(
+                "\"outputs\" is empty; name at least one output (\"output_0\"), or leave \
+                 \"outputs\" out"
+            ),
+            "{}",
+            e.message
+        );
+        let b = br#"{"inputs": [], "outputs": [{"name": "output_0",
+                     "parameters": {"binary_data": true}}]}"#;
+        let e = err(b);
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message
+                .starts_with("output \"output_0\": parameters.binary_data is true: binary"),
+            "{}",
+            e.message
+        );
+        let b = br#"{"inputs": [], "parameters": {"binary_data_output": true}}"#;
+        assert!(err(b)
+            .message
+            .starts_with("request parameters.binary_data_output is true: binary"));
+        // tritonclient's JSON mode says binary_data: false; that is JSON data, and fine.
+        let b = br#"{"inputs": [{"name": "dense_x", "shape": [1, 3], "datatype": "FP32",
+                                 "parameters": {"binary_data": false}, "data": [1, 2, 3]}],
+                     "parameters": {"binary_data_output": false},
+                     "outputs": [{"name": "output_0", "parameters": {"binary_data": false}}]}"#;
+        let r = parse_infer(&model(), b).unwrap();
+        assert_eq!(r.outputs, Some(vec![0]));
+        assert!(r.inputs[0].is_some());
+        let e = err(br#"{"inputs": [], "outputs": [{"name": "output_0", "x": 1}]}"#);
+        assert_eq!(e.kind, ErrorKind::InvalidJson);
     }
 
     #[test]

@@ -6,9 +6,14 @@
 //! lowest measured latency. docs/api.md describes the HTTP API; docs/architecture.md how the
 //! router fits with shards and rankers.
 
+pub mod admission;
+pub mod body;
 pub mod config;
+pub mod conn;
 pub mod error;
+pub mod front_door;
 pub mod http;
+pub mod inference;
 pub mod json_tensor;
 pub mod kserve;
 pub mod metrics;

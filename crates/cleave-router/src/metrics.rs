@@ -1,5 +1,5 @@
 //! Prometheus metrics of the router: a latency histogram per stage, error counters by kind,
-//! and each ranker's load as the router sees it. Lock-free counters; rendered on `GET /metrics`
+//! each ranker's load as the router sees it, and the front door's connections and shedding. Lock-free counters; rendered on `GET /metrics`
 //! in the Prometheus text format (version 0.0.4).
 
 use std::fmt::Write;
@@ -52,6 +52,17 @@ impl Histogram {
     }
 }
 
+/// The front door's and admission control's numbers at the time of a scrape.
+#[derive(Clone, Debug, Default)]
+pub struct FrontStats {
+    pub in_flight: usize,
+    pub connections: usize,
+    /// (reason, requests or connections refused).
+    pub shed: Vec<(&'static str, u64)>,
+    /// (reason, connections the router closed).
+    pub closed: Vec<(&'static str, u64)>,
+}
+
 #[derive(Default)]
 pub struct Metrics {
     stages: [Histogram; Stage::ALL.len()],
@@ -84,7 +95,7 @@ impl Metrics {
     }
 
     /// The text exposition; `rankers` are (address, outstanding, EWMA latency in seconds).
-    pub fn render(&self, rankers: &[(String, u64, f64)]) -> String {
+    pub fn render(&self, rankers: &[(String, u64, f64)], front: &FrontStats) -> String {
         let mut out = String::with_capacity(8 << 10);
         out.push_str(
             "# HELP cleave_router_requests_total Inference requests received (infer and rank).\n\
@@ -139,7 +150,41 @@ impl Metrics {
                 "cleave_router_ranker_latency_seconds{{ranker=\"{addr}\"}} {ewma}"
             );
         }
+        render_front(&mut out, front);
         out
+    }
+}
+
+fn render_front(out: &mut String, front: &FrontStats) {
+    let _ = write!(
+        out,
+        "# HELP cleave_router_in_flight Inference requests admitted and not answered yet.\n\
+         # TYPE cleave_router_in_flight gauge\n\
+         cleave_router_in_flight {}\n\
+         # HELP cleave_router_connections Open client connections.\n\
+         # TYPE cleave_router_connections gauge\n\
+         cleave_router_connections {}\n",
+        front.in_flight, front.connections
+    );
+    out.push_str(
+        "# HELP cleave_router_shed_total Requests (or connections) refused at once with 503, \
+         by reason: connections (max_connections), in_flight (max_in_flight), estimate (the \
+         expected latency exceeded the budget).\n\
+         # TYPE cleave_router_shed_total counter\n",
+    );
+    for (reason, n) in &front.shed {
+        let _ = writeln!(out, "cleave_router_shed_total{{reason=\"{reason}\"}} {n}");
+    }
+    out.push_str(
+        "# HELP cleave_router_connections_closed_total Connections the router closed by a \
+         timeout: header_timeout (a request head did not arrive whole in time), idle_timeout.\n\
+         # TYPE cleave_router_connections_closed_total counter\n",
+    );
+    for (reason, n) in &front.closed {
+        let _ = writeln!(
+            out,
+            "cleave_router_connections_closed_total{{reason=\"{reason}\"}} {n}"
+        );
     }
 }
 
@@ -154,7 +199,13 @@ mod tests {
         m.observe(Stage::Lookup, Duration::from_millis(3));
         m.observe(Stage::Lookup, Duration::from_secs(60));
         m.error(ErrorKind::Shard);
-        let text = m.render(&[("127.0.0.1:9".into(), 2, 0.004)]);
+        let front = FrontStats {
+            in_flight: 3,
+            connections: 5,
+            shed: vec![("estimate", 4)],
+            closed: vec![("idle_timeout", 1)],
+        };
+        let text = m.render(&[("127.0.0.1:9".into(), 2, 0.004)], &front);
         assert!(
             text.contains("cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"0.00005\"} 1")
         );
@@ -167,5 +218,9 @@ mod tests {
         assert!(text.contains("cleave_router_stage_seconds_count{stage=\"parse\"} 0"));
         assert!(text.contains("cleave_router_errors_total{kind=\"shard\"} 1"));
         assert!(text.contains("cleave_router_ranker_outstanding{ranker=\"127.0.0.1:9\"} 2"));
+        assert!(text.contains("\ncleave_router_in_flight 3\n"));
+        assert!(text.contains("\ncleave_router_connections 5\n"));
+        assert!(text.contains("cleave_router_shed_total{reason=\"estimate\"} 4\n"));
+        assert!(text.contains("cleave_router_connections_closed_total{reason=\"idle_timeout\"} 1"));
     }
 }

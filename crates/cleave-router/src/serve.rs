@@ -6,10 +6,15 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use cleave_wire::health::Health;
 use cleave_wire::{ClientConfig, IoThreads};
 use tokio::sync::watch;
 
+use crate::admission::Admission;
+use crate::body::BodyLimits;
 use crate::config::RouterConfig;
+use crate::conn::Timeouts;
+use crate::front_door::{self, DoorConfig, DoorStats};
 use crate::http::{routes, App};
 use crate::metrics::Metrics;
 use crate::model::{Mode, Model};
@@ -55,9 +60,16 @@ pub async fn serve(
         },
         default_budget_ms: config.budget_ms,
         max_budget_ms: config.max_budget_ms,
-        body_limit: config.body_limit_bytes,
-        problems: Mutex::new(vec!["starting: backends not probed yet".into()]),
+        body: BodyLimits {
+            max_bytes: config.body_limit_bytes,
+            min_bytes_per_s: config.body_min_bytes_per_s,
+            grace: Duration::from_millis(config.body_grace_ms),
+        },
+        admission: Admission::new(config.max_in_flight, config.shed),
+        door: Arc::new(DoorStats::default()),
+        health: Mutex::new(Health::new(ROLE, vec![], vec![STARTING.into()])),
     });
+    check_open_files(config.max_connections);
 
     let where_ = format!("{}:{}", config.host, config.http_port);
     let listener = tokio::net::TcpListener::bind(&where_)
@@ -68,9 +80,20 @@ pub async fn serve(
         .map_err(|e| format!("{where_}: {e}"))?;
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = wait_stop(stop_rx.clone());
-    let http = axum::serve(listener, routes(app.clone())).with_graceful_shutdown(stopped);
-    let server = tokio::spawn(std::future::IntoFuture::into_future(http));
+    let door = DoorConfig {
+        timeouts: Timeouts {
+            header: Duration::from_millis(config.header_timeout_ms),
+            idle: Duration::from_millis(config.idle_timeout_ms),
+        },
+        max_connections: config.max_connections,
+    };
+    let server = tokio::spawn(front_door::serve(
+        listener,
+        routes(app.clone()),
+        door,
+        app.door.clone(),
+        stop_rx.clone(),
+    ));
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -80,9 +103,9 @@ pub async fn serve(
     let probe_timeout = connect_timeout;
     let deadline = Instant::now() + Duration::from_millis(config.ready_timeout_ms);
     let ready = loop {
-        let problems = probe(&app, probe_timeout).await;
-        let done = problems.is_empty();
-        set_problems(&app, problems);
+        let (degraded, problems) = probe(&app, probe_timeout).await;
+        let done = degraded.is_empty() && problems.is_empty();
+        set_health(&app, degraded, problems);
         if done {
             break true;
         }
@@ -94,7 +117,7 @@ pub async fn serve(
             return Err(format!(
                 "backends not ready after {} ms: {}",
                 config.ready_timeout_ms,
-                app.problems().join("; ")
+                app.health().problems.join("; ")
             ));
         }
         tokio::select! {
@@ -113,17 +136,33 @@ pub async fn serve(
                     _ = tokio::time::sleep(interval) => {}
                     _ = wait_stop(health_stop.clone()) => return,
                 }
-                let problems = probe(&health_app, probe_timeout).await;
-                set_problems(&health_app, problems);
+                let (degraded, problems) = probe(&health_app, probe_timeout).await;
+                set_health(&health_app, degraded, problems);
             }
         });
     }
     let result = server.await;
     io.stop();
-    match result {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("HTTP server on {addr} failed: {e}")),
-        Err(e) => Err(format!("HTTP server on {addr} stopped: {e}")),
+    result.map_err(|e| format!("HTTP server on {addr} stopped: {e}"))
+}
+
+const ROLE: &str = "router";
+const STARTING: &str = "starting: backends not probed yet";
+
+/// Raises the open-file limit so that `max_connections` can be reached; says on stderr when
+/// the system does not allow that many.
+fn check_open_files(max_connections: usize) {
+    // Descriptors besides client connections: backends, the listener, the runtime, stdio.
+    const SPARE: libc::rlim_t = 256;
+    match front_door::raise_open_files_limit() {
+        Ok(limit) if limit < max_connections as libc::rlim_t + SPARE => eprintln!(
+            "cleave router: the open-file limit is {limit}, below max_connections \
+             ({max_connections}) + {SPARE}; connections beyond about {} will fail to be \
+             accepted (raise `ulimit -Hn` or lower max_connections)",
+            limit.saturating_sub(SPARE)
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("cleave router: cannot raise the open-file limit: {e}"),
     }
 }
 
@@ -132,27 +171,51 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-async fn probe(app: &App, timeout: Duration) -> Vec<String> {
-    let (mut shards, rankers) = tokio::join!(
+/// Probes every backend once: (degraded, problems). Each shard holds row ranges no other
+/// shard holds, so a shard down is a problem; a ranker down is only degraded while another
+/// ranker answers.
+async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
+    let (shards, rankers) = tokio::join!(
         app.router.shards.probe(timeout),
         app.router.rankers.probe(timeout)
     );
-    shards.extend(rankers);
-    shards
+    split_health(shards, rankers, app.router.rankers.rankers().len())
+}
+
+fn split_health(
+    shards: Vec<String>,
+    rankers: Vec<String>,
+    n_rankers: usize,
+) -> (Vec<String>, Vec<String>) {
+    let mut problems = shards;
+    if rankers.len() < n_rankers {
+        (rankers, problems)
+    } else {
+        problems.extend(rankers);
+        problems.push("no ranker answers".into());
+        (Vec::new(), problems)
+    }
 }
 
 /// Records the probe's findings; says on stderr when readiness changes, so an operator sees
 /// a backend leave and come back.
-fn set_problems(app: &App, problems: Vec<String>) {
-    let mut current = app.problems.lock().unwrap_or_else(|p| p.into_inner());
-    if *current != problems && !current.iter().any(|p| p.starts_with("starting")) {
-        if problems.is_empty() {
-            eprintln!("cleave router: every shard and ranker answers again");
+fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
+    let health = Health::new(ROLE, degraded, problems);
+    let mut current = app.health.lock().unwrap_or_else(|p| p.into_inner());
+    let starting = current.problems.iter().any(|p| p == STARTING);
+    if (current.degraded != health.degraded || current.problems != health.problems) && !starting {
+        if !health.problems.is_empty() {
+            eprintln!("cleave router: not ready: {}", health.problems.join("; "));
+        } else if !health.degraded.is_empty() {
+            eprintln!(
+                "cleave router: degraded (still serving): {}",
+                health.degraded.join("; ")
+            );
         } else {
-            eprintln!("cleave router: not ready: {}", problems.join("; "));
+            eprintln!("cleave router: every shard and ranker answers again");
         }
     }
-    *current = problems;
+    *current = health;
 }
 
 /// Runs a router on its own runtime until SIGTERM or SIGINT; prints `ready http://ADDR` on
@@ -187,4 +250,27 @@ fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static, String
             _ = int.recv() => {}
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranker_down_degrades_a_shard_down_is_a_problem() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(split_health(s(&[]), s(&[]), 2), (s(&[]), s(&[])));
+        assert_eq!(
+            split_health(s(&[]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(s(&["shard b: down"]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&["shard b: down"]))
+        );
+        assert_eq!(
+            split_health(s(&[]), s(&["ranker a: down"]), 1),
+            (s(&[]), s(&["ranker a: down", "no ranker answers"]))
+        );
+    }
 }

@@ -26,6 +26,13 @@ class RouterConfig:
     health_interval_ms: int = 1000  # how often backends are probed for readiness
     ranker_connections: int = 2  # connections kept to each ranker
     threads: int = 2  # router I/O threads (HTTP and backends)
+    header_timeout_ms: int = 10000  # a started request head must arrive whole within this
+    idle_timeout_ms: int = 60000  # a connection with no request in progress closes after this
+    body_min_bytes_per_s: int = 16384  # slower bodies get 408 (after body_grace_ms)
+    body_grace_ms: int = 2000  # how long a body may take before its rate is held to the minimum
+    max_connections: int = 16384  # open client connections; more are refused with 503
+    max_in_flight: int = 2048  # requests in progress; more are shed with 503
+    shed: bool = True  # shed at once (503) when the expected latency exceeds the budget
 
 
 @dataclass

@@ -34,6 +34,13 @@ def router_config(
         "health_interval_ms": r.health_interval_ms,
         "ranker_connections": r.ranker_connections,
         "threads": r.threads,
+        "header_timeout_ms": r.header_timeout_ms,
+        "idle_timeout_ms": r.idle_timeout_ms,
+        "body_min_bytes_per_s": r.body_min_bytes_per_s,
+        "body_grace_ms": r.body_grace_ms,
+        "max_connections": r.max_connections,
+        "max_in_flight": r.max_in_flight,
+        "shed": r.shed,
     }
 
 

@@ -1,0 +1,233 @@
+//! The two inference endpoints (`infer`, `rank`) over HTTP: a request's budget starts at its
+//! first byte; admission control may refuse it before its body is read; the body is read
+//! under the size, rate and time bounds of body.rs; then it is parsed and run through the
+//! router's pipeline. Every response carries the request's trace id as `x-request-id`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::Response;
+use serde_json::{json, Map, Value};
+
+use crate::admission::{RankerLoad, Shed, Stages};
+use crate::body::read_body;
+use crate::conn::Arrival;
+use crate::error::{ErrorKind, RequestError, Stage};
+use crate::http::{error_response, json_bytes, App};
+use crate::kserve::{infer_response, parse_infer};
+use crate::rank_form::{parse_rank, NestedOutputs};
+use crate::router::{Budget, Inference};
+
+/// The optional request header that gives a request's budget before its body is read, so
+/// that admission control judges it by its own budget (docs/api.md, "Admission control").
+pub const BUDGET_HEADER: &str = "cleave-budget-ms";
+
+#[derive(Clone, Copy)]
+enum Form {
+    Infer,
+    Rank,
+}
+
+enum Failure {
+    Request(RequestError),
+    Shed(Shed),
+}
+
+impl From<RequestError> for Failure {
+    fn from(e: RequestError) -> Failure {
+        Failure::Request(e)
+    }
+}
+
+pub async fn infer(
+    State(app): State<Arc<App>>,
+    Path(name): Path<String>,
+    request: Request,
+) -> Response {
+    handle(&app, &name, request, Form::Infer).await
+}
+
+pub async fn rank(
+    State(app): State<Arc<App>>,
+    Path(name): Path<String>,
+    request: Request,
+) -> Response {
+    handle(&app, &name, request, Form::Rank).await
+}
+
+/// Runs one request and renders its outcome, counted in the metrics.
+async fn handle(app: &App, name: &str, request: Request, form: Form) -> Response {
+    // Without the front door (tests calling the routes directly), the handler's start.
+    let arrival = request
+        .extensions()
+        .get::<Arrival>()
+        .map_or_else(Instant::now, |a| a.0);
+    app.router.metrics.request();
+    let mut budget = Budget::new(arrival, app.default_budget_ms);
+    let mut body_read = false;
+    let result = run(app, name, request, form, &mut budget, &mut body_read).await;
+    let mut response = match result {
+        Ok(body) => {
+            app.router.metrics.observe(Stage::Total, arrival.elapsed());
+            json_bytes(StatusCode::OK, body)
+        }
+        Err(Failure::Request(e)) => {
+            app.router.metrics.error(e.kind);
+            error_response(&e)
+        }
+        Err(Failure::Shed(shed)) => {
+            app.router.metrics.error(ErrorKind::Overloaded);
+            shed_response(&shed)
+        }
+    };
+    let headers = response.headers_mut();
+    if let Ok(id) = HeaderValue::from_str(&format!("{:016x}", budget.trace_id)) {
+        headers.insert("x-request-id", id);
+    }
+    // A body left unread cannot be skipped to reach the next request: close after this one.
+    if !body_read {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+fn shed_response(shed: &Shed) -> Response {
+    let body = json!({"error": shed.message, "stage": Stage::Admission.as_str()});
+    let mut response = json_bytes(
+        ErrorKind::Overloaded.status(),
+        body.to_string().into_bytes(),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(shed.retry_after_s));
+    response
+}
+
+async fn run(
+    app: &App,
+    name: &str,
+    request: Request,
+    form: Form,
+    budget: &mut Budget,
+    body_read: &mut bool,
+) -> Result<Vec<u8>, Failure> {
+    let model = app.model(name)?;
+    let (parts, body) = request.into_parts();
+    let asked = header_budget(&parts.headers)?;
+    app.set_budget(budget, asked)?;
+    let load = RankerLoad::of(&app.router.rankers);
+    let _permit = app
+        .admission
+        .admit(budget.start.elapsed(), budget.budget, &load)
+        .map_err(Failure::Shed)?;
+
+    // The body's own budget_ms is not known until it is read: reading is bounded by the
+    // header's budget, else by the largest budget a body may ask for (and by the rate).
+    let read_ms = asked.unwrap_or(app.max_budget_ms);
+    let until = budget.start + Duration::from_secs_f64(read_ms / 1e3);
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let bytes = read_body(body, declared, &app.body, (until, read_ms), budget.start).await?;
+    *body_read = true;
+
+    match form {
+        Form::Infer => {
+            let req = parse_infer(model, &bytes)?;
+            app.set_budget(budget, req.budget_ms)?;
+            let parsed = budget.start.elapsed();
+            let inf = app.router.infer(req.inputs, budget).await?;
+            app.admission.observe(stages(parsed, &inf));
+            Ok(infer_response(
+                model,
+                req.id.as_deref(),
+                &inf.outputs,
+                req.outputs.as_deref(),
+                &timings(&inf),
+            ))
+        }
+        Form::Rank => {
+            let req = parse_rank(model, &bytes)?;
+            app.set_budget(budget, req.budget_ms)?;
+            let parsed = budget.start.elapsed();
+            let inf = app.router.infer(req.inputs, budget).await?;
+            app.admission.observe(stages(parsed, &inf));
+            let outputs = model
+                .outputs
+                .iter()
+                .map(|s| s.name.as_str())
+                .zip(inf.outputs.iter())
+                .collect();
+            let body = json!({
+                "model_name": model.name,
+                "id": req.id,
+                "candidates": req.candidates,
+                "outputs": serde_json::to_value(NestedOutputs(outputs)).unwrap_or(Value::Null),
+                "parameters": timings(&inf),
+            });
+            Ok(body.to_string().into_bytes())
+        }
+    }
+}
+
+/// The `cleave-budget-ms` header, when given: a positive number of milliseconds.
+fn header_budget(headers: &HeaderMap) -> Result<Option<f64>, RequestError> {
+    let Some(value) = headers.get(BUDGET_HEADER) else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or("").trim();
+    match text.parse::<f64>() {
+        Ok(ms) if ms > 0.0 && ms.is_finite() => Ok(Some(ms)),
+        _ => Err(RequestError::invalid(format!(
+            "header {BUDGET_HEADER} is {value:?}, expected a positive number of milliseconds"
+        ))),
+    }
+}
+
+fn stages(parse: Duration, inf: &Inference) -> Stages {
+    Stages {
+        parse,
+        lookup: inf.lookup,
+        transfer: inf.transfer,
+        batch: inf.compute,
+    }
+}
+
+fn timings(inf: &Inference) -> Map<String, Value> {
+    let us = |d: Duration| Value::from(d.as_micros() as u64);
+    let mut p = Map::new();
+    p.insert("ranker".into(), inf.ranker.clone().into());
+    p.insert("lookup_us".into(), us(inf.lookup));
+    p.insert("transfer_us".into(), us(inf.transfer));
+    p.insert("queue_us".into(), us(inf.queue));
+    p.insert("compute_us".into(), us(inf.compute));
+    p.insert("batch_requests".into(), inf.batch_requests.into());
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(header_budget(&h).unwrap(), None);
+        h.insert(BUDGET_HEADER, HeaderValue::from_static(" 25.5"));
+        assert_eq!(header_budget(&h).unwrap(), Some(25.5));
+        for bad in ["0", "-3", "soon", "inf", "NaN"] {
+            h.insert(BUDGET_HEADER, HeaderValue::from_static(bad));
+            let e = header_budget(&h).unwrap_err();
+            assert!(
+                e.message
+                    .contains("expected a positive number of milliseconds"),
+                "{}",
+                e.message
+            );
+            assert!(e.message.contains(bad), "{}", e.message);
+        }
+    }
+}

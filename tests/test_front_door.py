@@ -1,0 +1,327 @@
+"""The router's front door on real processes over loopback: per-connection timeouts (a head
+that trickles in, a body that stalls, an idle keep-alive connection), the connection cap,
+admission control (503 + Retry-After without reading the body), x-request-id, the health
+schema with a ranker down, and a graceful stop that finishes the request in progress.
+
+Shards and a ranker are started once (tests/test_router_http.py's `Deployment`); each test
+starts its own router with the settings it needs. Timing assertions are generous bounds that
+only prove a connection was closed at all.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from test_router_http import MODEL, Child, Deployment, cli, good_request, post, request
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+BOUND_S = 10.0  # every closure must happen within this
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    root = tmp_path_factory.mktemp("front_door")
+    d = Deployment(root)
+    d.root = root
+    d.base = json.loads((root / "router.json").read_text())
+    yield d
+    d.stop()
+
+
+class Router:
+    """A router process of its own, on the module's shards and ranker."""
+
+    def __init__(self, backends, **settings):
+        config = {**backends.base, **settings}
+        path = backends.root / f"router-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(config))
+        self.child = Child("router", [sys.executable, "-m", "cleave.launch.router", str(path)])
+        self.address = self.child.address
+        host, port = self.address.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.url = f"{self.address}/v2/models/{MODEL}"
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.child.stop()
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=BOUND_S)
+        sock.settimeout(BOUND_S)
+        return sock
+
+    def metric(self, line_start: str) -> float:
+        _, text = request(f"{self.address}/metrics")
+        for line in text.splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"no metric {line_start!r} in:\n{text}")
+
+
+def closed_within(sock: socket.socket, bound_s: float, trickle: bytes = b"") -> float:
+    """Seconds until the server closed `sock` (EOF or reset), sending `trickle` one byte every
+    0.25 s meanwhile; fails after `bound_s`."""
+    start = time.monotonic()
+    sock.settimeout(0.25)
+    sent = 0
+    while time.monotonic() - start < bound_s:
+        try:
+            if sent < len(trickle):
+                sock.sendall(trickle[sent : sent + 1])
+                sent += 1
+            data = sock.recv(65536)
+            if not data:
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - start
+    raise AssertionError(f"connection still open after {bound_s} s")
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length body: (status, headers, body)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a whole response head: {buf!r}"
+        buf += chunk
+    head, body = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the whole body"
+        body += chunk
+    return status, headers, body
+
+
+def get(sock: socket.socket, path: str) -> tuple[int, dict[str, str], bytes]:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return read_response(sock)
+
+
+def post_head(path: str, length: int, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n{extra}\r\n"
+    ).encode()
+
+
+def wait_for(predicate, what: str, bound_s: float = BOUND_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
+        time.sleep(0.05)
+
+
+def test_partial_header_is_closed_by_the_header_timeout(backends):
+    with Router(backends, header_timeout_ms=1000, idle_timeout_ms=60000) as router:
+        sock = router.connect()
+        sock.sendall(b"POST /v2/models/shared/infer HTTP/1.1\r\n")
+        # One byte every 0.25 s never finishes the head: closed after about 1 s.
+        closed_within(sock, BOUND_S, trickle=b"Host: example.org\r\nX-Slow: " + b"a" * 200)
+        sock.close()
+        assert router.metric('cleave_router_connections_closed_total{reason="header_timeout"}') == 1
+        # Other connections are unaffected.
+        assert request(f"{router.address}/v2/health/ready")[0] == 200
+
+
+def test_idle_keep_alive_connection_is_closed(backends):
+    with Router(backends, idle_timeout_ms=1000) as router:
+        sock = router.connect()
+        status, headers, _ = get(sock, "/v2/health/live")
+        assert status == 200 and headers.get("connection") != "close"
+        closed_within(sock, BOUND_S)
+        sock.close()
+        silent = router.connect()  # never sends a byte
+        closed_within(silent, BOUND_S)
+        silent.close()
+        assert router.metric('cleave_router_connections_closed_total{reason="idle_timeout"}') >= 2
+
+
+def test_stalled_body_gets_408_and_is_closed(backends):
+    with Router(backends, body_grace_ms=500, body_min_bytes_per_s=1000) as router:
+        sock = router.connect()
+        sock.sendall(post_head("/v2/models/shared/infer", 5000) + b'{"inputs": [')
+        status, headers, body = read_response(sock)
+        assert status == 408, body
+        assert "request body too slow: 12 bytes" in json.loads(body)["error"]
+        assert headers["connection"] == "close"
+        assert len(headers["x-request-id"]) == 16
+        closed_within(sock, BOUND_S)
+        sock.close()
+        assert router.metric('cleave_router_errors_total{kind="body_timeout"}') == 1
+
+
+def test_connection_cap_refuses_the_extra_connection_only(backends):
+    with Router(backends, max_connections=3) as router:
+        held = [router.connect() for _ in range(3)]
+        for sock in held:
+            assert get(sock, "/v2/health/live")[0] == 200
+        extra = router.connect()
+        status, headers, body = read_response(extra)
+        assert status == 503
+        assert headers["connection"] == "close" and int(headers["retry-after"]) >= 1
+        reply = json.loads(body)
+        assert reply["stage"] == "admission" and "max_connections" in reply["error"]
+        closed_within(extra, BOUND_S)
+        extra.close()
+        for sock in held:  # the others still work, on the same connections
+            assert get(sock, "/v2/health/live")[0] == 200
+        held.pop().close()
+
+        def one_more_served():
+            sock = router.connect()
+            try:
+                return get(sock, "/v2/health/live")[0] == 200
+            except (AssertionError, ConnectionResetError):
+                return False
+            finally:
+                sock.close()
+
+        wait_for(one_more_served, "a connection is accepted again once one closed")
+        # Metrics over a connection already held: a new one might find the cap still reached.
+        status, _, text = get(held[0], "/metrics")
+        assert status == 200
+        assert 'cleave_router_shed_total{reason="connections"} ' in text.decode()
+        assert 'cleave_router_shed_total{reason="connections"} 0' not in text.decode()
+        for sock in held:
+            sock.close()
+
+
+def test_in_flight_cap_sheds_without_reading_the_body(backends):
+    good, _ = good_request(backends)
+    raw = json.dumps(good).encode()
+    with Router(backends, max_in_flight=1, body_grace_ms=30000) as router:
+        holder = router.connect()
+        holder.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
+        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        sock = router.connect()
+        sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw)
+        status, headers, body = read_response(sock)
+        assert status == 503, body
+        assert int(headers["retry-after"]) >= 1 and headers["connection"] == "close"
+        reply = json.loads(body)
+        assert reply["stage"] == "admission" and "(max_in_flight) is 1" in reply["error"]
+        sock.close()
+        assert request(f"{router.address}/v2/health/ready")[0] == 200
+        # The request in flight finishes when its body does.
+        holder.sendall(raw[10:])
+        status, _, body = read_response(holder)
+        assert status == 200, body
+        holder.close()
+        assert post(f"{router.url}/infer", good)[0] == 200
+        assert router.metric('cleave_router_shed_total{reason="in_flight"}') == 1
+        assert router.metric('cleave_router_errors_total{kind="overloaded"}') == 1
+
+
+def test_budget_that_cannot_be_met_is_shed_at_once(backends):
+    good, _ = good_request(backends)
+    raw = json.dumps(good).encode()
+    with Router(backends) as router:
+        assert post(f"{router.url}/infer", good)[0] == 200  # measures the stages
+        req = urllib.request.Request(
+            f"{router.url}/infer",
+            data=raw,
+            headers={"Content-Type": "application/json", "cleave-budget-ms": "0.001"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=BOUND_S)
+        assert err.value.code == 503
+        assert int(err.value.headers["Retry-After"]) >= 1
+        assert len(err.value.headers["x-request-id"]) == 16
+        reply = json.loads(err.value.read())
+        assert reply["stage"] == "admission"
+        assert "exceeds 80% of the budget of 0.0 ms" in reply["error"], reply
+        # The router stays healthy and serves requests with a budget it can meet.
+        assert request(f"{router.address}/v2/health/ready")[0] == 200
+        assert post(f"{router.url}/infer", good)[0] == 200
+        assert router.metric('cleave_router_shed_total{reason="estimate"}') == 1
+
+
+def test_request_ids_on_success_and_errors(backends):
+    good, _ = good_request(backends)
+    ids = []
+    for body in (good, good, {"inputs": 7}):
+        req = urllib.request.Request(
+            f"{backends.router.address}/v2/models/{MODEL}/infer",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                ids.append(response.headers["x-request-id"])
+        except urllib.error.HTTPError as err:
+            assert err.code == 400
+            ids.append(err.headers["x-request-id"])
+    assert all(len(i) == 16 and int(i, 16) for i in ids), ids
+    assert len(set(ids)) == 3
+
+
+def test_health_schema_and_a_ranker_down_degrades(backends):
+    status, text = request(f"{backends.router.address}/v2/health/ready")
+    assert status == 200
+    assert json.loads(text) == {
+        "role": "router",
+        "status": "ready",
+        "ready": True,
+        "degraded": [],
+        "problems": [],
+    }
+    for path in ("/ready", "/live", "/v2/health/live", f"/v2/models/{MODEL}/ready"):
+        status, text = request(f"{backends.router.address}{path}")
+        assert status == 200 and json.loads(text)["role"] == "router", path
+
+    spare = Child(
+        "ranker-2",
+        cli("ranker", "--bundle", str(backends.dir), "--listen", "127.0.0.1:0", "--threads", "1"),
+    )
+    try:
+        rankers = [*backends.base["rankers"], spare.address]
+        with Router(backends, rankers=rankers, health_interval_ms=100) as router:
+            spare.stop()
+
+            def health():
+                return json.loads(request(f"{router.address}/v2/health/ready")[1])
+
+            wait_for(lambda: health()["status"] == "degraded", "degraded")
+            status, text = request(f"{router.address}/v2/health/ready")
+            reply = json.loads(text)
+            assert status == 200 and reply["ready"] and reply["problems"] == []
+            assert any(spare.address in d for d in reply["degraded"]), reply
+            good, _ = good_request(backends)
+            assert post(f"{router.url}/infer", good)[0] == 200
+    finally:
+        spare.stop()
+
+
+def test_sigterm_finishes_the_request_in_flight(backends):
+    good, _ = good_request(backends)
+    raw = json.dumps(good).encode()
+    router = Router(backends, body_grace_ms=30000)
+    try:
+        sock = router.connect()
+        sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
+        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        router.child.proc.terminate()
+        time.sleep(0.3)
+        assert router.child.proc.poll() is None, "the router left before its request finished"
+        sock.sendall(raw[10:])
+        status, headers, body = read_response(sock)
+        assert status == 200, body
+        sock.close()
+        assert router.child.proc.wait(BOUND_S) == 0
+    finally:
+        router.child.stop()
