@@ -216,6 +216,9 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path.write_text("router = 3\n")
     with pytest.raises(UsageError, match=r"\[router\] must be a table"):
         config_io.load(path)
+    path.write_text("[router]\nidle_timeout_ms = 0\n")
+    with pytest.raises(UsageError, match=r"router.idle_timeout_ms: expected at least 1, got 0"):
+        config_io.load(path).check()
     path.write_text("transport = 'udp'\n")
     with pytest.raises(UsageError, match=r'transport: expected "unix" or "tcp", got \'udp\''):
         config_io.load(path).check()

@@ -103,6 +103,15 @@ class ServeConfig:
             "at least 1",
             r.ranker_connections,
         )
+        for key in (
+            "header_timeout_ms",
+            "idle_timeout_ms",
+            "body_min_bytes_per_s",
+            "max_connections",
+            "max_in_flight",
+        ):
+            need(getattr(r, key) >= 1, f"router.{key}", "at least 1", getattr(r, key))
+        need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
         need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
         return self
 
