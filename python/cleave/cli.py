@@ -15,6 +15,7 @@ COMMANDS = {
     "shard": ("cleave.launch.shard", "serve embedding lookups for a bundle's tables"),
     "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
     "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),
+    "plan": ("cleave.plan.cli", "write or check a deployment plan: which role runs on which host"),
     "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
     "testbed": ("cleave.testbed.cli", "emulated multi-host network of namespaces on this machine"),
 }

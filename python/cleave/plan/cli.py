@@ -1,0 +1,102 @@
+"""`cleave plan BUNDLE (--cluster CLUSTER.yaml | --hosts N) ... -o PLAN.yaml` writes a
+deployment plan; `cleave plan --check PLAN.yaml` validates one against its bundle
+(docs/plan.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from cleave.errors import UsageError
+from cleave.launch import config as config_io
+from cleave.launch.serve import read_manifest
+from cleave.plan.cluster import emulated_hosts, load_cluster
+from cleave.plan.files import load_plan, save_plan
+from cleave.plan.planner import make_plan
+from cleave.plan.schema import Plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", nargs="?", help="bundle directory (cleave partition's output)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--cluster", help="YAML file: hosts: [{name, cpus, memory_gib, gpus}]")
+    hosts.add_argument("--hosts", type=int, help="N identical emulated hosts h0..h{N-1}")
+    parser.add_argument("--shards", type=int, help="range groups (default: the config's shards)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas per range group")
+    parser.add_argument("--rankers", type=int, help="rankers (default: the config's rankers)")
+    parser.add_argument("--routers", type=int, default=1, help="routers (default 1)")
+    parser.add_argument("--config", help="cleave serve's TOML file: the roles' settings")
+    parser.add_argument("-o", "--output", help="the plan file to write")
+    parser.add_argument("--check", metavar="PLAN", help="validate PLAN against its bundle")
+
+
+def _count(items, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def describe(plan: Plan) -> str:
+    """One paragraph: what runs where."""
+    where = []
+    for h in plan.hosts:
+        names = [role.name for _, role in plan.roles() if role.host == h.name]
+        where.append(f"{h.name}: {', '.join(names) if names else 'nothing'}")
+    groups = len({s.group for s in plan.shards})
+    roles = [
+        f"{_count(plan.shards, 'shard')} in {_count(range(groups), 'range group')}",
+        _count(plan.rankers, "ranker"),
+        _count(plan.routers, "router"),
+    ]
+    return (
+        f"model {plan.name!r} ({plan.mode}, transport {plan.transport}) on "
+        f"{_count(plan.hosts, 'host')}: {', '.join(roles)}. {'; '.join(where)}."
+    )
+
+
+def _check(path: str) -> int:
+    plan = load_plan(path)
+    warnings = plan.check(read_manifest(plan.bundle_path()))
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    print(f"{path}: OK: {describe(plan)}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.check:
+        extra = [f for f in ("bundle", "cluster", "hosts", "output") if getattr(args, f)]
+        if extra:
+            raise UsageError(f"--check takes only the plan file, got also {', '.join(extra)}")
+        return _check(args.check)
+    if not args.bundle:
+        raise UsageError("expected BUNDLE (or --check PLAN.yaml)")
+    if not args.output:
+        raise UsageError("expected -o PLAN.yaml: where to write the plan")
+    if args.cluster is None and args.hosts is None:
+        raise UsageError("expected --cluster CLUSTER.yaml or --hosts N")
+    bundle = Path(args.bundle)
+    if not bundle.is_dir():
+        raise UsageError(f"bundle {bundle} is not a directory")
+    output = Path(args.output)
+    if output.is_dir():
+        raise UsageError(f"-o {output}: is a directory; expected a file name")
+    config = config_io.load(args.config)
+    hosts = load_cluster(args.cluster) if args.cluster else emulated_hosts(args.hosts)
+    shards = config.shards if args.shards is None else args.shards
+    rankers = config.rankers if args.rankers is None else args.rankers
+    plan = make_plan(bundle, hosts, shards, args.replicas, rankers, args.routers, config)
+    # The bundle is named relative to the plan, so the two move together.
+    plan.bundle = os.path.relpath(bundle.resolve(), output.parent.resolve())
+    plan.source = output
+    try:
+        warnings = plan.check(read_manifest(bundle))
+    except UsageError as err:
+        raise UsageError(f"{err}\n(nothing was written to {output})") from None
+    command = shlex.join(["cleave", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""
+    save_plan(plan, output, header=command and f"command: {command}")
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    print(f"cleave plan: wrote {output}: {describe(plan)}")
+    return 0

@@ -1,0 +1,119 @@
+"""The deployment plan (docs/plan.md): which role runs on which logical host, on which logical
+port, with which settings. Pure data: no addresses, no processes, no secrets. Runners (local
+processes, the testbed, Ray, Helm) bind the real addresses and start what it describes.
+
+Fields without a default are required in the YAML. Role settings are concrete (a ranker's
+`threads` is a number, never "auto"), so runners never need to know a default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleave.launch.config import RouterConfig
+
+FORMAT = "cleave-plan"
+VERSION = 1
+
+
+@dataclass
+class Host:
+    """A logical host: what it offers, and labels a runner may map to real machines."""
+
+    name: str
+    cpus: int
+    memory_gib: float
+    gpus: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Shard:
+    """One embedding shard process. Shards with the same `group` are replicas: same ranges."""
+
+    name: str
+    group: int
+    host: str
+    port: int  # frame protocol (docs/protocol.md); 0: the runner picks one
+    metrics_port: int  # /metrics, /ready, /live; 0: the runner picks one
+    threads: int  # lookup threads
+    ranges: dict[str, tuple[int, int]]  # table -> [row_start, row_end)
+
+
+@dataclass
+class Ranker:
+    """One ranker process; the settings are `cleave ranker`'s flags."""
+
+    name: str
+    host: str
+    port: int
+    metrics_port: int
+    device: str  # auto | cpu | cuda
+    threads: int  # torch CPU threads
+    max_batch: int
+    max_wait_ms: float
+    max_queue: int
+    cuda_graphs: bool
+
+
+@dataclass
+class Router:
+    """One router process. It serves /metrics, /v2/health/* on its http_port."""
+
+    name: str
+    host: str
+    http_port: int  # the client port; 0: the runner picks one
+
+
+@dataclass
+class Supervision:
+    """How runners start and stop roles (ServeConfig's top-level timeouts)."""
+
+    fail_stop: bool  # a role that dies stops the deployment (default: restart it)
+    ready_timeout_s: float  # start-up budget of a group of roles
+    stop_timeout_s: float  # SIGTERM -> SIGKILL grace
+
+
+@dataclass
+class Plan:
+    name: str  # model name in the URLs
+    bundle: str  # relative paths resolve against the plan file's directory
+    mode: str  # disaggregated | monolithic (the baseline: one ranker runs the whole model)
+    transport: str  # tcp | unix (unix: every role on one host)
+    hosts: list[Host]
+    shards: list[Shard]
+    rankers: list[Ranker]
+    routers: list[Router]
+    # Every router's settings: RouterConfig's fields, read from the dataclass, so a new router
+    # key needs no change here. Keys left out of a file take RouterConfig's defaults.
+    router: RouterConfig
+    supervision: Supervision
+    # The file this plan was read from: names it in errors, anchors a relative bundle path.
+    source: Path | None = field(default=None, compare=False, metadata={"serialise": False})
+
+    def bundle_path(self) -> Path:
+        path = Path(self.bundle)
+        if path.is_absolute() or self.source is None:
+            return path
+        return self.source.parent / path
+
+    def where(self) -> str:
+        return str(self.source) if self.source is not None else "plan"
+
+    def host(self, name: str) -> Host | None:
+        return next((h for h in self.hosts if h.name == name), None)
+
+    def roles(self) -> list[tuple[str, Shard | Ranker | Router]]:
+        """Every role with its field path (`shards[2]`), in file order."""
+        return [
+            *((f"shards[{i}]", s) for i, s in enumerate(self.shards)),
+            *((f"rankers[{i}]", r) for i, r in enumerate(self.rankers)),
+            *((f"routers[{i}]", r) for i, r in enumerate(self.routers)),
+        ]
+
+    def check(self, manifest: dict) -> list[str]:
+        """Raise UsageError listing every problem against the bundle's manifest; return the
+        warnings (a host's cores oversubscribed, say)."""
+        from cleave.plan.check import check_plan
+
+        return check_plan(self, manifest)
