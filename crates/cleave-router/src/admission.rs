@@ -23,10 +23,6 @@ use crate::ranker::RankerPool;
 const EWMA_ALPHA: f64 = 0.2;
 /// The longest Retry-After the router asks for (seconds).
 const MAX_RETRY_AFTER_S: u64 = 60;
-/// The share of its budget a request's estimate may fill: the rest absorbs the estimate's
-/// error. Measured at 3× overload (DLRM, 512 candidates, 200 ms budget, 2 cores): with the
-/// whole budget about 1 in 6 admitted requests still missed it.
-pub const ADMIT_SHARE: f64 = 0.8;
 /// How long an idle router that sheds by its estimate waits before admitting one request to
 /// measure again.
 const PROBE_AFTER: Duration = Duration::from_secs(1);
@@ -110,6 +106,8 @@ pub struct Admission {
     max_in_flight: usize,
     /// Whether to shed on the estimate (the in-flight cap always applies).
     shed: bool,
+    /// The share of its budget a request's estimate may fill (`admit_share` in the config).
+    admit_share: f64,
     in_flight: AtomicUsize,
     /// f64 bits of moving averages in µs (0: not measured yet).
     parse_us: AtomicU64,
@@ -133,10 +131,11 @@ impl Drop for Permit<'_> {
 }
 
 impl Admission {
-    pub fn new(max_in_flight: usize, shed: bool) -> Admission {
+    pub fn new(max_in_flight: usize, shed: bool, admit_share: f64) -> Admission {
         Admission {
             max_in_flight,
             shed,
+            admit_share,
             in_flight: AtomicUsize::new(0),
             parse_us: AtomicU64::new(0),
             lookup_us: AtomicU64::new(0),
@@ -211,6 +210,7 @@ impl Admission {
             elapsed,
             budget,
             load.wait.map(|_| estimate).filter(|_| self.shed),
+            self.admit_share,
         );
         let now_us = self.epoch.elapsed().as_micros() as u64;
         let idle_for = now_us.saturating_sub(self.last_activity_us.load(Ordering::Relaxed));
@@ -238,6 +238,7 @@ pub fn decide(
     elapsed: Duration,
     budget: Duration,
     estimate: Option<Duration>,
+    share: f64,
 ) -> Result<(), Shed> {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let drain = estimate.unwrap_or_default();
@@ -252,7 +253,7 @@ pub fn decide(
         });
     }
     match estimate {
-        Some(estimate) if elapsed + estimate > budget.mul_f64(ADMIT_SHARE) => Err(Shed {
+        Some(estimate) if elapsed + estimate > budget.mul_f64(share) => Err(Shed {
             reason: ShedReason::Estimate,
             message: format!(
                 "overloaded: expected latency {:.1} ms ({:.1} ms spent, {:.1} ms estimated \
@@ -261,7 +262,7 @@ pub fn decide(
                 ms(elapsed + estimate),
                 ms(elapsed),
                 ms(estimate),
-                ADMIT_SHARE * 100.0,
+                share * 100.0,
                 ms(budget)
             ),
             retry_after_s: retry_after(estimate),
@@ -294,10 +295,10 @@ mod tests {
 
     #[test]
     fn decides_by_cap_then_estimate() {
-        assert_eq!(decide(0, 4, MS, 100 * MS, Some(50 * MS)), Ok(()));
+        assert_eq!(decide(0, 4, MS, 100 * MS, Some(50 * MS), 0.8), Ok(()));
         // 1 ms spent + 79 ms to go fills exactly the admitted share of the budget.
-        assert_eq!(decide(3, 4, MS, 100 * MS, Some(79 * MS)), Ok(()));
-        let e = decide(3, 4, 2 * MS, 100 * MS, Some(79 * MS)).unwrap_err();
+        assert_eq!(decide(3, 4, MS, 100 * MS, Some(79 * MS), 0.8), Ok(()));
+        let e = decide(3, 4, 2 * MS, 100 * MS, Some(79 * MS), 0.8).unwrap_err();
         assert_eq!(e.reason, ShedReason::Estimate);
         assert!(
             e.message
@@ -307,7 +308,7 @@ mod tests {
             e.message
         );
         assert_eq!(e.retry_after_s, 1);
-        let e = decide(4, 4, MS, 100 * MS, Some(MS)).unwrap_err();
+        let e = decide(4, 4, MS, 100 * MS, Some(MS), 0.8).unwrap_err();
         assert_eq!(e.reason, ShedReason::InFlight);
         assert!(
             e.message.contains("4 requests in progress"),
@@ -316,7 +317,7 @@ mod tests {
         );
         assert!(e.message.contains("(max_in_flight) is 4"), "{}", e.message);
         // No estimate (shedding off, or no ranker healthy): only the cap applies.
-        assert_eq!(decide(3, 4, 10 * MS, MS, None), Ok(()));
+        assert_eq!(decide(3, 4, 10 * MS, MS, None, 0.8), Ok(()));
     }
 
     #[test]
@@ -325,13 +326,13 @@ mod tests {
         assert_eq!(retry_after(300 * MS), 1);
         assert_eq!(retry_after(1001 * MS), 2);
         assert_eq!(retry_after(Duration::from_secs(3600)), 60);
-        let e = decide(0, 4, MS, 100 * MS, Some(Duration::from_millis(2500))).unwrap_err();
+        let e = decide(0, 4, MS, 100 * MS, Some(Duration::from_millis(2500)), 0.8).unwrap_err();
         assert_eq!(e.retry_after_s, 3);
     }
 
     #[test]
     fn estimate_adds_stages_wait_and_requests_ahead() {
-        let a = Admission::new(10, true);
+        let a = Admission::new(10, true, 0.8);
         let stages = |parse| Stages {
             parse,
             lookup: 3 * MS,
@@ -377,7 +378,7 @@ mod tests {
 
     #[test]
     fn an_idle_router_admits_one_request_to_measure_again() {
-        let a = Admission::new(10, true);
+        let a = Admission::new(10, true, 0.8);
         a.observe(Stages {
             parse: Duration::from_secs(5), // averages from a bad moment
             ..Stages::default()
@@ -400,7 +401,7 @@ mod tests {
 
     #[test]
     fn cap_applies_and_permits_release() {
-        let a = Admission::new(2, false);
+        let a = Admission::new(2, false, 0.8);
         let load = RankerLoad {
             wait: Some(Duration::from_secs(100)),
             ..RankerLoad::default()

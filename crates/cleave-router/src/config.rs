@@ -71,6 +71,10 @@ pub struct RouterConfig {
     /// Shed a request at once when the estimated wait exceeds its budget.
     #[serde(default = "default_shed")]
     pub shed: bool,
+    /// The share of its budget a request's estimated latency may fill when it is admitted;
+    /// the rest absorbs the estimate's error (admission.rs).
+    #[serde(default = "default_admit_share")]
+    pub admit_share: f64,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -148,6 +152,9 @@ fn default_max_in_flight() -> usize {
 fn default_shed() -> bool {
     true
 }
+fn default_admit_share() -> f64 {
+    0.5
+}
 
 impl RouterConfig {
     /// Parses and checks the JSON; errors say which field is wrong and why.
@@ -164,6 +171,12 @@ impl RouterConfig {
             return bad(format!(
                 "model name {:?} must be non-empty without '/'",
                 self.model
+            ));
+        }
+        if !(self.admit_share > 0.0 && self.admit_share <= 1.0) {
+            return bad(format!(
+                "admit_share is {}, expected a share of the budget in (0, 1]",
+                self.admit_share
             ));
         }
         if self.rankers.is_empty() {

@@ -65,7 +65,7 @@ pub async fn serve(
             min_bytes_per_s: config.body_min_bytes_per_s,
             grace: Duration::from_millis(config.body_grace_ms),
         },
-        admission: Admission::new(config.max_in_flight, config.shed),
+        admission: Admission::new(config.max_in_flight, config.shed, config.admit_share),
         door: Arc::new(DoorStats::default()),
         health: Mutex::new(Health::new(ROLE, vec![], vec![STARTING.into()])),
     });

@@ -33,6 +33,7 @@ class RouterConfig:
     max_connections: int = 16384  # open client connections; more are refused with 503
     max_in_flight: int = 2048  # requests in progress; more are shed with 503
     shed: bool = True  # shed at once (503) when the expected latency exceeds the budget
+    admit_share: float = 0.5  # the share of its budget a request's estimate may fill
 
 
 @dataclass
@@ -112,6 +113,7 @@ class ServeConfig:
         ):
             need(getattr(r, key) >= 1, f"router.{key}", "at least 1", getattr(r, key))
         need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
+        need(0 < r.admit_share <= 1, "router.admit_share", "in (0, 1]", r.admit_share)
         need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
         return self
 

@@ -41,6 +41,7 @@ def router_config(
         "max_connections": r.max_connections,
         "max_in_flight": r.max_in_flight,
         "shed": r.shed,
+        "admit_share": r.admit_share,
     }
 
 
