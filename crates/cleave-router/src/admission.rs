@@ -17,10 +17,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::ewma::Ewma;
 use crate::ranker::RankerPool;
 
-/// Weight of the newest sample in the stage averages.
-const EWMA_ALPHA: f64 = 0.2;
 /// The longest Retry-After the router asks for (seconds).
 const MAX_RETRY_AFTER_S: u64 = 60;
 /// How long an idle router that sheds by its estimate waits before admitting one request to
@@ -110,11 +109,11 @@ pub struct Admission {
     admit_share: f64,
     in_flight: AtomicUsize,
     /// f64 bits of moving averages in µs (0: not measured yet).
-    parse_us: AtomicU64,
-    lookup_us: AtomicU64,
-    transfer_us: AtomicU64,
+    parse_us: Ewma,
+    lookup_us: Ewma,
+    transfer_us: Ewma,
     /// A ranker batch's compute time (the ranker reports the batch's, not the request's).
-    batch_us: AtomicU64,
+    batch_us: Ewma,
     /// When a request was last admitted or measured, in µs since `epoch`.
     last_activity_us: AtomicU64,
     epoch: Instant,
@@ -137,10 +136,10 @@ impl Admission {
             shed,
             admit_share,
             in_flight: AtomicUsize::new(0),
-            parse_us: AtomicU64::new(0),
-            lookup_us: AtomicU64::new(0),
-            transfer_us: AtomicU64::new(0),
-            batch_us: AtomicU64::new(0),
+            parse_us: Ewma::default(),
+            lookup_us: Ewma::default(),
+            transfer_us: Ewma::default(),
+            batch_us: Ewma::default(),
             last_activity_us: AtomicU64::new(0),
             epoch: Instant::now(),
             shed_total: Default::default(),
@@ -163,19 +162,17 @@ impl Admission {
     /// Feeds the averages from a request that went through.
     pub fn observe(&self, stages: Stages) {
         let us = |d: Duration| d.as_secs_f64() * 1e6;
-        update_ewma(&self.parse_us, us(stages.parse));
-        update_ewma(&self.lookup_us, us(stages.lookup));
-        update_ewma(&self.transfer_us, us(stages.transfer));
-        update_ewma(&self.batch_us, us(stages.batch));
+        self.parse_us.update(us(stages.parse));
+        self.lookup_us.update(us(stages.lookup));
+        self.transfer_us.update(us(stages.transfer));
+        self.batch_us.update(us(stages.batch));
         let now_us = self.epoch.elapsed().as_micros() as u64;
         self.last_activity_us.store(now_us, Ordering::Relaxed);
     }
 
     /// The latency a request would see if admitted now, less the time already spent.
     pub fn estimate(&self, load: &RankerLoad) -> Duration {
-        let us = |cell: &AtomicU64| {
-            Duration::from_secs_f64(f64::from_bits(cell.load(Ordering::Relaxed)) / 1e6)
-        };
+        let us = |average: &Ewma| Duration::from_secs_f64(average.get() / 1e6);
         let ahead = (self.in_flight() as u64).saturating_sub(load.outstanding);
         let in_progress = if load.outstanding > 0 {
             us(&self.batch_us)
@@ -274,17 +271,6 @@ pub fn decide(
 /// Whole seconds until the queues should have drained: at least 1, at most 60.
 pub fn retry_after(drain: Duration) -> u64 {
     (drain.as_secs_f64().ceil() as u64).clamp(1, MAX_RETRY_AFTER_S)
-}
-
-/// Racy read-modify-write is fine: a lost sample only slows the average down.
-fn update_ewma(cell: &AtomicU64, sample: f64) {
-    let old = f64::from_bits(cell.load(Ordering::Relaxed));
-    let new = if old == 0.0 {
-        sample
-    } else {
-        old + EWMA_ALPHA * (sample - old)
-    };
-    cell.store(new.to_bits(), Ordering::Relaxed);
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub mod body;
 pub mod config;
 pub mod conn;
 pub mod error;
+mod ewma;
 pub mod front_door;
 pub mod http;
 pub mod inference;

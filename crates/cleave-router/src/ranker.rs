@@ -12,10 +12,9 @@ use bytes::Bytes;
 use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError};
 
 use crate::error::{ErrorKind, RequestError, Stage};
+use crate::ewma::Ewma;
 use crate::payload::{decode_response, RankResponse};
 
-/// Weight of the newest sample in the moving average.
-const EWMA_ALPHA: f64 = 0.2;
 /// The latency assumed for a ranker not measured yet (µs); small, so new rankers get tried.
 const UNMEASURED_US: f64 = 1.0;
 
@@ -24,10 +23,10 @@ pub struct Ranker {
     client: Client,
     addr: String,
     /// f64 bits of the moving average of queue_us + compute_us; 0 until the first reply.
-    ewma_us: AtomicU64,
+    ewma_us: Ewma,
     /// f64 bits of the moving average of compute_us / batch_requests: the ranker's time per
     /// request when busy, for admission control (`RankerPool::expected_wait`).
-    service_us: AtomicU64,
+    service_us: Ewma,
     outstanding: AtomicU64,
     healthy: AtomicBool,
     last_error: Mutex<String>,
@@ -39,7 +38,7 @@ impl Ranker {
     }
 
     pub fn ewma_us(&self) -> f64 {
-        f64::from_bits(self.ewma_us.load(Ordering::Relaxed))
+        self.ewma_us.get()
     }
 
     pub fn outstanding(&self) -> u64 {
@@ -51,14 +50,14 @@ impl Ranker {
     }
 
     pub fn service_us(&self) -> f64 {
-        f64::from_bits(self.service_us.load(Ordering::Relaxed))
+        self.service_us.get()
     }
 
     fn record(&self, response: &RankResponse) {
         let latency_us = response.queue_us as f64 + response.compute_us as f64;
         let service_us = response.compute_us as f64 / response.batch_requests.max(1) as f64;
-        update_ewma(&self.ewma_us, latency_us);
-        update_ewma(&self.service_us, service_us);
+        self.ewma_us.update(latency_us);
+        self.service_us.update(service_us);
     }
 
     fn mark(&self, healthy: bool, error: Option<String>) {
@@ -73,17 +72,6 @@ impl Ranker {
         let latency = if ewma == 0.0 { UNMEASURED_US } else { ewma };
         latency * (self.outstanding() + 1) as f64
     }
-}
-
-/// Racy read-modify-write is fine: a lost sample only slows the average down.
-fn update_ewma(cell: &AtomicU64, sample: f64) {
-    let old = f64::from_bits(cell.load(Ordering::Relaxed));
-    let new = if old == 0.0 {
-        sample
-    } else {
-        old + EWMA_ALPHA * (sample - old)
-    };
-    cell.store(new.to_bits(), Ordering::Relaxed);
 }
 
 /// Decrements a ranker's outstanding count when the call ends, however it ends.
@@ -145,8 +133,8 @@ impl RankerPool {
                 Ok(Arc::new(Ranker {
                     client: Client::new(addr, io.clone(), config.clone()),
                     addr: a.clone(),
-                    ewma_us: AtomicU64::new(0f64.to_bits()),
-                    service_us: AtomicU64::new(0f64.to_bits()),
+                    ewma_us: Ewma::default(),
+                    service_us: Ewma::default(),
                     outstanding: AtomicU64::new(0),
                     healthy: AtomicBool::new(false),
                     last_error: Mutex::new("not probed yet".into()),
@@ -440,8 +428,12 @@ mod tests {
         Ranker {
             client: Client::new("127.0.0.1:1".parse().unwrap(), io, ClientConfig::default()),
             addr: "r".into(),
-            ewma_us: AtomicU64::new(ewma.to_bits()),
-            service_us: AtomicU64::new(0f64.to_bits()),
+            ewma_us: {
+                let average = Ewma::default();
+                average.update(ewma);
+                average
+            },
+            service_us: Ewma::default(),
             outstanding: AtomicU64::new(outstanding),
             healthy: AtomicBool::new(true),
             last_error: Mutex::new(String::new()),

@@ -318,13 +318,18 @@ def _stress(targets: dict, workload, result: dict, args, log) -> int:
     result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
     result["deployments"][name] = report
     (stress.print_overload if args.overload else stress.print_soak)(report)
+    _write(result, args, plot_stress, log)
+    return 0
+
+
+def _write(result: dict, args, plotter, log) -> None:
+    """The JSON (--json) and the PNG (--plot, else next to the JSON)."""
     if args.json:
         write_json(result, args.json)
         log(f"wrote {args.json}")
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if plot:
-        log(f"wrote {plot_stress(result, plot)}")
-    return 0
+        log(f"wrote {plotter(result, plot)}")
 
 
 def _ms(value: float | None, width: int = 0) -> str:
@@ -483,10 +488,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         result["max_abs_diff"] = max(diffs) if diffs else None
     print_table(result)
-    if args.json:
-        write_json(result, args.json)
-        log(f"wrote {args.json}")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
-        log(f"wrote {plot_results(result, plot)}")
+    _write(result, args, plot_results, log)
     return 0
