@@ -1,30 +1,41 @@
 """`cleave serve BUNDLE`: one deployment on this machine — S embedding shards, R rankers and
 one router, each a process, started in that order and gated on readiness, supervised, and
 stopped cleanly on SIGINT/SIGTERM. With --monolithic: the whole model and the router in one
-process (the baseline). docs/serving.md describes it."""
+process (the baseline). `cleave serve --plan PLAN [--runner local|testbed]` executes a
+deployment plan instead. docs/serving.md describes it.
+
+One code path: BUNDLE and its flags become `local_plan(bundle, config)`, and a runner
+(cleave.runners, docs/plan.md "Runners") turns any plan's roles into supervised processes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from cleave.errors import BundleError, UsageError
 from cleave.launch import config as config_io
-from cleave.launch.supervisor import (
-    ChildFailed,
-    ChildSpec,
-    Supervisor,
-    install_signal_handlers,
-    python_argv,
-)
+from cleave.launch.supervisor import ChildFailed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="bundle directory (cleave partition's output)")
+    parser.add_argument(
+        "bundle", nargs="?", help="bundle directory (cleave partition's output); or --plan"
+    )
+    parser.add_argument("--plan", help="deployment plan (docs/plan.md) to run instead of BUNDLE")
+    parser.add_argument(
+        "--runner", choices=["local", "testbed"], default="local", help="what runs the roles"
+    )
+    parser.add_argument("--url-file", help="write the routers' URLs here, one a line, once ready")
+    parser.add_argument(
+        "--link-gbit", type=float, default=1.0, help="testbed runner: host link rate (1.0)"
+    )
     parser.add_argument("--config", help="TOML file (docs/serving.md); flags override it")
     parser.add_argument("--http-port", type=int, help="client port; 0: ephemeral (default)")
     parser.add_argument("--host", help="client address to bind (default 127.0.0.1)")
@@ -100,181 +111,124 @@ def table_ranges(manifest: dict, shards: int) -> list[dict[str, tuple[int, int]]
 
 
 class Deployment:
-    """The processes of one `cleave serve`, their addresses and the router's configuration."""
+    """What `cleave serve BUNDLE` runs, as a plan (kept for tools that ask for its ranges)."""
 
     def __init__(self, bundle: Path, config: config_io.ServeConfig, runtime: Path):
-        self.bundle = bundle
-        self.config = config
+        from cleave.plan import local_plan
+
+        self.plan = local_plan(bundle, config)
         self.runtime = runtime
-        self.manifest = read_manifest(bundle)
-        self.name = config.name or bundle.name
-        ranges = [] if config.monolithic else table_ranges(self.manifest, config.shards)
-        self.ranges = [r for r in ranges if r]  # more shards than rows in every table: fewer
+        self.name = self.plan.name
+        self.ranges = [s.ranges for s in self.plan.shards]
 
-    def _address(self, name: str) -> str:
-        if self.config.transport == "unix":
-            return f"unix:{self.runtime / name}.sock"
-        return "127.0.0.1:0"  # the child picks a port and says which in its ready line
 
-    def _before_start(self, address: str):
-        if not address.startswith("unix:"):
-            return None
-        path = Path(address.removeprefix("unix:"))
-        return lambda: path.unlink(missing_ok=True)  # a killed child leaves its socket
+# Flags that shape a deployment: a plan already says all of it.
+_LAYOUT_FLAGS = (
+    "config",
+    "shards",
+    "rankers",
+    "device",
+    "threads",
+    "max_batch",
+    "max_wait_ms",
+    "transport",
+    "monolithic",
+)
 
-    def shard_specs(self) -> list[ChildSpec]:
-        specs = []
-        for i, ranges in enumerate(self.ranges):
-            name, address = f"shard-{i}", self._address(f"shard-{i}")
-            rows = ",".join(f"{t}={a}:{b}" for t, (a, b) in ranges.items())
-            argv = python_argv(
-                "shard",
-                "--bundle",
-                str(self.bundle),
-                "--listen",
-                address,
-                "--threads",
-                str(self.config.shard.threads),
-                "--rows",
-                rows,
-                "--metrics-port",
-                "0",
+
+def _plan_from_args(args: argparse.Namespace):
+    """(the plan to run, checked; the routers' client address for the local runner): --plan's
+    file, or BUNDLE and its flags as local_plan. A plan holds no real address (docs/plan.md),
+    so the config's `host` travels beside it."""
+    from cleave.plan import load_plan, local_plan
+
+    if (args.bundle is None) == (args.plan is None):
+        raise UsageError(
+            "expected exactly one of BUNDLE or --plan PLAN, got "
+            + ("both" if args.bundle else "neither")
+        )
+    if args.bundle is not None:
+        bundle = Path(args.bundle)
+        if not bundle.is_dir():
+            raise UsageError(f"bundle {bundle} is not a directory")
+        config = config_io.load(args.config)
+        _apply_flags(config, args)
+        config.check()
+        # local_plan reads the manifest: BundleError if it is bad.
+        return local_plan(bundle.resolve(), config), config.host
+    given = [f"--{k.replace('_', '-')}" for k in _LAYOUT_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)}: not with --plan (the plan says it); "
+            "expected only --runner, --http-port, --host (local runner), --name, "
+            "--fail-stop, --url-file, --link-gbit"
+        )
+    plan = load_plan(args.plan)
+    if args.name is not None:
+        plan.name = args.name
+    if args.fail_stop is not None:
+        plan.supervision.fail_stop = args.fail_stop
+    if args.http_port is not None:  # one port per router: P, P+1, ... (0: each picks one)
+        for i, router in enumerate(plan.routers):
+            router.http_port = args.http_port + i if args.http_port else 0
+    for warning in plan.check(read_manifest(plan.bundle_path())):
+        print(f"cleave serve: warning: {warning}", file=sys.stderr, flush=True)
+    return plan, args.host
+
+
+def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
+    if args.runner == "testbed":
+        if args.host is not None:  # routers bind their emulated host's address
+            raise UsageError(
+                "--host: not with --runner testbed (routers bind their host's testbed address)"
             )
-            specs.append(ChildSpec(name, argv, address, self._before_start(address)))
-        return specs
-
-    def ranker_specs(self) -> list[ChildSpec]:
-        c = self.config.ranker
-        specs = []
-        for i in range(self.config.rankers):
-            name, address = f"ranker-{i}", self._address(f"ranker-{i}")
-            argv = python_argv(
-                "ranker",
-                "--bundle",
-                str(self.bundle),
-                "--listen",
-                address,
-                "--device",
-                c.device,
-                "--threads",
-                str(self.config.ranker_threads()),
-                "--max-batch",
-                str(c.max_batch),
-                "--max-wait-ms",
-                str(c.max_wait_ms),
-                "--max-queue",
-                str(c.max_queue),
-                "--metrics-port",
-                "0",
-            )
-            if self.config.monolithic:
-                argv.append("--monolithic")
-            if not c.cuda_graphs:
-                argv.append("--no-cuda-graphs")
-            specs.append(ChildSpec(name, argv, address, self._before_start(address)))
-        return specs
-
-    def router_spec(self, shards: list[ChildSpec], rankers: list[ChildSpec]) -> ChildSpec:
-        routes = [
-            {"table": table, "row_start": a, "row_end": b, "addr": spec.address}
-            for spec, ranges in zip(shards, self.ranges, strict=True)
-            for table, (a, b) in ranges.items()
-        ]
-        path = self._router_config(routes, [spec.address for spec in rankers])
-        argv = [sys.executable, "-m", "cleave.launch.router", str(path)]
-        return ChildSpec("router", argv, self._http())
-
-    def monolith_spec(self) -> ChildSpec:
-        """The monolithic baseline: the whole model and the router in one process."""
-        (ranker,) = self.ranker_specs()
-        path = self._router_config([], [])  # the process fills in its own ranker address
-        argv = [*ranker.argv, "--with-router", str(path)]
-        return ChildSpec("monolith", argv, self._http(), ranker.before_start)
-
-    def _router_config(self, routes: list[dict], rankers: list[str]) -> Path:
-        from cleave.launch.router import router_config
-
-        config = router_config(self.name, self.bundle, self.config, routes, rankers)
-        path = self.runtime / "router.json"
-        path.write_text(json.dumps(config, indent=1))
-        return path
-
-    def pin_http_port(self, url: str) -> None:
-        """The router bound an ephemeral port: a restarted router must come back on it, or
-        clients lose the deployment."""
-        port = int(url.rsplit(":", 1)[1])
-        path = self.runtime / "router.json"
-        config = json.loads(path.read_text())
-        config["http_port"] = port
-        path.write_text(json.dumps(config, indent=1))
-
-    def _http(self) -> str:
-        return f"http {self.config.host}:{self.config.http_port}"
+        return {"link_gbit": args.link_gbit}
+    return {"host": host} if host is not None else {}
 
 
-def _learn_address(spec: ChildSpec, ready_line: str) -> None:
-    """A TCP child bound port 0: keep the port it got, so a restart binds the same one."""
-    words = ready_line.split()
-    if spec.address.endswith(":0") and len(words) > 1:
-        actual = words[1]
-        spec.argv[spec.argv.index(spec.address)] = actual
-        spec.address = actual
-
-
-def _print_metrics(children, url: str) -> None:
-    """Where each role's /metrics, /ready and /live are: from the ready lines."""
-    where = [
-        f"{c.spec.name} {word.removeprefix('metrics=')}"
-        for c in children
-        for word in c.ready_line.split()
-        if word.startswith("metrics=")
-    ]
-    where.append(f"router {url}")
-    print(f"cleave serve: metrics: {', '.join(where)}", file=sys.stderr, flush=True)
+def write_url_file(path: Path, urls: list[str]) -> None:
+    """Atomically: a temporary file beside it, renamed into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{url}\n" for url in urls))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def run(args: argparse.Namespace) -> int:
-    bundle = Path(args.bundle)
-    if not bundle.is_dir():
-        raise UsageError(f"bundle {bundle} is not a directory")
-    config = config_io.load(args.config)
-    _apply_flags(config, args)
-    config.check()
+    from cleave.runners import RUNNERS
 
+    plan, host = _plan_from_args(args)
+    url_file = Path(args.url_file) if args.url_file else None
+    if url_file is not None and not url_file.parent.is_dir():
+        raise UsageError(f"--url-file {url_file}: directory {url_file.parent} does not exist")
+    runner = RUNNERS[args.runner](**_runner_options(args, host))
+    stopping = threading.Event()  # a signal asked us to stop: a failed start is then no error
+
+    def on_signal(*_) -> None:
+        stopping.set()
+        runner.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     runtime = Path(tempfile.mkdtemp(prefix="cleave-serve-"))
-    supervisor = Supervisor(fail_stop=config.fail_stop)
-    install_signal_handlers(supervisor)
     try:
-        deployment = Deployment(bundle.resolve(), config, runtime)
-        if config.monolithic:
-            (router,) = supervisor.start([deployment.monolith_spec()], config.ready_timeout_s)
-        else:
-            shards, rankers = deployment.shard_specs(), deployment.ranker_specs()
-            # Shards and rankers load in parallel; the router needs their addresses.
-            started = supervisor.start(shards + rankers, config.ready_timeout_s)
-            for child in started:
-                _learn_address(child.spec, child.ready_line)
-            (router,) = supervisor.start(
-                [deployment.router_spec(shards, rankers)], config.ready_timeout_s
-            )
-        url = router.ready_line.split()[1] if len(router.ready_line.split()) > 1 else ""
-        deployment.pin_http_port(url)
-        mode = "monolithic" if config.monolithic else f"{config.shards} shards"
-        print(
-            f"cleave serve: model {deployment.name!r}, {mode}, {config.rankers} rankers",
-            file=sys.stderr,
-            flush=True,
-        )
-        _print_metrics(supervisor.children, url)
-        print(f"ready {url}", flush=True)
-        code = supervisor.watch(config.ready_timeout_s)
+        urls = runner.start(plan, runtime)
+        for url in urls:
+            print(f"ready {url}", flush=True)
+        if url_file is not None:
+            write_url_file(url_file, urls)
+        code = runner.watch()
     except ChildFailed as err:
-        if supervisor.stopping.is_set():
+        if stopping.is_set():
             code = 0
         else:
             print(f"cleave serve: {err}", file=sys.stderr, flush=True)
             code = 1
     finally:
-        supervisor.stop(config.stop_timeout_s)
+        runner.stop()
         shutil.rmtree(runtime, ignore_errors=True)
     return code

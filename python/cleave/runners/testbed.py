@@ -1,0 +1,83 @@
+"""The testbed runner: plan host i is emulated host i of a Testbed made for the deployment
+(docs/testbed.md); each role runs inside its host's network namespace on the host's address
+and the plan's logical ports. The testbed is removed when the runner stops."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cleave.runners.roles import Binding
+from cleave.runners.supervised import SupervisedRunner
+from cleave.testbed import Testbed
+from cleave.testbed.commands import require_privileges
+
+if TYPE_CHECKING:
+    from cleave.plan import Plan, Ranker, Router, Shard
+
+METRICS_FROM_PORT = 1000  # a role whose plan metrics port is 0 serves them on port + this
+
+
+class TestbedBinding(Binding):
+    def __init__(self, plan: Plan, testbed: Testbed, runtime: Path):
+        self.plan = plan
+        self.testbed = testbed
+        self.runtime = runtime
+        self.index = {h.name: i for i, h in enumerate(plan.hosts)}
+
+    def address(self, role: Shard | Ranker | Router) -> str:
+        return self.testbed.hosts[self.index[role.host]].address
+
+    def listen(self, role: Shard | Ranker) -> str:
+        if self.plan.transport == "unix":  # one host only (checked): paths work across netns
+            return f"unix:{self.runtime / role.name}.sock"
+        return f"{self.address(role)}:{role.port}"
+
+    def metrics_port(self, role: Shard | Ranker) -> int:
+        if role.metrics_port or not role.port:
+            return role.metrics_port
+        return role.port + METRICS_FROM_PORT
+
+    def http(self, router: Router) -> tuple[str, int]:
+        return self.address(router), router.http_port
+
+    def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
+        return self.testbed.exec_argv(self.index[role.host], argv)
+
+
+def testbed_name(plan_name: str) -> str:
+    """The deployment's name and our pid (two deployments of one model may run at once), in
+    the testbed's name alphabet and length."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "-", plan_name).strip("-_.") or "cleave"
+    suffix = f"-{os.getpid()}"
+    return base[: 32 - len(suffix)] + suffix
+
+
+class TestbedRunner(SupervisedRunner):
+    """`link_gbit`: every host link's rate, each direction (`--link-gbit`)."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+    def __init__(self, link_gbit: float = 1.0, log=None):
+        super().__init__(log)
+        self.link_gbit = link_gbit
+        self.testbed: Testbed | None = None
+
+    def bind(self, plan: Plan, plan_dir: Path) -> Binding:
+        require_privileges()  # a clear UsageError before anything is made
+        testbed = Testbed(len(plan.hosts), link_gbit=self.link_gbit, name=testbed_name(plan.name))
+        self.testbed = testbed.up()
+        self._say(
+            f"testbed {testbed.name!r}: "
+            + ", ".join(
+                f"{p.name}={h.address}" for p, h in zip(plan.hosts, testbed.hosts, strict=True)
+            )
+        )
+        return TestbedBinding(plan, testbed, plan_dir)
+
+    def release(self) -> None:
+        testbed, self.testbed = self.testbed, None
+        if testbed is not None:
+            testbed.down()

@@ -1,0 +1,153 @@
+"""Runners (docs/plan.md, "Runners"): a 4-host plan of the `shared` model served by
+`cleave serve --plan` on the emulated testbed and as local processes, scored over HTTP against
+the original model; SIGTERM stops every role (and removes the testbed); --url-file; bad input
+exits 2 leaving nothing behind. Kept small: one deployment per runner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cleave.launch.config import RankerConfig, ServeConfig
+from cleave.launch.process import ServeProcess
+from cleave.plan import emulated_hosts, make_plan, save_plan
+from cleave.testbed import commands
+from test_serve import Served, check_scores, run_serve
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+def _netns_missing() -> str | None:
+    if not commands.has_net_admin():
+        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
+    try:
+        commands.require_privileges()
+    except Exception as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Served:
+    return Served("shared", tmp_path_factory.mktemp("runners"))
+
+
+@pytest.fixture(scope="module")
+def plan_file(served, tmp_path_factory) -> Path:
+    # One ranker thread: the machine is shared, and every emulated host claims all its cores.
+    config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
+    plan = make_plan(
+        served.dir,
+        emulated_hosts(4),
+        shards=2,
+        replicas=1,
+        rankers=1,
+        routers=1,
+        serve_config=config,
+    )
+    path = tmp_path_factory.mktemp("plan") / "shared.yaml"
+    save_plan(plan, path)
+    return path
+
+
+def serve_plan(*flags: str) -> ServeProcess:
+    server = ServeProcess("-")  # the bundle comes from the plan
+    server.argv = [sys.executable, "-m", "cleave.cli", "serve", *flags]
+    return server
+
+
+def namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("cleave-")}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_file, tmp_path):
+    before = namespaces()
+    urls = tmp_path / "urls.txt"
+    server = serve_plan("--plan", str(plan_file), "--runner", "testbed", "--url-file", str(urls))
+    with server:
+        # The router binds its emulated host's address and the plan's port, 8000.
+        assert server.url.startswith("http://198.1") and server.url.endswith(":8000")
+        assert urls.read_text() == f"{server.url}\n"
+        made = namespaces() - before
+        assert len(made) == 4, made
+        check_scores(server, served)
+        roles = descendants(server.proc.pid)
+        assert len(roles) >= 4  # two shards, a ranker and a router
+        assert server.stop() == 0
+    assert namespaces() - before == set()
+    assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
+
+
+def test_local_runner_serves_the_same_plan_over_tcp(served, plan_file, tmp_path):
+    urls = tmp_path / "urls.txt"
+    # Port 0: the plan's 8000 may be taken on this machine; its shard ports clash on one
+    # machine (7000 on h1 and h2), so the local runner binds ephemeral ones.
+    flags = ("--plan", str(plan_file), "--http-port", "0", "--url-file", str(urls))
+    with serve_plan(*flags) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        assert urls.read_text() == f"{server.url}\n"
+        check_scores(server, served)
+        roles = descendants(server.proc.pid)
+        assert len(roles) == 4
+        assert server.stop() == 0
+    assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
+
+
+def test_bad_input_exits_2_leaving_nothing(served, plan_file, tmp_path):
+    before = namespaces()
+    result = run_serve("--plan", str(tmp_path / "missing.yaml"))
+    assert result.returncode == 2 and "missing.yaml: plan not found" in result.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("format: cleave-plan\nversion: [\n")
+    result = run_serve("--plan", str(bad))
+    assert result.returncode == 2 and "not valid YAML" in result.stderr
+    result = run_serve("--plan", str(plan_file), "--runner", "ray")
+    assert result.returncode == 2 and "invalid choice: 'ray'" in result.stderr
+    result = run_serve(str(served.dir), "--plan", str(plan_file))
+    assert result.returncode == 2 and "exactly one of BUNDLE or --plan" in result.stderr
+    result = run_serve()
+    assert result.returncode == 2 and "got neither" in result.stderr
+    result = run_serve("--plan", str(plan_file), "--shards", "3")
+    assert result.returncode == 2 and "--shards: not with --plan" in result.stderr
+    result = run_serve("--plan", str(plan_file), "--url-file", str(tmp_path / "no" / "urls"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    assert namespaces() == before
+    assert not list(tmp_path.glob("**/urls*"))
+
+
+def test_testbed_without_cap_net_admin_is_a_clear_error(plan_file):
+    if commands.has_net_admin():  # drop the capability for the child: capsh is in libcap2-bin
+        capsh = subprocess.run(["which", "capsh"], capture_output=True, text=True).stdout.strip()
+        if not capsh:
+            pytest.skip("holds CAP_NET_ADMIN and has no capsh to drop it")
+        argv = [capsh, "--drop=cap_net_admin", "--", "-c", 'exec "$@"', "--"]
+    else:
+        argv = []
+    argv += [sys.executable, "-m", "cleave.cli", "serve", "--plan", str(plan_file)]
+    result = subprocess.run(
+        [*argv, "--runner", "testbed"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert "needs CAP_NET_ADMIN" in result.stderr
