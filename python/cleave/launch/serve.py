@@ -217,10 +217,10 @@ def run(args: argparse.Namespace) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="cleave-serve-"))
     try:
         urls = runner.start(plan, runtime)
+        if url_file is not None:  # before the ready lines: whoever reads them finds it
+            write_url_file(url_file, urls)
         for url in urls:
             print(f"ready {url}", flush=True)
-        if url_file is not None:
-            write_url_file(url_file, urls)
         code = runner.watch()
     except ChildFailed as err:
         if stopping.is_set():
