@@ -96,6 +96,7 @@ def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_fil
         roles = descendants(server.proc.pid)
         assert len(roles) >= 4  # two shards, a ranker and a router
         assert server.stop() == 0
+    assert not urls.exists()  # removed with the deployment: its URLs are dead
     assert namespaces() - before == set()
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 

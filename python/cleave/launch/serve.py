@@ -215,10 +215,12 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     runtime = Path(tempfile.mkdtemp(prefix="cleave-serve-"))
+    wrote = False
     try:
         urls = runner.start(plan, runtime)
         if url_file is not None:  # before the ready lines: whoever reads them finds it
             write_url_file(url_file, urls)
+            wrote = True
         for url in urls:
             print(f"ready {url}", flush=True)
         code = runner.watch()
@@ -231,4 +233,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         runner.stop()
         shutil.rmtree(runtime, ignore_errors=True)
+        if wrote:  # its URLs are dead now: a later reader must not find them
+            url_file.unlink(missing_ok=True)
     return code
