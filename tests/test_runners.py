@@ -5,6 +5,7 @@ exits 2 leaving nothing behind. Kept small: one deployment per runner."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,31 @@ def test_testbed_without_cap_net_admin_is_a_clear_error(plan_file):
     )
     assert result.returncode == 2, result.stderr
     assert "needs CAP_NET_ADMIN" in result.stderr
+
+
+def test_router_gets_one_replica_per_range_group(served, tmp_path):
+    """No processes: the specs of a plan with two replicas per group, on the testbed layout."""
+    from cleave.runners.roles import Binding, RoleSpecs
+
+    class Fake(Binding):
+        def listen(self, role):
+            return f"{role.host}:{role.port}"
+
+        def http(self, router):
+            return router.host, router.http_port
+
+        def wrap(self, role, argv):
+            return ["in", role.host, *argv]
+
+    config = ServeConfig(ranker=RankerConfig(threads=1))
+    plan = make_plan(served.dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
+    specs = RoleSpecs(plan, Fake(), tmp_path)
+    shards, rankers = specs.shard_specs(), specs.ranker_specs()
+    assert [s.name for s in shards] == ["shard-0-0", "shard-0-1", "shard-1-0", "shard-1-1"]
+    assert shards[1].argv[:2] == ["in", "h2"] and "h2:7000" in shards[1].argv
+    (router,) = specs.router_specs(shards, rankers)
+    config = json.loads(specs.config_path("router-0").read_text())
+    # The first replica of each group: h1 holds both (7000 and 7001); h2's are stand-bys.
+    assert {r["addr"] for r in config["shards"]} == {"h1:7000", "h1:7001"}
+    assert config["rankers"] == ["h3:7100"] and config["host"] == "h0"
+    assert router.argv[:2] == ["in", "h0"]

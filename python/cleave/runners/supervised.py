@@ -58,6 +58,7 @@ class SupervisedRunner(Runner):
             words = child.ready_line.split()
             urls.append(words[1] if len(words) > 1 else "")
             specs.pin_http_port(router.name, urls[-1])
+            child.spec.address = f"http {urls[-1].removeprefix('http://')}"  # port 0 learnt
         mode = "monolithic" if plan.mode == "monolithic" else f"{len(plan.shards)} shards"
         self._say(f"model {plan.name!r}, {mode}, {len(plan.rankers)} rankers")
         self._print_metrics(self.supervisor.children, [r.name for r in plan.routers], urls)
