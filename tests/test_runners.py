@@ -135,6 +135,8 @@ def test_bad_input_exits_2_leaving_nothing(served, plan_file, tmp_path):
     assert result.returncode == 2 and "--shards: not with --plan" in result.stderr
     result = run_serve("--plan", str(plan_file), "--url-file", str(tmp_path / "no" / "urls"))
     assert result.returncode == 2 and "does not exist" in result.stderr
+    result = run_serve("--plan", str(plan_file), "--link-gbit", "2")
+    assert result.returncode == 2 and "--link-gbit: only with --runner testbed" in result.stderr
     assert namespaces() == before
     assert not list(tmp_path.glob("**/urls*"))
 

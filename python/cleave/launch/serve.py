@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--url-file", help="write the routers' URLs here, one a line, once ready")
     parser.add_argument(
-        "--link-gbit", type=float, default=1.0, help="testbed runner: host link rate (1.0)"
+        "--link-gbit", type=float, help="testbed runner: host link rate, Gbit/s (default 1.0)"
     )
     parser.add_argument("--config", help="TOML file (docs/serving.md); flags override it")
     parser.add_argument("--http-port", type=int, help="client port; 0: ephemeral (default)")
@@ -182,7 +182,9 @@ def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
             raise UsageError(
                 "--host: not with --runner testbed (routers bind their host's testbed address)"
             )
-        return {"link_gbit": args.link_gbit}
+        return {"link_gbit": 1.0 if args.link_gbit is None else args.link_gbit}
+    if args.link_gbit is not None:  # only emulated links have a rate
+        raise UsageError("--link-gbit: only with --runner testbed")
     return {"host": host} if host is not None else {}
 
 
