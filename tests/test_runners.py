@@ -54,9 +54,7 @@ def plan_file(served, tmp_path_factory) -> Path:
 
 
 def serve_plan(*flags: str) -> ServeProcess:
-    server = ServeProcess("-")  # the bundle comes from the plan
-    server.argv = [sys.executable, "-m", "cleave.cli", "serve", *flags]
-    return server
+    return ServeProcess(None, *flags)  # the bundle comes from the plan
 
 
 def namespaces() -> set[str]:

@@ -15,7 +15,9 @@ from cleave.errors import CleaveError
 
 class ServeProcess:
     def __init__(self, bundle, *flags: str, ready_timeout_s: float = 180.0, echo: bool = False):
-        self.argv = [sys.executable, "-m", "cleave.cli", "serve", str(bundle), *flags]
+        # bundle None: the flags name a plan instead (`--plan PLAN --runner testbed`).
+        where = [] if bundle is None else [str(bundle)]
+        self.argv = [sys.executable, "-m", "cleave.cli", "serve", *where, *flags]
         self.ready_timeout_s = ready_timeout_s
         self.echo = echo  # copy the deployment's log lines to our stderr
         self.url = ""
