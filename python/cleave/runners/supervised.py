@@ -83,7 +83,10 @@ class SupervisedRunner(Runner):
 
     # -- messages ------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
-        print(f"cleave serve: {message}", file=self.log, flush=True)
+        try:
+            print(f"cleave serve: {message}", file=self.log, flush=True)
+        except (ValueError, OSError):  # our stderr is gone; the deployment goes on
+            pass
 
     def _print_metrics(self, children: list[Child], routers: list[str], urls: list[str]) -> None:
         """Where each role's /metrics, /ready and /live are: from the ready lines."""
