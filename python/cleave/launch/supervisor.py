@@ -261,11 +261,6 @@ class Supervisor:
         return codes
 
 
-def install_signal_handlers(supervisor: Supervisor) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: supervisor.request_stop())
-
-
 def python_argv(*args: str) -> list[str]:
     """A child command line that runs `cleave` with this interpreter (no PATH lookup)."""
     return [sys.executable, "-m", "cleave.cli", *args]
