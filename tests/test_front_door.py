@@ -244,7 +244,7 @@ def test_budget_that_cannot_be_met_is_shed_at_once(backends):
         assert len(err.value.headers["x-request-id"]) == 16
         reply = json.loads(err.value.read())
         assert reply["stage"] == "admission"
-        assert "exceeds 80% of the budget of 0.0 ms" in reply["error"], reply
+        assert "exceeds 50% of the budget of 0.0 ms" in reply["error"], reply
         # The router stays healthy and serves requests with a budget it can meet.
         assert request(f"{router.address}/v2/health/ready")[0] == 200
         assert post(f"{router.url}/infer", good)[0] == 200
