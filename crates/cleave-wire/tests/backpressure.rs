@@ -3,17 +3,20 @@
 //! fill; the connection must keep going because each end goes on reading while it writes.
 //! A deadlock shows up as calls (or socket reads and writes) failing with a timeout.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 use bytes::Bytes;
-use cleave_wire::frame::{encode_hello, kind, HEADER_LEN};
+use cleave_wire::frame::{encode_hello, kind};
 use cleave_wire::{
-    Address, Client, ClientConfig, ConnClass, Frame, Handler, Header, IoThreads, Request,
-    Responder, Server, ServerConfig,
+    Address, Client, ClientConfig, ConnClass, Frame, Handler, IoThreads, Request, Responder,
+    Server, ServerConfig,
 };
+use common::read_frame;
 
 const BIG: u16 = 0x0100;
 const REQUEST_LEN: usize = 256 << 10;
@@ -131,13 +134,4 @@ fn the_server_reads_on_while_a_peer_is_slow_to_take_replies() {
     }
     drop(s);
     assert!(server.join(), "the server did not drain");
-}
-
-fn read_frame(s: &mut TcpStream) -> Frame {
-    let mut head = [0u8; HEADER_LEN];
-    s.read_exact(&mut head).unwrap();
-    let h = Header::decode(&head, u32::MAX).unwrap();
-    let mut payload = vec![0u8; h.payload_len as usize];
-    s.read_exact(&mut payload).unwrap();
-    Frame::from_header(&h, payload.into())
 }

@@ -2,17 +2,20 @@
 //! handler; a cancelled request gets no reply whatever its handler does; a CANCEL for an id
 //! that is not in flight is ignored; nothing of it disturbs the other requests.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+mod common;
+
 use bytes::Bytes;
-use cleave_wire::frame::{encode_hello, kind, HEADER_LEN};
+use cleave_wire::frame::{encode_hello, kind};
 use cleave_wire::{
-    unix_now_us, Address, ConnClass, ErrorBody, ErrorCode, Frame, Handler, Header, Request,
-    Responder, Server, ServerConfig,
+    unix_now_us, Address, ConnClass, ErrorBody, ErrorCode, Frame, Handler, Request, Responder,
+    Server, ServerConfig,
 };
+use common::read_frame;
 
 const HELD: u16 = 0x0100;
 const ECHO: u16 = 0x0101;
@@ -64,15 +67,6 @@ fn setup() -> (
         .unwrap();
     assert!(read_frame(&mut c).is_response());
     (s, h, rx, c)
-}
-
-fn read_frame(s: &mut TcpStream) -> Frame {
-    let mut head = [0u8; HEADER_LEN];
-    s.read_exact(&mut head).unwrap();
-    let h = Header::decode(&head, u32::MAX).unwrap();
-    let mut payload = vec![0u8; h.payload_len as usize];
-    s.read_exact(&mut payload).unwrap();
-    Frame::from_header(&h, payload.into())
 }
 
 #[test]

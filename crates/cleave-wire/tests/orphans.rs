@@ -2,17 +2,20 @@
 //! (an error frame or a response) long after. That answer must not cost the other requests in
 //! flight on the same connection anything.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpListener;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+mod common;
+
 use bytes::Bytes;
-use cleave_wire::frame::{kind, HEADER_LEN};
+use cleave_wire::frame::kind;
 use cleave_wire::{
-    Address, Client, ClientConfig, ClientStats, ErrorCode, Frame, Handler, Header, IoThreads,
-    Request, Responder, Server, ServerConfig, WireError,
+    Address, Client, ClientConfig, ClientStats, ErrorCode, Frame, Handler, IoThreads, Request,
+    Responder, Server, ServerConfig, WireError,
 };
+use common::read_frame;
 
 /// Held: the handler keeps the responder until the test releases it.
 const HELD: u16 = 0x0100;
@@ -120,15 +123,6 @@ fn a_late_error_for_a_forgotten_request_leaves_the_connection_serving() {
 
 fn rt_block<F: std::future::Future>(f: F) -> F::Output {
     rt().block_on(f)
-}
-
-fn read_frame(s: &mut TcpStream) -> Frame {
-    let mut head = [0u8; HEADER_LEN];
-    s.read_exact(&mut head).unwrap();
-    let h = Header::decode(&head, u32::MAX).unwrap();
-    let mut payload = vec![0u8; h.payload_len as usize];
-    s.read_exact(&mut payload).unwrap();
-    Frame::from_header(&h, payload.into())
 }
 
 /// A peer that answers ids nobody asked about (as a server that does not know CANCEL, or one
