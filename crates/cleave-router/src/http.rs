@@ -174,7 +174,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .render(&app.router.rankers.loads(), &app.front_stats());
     (
         StatusCode::OK,
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         text,
     )
         .into_response()

@@ -1,56 +1,28 @@
 //! Prometheus metrics of the router: a latency histogram per stage, error counters by kind,
-//! each ranker's load as the router sees it, and the front door's connections and shedding. Lock-free counters; rendered on `GET /metrics`
-//! in the Prometheus text format (version 0.0.4).
+//! each ranker's load as the router sees it, and the front door's connections and shedding.
+//!
+//! Exported with the `prometheus` crate in its text format (version 0.0.4) on `GET /metrics`.
+//! What the router records is the library's atomic types, resolved per label once so that an
+//! observation is a few atomic adds; what other parts own (ranker loads, the front door's
+//! counters) is read at the scrape and handed to the encoder as metric families of that scrape.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
+
 use crate::error::{ErrorKind, Stage};
+
+/// The `Content-Type` of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
 
 /// Bucket upper bounds in seconds: 50 µs to 10 s, about three per decade.
 const BUCKETS: [f64; 16] = [
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 10.0,
 ];
-
-#[derive(Default)]
-pub struct Histogram {
-    /// Non-cumulative counts per bucket; the last slot is +Inf.
-    buckets: [AtomicU64; BUCKETS.len() + 1],
-    sum_ns: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = BUCKETS
-            .iter()
-            .position(|&b| s <= b)
-            .unwrap_or(BUCKETS.len());
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns
-            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cumulative = 0;
-        for (i, b) in self.buckets.iter().enumerate() {
-            cumulative += b.load(Ordering::Relaxed);
-            let le = BUCKETS.get(i).map_or("+Inf".to_string(), |v| v.to_string());
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
-        }
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count());
-    }
-}
 
 /// The front door's and admission control's numbers at the time of a scrape.
 #[derive(Clone, Debug, Default)]
@@ -63,129 +35,187 @@ pub struct FrontStats {
     pub closed: Vec<(&'static str, u64)>,
 }
 
-#[derive(Default)]
 pub struct Metrics {
-    stages: [Histogram; Stage::ALL.len()],
-    errors: [AtomicU64; ErrorKind::ALL.len()],
-    requests: AtomicU64,
+    registry: Registry,
+    /// One per `Stage::ALL`, in its order.
+    stages: Vec<Histogram>,
+    /// One per `ErrorKind::ALL`, in its order.
+    errors: Vec<IntCounter>,
+    requests: IntCounter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        // The definitions are constants: a failure is a bug, which every test that builds a
+        // router would show at once.
+        Self::new().expect("the router's metric definitions are valid")
+    }
 }
 
 impl Metrics {
+    fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let requests = IntCounter::new(
+            "cleave_router_requests_total",
+            "Inference requests received (infer and rank).",
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        let stages = HistogramVec::new(
+            HistogramOpts::new(
+                "cleave_router_stage_seconds",
+                "Time a request spent per stage: parse (read, parse, validate), lookup (shard \
+                 fan-out and merge), transfer (ranker round trip less its queue and compute), \
+                 queue (ranker queue), compute (dense program), total.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            &["stage"],
+        )?;
+        registry.register(Box::new(stages.clone()))?;
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "cleave_router_errors_total",
+                "Failed requests by kind of error.",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(errors.clone()))?;
+        Ok(Self {
+            stages: Stage::ALL
+                .iter()
+                .map(|s| stages.get_metric_with_label_values(&[s.as_str()]))
+                .collect::<prometheus::Result<_>>()?,
+            errors: ErrorKind::ALL
+                .iter()
+                .map(|k| errors.get_metric_with_label_values(&[k.as_str()]))
+                .collect::<prometheus::Result<_>>()?,
+            requests,
+            registry,
+        })
+    }
+
     /// Records time spent in `stage` (stages without a histogram are ignored).
     pub fn observe(&self, stage: Stage, d: Duration) {
         if let Some(h) = self.stages.get(stage as usize) {
-            h.observe(d);
+            h.observe(d.as_secs_f64());
         }
-    }
-
-    fn stage(&self, stage: Stage) -> &Histogram {
-        &self.stages[stage as usize]
     }
 
     pub fn error(&self, kind: ErrorKind) {
-        self.errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+        self.errors[kind as usize].inc();
     }
 
     pub fn errors(&self, kind: ErrorKind) -> u64 {
-        self.errors[kind as usize].load(Ordering::Relaxed)
+        self.errors[kind as usize].get()
     }
 
     pub fn request(&self) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.requests.inc();
     }
 
-    /// The text exposition; `rankers` are (address, outstanding, EWMA latency in seconds).
+    /// The text exposition ([`CONTENT_TYPE`]); `rankers` are (address, outstanding, EWMA
+    /// latency in seconds).
     pub fn render(&self, rankers: &[(String, u64, f64)], front: &FrontStats) -> String {
-        let mut out = String::with_capacity(8 << 10);
-        out.push_str(
-            "# HELP cleave_router_requests_total Inference requests received (infer and rank).\n\
-             # TYPE cleave_router_requests_total counter\n",
-        );
-        let _ = writeln!(
-            out,
-            "cleave_router_requests_total {}",
-            self.requests.load(Ordering::Relaxed)
-        );
-        out.push_str(
-            "# HELP cleave_router_stage_seconds Time a request spent per stage: parse (read, \
-             parse, validate), lookup (shard fan-out and merge), transfer (ranker round trip \
-             less its queue and compute), queue (ranker queue), compute (dense program), total.\n\
-             # TYPE cleave_router_stage_seconds histogram\n",
-        );
-        for stage in Stage::ALL {
-            let labels = format!("stage=\"{}\"", stage.as_str());
-            self.stage(stage)
-                .render(&mut out, "cleave_router_stage_seconds", &labels);
+        let mut families = self.registry.gather();
+        let by_ranker = |value: fn(&(String, u64, f64)) -> f64| {
+            rankers
+                .iter()
+                .map(move |r| (vec![("ranker", r.0.clone())], value(r)))
+        };
+        families.push(family(
+            "cleave_router_ranker_outstanding",
+            "Requests sent to a ranker and not yet answered.",
+            MetricType::GAUGE,
+            by_ranker(|r| r.1 as f64),
+        ));
+        families.push(family(
+            "cleave_router_ranker_latency_seconds",
+            "Moving average of a ranker's queue + compute time, as it reports them.",
+            MetricType::GAUGE,
+            by_ranker(|r| r.2),
+        ));
+        families.push(family(
+            "cleave_router_in_flight",
+            "Inference requests admitted and not answered yet.",
+            MetricType::GAUGE,
+            [(vec![], front.in_flight as f64)],
+        ));
+        families.push(family(
+            "cleave_router_connections",
+            "Open client connections.",
+            MetricType::GAUGE,
+            [(vec![], front.connections as f64)],
+        ));
+        let by_reason = |counts: &[(&'static str, u64)]| {
+            counts
+                .iter()
+                .map(|&(reason, n)| (vec![("reason", reason.to_string())], n as f64))
+                .collect::<Vec<_>>()
+        };
+        families.push(family(
+            "cleave_router_shed_total",
+            "Requests (or connections) refused at once with 503, by reason: connections \
+             (max_connections), in_flight (max_in_flight), estimate (the expected latency \
+             exceeded the budget).",
+            MetricType::COUNTER,
+            by_reason(&front.shed),
+        ));
+        families.push(family(
+            "cleave_router_connections_closed_total",
+            "Connections the router closed by a timeout: header_timeout (a request head did \
+             not arrive whole in time), idle_timeout.",
+            MetricType::COUNTER,
+            by_reason(&front.closed),
+        ));
+        // A family without samples is refused by the encoder (no rankers yet).
+        families.retain(|f| !f.get_metric().is_empty());
+        let mut text = String::with_capacity(8 << 10);
+        if let Err(e) = prometheus::TextEncoder::new().encode_utf8(&families, &mut text) {
+            text.push_str(&format!("# encoding the router's metrics failed: {e}\n"));
         }
-        out.push_str(
-            "# HELP cleave_router_errors_total Failed requests by kind of error.\n\
-             # TYPE cleave_router_errors_total counter\n",
-        );
-        for kind in ErrorKind::ALL {
-            let _ = writeln!(
-                out,
-                "cleave_router_errors_total{{kind=\"{}\"}} {}",
-                kind.as_str(),
-                self.errors(kind)
-            );
-        }
-        out.push_str(
-            "# HELP cleave_router_ranker_outstanding Requests sent to a ranker and not yet answered.\n\
-             # TYPE cleave_router_ranker_outstanding gauge\n",
-        );
-        for (addr, outstanding, _) in rankers {
-            let _ = writeln!(
-                out,
-                "cleave_router_ranker_outstanding{{ranker=\"{addr}\"}} {outstanding}"
-            );
-        }
-        out.push_str(
-            "# HELP cleave_router_ranker_latency_seconds Moving average of a ranker's queue + \
-             compute time, as it reports them.\n\
-             # TYPE cleave_router_ranker_latency_seconds gauge\n",
-        );
-        for (addr, _, ewma) in rankers {
-            let _ = writeln!(
-                out,
-                "cleave_router_ranker_latency_seconds{{ranker=\"{addr}\"}} {ewma}"
-            );
-        }
-        render_front(&mut out, front);
-        out
+        text
     }
 }
 
-fn render_front(out: &mut String, front: &FrontStats) {
-    let _ = write!(
-        out,
-        "# HELP cleave_router_in_flight Inference requests admitted and not answered yet.\n\
-         # TYPE cleave_router_in_flight gauge\n\
-         cleave_router_in_flight {}\n\
-         # HELP cleave_router_connections Open client connections.\n\
-         # TYPE cleave_router_connections gauge\n\
-         cleave_router_connections {}\n",
-        front.in_flight, front.connections
-    );
-    out.push_str(
-        "# HELP cleave_router_shed_total Requests (or connections) refused at once with 503, \
-         by reason: connections (max_connections), in_flight (max_in_flight), estimate (the \
-         expected latency exceeded the budget).\n\
-         # TYPE cleave_router_shed_total counter\n",
-    );
-    for (reason, n) in &front.shed {
-        let _ = writeln!(out, "cleave_router_shed_total{{reason=\"{reason}\"}} {n}");
-    }
-    out.push_str(
-        "# HELP cleave_router_connections_closed_total Connections the router closed by a \
-         timeout: header_timeout (a request head did not arrive whole in time), idle_timeout.\n\
-         # TYPE cleave_router_connections_closed_total counter\n",
-    );
-    for (reason, n) in &front.closed {
-        let _ = writeln!(
-            out,
-            "cleave_router_connections_closed_total{{reason=\"{reason}\"}} {n}"
-        );
-    }
+/// A gauge or counter family whose values are read at the scrape.
+fn family(
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>,
+) -> MetricFamily {
+    let mut family = MetricFamily::default();
+    family.set_name(name.into());
+    family.set_help(help.into());
+    family.set_field_type(kind);
+    let metrics = samples
+        .into_iter()
+        .map(|(labels, value)| {
+            let mut metric = Metric::default();
+            if kind == MetricType::COUNTER {
+                let mut counter = Counter::default();
+                counter.set_value(value);
+                metric.set_counter(counter);
+            } else {
+                let mut gauge = Gauge::default();
+                gauge.set_value(value);
+                metric.set_gauge(gauge);
+            }
+            metric.set_label(
+                labels
+                    .into_iter()
+                    .map(|(k, v)| {
+                        let mut pair = LabelPair::default();
+                        pair.set_name(k.into());
+                        pair.set_value(v);
+                        pair
+                    })
+                    .collect(),
+            );
+            metric
+        })
+        .collect();
+    family.set_metric(metrics);
+    family
 }
 
 #[cfg(test)]
@@ -193,12 +223,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_is_cumulative() {
+    fn renders_our_metrics_after_real_observations() {
         let m = Metrics::default();
         m.observe(Stage::Lookup, Duration::from_micros(30));
         m.observe(Stage::Lookup, Duration::from_millis(3));
         m.observe(Stage::Lookup, Duration::from_secs(60));
+        // Stages without a histogram are ignored, not counted elsewhere.
+        m.observe(Stage::Admission, Duration::from_millis(1));
         m.error(ErrorKind::Shard);
+        m.request();
         let front = FrontStats {
             in_flight: 3,
             connections: 5,
@@ -206,21 +239,44 @@ mod tests {
             closed: vec![("idle_timeout", 1)],
         };
         let text = m.render(&[("127.0.0.1:9".into(), 2, 0.004)], &front);
+        for line in [
+            "cleave_router_requests_total 1",
+            "cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"0.00005\"} 1",
+            "cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"0.005\"} 2",
+            "cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"10\"} 2",
+            "cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"+Inf\"} 3",
+            "cleave_router_stage_seconds_count{stage=\"lookup\"} 3",
+            "cleave_router_stage_seconds_count{stage=\"parse\"} 0",
+            "cleave_router_stage_seconds_count{stage=\"total\"} 0",
+            "cleave_router_errors_total{kind=\"shard\"} 1",
+            "cleave_router_errors_total{kind=\"overloaded\"} 0",
+            "cleave_router_ranker_outstanding{ranker=\"127.0.0.1:9\"} 2",
+            "cleave_router_ranker_latency_seconds{ranker=\"127.0.0.1:9\"} 0.004",
+            "cleave_router_in_flight 3",
+            "cleave_router_connections 5",
+            "cleave_router_shed_total{reason=\"estimate\"} 4",
+            "cleave_router_connections_closed_total{reason=\"idle_timeout\"} 1",
+            "# TYPE cleave_router_stage_seconds histogram",
+            "# TYPE cleave_router_shed_total counter",
+            "# TYPE cleave_router_in_flight gauge",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert_eq!(m.errors(ErrorKind::Shard), 1);
+        assert!(!text.contains("admission"), "{text}");
+    }
+
+    #[test]
+    fn a_router_without_rankers_renders_the_rest() {
+        let text = Metrics::default().render(&[], &FrontStats::default());
         assert!(
-            text.contains("cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"0.00005\"} 1")
+            text.lines().any(|l| l == "cleave_router_in_flight 0"),
+            "{text}"
         );
-        assert!(
-            text.contains("cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"0.005\"} 2")
-        );
-        assert!(text.contains("cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"10\"} 2"));
-        assert!(text.contains("cleave_router_stage_seconds_bucket{stage=\"lookup\",le=\"+Inf\"} 3"));
-        assert!(text.contains("cleave_router_stage_seconds_count{stage=\"lookup\"} 3"));
-        assert!(text.contains("cleave_router_stage_seconds_count{stage=\"parse\"} 0"));
-        assert!(text.contains("cleave_router_errors_total{kind=\"shard\"} 1"));
-        assert!(text.contains("cleave_router_ranker_outstanding{ranker=\"127.0.0.1:9\"} 2"));
-        assert!(text.contains("\ncleave_router_in_flight 3\n"));
-        assert!(text.contains("\ncleave_router_connections 5\n"));
-        assert!(text.contains("cleave_router_shed_total{reason=\"estimate\"} 4\n"));
-        assert!(text.contains("cleave_router_connections_closed_total{reason=\"idle_timeout\"} 1"));
+        assert!(!text.contains("cleave_router_ranker"), "{text}");
+        assert!(!text.contains("encoding"), "{text}");
     }
 }

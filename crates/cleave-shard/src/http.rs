@@ -91,7 +91,7 @@ async fn metrics(State(p): State<Probe>) -> impl IntoResponse {
     let text = p
         .service
         .render_metrics(p.stats.connections(), p.stats.frames_receiving());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text)
 }
 
 /// The health schema every role shares (cleave_wire::health): 200 while ready, 503 with the

@@ -1,13 +1,18 @@
-//! Shard metrics in the Prometheus text format (version 0.0.4).
+//! Shard metrics, exported with the `prometheus` crate in its text format (version 0.0.4).
 //!
-//! A handful of counters and one histogram do not need a metrics library with a global
-//! registry: relaxed atomics here, rendered by [`Metrics::render`].
+//! Counters and the latency histogram are the library's atomic types, registered in a registry
+//! of this shard's own (several shards may share a process in tests). The gauges that other
+//! parts own (readiness, connections, tables) are read when [`Metrics::render`] is called and
+//! handed to the encoder as metric families of that scrape.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cleave_wire::ErrorCode;
+use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+/// The `Content-Type` of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
 
 /// Upper bounds (seconds) of the latency histogram's buckets: 10 µs to 1 s.
 const BUCKETS: [f64; 16] = [
@@ -25,18 +30,18 @@ const CODES: [ErrorCode; 6] = [
     ErrorCode::Internal,
 ];
 
-#[derive(Default)]
 pub struct Metrics {
-    requests_ok: AtomicU64,
-    errors: [AtomicU64; CODES.len() + 1],
-    lookups: AtomicU64,
-    rows: AtomicU64,
-    request_bytes: AtomicU64,
-    response_bytes: AtomicU64,
-    in_flight: AtomicU64,
-    buckets: [AtomicU64; BUCKETS.len()],
-    latency_sum_ns: AtomicU64,
-    latency_count: AtomicU64,
+    registry: Registry,
+    requests_ok: IntCounter,
+    requests_error: IntCounter,
+    /// One per entry of `CODES`, then "other"; resolved once so that recording is one atomic add.
+    errors: Vec<IntCounter>,
+    lookups: IntCounter,
+    rows: IntCounter,
+    request_bytes: IntCounter,
+    response_bytes: IntCounter,
+    in_flight: IntGauge,
+    latency: Histogram,
 }
 
 /// Gauges read from elsewhere when rendering.
@@ -47,10 +52,77 @@ pub struct Gauges {
     pub tables: Vec<(String, u64, u64)>, // name, row_start, row_end
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        // The definitions are constants: a failure is a bug, which every test that builds a
+        // shard would show at once.
+        Self::new().expect("the shard's metric definitions are valid")
+    }
+}
+
 impl Metrics {
+    fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str| -> prometheus::Result<IntCounter> {
+            let c = IntCounter::new(name, help)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "cleave_shard_requests_total",
+                "Lookup requests answered, by status.",
+            ),
+            &["status"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        let by_code = IntCounterVec::new(
+            Opts::new("cleave_shard_errors_total", "Error replies, by error code."),
+            &["code"],
+        )?;
+        registry.register(Box::new(by_code.clone()))?;
+        let errors = CODES
+            .iter()
+            .map(|c| c.name())
+            .chain(["other"])
+            .map(|code| by_code.get_metric_with_label_values(&[code]))
+            .collect::<prometheus::Result<_>>()?;
+        let in_flight = IntGauge::new("cleave_shard_requests_in_flight", "Requests being served.")?;
+        registry.register(Box::new(in_flight.clone()))?;
+        let latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "cleave_shard_request_duration_seconds",
+                "Time from a whole request frame to its reply being queued.",
+            )
+            .buckets(BUCKETS.to_vec()),
+        )?;
+        registry.register(Box::new(latency.clone()))?;
+        Ok(Self {
+            requests_ok: requests.get_metric_with_label_values(&["ok"])?,
+            requests_error: requests.get_metric_with_label_values(&["error"])?,
+            errors,
+            lookups: counter(
+                "cleave_shard_lookups_total",
+                "Table lookups served (a request holds several).",
+            )?,
+            rows: counter("cleave_shard_rows_total", "Row ids looked up.")?,
+            request_bytes: counter(
+                "cleave_shard_request_bytes_total",
+                "Request payload bytes received.",
+            )?,
+            response_bytes: counter(
+                "cleave_shard_response_bytes_total",
+                "Response payload bytes sent.",
+            )?,
+            in_flight,
+            latency,
+            registry,
+        })
+    }
+
     /// A request has started (in-flight gauge).
     pub fn start(&self) {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.inc();
     }
 
     /// A request has been answered.
@@ -61,72 +133,28 @@ impl Metrics {
         response_bytes: usize,
         took: Duration,
     ) {
-        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.in_flight.dec();
         match outcome {
             Ok((lookups, rows)) => {
-                self.requests_ok.fetch_add(1, Ordering::Relaxed);
-                self.lookups.fetch_add(lookups, Ordering::Relaxed);
-                self.rows.fetch_add(rows, Ordering::Relaxed);
+                self.requests_ok.inc();
+                self.lookups.inc_by(lookups);
+                self.rows.inc_by(rows);
             }
             Err(code) => {
+                self.requests_error.inc();
                 let i = CODES.iter().position(|&c| c == code).unwrap_or(CODES.len());
-                self.errors[i].fetch_add(1, Ordering::Relaxed);
+                self.errors[i].inc();
             }
         }
-        self.request_bytes
-            .fetch_add(request_bytes as u64, Ordering::Relaxed);
-        self.response_bytes
-            .fetch_add(response_bytes as u64, Ordering::Relaxed);
-        let secs = took.as_secs_f64();
-        if let Some(b) = BUCKETS.iter().position(|&le| secs <= le) {
-            self.buckets[b].fetch_add(1, Ordering::Relaxed);
-        }
-        self.latency_sum_ns
-            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        self.latency_count.fetch_add(1, Ordering::Relaxed);
+        self.request_bytes.inc_by(request_bytes as u64);
+        self.response_bytes.inc_by(response_bytes as u64);
+        self.latency.observe(took.as_secs_f64());
     }
 
+    /// The text exposition ([`CONTENT_TYPE`]) of the recorded metrics and of `g`.
     pub fn render(&self, g: &Gauges) -> String {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut s = String::new();
-        let n = "cleave_shard_requests_total";
-        family(&mut s, n, "counter", "Lookup requests answered, by status.");
-        let errors: u64 = self.errors.iter().map(get).sum();
-        let _ = writeln!(s, "{n}{{status=\"ok\"}} {}", get(&self.requests_ok));
-        let _ = writeln!(s, "{n}{{status=\"error\"}} {errors}");
-        let n = "cleave_shard_errors_total";
-        family(&mut s, n, "counter", "Error replies, by error code.");
-        for (i, e) in self.errors.iter().enumerate() {
-            let code = CODES.get(i).map_or("other", |c| c.name());
-            let _ = writeln!(s, "{n}{{code=\"{code}\"}} {}", get(e));
-        }
-        for (n, help, v) in [
-            (
-                "cleave_shard_lookups_total",
-                "Table lookups served (a request holds several).",
-                &self.lookups,
-            ),
-            ("cleave_shard_rows_total", "Row ids looked up.", &self.rows),
-            (
-                "cleave_shard_request_bytes_total",
-                "Request payload bytes received.",
-                &self.request_bytes,
-            ),
-            (
-                "cleave_shard_response_bytes_total",
-                "Response payload bytes sent.",
-                &self.response_bytes,
-            ),
-        ] {
-            family(&mut s, n, "counter", help);
-            let _ = writeln!(s, "{n} {}", get(v));
-        }
-        for (n, help, v) in [
-            (
-                "cleave_shard_requests_in_flight",
-                "Requests being served.",
-                get(&self.in_flight),
-            ),
+        let mut families = self.registry.gather();
+        for (name, help, v) in [
             (
                 "cleave_shard_connections",
                 "Open client connections.",
@@ -143,53 +171,64 @@ impl Metrics {
                 g.ready as u64,
             ),
         ] {
-            family(&mut s, n, "gauge", help);
-            let _ = writeln!(s, "{n} {v}");
+            families.push(gauges(name, help, [(vec![], v as f64)]));
         }
-        let n = "cleave_shard_table_rows";
-        family(
-            &mut s,
-            n,
-            "gauge",
+        let tables = g.tables.iter().map(|(t, a, b)| {
+            let labels = vec![
+                ("table", t.clone()),
+                ("row_start", a.to_string()),
+                ("row_end", b.to_string()),
+            ];
+            (labels, b.saturating_sub(*a) as f64)
+        });
+        families.push(gauges(
+            "cleave_shard_table_rows",
             "Rows held per table (row_end - row_start).",
-        );
-        for (t, a, b) in &g.tables {
-            let t = escape(t);
-            let _ = writeln!(
-                s,
-                "{n}{{table=\"{t}\",row_start=\"{a}\",row_end=\"{b}\"}} {}",
-                b - a
-            );
+            tables,
+        ));
+        // A family without samples is refused by the encoder (a shard with no tables yet).
+        families.retain(|f| !f.get_metric().is_empty());
+        let mut text = String::with_capacity(4 << 10);
+        if let Err(e) = prometheus::TextEncoder::new().encode_utf8(&families, &mut text) {
+            text.push_str(&format!("# encoding the shard's metrics failed: {e}\n"));
         }
-        let n = "cleave_shard_request_duration_seconds";
-        family(
-            &mut s,
-            n,
-            "histogram",
-            "Time from a whole request frame to its reply being queued.",
-        );
-        let mut cumulative = 0;
-        for (le, b) in BUCKETS.iter().zip(&self.buckets) {
-            cumulative += get(b);
-            let _ = writeln!(s, "{n}_bucket{{le=\"{le}\"}} {cumulative}");
-        }
-        let count = get(&self.latency_count);
-        let _ = writeln!(s, "{n}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(s, "{n}_sum {}", get(&self.latency_sum_ns) as f64 / 1e9);
-        let _ = writeln!(s, "{n}_count {count}");
-        s
+        text
     }
 }
 
-fn family(s: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
-fn escape(label: &str) -> String {
-    label
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// A gauge family of one scrape; labels keep the order given (the library's own vectors sort
+/// them by name).
+fn gauges(
+    name: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>,
+) -> MetricFamily {
+    let mut family = MetricFamily::default();
+    family.set_name(name.into());
+    family.set_help(help.into());
+    family.set_field_type(MetricType::GAUGE);
+    let metrics = samples
+        .into_iter()
+        .map(|(labels, value)| {
+            let mut gauge = Gauge::default();
+            gauge.set_value(value);
+            let mut metric = Metric::from_gauge(gauge);
+            metric.set_label(
+                labels
+                    .into_iter()
+                    .map(|(k, v)| {
+                        let mut pair = LabelPair::default();
+                        pair.set_name(k.into());
+                        pair.set_value(v);
+                        pair
+                    })
+                    .collect(),
+            );
+            metric
+        })
+        .collect();
+    family.set_metric(metrics);
+    family
 }
 
 #[cfg(test)]
@@ -197,7 +236,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_counters_and_a_cumulative_histogram() {
+    fn renders_our_metrics_after_real_observations() {
         let m = Metrics::default();
         m.start();
         m.finish(Ok((3, 100)), 10, 20, Duration::from_micros(30));
@@ -214,23 +253,43 @@ mod tests {
             "cleave_shard_requests_total{status=\"ok\"} 1",
             "cleave_shard_requests_total{status=\"error\"} 1",
             "cleave_shard_errors_total{code=\"out_of_range\"} 1",
+            "cleave_shard_errors_total{code=\"other\"} 0",
+            "cleave_shard_lookups_total 3",
             "cleave_shard_rows_total 100",
             "cleave_shard_request_bytes_total 15",
+            "cleave_shard_response_bytes_total 27",
             "cleave_shard_requests_in_flight 1",
             "cleave_shard_connections 2",
+            "cleave_shard_frames_receiving 0",
             "cleave_shard_ready 1",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00005\"} 1",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.0025\"} 2",
+            "cleave_shard_request_duration_seconds_bucket{le=\"1\"} 2",
             "cleave_shard_request_duration_seconds_bucket{le=\"+Inf\"} 2",
             "cleave_shard_request_duration_seconds_count 2",
+            "# TYPE cleave_shard_request_duration_seconds histogram",
+            "# TYPE cleave_shard_requests_total counter",
+            "# TYPE cleave_shard_ready gauge",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
                 "missing {line:?} in\n{text}"
             );
         }
-        assert!(text.contains("# TYPE cleave_shard_request_duration_seconds histogram"));
+    }
+
+    #[test]
+    fn a_shard_without_tables_renders_the_rest() {
+        let text = Metrics::default().render(&Gauges {
+            ready: false,
+            connections: 0,
+            frames_receiving: 0,
+            tables: vec![],
+        });
+        assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
+        assert!(!text.contains("cleave_shard_table_rows"), "{text}");
+        assert!(!text.contains("encoding"), "{text}");
     }
 }
