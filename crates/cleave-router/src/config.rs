@@ -75,6 +75,10 @@ pub struct RouterConfig {
     /// the rest absorbs the estimate's error (admission.rs).
     #[serde(default = "default_admit_share")]
     pub admit_share: f64,
+    /// The environment variable holding the admin API's bearer token; none: the admin API
+    /// (/admin/v1/) needs no token. The token itself never appears in a config or plan.
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
