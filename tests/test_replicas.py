@@ -261,3 +261,29 @@ def test_a_range_with_one_replica_fails_fast_naming_it_then_recovers(server, ser
     assert member(server, "shards", "shard-0-0")["state"] == "active"
     membership.add_shard(server.url, spare["addr"], spare["ranges"], token=TOKEN)
     check_scores(server, served, batches=(4,))
+
+
+def test_router_config_names_the_token_variable_never_the_token(tmp_path):
+    from cleave.errors import UsageError
+    from cleave.launch import config as serve_config
+    from cleave.launch.router import router_config
+
+    config = ServeConfig()
+    written = router_config("m", tmp_path, config, [], ["a:1"])
+    assert written["admin_token_env"] is None and written["shard_timeout_ms"] == 0
+    config.router.admin_token_env = "CLEAVE_ADMIN_TOKEN"
+    config.router.shard_timeout_ms = 40
+    written = router_config("m", tmp_path, config.check(), [], ["a:1"])
+    assert written["admin_token_env"] == "CLEAVE_ADMIN_TOKEN" and written["shard_timeout_ms"] == 40
+    for key, value, says in [
+        ("admin_token_env", "not a name", "router.admin_token_env"),
+        ("shard_timeout_ms", -1, "router.shard_timeout_ms"),
+    ]:
+        bad = ServeConfig()
+        setattr(bad.router, key, value)
+        with pytest.raises(UsageError, match=says):
+            bad.check()
+    path = tmp_path / "serve.toml"
+    path.write_text("[router]\nadmin_token_env = 5\n")
+    with pytest.raises(UsageError, match="router.admin_token_env must be a string"):
+        serve_config.load(path)

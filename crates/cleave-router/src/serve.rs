@@ -42,7 +42,9 @@ pub async fn serve(
     let shards = match mode {
         Mode::Disaggregated => {
             let cap = Duration::from_secs_f64(config.max_budget_ms / 1e3);
-            Shards::new(&model, &config.shards, &io, connect_timeout, cap)?
+            let attempt = (config.shard_timeout_ms > 0)
+                .then(|| Duration::from_millis(config.shard_timeout_ms));
+            Shards::new(&model, &config.shards, &io, connect_timeout, cap, attempt)?
         }
         Mode::Monolithic => Shards::none(),
     };

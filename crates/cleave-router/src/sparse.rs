@@ -24,6 +24,8 @@ pub struct Shards {
     client: Option<ShardClient>,
     /// Caps one lookup's wait below the request's budget.
     call_timeout: Duration,
+    /// Caps one replica's wait; a replica that takes longer is retried on another.
+    attempt_timeout: Option<Duration>,
 }
 
 impl Shards {
@@ -35,6 +37,7 @@ impl Shards {
         io: &IoThreads,
         connect_timeout: Duration,
         call_timeout: Duration,
+        attempt_timeout: Option<Duration>,
     ) -> Result<Shards, String> {
         check_coverage(model, routes)?;
         let table = RoutingTable::new(
@@ -59,6 +62,7 @@ impl Shards {
         Ok(Shards {
             client: Some(ShardClient::with_io(table, io.clone(), &config)),
             call_timeout,
+            attempt_timeout,
         })
     }
 
@@ -66,6 +70,7 @@ impl Shards {
         Shards {
             client: None,
             call_timeout: Duration::ZERO,
+            attempt_timeout: None,
         }
     }
 
@@ -95,8 +100,9 @@ impl Shards {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let timeout = budget.left().min(self.call_timeout);
+        let attempt = self.attempt_timeout.map_or(timeout, |a| a.min(timeout));
         let pooled = client
-            .lookup_traced(&batch, timeout, budget.trace_id)
+            .lookup_within(&batch, timeout, attempt, budget.trace_id)
             .await
             .map_err(shard_error)?;
         pooled

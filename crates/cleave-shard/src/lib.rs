@@ -14,17 +14,18 @@ pub mod bench;
 mod client;
 mod ewma;
 mod http;
+mod membership;
 pub mod message;
 pub mod metrics;
 pub mod replica;
 mod routes;
 mod service;
 mod shard;
+mod split;
 
-pub use client::{
-    ClientError, Member, MembershipError, ProbeReport, ShardClient, ShardClientConfig,
-};
+pub use client::{ClientError, ProbeReport, ShardClient, ShardClientConfig};
 pub use ewma::Ewma;
+pub use membership::{Member, MembershipError};
 pub use message::{Lookup, LookupView, Op, Pooled, LOOKUP};
 pub use replica::ReplicaState;
 pub use routes::{Route, RoutingTable};

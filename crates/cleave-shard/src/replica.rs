@@ -185,7 +185,8 @@ pub enum Failure {
 /// How a failure is handled: connection-level failures (connect refused or reset, handshake,
 /// closed before the reply) and refusals another replica may not give (`not_ready`,
 /// `shutting_down`: `ErrorCode::retry_elsewhere`) eject; `overloaded` retries without
-/// ejecting. A timeout is final: each call already waits for what is left of the budget.
+/// ejecting. A timeout is final here; the client retries one that left time before the
+/// request's deadline (a per-attempt limit shorter than the budget), without ejecting.
 pub fn failure(e: &WireError) -> Failure {
     match e {
         WireError::Connect { .. } | WireError::Handshake { .. } | WireError::Closed { .. } => {

@@ -1,15 +1,17 @@
 //! Replica groups with real shards on loopback sockets: a dead replica's part is retried on
 //! another and the dead one ejected, a probe readmits it once it is back, one replica alone
-//! fails fast naming its range, and the membership changes while the client serves.
+//! fails fast naming its range, a replica that does not answer in time costs one attempt,
+//! and the membership changes while the client serves.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cleave_shard::{
     ClientError, Lookup, MembershipError, Op, ReplicaState, Route, RoutingTable, RowSpec, Shard,
     ShardClient, ShardClientConfig, ShardConfig,
 };
-use cleave_wire::Address;
+use cleave_wire::{Address, Handler, Request, Responder, Server, ServerConfig};
 
 const ROWS: u64 = 60;
 const DIM: usize = 2;
@@ -228,4 +230,79 @@ fn replicas_join_drain_and_leave_while_serving() {
     let err = c.remove(&elsewhere).unwrap_err();
     assert!(matches!(err, MembershipError::Unknown(_)), "{err}");
     assert!(a.join() && b.join() && n.join());
+}
+
+/// Answers READY but holds every LOOKUP without replying (a replica cut off mid-call).
+#[derive(Default)]
+struct Stuck(Mutex<Vec<Responder>>);
+
+impl Handler for Stuck {
+    fn handle(&self, _request: Request, responder: Responder) {
+        self.0.lock().unwrap().push(responder);
+    }
+}
+
+#[test]
+fn a_replica_that_does_not_answer_in_time_costs_one_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    write_bundle(dir.path());
+    let live = start(dir.path(), 0..ROWS, "127.0.0.1:0");
+    let stuck = Arc::new(Stuck::default());
+    let server = Server::bind(
+        &"127.0.0.1:0".parse().unwrap(),
+        stuck.clone(),
+        ServerConfig::default(),
+    )
+    .unwrap();
+    let stuck_addr = server.local_addr().clone();
+    let c = client(vec![
+        route(0..ROWS, &stuck_addr),
+        route(0..ROWS, &live.info().listen),
+    ]);
+    let rt = runtime();
+    let ids: Vec<i64> = (0..ROWS as i64).collect();
+    let l = Lookup {
+        table: "t".into(),
+        op: Op::Gather,
+        ids,
+        offsets: vec![],
+        weights: None,
+    };
+    let attempt = Duration::from_millis(100);
+    for _ in 0..3 {
+        let out = rt
+            .block_on(c.lookup_within(
+                std::slice::from_ref(&l),
+                Duration::from_secs(10),
+                attempt,
+                0,
+            ))
+            .expect("the live replica answers the retry");
+        assert_eq!(out[0].values.len(), ROWS as usize * DIM);
+    }
+    let stuck_member = c
+        .members()
+        .into_iter()
+        .find(|m| m.addr == stuck_addr)
+        .unwrap();
+    assert!(
+        stuck_member.outstanding == 0 && stuck_member.ewma_ms >= 100.0,
+        "{stuck_member:?}"
+    );
+    assert_eq!(
+        stuck_member.state,
+        ReplicaState::Active,
+        "slow is not dead: not ejected"
+    );
+    // With the whole budget as the attempt, a timeout is the request's answer: no retry.
+    let c = client(vec![route(0..ROWS, &stuck_addr)]);
+    let err = rt
+        .block_on(c.lookup_within(std::slice::from_ref(&l), attempt, attempt, 0))
+        .unwrap_err();
+    assert!(
+        matches!(err.wire(), Some(cleave_wire::WireError::Timeout { .. })),
+        "{err}"
+    );
+    drop(server);
+    assert!(live.join());
 }

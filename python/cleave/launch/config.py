@@ -38,6 +38,9 @@ class RouterConfig:
     # The environment variable holding the admin API's bearer token (docs/serving.md,
     # "Replicas and membership"); "": the admin API needs no token. Never the token itself.
     admin_token_env: str = ""
+    # Longest wait for one shard replica; a slower one is retried once on another replica
+    # within the budget. 0: the whole budget (a timeout is not retried).
+    shard_timeout_ms: int = 0
 
 
 @dataclass
@@ -118,6 +121,7 @@ class ServeConfig:
             need(getattr(r, key) >= 1, f"router.{key}", "at least 1", getattr(r, key))
         need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
         need(0 < r.admit_share <= 1, "router.admit_share", "in (0, 1]", r.admit_share)
+        need(r.shard_timeout_ms >= 0, "router.shard_timeout_ms", ">= 0", r.shard_timeout_ms)
         need(
             r.admin_token_env == "" or _ENV_NAME.fullmatch(r.admin_token_env) is not None,
             "router.admin_token_env",

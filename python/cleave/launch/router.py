@@ -44,6 +44,7 @@ def router_config(
         "admit_share": r.admit_share,
         # The variable's name only: the router reads the token from its environment.
         "admin_token_env": r.admin_token_env or None,
+        "shard_timeout_ms": r.shard_timeout_ms,
     }
 
 
