@@ -492,8 +492,22 @@ fn replicas_fail_over_and_the_membership_changes_over_the_admin_api() {
             .map(|s| s["state"].as_str().unwrap().to_owned())
     };
     assert_eq!(state(&members, &dead_addr).as_deref(), Some("ejected"));
-    let (status, health) = call(router.addr, "GET", "/ready", None, "");
-    assert_eq!(status, 200, "{health}");
+    // Readiness: degraded (still 200) once the health loop has seen it, naming it. Bounded.
+    let mut health = Value::Null;
+    for _ in 0..200 {
+        let (status, h) = call(router.addr, "GET", "/ready", None, "");
+        assert_eq!(status, 200, "{h}");
+        health = h;
+        if health["status"] == "degraded" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(health["status"], "degraded", "{health}");
+    assert!(
+        health["degraded"][0].as_str().unwrap().contains(&dead_addr),
+        "{health}"
+    );
 
     // A new replica of group a joins; malformed and conflicting calls change nothing.
     let n = shard(dir.path(), group_a);
@@ -602,6 +616,28 @@ fn replicas_fail_over_and_the_membership_changes_over_the_admin_api() {
         1,
         "the new ranker took it"
     );
+
+    // The lone replica of t_item [12, 20) goes away: requests fail naming it, and the router
+    // is not ready, naming the range (polled, bounded).
+    drop(b);
+    let (status, v) = post(router.addr, "/v2/models/m/infer", &good_infer());
+    assert!(status == 502 || status == 503, "{status} {v}");
+    assert!(v["error"].as_str().unwrap().contains(&sb), "{v}");
+    let mut health = (0, Value::Null);
+    for _ in 0..200 {
+        health = call(router.addr, "GET", "/ready", None, "");
+        if health.0 == 503 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(health.0, 503, "{}", health.1);
+    let problem = health.1["problems"][0].as_str().unwrap().to_owned();
+    let range = "no shard replica serves table \"t_item\" rows [12, 20)";
+    assert!(
+        problem.contains(range) && problem.contains(&sb),
+        "{problem}"
+    );
     drop(router);
-    assert!(live.join() && b.join() && n.join());
+    assert!(live.join() && n.join());
 }
