@@ -155,7 +155,7 @@ def test_testbed_without_cap_net_admin_is_a_clear_error(plan_file):
     assert "needs CAP_NET_ADMIN" in result.stderr
 
 
-def test_router_gets_one_replica_per_range_group(served, tmp_path):
+def test_router_gets_every_replica_of_every_range_group(served, tmp_path):
     """No processes: the specs of a plan with two replicas per group, on the testbed layout."""
     from cleave.runners.roles import Binding, RoleSpecs
 
@@ -177,7 +177,7 @@ def test_router_gets_one_replica_per_range_group(served, tmp_path):
     assert shards[1].argv[:2] == ["in", "h2"] and "h2:7000" in shards[1].argv
     (router,) = specs.router_specs(shards, rankers)
     config = json.loads(specs.config_path("router-0").read_text())
-    # The first replica of each group: h1 holds both (7000 and 7001); h2's are stand-bys.
-    assert {r["addr"] for r in config["shards"]} == {"h1:7000", "h1:7001"}
+    # Every replica of every group is a route: the router fails over between replicas.
+    assert {r["addr"] for r in config["shards"]} == {"h1:7000", "h1:7001", "h2:7000", "h2:7001"}
     assert config["rankers"] == ["h3:7100"] and config["host"] == "h0"
     assert router.argv[:2] == ["in", "h0"]

@@ -76,7 +76,8 @@ pub struct RankerLoad {
 
 impl RankerLoad {
     pub fn of(pool: &RankerPool) -> RankerLoad {
-        let healthy: Vec<_> = pool.rankers().iter().filter(|r| r.is_healthy()).collect();
+        let rankers = pool.rankers();
+        let healthy: Vec<_> = rankers.iter().filter(|r| r.is_healthy()).collect();
         let n = healthy.len().max(1) as f64;
         let mean_us = healthy.iter().map(|r| r.service_us()).sum::<f64>() / n;
         RankerLoad {

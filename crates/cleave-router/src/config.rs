@@ -75,6 +75,15 @@ pub struct RouterConfig {
     /// the rest absorbs the estimate's error (admission.rs).
     #[serde(default = "default_admit_share")]
     pub admit_share: f64,
+    /// The environment variable holding the admin API's bearer token; none: the admin API
+    /// (/admin/v1/) needs no token. The token itself never appears in a config or plan.
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
+    /// Longest wait for one shard replica's answer; one that takes longer is retried once on
+    /// another replica within the request's budget. 0: the whole budget (no retry on a
+    /// timeout).
+    #[serde(default)]
+    pub shard_timeout_ms: u64,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -233,6 +242,11 @@ mod tests {
         assert_eq!(c.mode, ConfigMode::Disaggregated);
         assert_eq!(c.http_port, 0);
         assert_eq!(c.budget_ms, 1000.0);
+        // The defaults python/cleave/launch/config.py writes ("" is written as null).
+        assert_eq!(
+            (c.admin_token_env.as_deref(), c.shard_timeout_ms),
+            (None, 0)
+        );
 
         let e = RouterConfig::from_json(r#"{"model": "m", "bundle": "b", "rankers": []}"#);
         assert!(e.unwrap_err().contains("at least one ranker"));

@@ -1,5 +1,5 @@
 //! The HTTP API (docs/api.md): KServe v2 endpoints, the per-feature `rank` form, health,
-//! metrics. Every failure becomes a JSON `{"error": ...}` with the status of its kind; nothing
+//! metrics, and the membership admin API (admin.rs). Every failure becomes a JSON `{"error": ...}` with the status of its kind; nothing
 //! a client sends can take the process down. The inference endpoints themselves are in
 //! inference.rs.
 
@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use cleave_wire::health::Health;
 use serde_json::json;
 
+use crate::admin::{self, AdminConfig};
 use crate::admission::{Admission, ShedReason};
 use crate::body::BodyLimits;
 use crate::error::{ErrorKind, RequestError};
@@ -32,6 +33,7 @@ pub struct App {
     pub door: Arc<DoorStats>,
     /// The last probe's findings (docs/api.md, "Health").
     pub health: Mutex<Health>,
+    pub admin: AdminConfig,
 }
 
 impl App {
@@ -103,6 +105,7 @@ pub fn routes(app: Arc<App>) -> axum::Router {
         .route("/v2/models/{name}/infer", post(infer))
         .route("/v2/models/{name}/rank", post(rank))
         .route("/metrics", get(metrics))
+        .merge(admin::routes())
         .fallback(|| async {
             error_response(&RequestError::new(
                 ErrorKind::UnknownModel,

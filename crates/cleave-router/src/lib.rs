@@ -6,6 +6,7 @@
 //! lowest measured latency. docs/api.md describes the HTTP API; docs/architecture.md how the
 //! router fits with shards and rankers.
 
+pub mod admin;
 pub mod admission;
 pub mod body;
 pub mod config;

@@ -3,12 +3,15 @@
 //! scaled by the requests already outstanding on it (Prism §4.1: load balancing by real-time
 //! processing latency). A ranker that cannot take a request (unreachable, died, overloaded,
 //! not ready) hands it to the next one, each at most once, within the request's budget.
+//! Rankers join, drain and leave while the router serves (the admin API): each request works
+//! on the snapshot of the pool it started with.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use cleave_shard::MembershipError;
 use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError};
 
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -29,10 +32,41 @@ pub struct Ranker {
     service_us: Ewma,
     outstanding: AtomicU64,
     healthy: AtomicBool,
+    /// Asked to leave (admin API): no new requests, those in flight finish.
+    draining: AtomicBool,
     last_error: Mutex<String>,
 }
 
 impl Ranker {
+    fn new(addr: &str, io: &IoThreads, config: &ClientConfig) -> Result<Ranker, String> {
+        let parsed: Address = addr.parse().map_err(|e| format!("ranker {e}"))?;
+        Ok(Ranker {
+            client: Client::new(parsed, io.clone(), config.clone()),
+            addr: addr.to_owned(),
+            ewma_us: Ewma::default(),
+            service_us: Ewma::default(),
+            outstanding: AtomicU64::new(0),
+            healthy: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            last_error: Mutex::new("not probed yet".into()),
+        })
+    }
+
+    /// "active", "draining" or "ejected" (down until a probe finds it ready).
+    pub fn state(&self) -> &'static str {
+        if self.is_draining() {
+            "draining"
+        } else if self.is_healthy() {
+            "active"
+        } else {
+            "ejected"
+        }
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     pub fn addr(&self) -> &str {
         &self.addr
     }
@@ -116,8 +150,10 @@ pub fn preference(scores: &[(bool, f64)], start: usize) -> Vec<usize> {
 }
 
 pub struct RankerPool {
-    rankers: Vec<Arc<Ranker>>,
+    rankers: RwLock<Arc<Vec<Arc<Ranker>>>>,
     next: AtomicUsize,
+    io: IoThreads,
+    config: ClientConfig,
 }
 
 impl RankerPool {
@@ -128,41 +164,74 @@ impl RankerPool {
     ) -> Result<RankerPool, String> {
         let rankers = addrs
             .iter()
-            .map(|a| {
-                let addr: Address = a.parse().map_err(|e| format!("ranker {e}"))?;
-                Ok(Arc::new(Ranker {
-                    client: Client::new(addr, io.clone(), config.clone()),
-                    addr: a.clone(),
-                    ewma_us: Ewma::default(),
-                    service_us: Ewma::default(),
-                    outstanding: AtomicU64::new(0),
-                    healthy: AtomicBool::new(false),
-                    last_error: Mutex::new("not probed yet".into()),
-                }))
-            })
+            .map(|a| Ranker::new(a, io, &config).map(Arc::new))
             .collect::<Result<Vec<_>, String>>()?;
-        Ok(RankerPool {
-            rankers,
+        Ok(RankerPool::with_rankers(rankers, io.clone(), config))
+    }
+
+    fn with_rankers(rankers: Vec<Arc<Ranker>>, io: IoThreads, config: ClientConfig) -> RankerPool {
+        RankerPool {
+            rankers: RwLock::new(Arc::new(rankers)),
             next: AtomicUsize::new(0),
-        })
+            io,
+            config,
+        }
     }
 
-    pub fn rankers(&self) -> &[Arc<Ranker>] {
-        &self.rankers
+    /// The rankers now (a snapshot: membership may change after).
+    pub fn rankers(&self) -> Arc<Vec<Arc<Ranker>>> {
+        self.rankers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
-    /// Rankers in the order a request should try them.
-    fn order(&self) -> Vec<&Ranker> {
-        let scores: Vec<(bool, f64)> = self
-            .rankers
-            .iter()
-            .map(|r| (r.is_healthy(), r.score()))
-            .collect();
+    /// Rankers in the order a request should try them; draining ones are left out.
+    fn order(&self) -> Vec<Arc<Ranker>> {
+        let rankers = self.rankers();
+        let open: Vec<&Arc<Ranker>> = rankers.iter().filter(|r| !r.is_draining()).collect();
+        let scores: Vec<(bool, f64)> = open.iter().map(|r| (r.is_healthy(), r.score())).collect();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         preference(&scores, start)
             .into_iter()
-            .map(|i| &*self.rankers[i])
+            .map(|i| open[i].clone())
             .collect()
+    }
+
+    /// Adds a ranker; it takes requests once a probe finds it ready (until then it is tried
+    /// only after every healthy ranker).
+    pub fn add(&self, addr: &str) -> Result<(), MembershipError> {
+        let mut guard = self.rankers.write().unwrap_or_else(|p| p.into_inner());
+        if guard.iter().any(|r| r.addr == addr) {
+            return Err(MembershipError::Conflict(format!(
+                "ranker {addr} is already a member"
+            )));
+        }
+        let ranker = Ranker::new(addr, &self.io, &self.config)
+            .map_err(|e| MembershipError::Invalid(format!("addr: {e}")))?;
+        let mut next: Vec<Arc<Ranker>> = guard.to_vec();
+        next.push(Arc::new(ranker));
+        *guard = Arc::new(next);
+        Ok(())
+    }
+
+    /// Sends no new requests to `addr`; those in flight finish.
+    pub fn drain(&self, addr: &str) -> Result<(), MembershipError> {
+        let guard = self.rankers.write().unwrap_or_else(|p| p.into_inner());
+        let r = find(&guard, addr)?;
+        last_open(&guard, addr, "drain")?;
+        r.draining.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Removes `addr`; requests already sent to it finish.
+    pub fn remove(&self, addr: &str) -> Result<(), MembershipError> {
+        let mut guard = self.rankers.write().unwrap_or_else(|p| p.into_inner());
+        find(&guard, addr)?;
+        last_open(&guard, addr, "remove")?;
+        let next: Vec<Arc<Ranker>> = guard.iter().filter(|r| r.addr != addr).cloned().collect();
+        *guard = Arc::new(next);
+        Ok(())
     }
 
     /// Sends one payload to the best ranker, within `timeout` (what is left of the request's
@@ -191,6 +260,7 @@ impl RankerPool {
                     stage: Some(Stage::Ranker),
                 });
             }
+            let ranker = &*ranker;
             ranker.outstanding.fetch_add(1, Ordering::Relaxed);
             let guard = Outstanding(ranker);
             let sent = Instant::now();
@@ -239,9 +309,9 @@ impl RankerPool {
     /// rankers, the least (outstanding + 1) × time per request. `None` when no ranker is
     /// healthy. Unmeasured rankers count as free.
     pub fn expected_wait(&self) -> Option<Duration> {
-        self.rankers
+        self.rankers()
             .iter()
-            .filter(|r| r.is_healthy())
+            .filter(|r| r.is_healthy() && !r.is_draining())
             .map(|r| (r.outstanding() + 1) as f64 * r.service_us())
             .min_by(f64::total_cmp)
             .map(|us| Duration::from_secs_f64(us / 1e6))
@@ -250,7 +320,7 @@ impl RankerPool {
     /// Probes every ranker's readiness once; returns the problems (empty: all ready).
     pub async fn probe(&self, timeout: Duration) -> Vec<String> {
         let probes: Vec<_> = self
-            .rankers
+            .rankers()
             .iter()
             .map(|r| {
                 let r = r.clone();
@@ -278,10 +348,30 @@ impl RankerPool {
 
     /// (address, outstanding, EWMA latency in seconds) per ranker, for /metrics.
     pub fn loads(&self) -> Vec<(String, u64, f64)> {
-        self.rankers
+        self.rankers()
             .iter()
             .map(|r| (r.addr.clone(), r.outstanding(), r.ewma_us() / 1e6))
             .collect()
+    }
+}
+
+fn find<'a>(rankers: &'a [Arc<Ranker>], addr: &str) -> Result<&'a Arc<Ranker>, MembershipError> {
+    rankers.iter().find(|r| r.addr == addr).ok_or_else(|| {
+        let known: Vec<&str> = rankers.iter().map(|r| r.addr()).collect();
+        MembershipError::Unknown(format!(
+            "addr: ranker {addr} is not a member; members are {known:?}"
+        ))
+    })
+}
+
+/// Refuses to `what` the ranker at `addr` when no other ranker would take requests.
+fn last_open(rankers: &[Arc<Ranker>], addr: &str, what: &str) -> Result<(), MembershipError> {
+    if rankers.iter().any(|r| r.addr != addr && !r.is_draining()) {
+        Ok(())
+    } else {
+        Err(MembershipError::Conflict(format!(
+            "cannot {what} ranker {addr}: it is the last ranker taking requests"
+        )))
     }
 }
 
@@ -436,6 +526,7 @@ mod tests {
             service_us: Ewma::default(),
             outstanding: AtomicU64::new(outstanding),
             healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
             last_error: Mutex::new(String::new()),
         }
     }
@@ -476,14 +567,45 @@ mod tests {
         idle.record(&reply(0, 4000, 1)); // 2 × 4 ms
         down.record(&reply(0, 10, 1));
         down.mark(false, None);
-        let pool = RankerPool {
-            rankers: vec![Arc::new(busy), Arc::new(idle), Arc::new(down)],
-            next: AtomicUsize::new(0),
-        };
+        let pool = RankerPool::with_rankers(
+            vec![Arc::new(busy), Arc::new(idle), Arc::new(down)],
+            IoThreads::new("test", 1).unwrap(),
+            ClientConfig::default(),
+        );
         assert_eq!(pool.expected_wait(), Some(Duration::from_millis(8)));
-        for r in pool.rankers() {
+        for r in pool.rankers().iter() {
             r.mark(false, None);
         }
         assert_eq!(pool.expected_wait(), None);
+    }
+
+    #[test]
+    fn rankers_join_drain_and_leave() {
+        let io = IoThreads::new("test", 1).unwrap();
+        let pool = RankerPool::new(&["127.0.0.1:1".into()], &io, ClientConfig::default()).unwrap();
+        let conflict = |e: MembershipError| matches!(e, MembershipError::Conflict(_));
+        assert!(conflict(pool.add("127.0.0.1:1").unwrap_err()));
+        assert!(matches!(
+            pool.add("nonsense").unwrap_err(),
+            MembershipError::Invalid(m) if m.starts_with("addr: ")
+        ));
+        assert!(conflict(pool.drain("127.0.0.1:1").unwrap_err()), "last one");
+        pool.add("127.0.0.1:2").unwrap();
+        assert_eq!(pool.rankers()[1].state(), "ejected", "not probed yet");
+        pool.drain("127.0.0.1:1").unwrap();
+        assert_eq!(pool.rankers()[0].state(), "draining");
+        let order: Vec<String> = pool.order().iter().map(|r| r.addr.clone()).collect();
+        assert_eq!(
+            order,
+            ["127.0.0.1:2"],
+            "a draining ranker gets no new requests"
+        );
+        assert!(conflict(pool.remove("127.0.0.1:2").unwrap_err()));
+        pool.remove("127.0.0.1:1").unwrap();
+        assert!(matches!(
+            pool.remove("127.0.0.1:1").unwrap_err(),
+            MembershipError::Unknown(_)
+        ));
+        assert_eq!(pool.rankers().len(), 1);
     }
 }

@@ -10,6 +10,7 @@ use cleave_wire::health::Health;
 use cleave_wire::{ClientConfig, IoThreads};
 use tokio::sync::watch;
 
+use crate::admin::AdminConfig;
 use crate::admission::Admission;
 use crate::body::BodyLimits;
 use crate::config::RouterConfig;
@@ -21,6 +22,7 @@ use crate::model::{Mode, Model};
 use crate::ranker::RankerPool;
 use crate::router::Router;
 use crate::sparse::Shards;
+use cleave_shard::ProbeReport;
 
 /// How often start-up re-probes backends that have not answered yet.
 const STARTUP_PROBE: Duration = Duration::from_millis(100);
@@ -40,7 +42,9 @@ pub async fn serve(
     let shards = match mode {
         Mode::Disaggregated => {
             let cap = Duration::from_secs_f64(config.max_budget_ms / 1e3);
-            Shards::new(&model, &config.shards, &io, connect_timeout, cap)?
+            let attempt = (config.shard_timeout_ms > 0)
+                .then(|| Duration::from_millis(config.shard_timeout_ms));
+            Shards::new(&model, &config.shards, &io, connect_timeout, cap, attempt)?
         }
         Mode::Monolithic => Shards::none(),
     };
@@ -68,6 +72,7 @@ pub async fn serve(
         admission: Admission::new(config.max_in_flight, config.shed, config.admit_share),
         door: Arc::new(DoorStats::default()),
         health: Mutex::new(Health::new(ROLE, vec![], vec![STARTING.into()])),
+        admin: AdminConfig::new(config.admin_token_env.as_deref(), connect_timeout)?,
     });
     check_open_files(config.max_connections);
 
@@ -171,10 +176,11 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-/// Probes every backend once: (degraded, problems). Each shard holds row ranges no other
-/// shard holds, so a shard down is a problem; a ranker down is only degraded while another
-/// ranker answers.
-async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
+/// Probes every backend once: (degraded, problems). A shard replica down is only degraded
+/// while another replica serves its ranges, a range with no replica is a problem (the probe
+/// also ejects the silent replicas and readmits the ready ones); a ranker down is only
+/// degraded while another ranker answers.
+pub(crate) async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
     let (shards, rankers) = tokio::join!(
         app.router.shards.probe(timeout),
         app.router.rankers.probe(timeout)
@@ -183,23 +189,24 @@ async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
 }
 
 fn split_health(
-    shards: Vec<String>,
+    shards: ProbeReport,
     rankers: Vec<String>,
     n_rankers: usize,
 ) -> (Vec<String>, Vec<String>) {
-    let mut problems = shards;
+    let (mut degraded, mut problems) = (shards.degraded, shards.problems);
     if rankers.len() < n_rankers {
-        (rankers, problems)
+        degraded.extend(rankers);
+        (degraded, problems)
     } else {
         problems.extend(rankers);
         problems.push("no ranker answers".into());
-        (Vec::new(), problems)
+        (degraded, problems)
     }
 }
 
 /// Records the probe's findings; says on stderr when readiness changes, so an operator sees
 /// a backend leave and come back.
-fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
+pub(crate) fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
     let health = Health::new(ROLE, degraded, problems);
     let mut current = app.health.lock().unwrap_or_else(|p| p.into_inner());
     let starting = current.problems.iter().any(|p| p == STARTING);
@@ -257,19 +264,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_ranker_down_degrades_a_shard_down_is_a_problem() {
+    fn a_ranker_or_replica_down_degrades_a_range_down_is_a_problem() {
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(split_health(s(&[]), s(&[]), 2), (s(&[]), s(&[])));
+        let shards = |degraded: &[&str], problems: &[&str]| ProbeReport {
+            degraded: s(degraded),
+            problems: s(problems),
+        };
+        assert_eq!(split_health(shards(&[], &[]), s(&[]), 2), (s(&[]), s(&[])));
         assert_eq!(
-            split_health(s(&[]), s(&["ranker a: down"]), 2),
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 2),
             (s(&["ranker a: down"]), s(&[]))
         );
         assert_eq!(
-            split_health(s(&["shard b: down"]), s(&["ranker a: down"]), 2),
-            (s(&["ranker a: down"]), s(&["shard b: down"]))
+            split_health(shards(&[], &["range b: none"]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&["range b: none"]))
         );
         assert_eq!(
-            split_health(s(&[]), s(&["ranker a: down"]), 1),
+            split_health(
+                shards(&["replica c: ejected"], &[]),
+                s(&["ranker a: down"]),
+                2
+            ),
+            (s(&["replica c: ejected", "ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 1),
             (s(&[]), s(&["ranker a: down", "no ranker answers"]))
         );
     }

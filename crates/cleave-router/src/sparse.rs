@@ -1,14 +1,16 @@
 //! The sparse side of a request: every feature's lookup goes to the shards through
-//! cleave-shard's client (range routing table, fan-out, merge of partial pools), and the
-//! results become boundary tensors shaped as the sparse reference shapes them: pooled
-//! `[bags, dim]`, gathered `ids.shape + [dim]`.
+//! cleave-shard's client (range routing table, replica choice and fail-over, fan-out, merge of
+//! partial pools), and the results become boundary tensors shaped as the sparse reference
+//! shapes them: pooled `[bags, dim]`, gathered `ids.shape + [dim]`. The shard membership
+//! (replicas joining, draining, leaving) changes here, for the admin API.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::time::Duration;
 
 use cleave_shard::{ClientError, Lookup as ShardLookup, Op, Route, RoutingTable};
-use cleave_shard::{ShardClient, ShardClientConfig};
-use cleave_wire::{IoThreads, WireError};
+use cleave_shard::{Member, MembershipError, ProbeReport, ShardClient, ShardClientConfig};
+use cleave_wire::{Address, IoThreads, WireError};
 
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -22,6 +24,8 @@ pub struct Shards {
     client: Option<ShardClient>,
     /// Caps one lookup's wait below the request's budget.
     call_timeout: Duration,
+    /// Caps one replica's wait; a replica that takes longer is retried on another.
+    attempt_timeout: Option<Duration>,
 }
 
 impl Shards {
@@ -33,6 +37,7 @@ impl Shards {
         io: &IoThreads,
         connect_timeout: Duration,
         call_timeout: Duration,
+        attempt_timeout: Option<Duration>,
     ) -> Result<Shards, String> {
         check_coverage(model, routes)?;
         let table = RoutingTable::new(
@@ -57,6 +62,7 @@ impl Shards {
         Ok(Shards {
             client: Some(ShardClient::with_io(table, io.clone(), &config)),
             call_timeout,
+            attempt_timeout,
         })
     }
 
@@ -64,6 +70,7 @@ impl Shards {
         Shards {
             client: None,
             call_timeout: Duration::ZERO,
+            attempt_timeout: None,
         }
     }
 
@@ -93,8 +100,9 @@ impl Shards {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let timeout = budget.left().min(self.call_timeout);
+        let attempt = self.attempt_timeout.map_or(timeout, |a| a.min(timeout));
         let pooled = client
-            .lookup_traced(&batch, timeout, budget.trace_id)
+            .lookup_within(&batch, timeout, attempt, budget.trace_id)
             .await
             .map_err(shard_error)?;
         pooled
@@ -117,26 +125,48 @@ impl Shards {
             .collect()
     }
 
-    /// Asks every shard whether it is ready; the problems found (empty: all ready).
-    pub async fn probe(&self, timeout: Duration) -> Vec<String> {
-        let Some(client) = &self.client else {
-            return Vec::new();
-        };
-        match tokio::time::timeout(timeout, client.ready()).await {
-            Ok(Ok(())) => Vec::new(),
-            Ok(Err(e)) => vec![e.to_string()],
-            Err(_) => vec![format!(
-                "shards {:?}: no readiness answer within {} ms",
-                client
-                    .routes()
-                    .shards()
-                    .iter()
-                    .map(|a| a.to_string())
-                    .collect::<Vec<_>>(),
-                timeout.as_millis()
-            )],
+    /// Probes every shard replica once (ejecting the silent, readmitting the ready): replicas
+    /// down while their ranges have another (`degraded`), ranges with none (`problems`).
+    pub async fn probe(&self, timeout: Duration) -> ProbeReport {
+        match &self.client {
+            Some(client) => client.probe(timeout).await,
+            None => ProbeReport::default(),
         }
     }
+
+    /// Every shard replica with its ranges, state and load (none in monolithic mode).
+    pub fn members(&self) -> Vec<Member> {
+        self.client.as_ref().map_or_else(Vec::new, |c| c.members())
+    }
+
+    fn client(&self) -> Result<&ShardClient, MembershipError> {
+        self.client.as_ref().ok_or_else(|| {
+            MembershipError::Conflict("this router is monolithic: it has no shards".into())
+        })
+    }
+
+    /// Adds a replica holding exactly the ranges of an existing replica group.
+    pub fn add(
+        &self,
+        addr: &str,
+        ranges: Vec<(String, Range<u64>)>,
+    ) -> Result<(), MembershipError> {
+        let addr = parse_addr(addr)?;
+        self.client()?.add_replica(addr, ranges)
+    }
+
+    pub fn drain(&self, addr: &str) -> Result<(), MembershipError> {
+        self.client()?.drain(&parse_addr(addr)?)
+    }
+
+    pub fn remove(&self, addr: &str) -> Result<(), MembershipError> {
+        self.client()?.remove(&parse_addr(addr)?)
+    }
+}
+
+fn parse_addr(addr: &str) -> Result<Address, MembershipError> {
+    addr.parse()
+        .map_err(|e| MembershipError::Invalid(format!("addr: {e}")))
 }
 
 /// The shard client's lookup for one feature: pooled bags as u32 offsets, ids after the last
@@ -174,11 +204,12 @@ fn to_shard_lookup(
 }
 
 fn shard_error(e: ClientError) -> RequestError {
-    let kind = match &e {
-        ClientError::Shard(WireError::Timeout { .. }) => {
+    let kind = match (&e, e.wire()) {
+        (_, Some(WireError::Timeout { .. })) => {
             return RequestError::new(ErrorKind::Deadline, format!("{e}")).at(Stage::Lookup)
         }
-        ClientError::Shard(WireError::Connect { .. } | WireError::Handshake { .. }) => {
+        (ClientError::Unavailable { .. }, _)
+        | (_, Some(WireError::Connect { .. } | WireError::Handshake { .. })) => {
             ErrorKind::Unavailable
         }
         _ => ErrorKind::Shard,
@@ -186,8 +217,9 @@ fn shard_error(e: ClientError) -> RequestError {
     RequestError::new(kind, e.to_string()).at(Stage::Lookup)
 }
 
-/// Every table a feature reads must be covered from row 0 to its last row, without overlap;
-/// routes may only name the bundle's tables and rows.
+/// Every table a feature reads must be covered from row 0 to its last row by replica groups,
+/// each row by exactly one group (replicas hold identical ranges; partial overlaps are
+/// refused); routes may only name the bundle's tables and rows.
 fn check_coverage(model: &Model, routes: &[ShardRoute]) -> Result<(), String> {
     let mut by_table: BTreeMap<&str, Vec<&ShardRoute>> = BTreeMap::new();
     for r in routes {
@@ -207,8 +239,11 @@ fn check_coverage(model: &Model, routes: &[ShardRoute]) -> Result<(), String> {
     }
     for f in &model.features {
         let mut ranges = by_table.get(f.table.as_str()).cloned().unwrap_or_default();
-        ranges.sort_by_key(|r| r.row_start);
+        ranges.sort_by_key(|r| (r.row_start, r.row_end));
+        // Identical ranges are replicas of one group: they cover their rows once.
+        ranges.dedup_by_key(|r| (r.row_start, r.row_end));
         let mut next = 0;
+        let mut last: Option<&ShardRoute> = None;
         for r in &ranges {
             if r.row_start > next {
                 return Err(format!(
@@ -216,13 +251,23 @@ fn check_coverage(model: &Model, routes: &[ShardRoute]) -> Result<(), String> {
                     f.table, r.row_start
                 ));
             }
-            if r.row_start < next {
+            if let Some(prev) = last.filter(|_| r.row_start < next) {
                 return Err(format!(
-                    "table {:?}: rows [{}, {next}) are on two shards (one is {})",
-                    f.table, r.row_start, r.addr
+                    "table {:?}: rows [{}, {}) are on two shards that are not replicas: \
+                     [{}, {}) at {} and [{}, {}) at {} (replicas hold identical ranges)",
+                    f.table,
+                    r.row_start,
+                    next.min(r.row_end),
+                    prev.row_start,
+                    prev.row_end,
+                    prev.addr,
+                    r.row_start,
+                    r.row_end,
+                    r.addr
                 ));
             }
             next = r.row_end;
+            last = Some(r);
         }
         if next < f.rows {
             return Err(format!(
@@ -271,7 +316,23 @@ mod tests {
         overlap[2].row_start = 11;
         assert!(check_coverage(&m, &overlap)
             .unwrap_err()
-            .contains("on two shards"));
+            .contains("rows [11, 12) are on two shards that are not replicas"));
+        // Identical ranges at other addresses are replicas, covering their rows once.
+        let mut replicated = full();
+        for r in full() {
+            replicated.push(ShardRoute {
+                addr: "h:2".into(),
+                ..r
+            });
+        }
+        assert!(check_coverage(&m, &replicated).is_ok());
+        replicated.push(ShardRoute {
+            addr: "h:3".into(),
+            ..route("t_item", 0, 11)
+        });
+        assert!(check_coverage(&m, &replicated)
+            .unwrap_err()
+            .contains("rows [0, 11) are on two shards that are not replicas"));
         let mut short = full();
         short[3].row_end = 6;
         assert!(check_coverage(&m, &short)

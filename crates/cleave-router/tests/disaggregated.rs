@@ -360,3 +360,284 @@ fn the_fused_payload_holds_the_reference_boundary_tensors() {
     body["inputs"][7]["data"] = json!([[0, 1], [2, 3]]);
     assert_eq!(post(router.addr, "/v2/models/m/infer", &body).0, 200);
 }
+
+/// An HTTP call with an optional bearer token; (status, JSON body).
+fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: t\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status = raw.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = raw.split_once("\r\n\r\n").unwrap().1;
+    (status, serde_json::from_str(body).unwrap())
+}
+
+fn recorder_server() -> (Arc<Recorder>, Server) {
+    let recorder = Arc::new(Recorder::default());
+    let server = Server::bind(
+        &"127.0.0.1:0".parse().unwrap(),
+        recorder.clone(),
+        ServerConfig::default(),
+    )
+    .unwrap();
+    (recorder, server)
+}
+
+#[test]
+fn replicas_fail_over_and_the_membership_changes_over_the_admin_api() {
+    const TOKEN_ENV: &str = "CLEAVE_TEST_ROUTER_ADMIN_TOKEN";
+    const TOKEN: &str = "s3cret";
+    std::env::set_var(TOKEN_ENV, TOKEN);
+    let dir = tempfile::tempdir().unwrap();
+    write_bundle(dir.path());
+    let group_a = "t_user=0:10,t_item=0:12,t_cat=0:7";
+    let (a1, a2, b) = (
+        shard(dir.path(), group_a),
+        shard(dir.path(), group_a),
+        shard(dir.path(), "t_item=12:20"),
+    );
+    let (recorder, ranker) = recorder_server();
+    let route = |t: &str, s: u64, e: u64, addr: &str| json!({"table": t, "row_start": s, "row_end": e, "addr": addr});
+    let group_routes = |addr: &str| {
+        vec![
+            route("t_user", 0, 10, addr),
+            route("t_item", 0, 12, addr),
+            route("t_cat", 0, 7, addr),
+        ]
+    };
+    let (s1, s2, sb) = (
+        a1.info().listen.to_string(),
+        a2.info().listen.to_string(),
+        b.info().listen.to_string(),
+    );
+    let mut routes = group_routes(&s1);
+    routes.extend(group_routes(&s2));
+    routes.push(route("t_item", 12, 20, &sb));
+    let config = json!({
+        "model": "m", "bundle": dir.path(), "rankers": [ranker.local_addr().to_string()],
+        "shards": routes, "health_interval_ms": 50, "admin_token_env": TOKEN_ENV
+    });
+    let router = start_router(RouterConfig::from_json(&config.to_string()).unwrap());
+    let admin = |method: &str, path: &str, body: &str| {
+        call(
+            router.addr,
+            method,
+            &format!("/admin/v1/{path}"),
+            Some(TOKEN),
+            body,
+        )
+    };
+    let infer_ok = |n: usize| {
+        for _ in 0..n {
+            let (status, v) = post(router.addr, "/v2/models/m/infer", &good_infer());
+            assert_eq!(status, 200, "{v}");
+            let got = recorder.0.lock().unwrap().pop().unwrap().request;
+            for (g, w) in got.tensors.iter().zip(&expected()) {
+                assert_close(g, w, "a boundary tensor");
+            }
+        }
+    };
+
+    // Without the token, or with another, nothing is shown.
+    assert_eq!(
+        call(router.addr, "GET", "/admin/v1/members", None, "").0,
+        401
+    );
+    let (status, v) = call(router.addr, "GET", "/admin/v1/members", Some("nope"), "");
+    assert_eq!(status, 401);
+    assert!(v["error"].as_str().unwrap().contains("Bearer"), "{v}");
+    infer_ok(4);
+    let (status, members) = admin("GET", "members", "");
+    assert_eq!(status, 200);
+    let shards = members["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 3);
+    assert!(shards.iter().all(|s| s["state"] == "active"), "{members}");
+    assert_eq!(members["rankers"][0]["state"], "active");
+
+    // Kill the replica of group a that the next request picks (the lower EWMA): every
+    // request still succeeds, the dead one is ejected, and the router is degraded.
+    let ewma = |addr: &str| {
+        shards.iter().find(|s| s["addr"] == addr).unwrap()["ewma_ms"]
+            .as_f64()
+            .unwrap()
+    };
+    let (dead, live, live_addr) = if ewma(&s1) <= ewma(&s2) {
+        (a1, a2, s2.clone())
+    } else {
+        (a2, a1, s1.clone())
+    };
+    let dead_addr = dead.info().listen.to_string();
+    drop(dead);
+    infer_ok(6);
+    let (_, members) = admin("GET", "members", "");
+    let state = |m: &Value, addr: &str| {
+        m["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["addr"] == addr)
+            .map(|s| s["state"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(state(&members, &dead_addr).as_deref(), Some("ejected"));
+    // Readiness: degraded (still 200) once the health loop has seen it, naming it. Bounded.
+    let mut health = Value::Null;
+    for _ in 0..200 {
+        let (status, h) = call(router.addr, "GET", "/ready", None, "");
+        assert_eq!(status, 200, "{h}");
+        health = h;
+        if health["status"] == "degraded" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(health["status"], "degraded", "{health}");
+    assert!(
+        health["degraded"][0].as_str().unwrap().contains(&dead_addr),
+        "{health}"
+    );
+
+    // A new replica of group a joins; malformed and conflicting calls change nothing.
+    let n = shard(dir.path(), group_a);
+    let sn = n.info().listen.to_string();
+    let add = json!({"addr": sn, "ranges": [
+        {"table": "t_user", "row_start": 0, "row_end": 10},
+        {"table": "t_item", "row_start": 0, "row_end": 12},
+        {"table": "t_cat", "row_start": 0, "row_end": 7}]});
+    let refused = [
+        ("shards", "{", 400, "admin request body"),
+        (
+            "shards",
+            r#"{"addr": "h:1"}"#,
+            400,
+            "missing field `ranges`",
+        ),
+        (
+            "shards",
+            r#"{"addr": 7, "ranges": []}"#,
+            400,
+            "invalid type",
+        ),
+        (
+            "shards",
+            r#"{"addr": "h:1", "ranges": [], "x": 1}"#,
+            400,
+            "unknown field `x`",
+        ),
+        (
+            "shards",
+            r#"{"addr": "h:1", "ranges": []}"#,
+            400,
+            "ranges: empty",
+        ),
+        (
+            "shards",
+            r#"{"addr": "h:1", "ranges": [{"table": "t_item", "row_start": 0, "row_end": 5}]}"#,
+            400,
+            "exactly the ranges of one replica group",
+        ),
+        (
+            "shards",
+            r#"{"addr": "h:1", "ranges": [{"table": "t_item", "row_start": 5, "row_end": 5}]}"#,
+            400,
+            "ranges[0]",
+        ),
+        ("shards/drain", r#"{"addr": "h:1"}"#, 404, "not a member"),
+        (
+            "shards/remove",
+            r#"{"adr": "h:1"}"#,
+            400,
+            "unknown field `adr`",
+        ),
+        (
+            "shards/remove",
+            &format!(r#"{{"addr": "{sb}"}}"#),
+            409,
+            "last active replica",
+        ),
+        ("rankers", "[]", 400, "admin request body"),
+    ];
+    for (path, body, want, says) in refused {
+        let (status, v) = admin("POST", path, body);
+        assert_eq!(status, want, "{path} {body}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains(says),
+            "{path} {body}: {v}"
+        );
+    }
+    let (status, v) = admin("POST", "shards", &add.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        state(&v, &sn).as_deref(),
+        Some("active"),
+        "probed at once: {v}"
+    );
+    assert_eq!(admin("POST", "shards", &add.to_string()).0, 409);
+    infer_ok(3);
+
+    // The live old replica drains and leaves; the dead one leaves too.
+    let body = |addr: &str| json!({ "addr": addr }).to_string();
+    assert_eq!(admin("POST", "shards/drain", &body(&live_addr)).0, 200);
+    let (status, v) = admin("POST", "shards/remove", &body(&sn));
+    assert_eq!(status, 409, "the last active replica of group a: {v}");
+    assert_eq!(admin("POST", "shards/remove", &body(&live_addr)).0, 200);
+    assert_eq!(admin("POST", "shards/remove", &body(&dead_addr)).0, 200);
+    infer_ok(3);
+    let (_, members) = admin("GET", "members", "");
+    assert_eq!(members["shards"].as_array().unwrap().len(), 2, "{members}");
+
+    // A second ranker joins, the first drains and leaves; the last cannot.
+    let (recorder2, ranker2) = recorder_server();
+    let (r1, r2) = (
+        ranker.local_addr().to_string(),
+        ranker2.local_addr().to_string(),
+    );
+    assert_eq!(admin("POST", "rankers", &body(&r2)).0, 200);
+    assert_eq!(admin("POST", "rankers", &body(&r2)).0, 409);
+    assert_eq!(admin("POST", "rankers/drain", &body(&r1)).0, 200);
+    assert_eq!(admin("POST", "rankers/remove", &body(&r1)).0, 200);
+    assert_eq!(admin("POST", "rankers/remove", &body(&r2)).0, 409);
+    let (status, v) = post(router.addr, "/v2/models/m/infer", &good_infer());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        recorder2.0.lock().unwrap().len(),
+        1,
+        "the new ranker took it"
+    );
+
+    // The lone replica of t_item [12, 20) goes away: requests fail naming it, and the router
+    // is not ready, naming the range (polled, bounded).
+    drop(b);
+    let (status, v) = post(router.addr, "/v2/models/m/infer", &good_infer());
+    assert!(status == 502 || status == 503, "{status} {v}");
+    assert!(v["error"].as_str().unwrap().contains(&sb), "{v}");
+    let mut health = (0, Value::Null);
+    for _ in 0..200 {
+        health = call(router.addr, "GET", "/ready", None, "");
+        if health.0 == 503 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(health.0, 503, "{}", health.1);
+    let problem = health.1["problems"][0].as_str().unwrap().to_owned();
+    let range = "no shard replica serves table \"t_item\" rows [12, 20)";
+    assert!(
+        problem.contains(range) && problem.contains(&sb),
+        "{problem}"
+    );
+    drop(router);
+    assert!(live.join() && n.join());
+}

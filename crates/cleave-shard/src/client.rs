@@ -1,20 +1,27 @@
 //! The shard client: splits a batch of lookups by the range routing table, sends one LOOKUP
-//! frame to every shard involved, and merges the partial pools (hierarchical pooling, FlexEMR
-//! §3.1.2): sums add, means add sums and divide by the total count, maxima take the max over
-//! the shards that pooled at least one id.
+//! frame to every replica group involved (through one of its replicas, chosen by measured
+//! latency and outstanding work), and merges the partial pools (split.rs). A group's frame
+//! that fails in a way another replica may answer is sent once more to another replica; the
+//! replica that failed is ejected until a probe finds it ready. The membership (routes,
+//! replicas) can change while lookups run (membership.rs): each lookup works on the snapshot
+//! it started with.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use cleave_embed::lookup::finish;
-use cleave_embed::{merge, Pooling};
+use bytes::Bytes;
 use cleave_wire::{Address, Client, ClientConfig, IoThreads, WireError};
 
-use crate::message::{decode_response, encode_request, Lookup, LookupView, Op, Pooled, LOOKUP};
-use crate::routes::{RoutingTable, TableRoutes};
+use crate::membership::Members;
+use crate::message::{decode_response, encode_request, Lookup, Pooled, LOOKUP};
+use crate::replica::{candidates, failure, pick, Failure, Replica, ReplicaState};
+use crate::routes::RoutingTable;
+use crate::split::{plan, sub_view, Merged, Sub};
 
 /// Connections and timeouts of a shard client.
 #[derive(Clone, Debug)]
@@ -49,8 +56,22 @@ pub enum ClientError {
     BadRequest(String),
     /// A shard failed, refused, or did not answer in time; the error names its address.
     Shard(WireError),
+    /// The last replica tried for a group failed; `holds` names the group's ranges.
+    Replica { source: WireError, holds: String },
+    /// No replica of a group may take work (all ejected or draining): failed fast.
+    Unavailable { holds: String, replicas: String },
     /// A shard answered something that does not fit the request.
     BadResponse { addr: Address, reason: String },
+}
+
+impl ClientError {
+    /// The wire error behind a shard's failure, if one is.
+    pub fn wire(&self) -> Option<&WireError> {
+        match self {
+            ClientError::Shard(e) | ClientError::Replica { source: e, .. } => Some(e),
+            _ => None,
+        }
+    }
 }
 
 impl fmt::Display for ClientError {
@@ -58,6 +79,11 @@ impl fmt::Display for ClientError {
         match self {
             ClientError::BadRequest(m) => f.write_str(m),
             ClientError::Shard(e) => write!(f, "shard {e}"),
+            ClientError::Replica { source, holds } => write!(f, "shard {source} (holding {holds})"),
+            ClientError::Unavailable { holds, replicas } => write!(
+                f,
+                "no shard replica can take the lookup of {holds}: replicas {replicas}"
+            ),
             ClientError::BadResponse { addr, reason } => {
                 write!(f, "shard {addr}: unexpected response: {reason}")
             }
@@ -67,28 +93,26 @@ impl fmt::Display for ClientError {
 
 impl std::error::Error for ClientError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            ClientError::Shard(e) => Some(e),
-            _ => None,
-        }
+        self.wire().map(|e| e as _)
     }
+}
+
+/// What a probe of every replica found: parts down while every range still has a replica
+/// (`degraded`), and ranges no replica serves (`problems`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ProbeReport {
+    pub degraded: Vec<String>,
+    pub problems: Vec<String>,
 }
 
 /// A client of every shard in a routing table.
 pub struct ShardClient {
-    routes: RoutingTable,
-    clients: Vec<Client>,
+    pub(crate) members: RwLock<Arc<Members>>,
+    pub(crate) io: IoThreads,
+    pub(crate) wire: ClientConfig,
     timeout: Duration,
-}
-
-/// One lookup of a shard's frame: a request of the batch sent whole, or one shard's part.
-enum Sub {
-    Whole(usize),
-    Part {
-        req: usize,
-        lookup: Lookup,
-        positions: Vec<u32>,
-    },
+    /// Rotates the start of replica choice, so that equal replicas share the load.
+    next: AtomicUsize,
 }
 
 impl ShardClient {
@@ -98,7 +122,8 @@ impl ShardClient {
         Ok(ShardClient::with_io(routes, io, config))
     }
 
-    /// A client whose connections live on `io` (shared with other clients).
+    /// A client whose connections live on `io` (shared with other clients). Every replica
+    /// starts active.
     pub fn with_io(routes: RoutingTable, io: IoThreads, config: &ShardClientConfig) -> ShardClient {
         let wire = ClientConfig {
             connections: config.connections,
@@ -106,35 +131,111 @@ impl ShardClient {
             max_payload: config.max_payload,
             ..ClientConfig::default()
         };
-        let clients = routes
+        let replicas = routes
             .shards()
             .iter()
-            .map(|a| Client::new(a.clone(), io.clone(), wire.clone()))
+            .map(|a| {
+                let client = Client::new(a.clone(), io.clone(), wire.clone());
+                Arc::new(Replica::new(client, ReplicaState::Active, ""))
+            })
             .collect();
         ShardClient {
-            routes,
-            clients,
+            members: RwLock::new(Arc::new(Members { routes, replicas })),
+            io,
+            wire,
             timeout: config.timeout,
+            next: AtomicUsize::new(0),
         }
     }
 
-    pub fn routes(&self) -> &RoutingTable {
-        &self.routes
+    pub(crate) fn snapshot(&self) -> Arc<Members> {
+        self.members
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The routing table now (a copy: membership may change after).
+    pub fn routes(&self) -> RoutingTable {
+        self.snapshot().routes.clone()
     }
 
     /// Asks every shard whether it is ready; the error names the first shard that is not.
     pub async fn ready(&self) -> Result<(), ClientError> {
-        let probes = self.clients.iter().map(|c| c.ready(self.timeout));
-        for (c, r) in self.clients.iter().zip(join_all(probes.collect()).await) {
-            if !r.map_err(ClientError::Shard)? {
+        let members = self.snapshot();
+        let probes = members
+            .replicas
+            .iter()
+            .map(|r| r.client.ready(self.timeout));
+        for (r, ok) in members
+            .replicas
+            .iter()
+            .zip(join_all(probes.collect()).await)
+        {
+            if !ok.map_err(ClientError::Shard)? {
                 return Err(ClientError::Shard(WireError::Remote {
-                    addr: c.addr().clone(),
+                    addr: r.addr().clone(),
                     code: cleave_wire::ErrorCode::NotReady,
                     message: "not ready".to_owned(),
                 }));
             }
         }
         Ok(())
+    }
+
+    /// Probes every replica once within `timeout`: one that answers ready is readmitted if it
+    /// was ejected; one that does not is ejected. Then reports, per replica group, replicas
+    /// down (degraded) and groups with no active replica (problems).
+    pub async fn probe(&self, timeout: Duration) -> ProbeReport {
+        let members = self.snapshot();
+        let probes = members.replicas.iter().map(|r| async move {
+            match tokio::time::timeout(timeout, r.client.ready(timeout)).await {
+                Ok(Ok(true)) => None,
+                Ok(Ok(false)) => Some("not ready".to_owned()),
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!(
+                    "no readiness answer within {} ms",
+                    timeout.as_millis()
+                )),
+            }
+        });
+        for (r, problem) in members
+            .replicas
+            .iter()
+            .zip(join_all(probes.collect()).await)
+        {
+            match problem {
+                None if r.readmit() => eprintln!("cleave router: shard {} readmitted", r.addr()),
+                Some(why) if r.eject(why.clone()) => {
+                    eprintln!("cleave router: shard {} ejected: {why}", r.addr());
+                }
+                _ => {}
+            }
+        }
+        let mut report = ProbeReport::default();
+        for g in 0..members.routes.groups().len() {
+            let group = members.group(g);
+            let active = group
+                .iter()
+                .filter(|r| r.state() == ReplicaState::Active)
+                .count();
+            let holds = members.routes.describe_group(g);
+            if active == 0 {
+                report.problems.push(format!(
+                    "no shard replica serves {holds}: {}",
+                    members.describe_states(g)
+                ));
+            } else {
+                for r in group.iter().filter(|r| r.state() == ReplicaState::Ejected) {
+                    report.degraded.push(format!(
+                        "shard {} (a replica of {holds}) is ejected: {}",
+                        r.addr(),
+                        r.reason()
+                    ));
+                }
+            }
+        }
+        report
     }
 
     /// Looks up a batch: one result per lookup, in order. Pooled results have one row per bag
@@ -144,35 +245,50 @@ impl ShardClient {
         self.lookup_traced(batch, self.timeout, 0).await
     }
 
-    /// [`lookup`](Self::lookup) within `timeout` (each shard's frame carries now + `timeout`
-    /// as its deadline, so a shard drops it once nobody waits) and with the client request's
-    /// trace id on every frame.
+    /// [`lookup`](Self::lookup) within `timeout` (each shard's frame carries now + what is
+    /// left of `timeout` as its deadline, so a shard drops it once nobody waits) and with the
+    /// client request's trace id on every frame.
     pub async fn lookup_traced(
         &self,
         batch: &[Lookup],
         timeout: Duration,
         trace_id: u64,
     ) -> Result<Vec<Pooled>, ClientError> {
-        let plan = self.plan(batch)?;
+        self.lookup_within(batch, timeout, timeout, trace_id).await
+    }
+
+    /// [`lookup_traced`](Self::lookup_traced) where each call to a replica waits at most
+    /// `attempt`: one that times out while `timeout` has time left is retried once on
+    /// another replica (a slow or cut-off replica costs `attempt`, not the whole budget).
+    pub async fn lookup_within(
+        &self,
+        batch: &[Lookup],
+        timeout: Duration,
+        attempt: Duration,
+        trace_id: u64,
+    ) -> Result<Vec<Pooled>, ClientError> {
+        let started = Instant::now();
+        let members = self.snapshot();
+        let plan = plan(&members.routes, batch)?;
         let calls: Vec<_> = plan
             .iter()
             .enumerate()
             .filter(|(_, subs)| !subs.is_empty())
-            .map(|(s, subs)| {
+            .map(|(g, subs)| {
                 let views = subs.iter().map(|sub| sub_view(sub, batch));
                 let payload = encode_request(views);
-                let client = &self.clients[s];
+                let members = &members;
                 async move {
-                    let reply = client.call_traced(LOOKUP, payload, timeout, trace_id);
-                    (s, reply.await)
+                    let deadline = started + timeout;
+                    let reply = self.call_group(members, g, payload, deadline, attempt, trace_id);
+                    (g, reply.await)
                 }
             })
             .collect();
         let mut merged: Vec<Merged> = (0..batch.len()).map(|_| Merged::None).collect();
-        for (s, reply) in join_all(calls).await {
-            let addr = self.clients[s].addr();
-            let payload = reply.map_err(ClientError::Shard)?;
-            let subs = &plan[s];
+        for (g, reply) in join_all(calls).await {
+            let (addr, payload) = reply?;
+            let subs = &plan[g];
             let bad = |reason: String| ClientError::BadResponse {
                 addr: addr.clone(),
                 reason,
@@ -210,214 +326,92 @@ impl ShardClient {
             .collect()
     }
 
-    /// Splits every lookup by shard: per shard, the lookups to send.
-    fn plan(&self, batch: &[Lookup]) -> Result<Vec<Vec<Sub>>, ClientError> {
-        let mut plan: Vec<Vec<Sub>> = (0..self.clients.len()).map(|_| Vec::new()).collect();
-        for (i, l) in batch.iter().enumerate() {
-            let bad = |m: String| {
-                ClientError::BadRequest(format!("lookup {i} (table {:?}): {m}", l.table))
+    /// Sends group `g`'s frame to its best active replica, waiting at most `attempt`; a
+    /// failure another replica may answer (a timeout with time left before `deadline`
+    /// included) is retried once on the next best. Returns the replica that answered and its
+    /// payload.
+    async fn call_group(
+        &self,
+        m: &Members,
+        g: usize,
+        payload: Bytes,
+        deadline: Instant,
+        attempt: Duration,
+        trace_id: u64,
+    ) -> Result<(Address, Bytes), ClientError> {
+        let replicas = m.group(g);
+        let holds = || m.routes.describe_group(g);
+        let mut skip = None;
+        let mut failed: Option<WireError> = None;
+        // The first try and at most one retry: a lookup is pure, so running it twice is
+        // harmless, and one retry rides out one replica's death without piling on.
+        for _ in 0..2 {
+            let start = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(i) = pick(&candidates(&replicas, skip), start) else {
+                break;
             };
-            l.view().check().map_err(bad)?;
-            let routes = self.routes.table(&l.table).ok_or_else(|| {
-                bad(format!(
-                    "no shard holds this table; routed tables are {:?}",
-                    self.routes.table_names()
-                ))
-            })?;
-            let shard_of = locate_all(l, routes, self.routes.shards()).map_err(bad)?;
-            let Some(shard_of) = shard_of else {
-                // One shard holds every id (or there are none): send the lookup as it is.
-                let s = routes.single().map_or_else(
-                    || {
-                        l.ids
-                            .first()
-                            .and_then(|&id| routes.locate(id))
-                            .unwrap_or(routes.first_shard())
-                    },
-                    |(s, _)| s,
-                );
-                plan[s].push(Sub::Whole(i));
-                continue;
-            };
-            for (s, lookup, positions) in split(l, &shard_of, self.clients.len()) {
-                plan[s].push(Sub::Part {
-                    req: i,
-                    lookup,
-                    positions,
+            let r = replicas[i];
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let source = failed.unwrap_or_else(|| WireError::Timeout {
+                    addr: r.addr().clone(),
+                    after: Duration::ZERO,
+                });
+                return Err(ClientError::Replica {
+                    source,
+                    holds: holds(),
                 });
             }
-        }
-        Ok(plan)
-    }
-}
-
-/// The shard of every id, or None when one shard holds them all. Errors name the first id
-/// that no route covers.
-fn locate_all(
-    l: &Lookup,
-    routes: &TableRoutes,
-    shards: &[Address],
-) -> Result<Option<Vec<usize>>, String> {
-    let outside = |p: usize, id: i64| {
-        format!(
-            "id {id} at position {p} is outside every route ({})",
-            routes.describe(shards)
-        )
-    };
-    if let Some((_, range)) = routes.single() {
-        return match l
-            .ids
-            .iter()
-            .position(|&id| id < 0 || !range.contains(&(id as u64)))
-        {
-            Some(p) => Err(outside(p, l.ids[p])),
-            None => Ok(None),
-        };
-    }
-    let mut shard_of = Vec::with_capacity(l.ids.len());
-    for (p, &id) in l.ids.iter().enumerate() {
-        shard_of.push(routes.locate(id).ok_or_else(|| outside(p, id))?);
-    }
-    let first = shard_of.first().copied();
-    if shard_of.iter().all(|&s| Some(s) == first) {
-        return Ok(None);
-    }
-    Ok(Some(shard_of))
-}
-
-/// Cuts a lookup into one lookup per shard. Every part keeps all bags (empty where the shard
-/// holds none of a bag's ids) and pools partially (a mean becomes a sum); a gather part
-/// remembers where its rows go.
-fn split(l: &Lookup, shard_of: &[usize], shards: usize) -> Vec<(usize, Lookup, Vec<u32>)> {
-    let mut slot = vec![usize::MAX; shards];
-    let mut parts: Vec<(usize, Lookup, Vec<u32>)> = Vec::new();
-    let op = match l.op {
-        Op::Pool(p) => Op::Pool(p.partial()),
-        Op::Gather => Op::Gather,
-    };
-    for &s in shard_of {
-        if slot[s] == usize::MAX {
-            slot[s] = parts.len();
-            let offsets = if op == Op::Gather {
-                Vec::new()
-            } else {
-                vec![0]
-            };
-            let weights = l.weights.as_ref().map(|_| Vec::new());
-            let part = Lookup {
-                table: l.table.clone(),
-                op,
-                ids: Vec::new(),
-                offsets,
-                weights,
-            };
-            parts.push((s, part, Vec::new()));
-        }
-    }
-    let push = |parts: &mut Vec<(usize, Lookup, Vec<u32>)>, p: usize| {
-        let (_, part, positions) = &mut parts[slot[shard_of[p]]];
-        part.ids.push(l.ids[p]);
-        if let (Some(w), Some(from)) = (part.weights.as_mut(), l.weights.as_ref()) {
-            w.push(from[p]);
-        }
-        if op == Op::Gather {
-            positions.push(p as u32);
-        }
-    };
-    if op == Op::Gather {
-        (0..l.ids.len()).for_each(|p| push(&mut parts, p));
-    } else {
-        for bag in l.offsets.windows(2) {
-            (bag[0] as usize..bag[1] as usize).for_each(|p| push(&mut parts, p));
-            for (_, part, _) in parts.iter_mut() {
-                part.offsets.push(part.ids.len() as u32);
+            let guard = r.begin();
+            let sent = Instant::now();
+            let wait = left.min(attempt);
+            let reply = r
+                .client
+                .call_traced(LOOKUP, payload.clone(), wait, trace_id)
+                .await;
+            drop(guard);
+            match reply {
+                Ok(p) => {
+                    r.record(sent.elapsed().as_secs_f64() * 1e6);
+                    return Ok((r.addr().clone(), p));
+                }
+                Err(e) => {
+                    let timed_out = matches!(e, WireError::Timeout { .. });
+                    if timed_out {
+                        // It took at least that long: a slow replica loses the preference.
+                        r.record(wait.as_secs_f64() * 1e6);
+                    }
+                    let retry = timed_out && Instant::now() < deadline;
+                    match failure(&e) {
+                        Failure::Final if retry => {}
+                        Failure::Final => {
+                            return Err(ClientError::Replica {
+                                source: e,
+                                holds: holds(),
+                            })
+                        }
+                        Failure::Eject => {
+                            if r.eject(e.to_string()) {
+                                eprintln!("cleave router: shard {} ejected: {e}", r.addr());
+                            }
+                        }
+                        Failure::Busy => {}
+                    }
+                    skip = Some(i);
+                    failed = Some(e);
+                }
             }
         }
-    }
-    parts
-}
-
-fn sub_view<'a>(sub: &'a Sub, batch: &'a [Lookup]) -> LookupView<'a> {
-    match sub {
-        Sub::Whole(i) => batch[*i].view(),
-        Sub::Part { lookup, .. } => lookup.view(),
-    }
-}
-
-/// A lookup's result being assembled from shards' answers.
-enum Merged {
-    None,
-    Done(Pooled),
-    Pool(Pooled),
-    Gather(Pooled),
-}
-
-impl Merged {
-    fn add(&mut self, l: &Lookup, sub: &Sub, part: Pooled) -> Result<(), String> {
-        let positions = match sub {
-            Sub::Whole(_) => {
-                *self = Merged::Done(part);
-                return Ok(());
-            }
-            Sub::Part { positions, .. } => positions,
-        };
-        let dim = part.dim;
-        let fresh = |rows| Pooled {
-            rows,
-            dim,
-            values: vec![0.0; rows * dim],
-            counts: Vec::new(),
-        };
-        if let Merged::None = self {
-            *self = match l.op {
-                Op::Gather => Merged::Gather(fresh(l.ids.len())),
-                Op::Pool(_) => {
-                    let mut acc = fresh(l.rows());
-                    acc.counts = vec![0; l.rows()];
-                    Merged::Pool(acc)
-                }
-            };
-        }
-        match (self, l.op) {
-            (Merged::Pool(acc), Op::Pool(pooling)) => {
-                if acc.dim != dim {
-                    return Err(format!("shards disagree on the dim: {} and {dim}", acc.dim));
-                }
-                merge(
-                    pooling,
-                    dim,
-                    &mut acc.values,
-                    &mut acc.counts,
-                    &part.values,
-                    &part.counts,
-                )
-                .map_err(|e| e.to_string())
-            }
-            (Merged::Gather(acc), Op::Gather) => {
-                if acc.dim != dim {
-                    return Err(format!("shards disagree on the dim: {} and {dim}", acc.dim));
-                }
-                for (row, &p) in part.values.chunks_exact(dim.max(1)).zip(positions) {
-                    let p = p as usize;
-                    acc.values[p * dim..(p + 1) * dim].copy_from_slice(row);
-                }
-                Ok(())
-            }
-            _ => Err("a result arrived for a lookup already answered whole".to_owned()),
-        }
-    }
-
-    fn finish(self, l: &Lookup) -> Option<Pooled> {
-        match self {
-            Merged::None => None,
-            Merged::Done(p) | Merged::Gather(p) => Some(p),
-            Merged::Pool(mut p) => {
-                if let Op::Pool(pooling @ Pooling::Mean) = l.op {
-                    finish(pooling, p.dim, &mut p.values, &p.counts);
-                }
-                Some(p)
-            }
-        }
+        Err(match failed {
+            Some(source) => ClientError::Replica {
+                source,
+                holds: holds(),
+            },
+            None => ClientError::Unavailable {
+                holds: holds(),
+                replicas: m.describe_states(g),
+            },
+        })
     }
 }
 
@@ -447,80 +441,4 @@ async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
         .into_iter()
         .map(|o| o.expect("every future finished"))
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn split_keeps_bags_and_positions() {
-        let l = Lookup {
-            table: "t".into(),
-            op: Op::Pool(Pooling::Mean),
-            ids: vec![1, 7, 2, 8, 9],
-            offsets: vec![0, 2, 2, 5],
-            weights: None,
-        };
-        // ids < 5 on shard 0, others on shard 2.
-        let shard_of: Vec<usize> = l.ids.iter().map(|&i| if i < 5 { 0 } else { 2 }).collect();
-        let parts = split(&l, &shard_of, 3);
-        assert_eq!(parts.len(), 2);
-        let (s0, p0, _) = &parts[0];
-        let (s2, p2, _) = &parts[1];
-        assert_eq!((*s0, *s2), (0, 2));
-        assert_eq!(p0.op, Op::Pool(Pooling::Sum));
-        assert_eq!(
-            (p0.ids.clone(), p0.offsets.clone()),
-            (vec![1, 2], vec![0, 1, 1, 2])
-        );
-        assert_eq!(
-            (p2.ids.clone(), p2.offsets.clone()),
-            (vec![7, 8, 9], vec![0, 1, 1, 3])
-        );
-
-        let g = Lookup {
-            op: Op::Gather,
-            offsets: vec![],
-            ..l
-        };
-        let parts = split(&g, &shard_of, 3);
-        assert_eq!(parts[0].2, vec![0, 2]);
-        assert_eq!(parts[1].2, vec![1, 3, 4]);
-    }
-
-    #[test]
-    fn merge_of_parts_matches_pooling_the_whole() {
-        let l = Lookup {
-            table: "t".into(),
-            op: Op::Pool(Pooling::Max),
-            ids: vec![0, 1, 2],
-            offsets: vec![0, 2, 3, 3],
-            weights: None,
-        };
-        let a = Pooled {
-            rows: 3,
-            dim: 1,
-            values: vec![-5.0, 0.0, 0.0],
-            counts: vec![1, 0, 0],
-        };
-        let b = Pooled {
-            rows: 3,
-            dim: 1,
-            values: vec![-7.0, 4.0, 0.0],
-            counts: vec![1, 1, 0],
-        };
-        let sub = Sub::Part {
-            req: 0,
-            lookup: l.clone(),
-            positions: vec![],
-        };
-        let mut m = Merged::None;
-        m.add(&l, &sub, a).unwrap();
-        m.add(&l, &sub, b).unwrap();
-        let out = m.finish(&l).unwrap();
-        // -5 beats -7 and the empty shard's 0 does not win; an empty bag stays 0.
-        assert_eq!(out.values, vec![-5.0, 4.0, 0.0]);
-        assert_eq!(out.counts, vec![2, 1, 0]);
-    }
 }

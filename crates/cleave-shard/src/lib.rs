@@ -6,20 +6,28 @@
 //! * [`Shard`]: a shard process: tables and row ranges ([`ShardConfig`]), the wire server,
 //!   `/metrics`, `/ready`, `/live`, and a drain on SIGTERM/SIGINT.
 //! * [`ShardClient`]: routes a batch of lookups by row range ([`RoutingTable`]), fans it out
-//!   to the shards holding its rows, and merges their partial pools.
+//!   to one replica of every group holding its rows ([`replica`]: choice, fail-over,
+//!   ejection), and merges their partial pools; its membership can change while it serves.
 //! * [`bench`]: an open-loop load generator for `cleave bench shard`.
 
 pub mod bench;
 mod client;
+mod ewma;
 mod http;
+mod membership;
 pub mod message;
 pub mod metrics;
+pub mod replica;
 mod routes;
 mod service;
 mod shard;
+mod split;
 
-pub use client::{ClientError, ShardClient, ShardClientConfig};
+pub use client::{ClientError, ProbeReport, ShardClient, ShardClientConfig};
+pub use ewma::Ewma;
+pub use membership::{Member, MembershipError};
 pub use message::{Lookup, LookupView, Op, Pooled, LOOKUP};
+pub use replica::ReplicaState;
 pub use routes::{Route, RoutingTable};
 pub use service::{Served, ShardService};
 pub use shard::{RowSpec, Shard, ShardConfig, ShardInfo, StartError};

@@ -226,9 +226,13 @@ fn routing_errors_name_the_lookup_and_failures_name_the_shard() {
             .lookup(&[lookup(Op::Gather, vec![1, 60], vec![], None)]),
     );
     match err.unwrap_err() {
-        ClientError::Shard(e) => {
-            assert_eq!(e.addr(), &gone);
-            assert!(e.to_string().starts_with(&gone.to_string()), "{e}");
+        ClientError::Replica { source, holds } => {
+            assert_eq!(source.addr(), &gone);
+            assert!(
+                source.to_string().starts_with(&gone.to_string()),
+                "{source}"
+            );
+            assert!(holds.contains("table \"t\" rows ["), "{holds}");
         }
         other => panic!("expected a shard error, got {other}"),
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,12 @@ class RouterConfig:
     max_in_flight: int = 2048  # requests in progress; more are shed with 503
     shed: bool = True  # shed at once (503) when the expected latency exceeds the budget
     admit_share: float = 0.5  # the share of its budget a request's estimate may fill
+    # The environment variable holding the admin API's bearer token (docs/serving.md,
+    # "Replicas and membership"); "": the admin API needs no token. Never the token itself.
+    admin_token_env: str = ""
+    # Longest wait for one shard replica; a slower one is retried once on another replica
+    # within the budget. 0: the whole budget (a timeout is not retried).
+    shard_timeout_ms: int = 0
 
 
 @dataclass
@@ -114,6 +121,13 @@ class ServeConfig:
             need(getattr(r, key) >= 1, f"router.{key}", "at least 1", getattr(r, key))
         need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
         need(0 < r.admit_share <= 1, "router.admit_share", "in (0, 1]", r.admit_share)
+        need(r.shard_timeout_ms >= 0, "router.shard_timeout_ms", ">= 0", r.shard_timeout_ms)
+        need(
+            r.admin_token_env == "" or _ENV_NAME.fullmatch(r.admin_token_env) is not None,
+            "router.admin_token_env",
+            "an environment variable's name (letters, digits, _) or empty",
+            r.admin_token_env,
+        )
         need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
         return self
 
@@ -124,6 +138,8 @@ class ServeConfig:
         # them stalls every parallel region of the batch (measured: 1.5 ms -> 140 ms).
         return max(1, ((os.cpu_count() or 1) - 1) // self.rankers)
 
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 

@@ -42,6 +42,9 @@ def router_config(
         "max_in_flight": r.max_in_flight,
         "shed": r.shed,
         "admit_share": r.admit_share,
+        # The variable's name only: the router reads the token from its environment.
+        "admin_token_env": r.admin_token_env or None,
+        "shard_timeout_ms": r.shard_timeout_ms,
     }
 
 

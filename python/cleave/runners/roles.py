@@ -113,13 +113,11 @@ class RoleSpecs:
         """One per router; call after the shards and rankers are ready (their addresses are
         then known, ports learnt from ready lines included)."""
         address = {spec.name: spec.address for spec in shards}
-        routes, seen = [], set()
+        routes = []
         for shard in self.plan.shards:
-            # Today's router refuses overlapping routes (no replica support yet): it gets the
-            # first replica of each range group; the other replicas run as stand-bys.
-            if shard.group in seen:
-                continue
-            seen.add(shard.group)
+            # Every replica is a route: identical ranges at several addresses form a replica
+            # group, and the router spreads lookups over its healthy replicas and fails over
+            # between them (docs/serving.md, "Replicas and membership").
             routes += [
                 {"table": t, "row_start": a, "row_end": b, "addr": address[shard.name]}
                 for t, (a, b) in shard.ranges.items()

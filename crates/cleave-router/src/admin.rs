@@ -1,0 +1,306 @@
+//! The membership admin API under `/admin/v1/` (docs/serving.md, "Replicas and membership"):
+//! list the shard replicas and rankers, add, drain and remove them while the router serves.
+//! A malformed call changes nothing and gets 400 naming the field; a change that would leave
+//! a range or the router without a backend gets 409. With `admin_token_env` set, every call
+//! needs `Authorization: Bearer <the variable's value>`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use cleave_shard::MembershipError;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::http::{json_bytes, App};
+use crate::serve::{probe, set_health};
+
+/// What the admin API needs besides the router.
+pub struct AdminConfig {
+    /// The bearer token admin calls must carry (read from `admin_token_env` at start).
+    pub token: Option<String>,
+    /// How long the probe after a change waits for the backends.
+    pub probe_timeout: Duration,
+}
+
+impl AdminConfig {
+    /// Reads the token from the environment variable `env` names; a variable named but unset
+    /// or empty is an error, so that the API is never open by mistake.
+    pub fn new(token_env: Option<&str>, probe_timeout: Duration) -> Result<AdminConfig, String> {
+        let token = match token_env {
+            None => None,
+            Some(name) => match std::env::var(name) {
+                Ok(v) if !v.is_empty() => Some(v),
+                _ => {
+                    return Err(format!(
+                        "router config: admin_token_env names {name:?}, but that environment \
+                         variable is unset or empty"
+                    ))
+                }
+            },
+        };
+        Ok(AdminConfig {
+            token,
+            probe_timeout,
+        })
+    }
+}
+
+pub fn routes() -> axum::Router<Arc<App>> {
+    axum::Router::new()
+        .route("/admin/v1/members", get(members))
+        .route("/admin/v1/shards", post(add_shard))
+        .route("/admin/v1/shards/drain", post(drain_shard))
+        .route("/admin/v1/shards/remove", post(remove_shard))
+        .route("/admin/v1/rankers", post(add_ranker))
+        .route("/admin/v1/rankers/drain", post(drain_ranker))
+        .route("/admin/v1/rankers/remove", post(remove_ranker))
+}
+
+/// `{"addr": ..., "ranges": [{"table", "row_start", "row_end"}, ...]}`
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddShard {
+    addr: String,
+    ranges: Vec<RangeSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RangeSpec {
+    table: String,
+    row_start: u64,
+    row_end: u64,
+}
+
+/// `{"addr": ...}`
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Addr {
+    addr: String,
+}
+
+/// A refused admin call: its status and what was wrong.
+#[derive(Debug)]
+pub struct AdminError {
+    status: StatusCode,
+    message: String,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> AdminError {
+    AdminError {
+        status,
+        message: message.into(),
+    }
+}
+
+impl IntoResponse for AdminError {
+    fn into_response(self) -> Response {
+        json_bytes(
+            self.status,
+            json!({"error": self.message}).to_string().into_bytes(),
+        )
+    }
+}
+
+impl From<MembershipError> for AdminError {
+    fn from(e: MembershipError) -> AdminError {
+        let status = match e {
+            MembershipError::Invalid(_) => StatusCode::BAD_REQUEST,
+            MembershipError::Conflict(_) => StatusCode::CONFLICT,
+            MembershipError::Unknown(_) => StatusCode::NOT_FOUND,
+        };
+        error(status, e.to_string())
+    }
+}
+
+type Reply = Result<Response, AdminError>;
+
+/// 401 unless the call carries the configured bearer token (or none is configured).
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), AdminError> {
+    let Some(token) = &app.admin.token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "admin calls need the header \"Authorization: Bearer <token>\" with the token of \
+             the router's admin_token_env variable",
+        ))
+    }
+}
+
+/// Compares without stopping at the first difference, so timing does not reveal the token.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8], expected: &str) -> Result<T, AdminError> {
+    serde_json::from_slice(body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("admin request body: {e}; expected {expected}"),
+        )
+    })
+}
+
+const ADDR_BODY: &str = r#"{"addr": "HOST:PORT"}"#;
+const SHARD_BODY: &str =
+    r#"{"addr": "HOST:PORT", "ranges": [{"table": T, "row_start": A, "row_end": B}, ...]}"#;
+
+/// The membership as JSON.
+pub fn members_json(app: &App) -> Value {
+    let shards: Vec<Value> = app
+        .router
+        .shards
+        .members()
+        .into_iter()
+        .map(|m| {
+            let ranges: Vec<Value> = m
+                .ranges
+                .iter()
+                .map(|(t, r)| json!({"table": t, "row_start": r.start, "row_end": r.end}))
+                .collect();
+            json!({"addr": m.addr.to_string(), "ranges": ranges, "state": m.state.as_str(),
+                   "outstanding": m.outstanding, "ewma_ms": m.ewma_ms})
+        })
+        .collect();
+    let rankers: Vec<Value> = app
+        .router
+        .rankers
+        .rankers()
+        .iter()
+        .map(|r| {
+            json!({"addr": r.addr(), "state": r.state(), "outstanding": r.outstanding(),
+                   "ewma_ms": r.ewma_us() / 1e3})
+        })
+        .collect();
+    json!({"shards": shards, "rankers": rankers})
+}
+
+fn ok_members(app: &App) -> Response {
+    json_bytes(StatusCode::OK, members_json(app).to_string().into_bytes())
+}
+
+/// After a change: probe at once (a new member is admitted as soon as it answers ready) and
+/// report the membership.
+async fn changed(app: &App) -> Response {
+    let (degraded, problems) = probe(app, app.admin.probe_timeout).await;
+    set_health(app, degraded, problems);
+    ok_members(app)
+}
+
+async fn members(State(app): State<Arc<App>>, headers: HeaderMap) -> Reply {
+    authorize(&app, &headers)?;
+    Ok(ok_members(&app))
+}
+
+async fn add_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    authorize(&app, &headers)?;
+    let add: AddShard = parse(&body, SHARD_BODY)?;
+    if add.ranges.is_empty() {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "ranges: empty; expected at least one range",
+        ));
+    }
+    for (i, r) in add.ranges.iter().enumerate() {
+        if r.row_start >= r.row_end {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "ranges[{i}]: rows [{}, {}) of table {:?} are empty; expected row_start < row_end",
+                    r.row_start, r.row_end, r.table
+                ),
+            ));
+        }
+    }
+    let ranges = add
+        .ranges
+        .into_iter()
+        .map(|r| (r.table, r.row_start..r.row_end))
+        .collect();
+    app.router.shards.add(&add.addr, ranges)?;
+    Ok(changed(&app).await)
+}
+
+/// Parses `{"addr"}` and applies `change` to it.
+async fn on_addr(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Bytes,
+    change: impl FnOnce(&App, &str) -> Result<(), MembershipError>,
+) -> Reply {
+    authorize(&app, &headers)?;
+    let a: Addr = parse(&body, ADDR_BODY)?;
+    change(&app, &a.addr)?;
+    Ok(changed(&app).await)
+}
+
+async fn drain_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    on_addr(app, headers, body, |app, a| app.router.shards.drain(a)).await
+}
+
+async fn remove_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    on_addr(app, headers, body, |app, a| app.router.shards.remove(a)).await
+}
+
+async fn add_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    on_addr(app, headers, body, |app, a| app.router.rankers.add(a)).await
+}
+
+async fn drain_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    on_addr(app, headers, body, |app, a| app.router.rankers.drain(a)).await
+}
+
+async fn remove_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    on_addr(app, headers, body, |app, a| app.router.rankers.remove(a)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_bodies_are_400() {
+        assert!(parse::<AddShard>(br#"{"addr": "h:1", "ranges": []}"#, SHARD_BODY).is_ok());
+        for body in [
+            &br#"{"#[..],
+            br#"{"addr": 5}"#,
+            br#"{"addr": "h:1", "x": 1}"#,
+            br#"{}"#,
+        ] {
+            let status = parse::<Addr>(body, ADDR_BODY)
+                .map(|_| ())
+                .unwrap_err()
+                .status;
+            assert_eq!(status, StatusCode::BAD_REQUEST);
+        }
+        let bad_range = br#"{"addr": "h:1", "ranges": [{"table": "t", "row_start": -1}]}"#;
+        assert!(parse::<AddShard>(bad_range, SHARD_BODY).is_err());
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        let cfg = AdminConfig::new(Some("CLEAVE_TEST_SURELY_UNSET_VARIABLE"), Duration::ZERO);
+        assert!(cfg.err().unwrap().contains("unset or empty"));
+        assert!(AdminConfig::new(None, Duration::ZERO)
+            .unwrap()
+            .token
+            .is_none());
+    }
+}
