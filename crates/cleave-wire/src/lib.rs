@@ -9,6 +9,7 @@
 //!   connection, responses matched by request id.
 //!
 //! * [`health`]: the readiness schema every role serves.
+//! * [`log`]: the one log set-up of the executables (`tracing`, text or JSON lines).
 //!
 //! The layout, limits and timeouts are specified in docs/protocol.md.
 
@@ -19,6 +20,7 @@ mod error;
 pub mod frame;
 pub mod health;
 mod io;
+pub mod log;
 mod serve_conn;
 mod server;
 

@@ -1,0 +1,103 @@
+//! `cleave-shard`: one embedding shard process, without Python (docs/serving.md, "Executables
+//! and images"). Serves lookups for some tables (and row ranges) of a bundle over the internal
+//! protocol, with `/ready`, `/live` and `/metrics` on `--metrics-port`; prints
+//! "ready ADDRESS metrics=URL tables=..." for people once its tables are mapped (nothing reads
+//! it: launchers probe `/ready`); drains and exits 0 on SIGTERM/SIGINT.
+//!
+//! Exit codes: 2 for a bad flag, 1 when the shard cannot start (bundle, address).
+
+use std::io::Write;
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use cleave_shard::{RowSpec, Shard, ShardConfig};
+use cleave_wire::log::{self, LogFormat};
+use cleave_wire::Address;
+
+#[derive(Debug, Parser)]
+#[command(name = "cleave-shard", version, about = "A Cleave embedding shard")]
+struct Args {
+    /// Bundle directory (manifest.json, tables/).
+    #[arg(long)]
+    bundle: PathBuf,
+    /// Comma-separated tables to hold (default: all, or those named in --rows).
+    #[arg(long, value_delimiter = ',')]
+    tables: Option<Vec<String>>,
+    /// Rows held: START:END (global ids, every table) or NAME=START:END,... per table.
+    #[arg(long, value_parser = RowSpec::parse)]
+    rows: Option<RowSpec>,
+    /// HOST:PORT (port 0 picks one) or unix:/path/to/socket.
+    #[arg(long)]
+    listen: Address,
+    /// HTTP port for /metrics, /ready, /live on the listen host (0 picks one).
+    #[arg(long)]
+    metrics_port: Option<u16>,
+    /// Lookup threads, an I/O thread included.
+    #[arg(long, default_value = "1")]
+    threads: NonZeroUsize,
+    /// Threads that own connections and run lookups.
+    #[arg(long, default_value = "1")]
+    io_threads: NonZeroUsize,
+    /// A started frame (or a new connection's HELLO) must arrive within this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = seconds,
+          allow_negative_numbers = true)]
+    frame_timeout: Duration,
+    /// Copy tables into memory instead of mapping the files.
+    #[arg(long)]
+    resident: bool,
+    /// Log lines as "text" or "json" (one object per line); the level is CLEAVE_LOG's.
+    #[arg(long, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+fn seconds(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("expected seconds (a number), got {s:?}"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("expected seconds > 0, got {s}"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse(); // exits 2 naming the flag on bad input
+    if let Err(e) = log::init(args.log_format) {
+        eprintln!("cleave-shard: {e}");
+        return ExitCode::from(2);
+    }
+    let mut config = ShardConfig::new(args.bundle, args.listen);
+    config.tables = args.tables.map(|t| {
+        t.into_iter()
+            .map(|n| n.trim().to_string())
+            .filter(|n| !n.is_empty())
+            .collect()
+    });
+    config.rows = args.rows.unwrap_or_default();
+    config.metrics_port = args.metrics_port;
+    config.threads = args.threads.get();
+    config.io_threads = args.io_threads.get();
+    config.frame_timeout = args.frame_timeout;
+    config.resident = args.resident;
+    let result = Shard::run_until_signal(&config, |info| {
+        tracing::info!(address = %info.listen, "ready");
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "ready {info}");
+        let _ = out.flush();
+    });
+    match result {
+        Ok(drained) => {
+            if !drained {
+                tracing::warn!("stopped before every request in flight was answered");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            ExitCode::FAILURE
+        }
+    }
+}
