@@ -77,7 +77,7 @@ pub async fn serve(
                 if !is_connection_error(&e) {
                     // Out of descriptors or memory: wait rather than spin; say so now and then.
                     if last_complaint.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                        eprintln!("cleave router: accepting a connection failed: {e}");
+                        tracing::warn!(error = %e, "accepting a connection failed");
                         last_complaint = Some(Instant::now());
                     }
                     tokio::time::sleep(ACCEPT_BACKOFF).await;

@@ -68,22 +68,26 @@ async fn handle(app: &App, name: &str, request: Request, form: Form) -> Response
     let mut budget = Budget::new(arrival, app.default_budget_ms);
     let mut body_read = false;
     let result = run(app, name, request, form, &mut budget, &mut body_read).await;
+    let trace_id = cleave_wire::log::trace_id(budget.trace_id);
     let mut response = match result {
         Ok(body) => {
             app.router.metrics.observe(Stage::Total, arrival.elapsed());
+            tracing::debug!(%trace_id, model = name, elapsed_us = arrival.elapsed().as_micros() as u64, "answered");
             json_bytes(StatusCode::OK, body)
         }
         Err(Failure::Request(e)) => {
             app.router.metrics.error(e.kind);
+            tracing::warn!(%trace_id, model = name, kind = ?e.kind, stage = ?e.stage, error = %e.message, "request failed");
             error_response(&e)
         }
         Err(Failure::Shed(shed)) => {
             app.router.metrics.error(ErrorKind::Overloaded);
+            tracing::warn!(%trace_id, model = name, reason = %shed.message, "request shed");
             shed_response(&shed)
         }
     };
     let headers = response.headers_mut();
-    if let Ok(id) = HeaderValue::from_str(&format!("{:016x}", budget.trace_id)) {
+    if let Ok(id) = HeaderValue::from_str(&trace_id) {
         headers.insert("x-request-id", id);
     }
     // A body left unread cannot be skipped to reach the next request: close after this one.

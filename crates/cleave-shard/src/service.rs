@@ -205,9 +205,23 @@ impl Handler for ShardService {
             Ok((payload, served)) => {
                 let n = payload.len();
                 responder.reply(payload);
+                tracing::debug!(
+                    trace_id = %cleave_wire::log::trace_id(request.trace_id),
+                    lookups = served.lookups,
+                    rows = served.rows,
+                    elapsed_us = started.elapsed().as_micros() as u64,
+                    "lookup answered"
+                );
                 (Ok((served.lookups, served.rows)), n)
             }
             Err((code, msg)) => {
+                // A refused lookup is the caller's bug or a plan mismatch: worth a line.
+                tracing::warn!(
+                    trace_id = %cleave_wire::log::trace_id(request.trace_id),
+                    code = ?code,
+                    error = %msg,
+                    "lookup refused"
+                );
                 responder.error(code, &msg);
                 (Err(code), msg.len() + 2)
             }

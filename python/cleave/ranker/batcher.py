@@ -19,6 +19,9 @@ passed when its batch starts is answered with error `deadline` and not computed;
 caller cancelled it is dropped from the queue. The queue holds at most `max_queue` requests:
 one more is answered `overloaded` at once (not executed, so the router retries it on another
 ranker).
+
+Logs (`logging`, logger "cleave.ranker") carry the router's trace id as `trace=%016x`, the
+form of the router's `x-request-id`: failures at WARNING, one record per batch at DEBUG.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Pending:
     deadline_us: int  # Unix microseconds; 0: none
     tensors: list[torch.Tensor]
     rows: int
+    trace_id: int = 0  # the router's request id, for logs (docs/protocol.md); 0: none
 
 
 @dataclass
@@ -132,13 +136,14 @@ class Batcher:
         return max(0.0, left_ns / 1e9)
 
     def _receive(self, timeout_s: float) -> None:
-        for conn_id, request_id, kind, payload, deadline_us, _trace in self.source.recv(
+        for conn_id, request_id, kind, payload, deadline_us, trace_id in self.source.recv(
             1024, timeout_s
         ):
             now = self.clock()
             if len(self.queue) >= self.max_queue:
                 self.stats.overloaded += 1
                 message = f"ranker queue full ({len(self.queue)} requests); not executed"
+                log.warning("trace=%016x refused: %s", trace_id, message)
                 self._error(conn_id, request_id, ERR_OVERLOADED, message)
                 continue
             try:
@@ -148,9 +153,12 @@ class Batcher:
                 rows = self.signature.check(request)
             except PayloadError as err:
                 self.stats.bad_requests += 1
+                log.warning("trace=%016x bad request: %s", trace_id, err)
                 self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
                 continue
-            self.queue.append(Pending(conn_id, request_id, now, deadline_us, request.tensors, rows))
+            self.queue.append(
+                Pending(conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id)
+            )
             self.queued_rows += rows
         self._drop_cancelled()
 
@@ -184,6 +192,7 @@ class Batcher:
             if head.deadline_us and head.deadline_us < now_us:
                 self.stats.dropped_deadline += 1
                 late_us = now_us - head.deadline_us
+                log.warning("trace=%016x past its deadline by %d us", head.trace_id, late_us)
                 self._error(
                     head.conn_id,
                     head.request_id,
@@ -206,12 +215,15 @@ class Batcher:
             if len(batch) > 1:  # find the request that fails instead of failing all of them
                 return sum(self._run([p]) for p in batch)
             self.stats.failed += 1
-            log.warning("dense program failed: %s", err)
             p = batch[0]
+            log.warning("trace=%016x dense program failed: %s", p.trace_id, err)
             self._error(p.conn_id, p.request_id, ERR_INTERNAL, f"dense program failed: {err}")
             return 0
         compute_us = (self.clock() - start) // 1000
         depth = len(self.queue)
+        if log.isEnabledFor(logging.DEBUG):  # the hot path: format nothing unless asked
+            traces = ",".join(f"{p.trace_id:016x}" for p in batch)
+            log.debug("batch of %d requests in %d us: trace=%s", len(batch), compute_us, traces)
         for p, outs in zip(batch, pieces, strict=True):
             queue_us = (start - p.arrived_ns) // 1000
             payload = encode_response(queue_us, compute_us, len(batch), depth, outs)

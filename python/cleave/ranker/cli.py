@@ -49,7 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _init_logging() -> None:
+    """Like the executables' logs: stderr, level from CLEAVE_LOG (default info)."""
+    import logging
+    import os
+
+    value = os.environ.get("CLEAVE_LOG", "info")
+    # A Rust filter ("cleave_router=debug,info") names its default level without a target.
+    bare = [d.strip() for d in value.split(",") if d.strip() and "=" not in d]
+    level = (bare[-1] if bare else "info").upper()
+    level = {"TRACE": "DEBUG", "WARN": "WARNING", "OFF": "CRITICAL"}.get(level, level)
+    if not isinstance(logging.getLevelName(level), int):
+        raise UsageError(f"CLEAVE_LOG={value!r}: expected a level: debug, info, warn or error")
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    _init_logging()
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_queue < 1:
