@@ -5,6 +5,7 @@
 //! so the hot path logs nothing at the default level.
 
 use std::fmt;
+use std::io::IsTerminal;
 use std::str::FromStr;
 
 use tracing_subscriber::EnvFilter;
@@ -60,8 +61,10 @@ pub fn init(format: LogFormat) -> Result<(), LogError> {
         value: value.clone(),
         reason: e.to_string(),
     })?;
+    // Colours only for a person at a terminal, never into a pipe or a file.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let installed = match format {
         LogFormat::Text => builder.try_init(),

@@ -16,6 +16,7 @@ use cleave_wire::log::{self, LogFormat};
 
 #[derive(Debug, Parser)]
 #[command(name = "cleave-router", version, about = "The Cleave router")]
+#[command(args_override_self = true)] // a flag given twice: the last wins
 struct Args {
     /// The router's JSON config (what `cleave serve` writes).
     config: PathBuf,

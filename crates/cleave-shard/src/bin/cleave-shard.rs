@@ -4,7 +4,9 @@
 //! "ready ADDRESS metrics=URL tables=..." for people once its tables are mapped (nothing reads
 //! it: launchers probe `/ready`); drains and exits 0 on SIGTERM/SIGINT.
 //!
-//! Exit codes: 2 for a bad flag, 1 when the shard cannot start (bundle, address).
+//! Exit codes: 2 for a bad flag, or a bundle that is missing or lacks the tables asked for;
+//! 1 when the shard cannot start otherwise (a table file that does not open, an address in
+//! use).
 
 use std::io::Write;
 use std::num::NonZeroUsize;
@@ -13,12 +15,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use cleave_embed::Manifest;
 use cleave_shard::{RowSpec, Shard, ShardConfig};
 use cleave_wire::log::{self, LogFormat};
 use cleave_wire::Address;
 
 #[derive(Debug, Parser)]
 #[command(name = "cleave-shard", version, about = "A Cleave embedding shard")]
+#[command(args_override_self = true)] // a flag given twice: the last wins, as before
 struct Args {
     /// Bundle directory (manifest.json, tables/).
     #[arg(long)]
@@ -36,10 +40,10 @@ struct Args {
     #[arg(long)]
     metrics_port: Option<u16>,
     /// Lookup threads, an I/O thread included.
-    #[arg(long, default_value = "1")]
+    #[arg(long, default_value = "1", value_parser = at_least_one)]
     threads: NonZeroUsize,
     /// Threads that own connections and run lookups.
-    #[arg(long, default_value = "1")]
+    #[arg(long, default_value = "1", value_parser = at_least_one)]
     io_threads: NonZeroUsize,
     /// A started frame (or a new connection's HELLO) must arrive within this many seconds.
     #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = seconds,
@@ -53,6 +57,13 @@ struct Args {
     log_format: LogFormat,
 }
 
+fn at_least_one(s: &str) -> Result<NonZeroUsize, String> {
+    let n: usize = s
+        .parse()
+        .map_err(|_| format!("expected a whole number, got {s:?}"))?;
+    NonZeroUsize::new(n).ok_or_else(|| format!("expected at least 1, got {s}"))
+}
+
 fn seconds(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
@@ -61,6 +72,36 @@ fn seconds(s: &str) -> Result<Duration, String> {
         return Err(format!("expected seconds > 0, got {s}"));
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+/// The operator's input, checked before anything starts so that it exits 2 like a bad flag:
+/// the bundle's manifest opens and holds every table named. (Shard::start checks the same
+/// again; what only it finds, such as a port in use, exits 1.)
+fn check_input(config: &ShardConfig) -> Result<(), String> {
+    let manifest = Manifest::load(&config.bundle).map_err(|e| e.to_string())?;
+    let known: Vec<&str> = manifest.tables.iter().map(|t| t.name.as_str()).collect();
+    let per_table: Vec<&str> = match &config.rows {
+        RowSpec::PerTable(per) => per.iter().map(|(n, _)| n.as_str()).collect(),
+        _ => Vec::new(),
+    };
+    if let Some(names) = &config.tables {
+        if let Some(n) = per_table.iter().find(|n| !names.iter().any(|t| t == *n)) {
+            return Err(format!(
+                "--rows names table {n:?}, which is not among --tables {names:?}"
+            ));
+        }
+    }
+    let named = config.tables.iter().flatten().map(String::as_str);
+    if let Some(n) = named
+        .chain(per_table.iter().copied())
+        .find(|n| !known.contains(n))
+    {
+        return Err(format!(
+            "table {n:?} is not in {}; the bundle has {known:?}",
+            config.bundle.join("manifest.json").display()
+        ));
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -82,6 +123,10 @@ fn main() -> ExitCode {
     config.io_threads = args.io_threads.get();
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
+    if let Err(e) = check_input(&config) {
+        tracing::error!(error = %e, "bad input");
+        return ExitCode::from(2);
+    }
     let result = Shard::run_until_signal(&config, |info| {
         tracing::info!(address = %info.listen, "ready");
         let mut out = std::io::stdout().lock();
