@@ -9,11 +9,15 @@ export PYO3_PYTHON := $(abspath $(PY))
 
 setup: $(STAMP)
 
-# One pip install builds the native module (maturin, release) and installs every dependency.
+# One pip install builds the native module (maturin, release) and installs every dependency;
+# then the standalone executables (cleave-shard, cleave-router: no Python in them) are built
+# in release and installed next to the `cleave` script, where the launcher looks first.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	cargo build --release --bins -p cleave-shard -p cleave-router
+	install -m 755 target/release/cleave-shard target/release/cleave-router $(VENV)/bin/
 	touch $@
 
 demo: $(STAMP)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+from cleave.launch.supervisor import find_executable
 from test_router_http import MODEL, Child, Deployment, cli, good_request, post, request
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -42,7 +42,7 @@ class Router:
         config = {**backends.base, **settings}
         path = backends.root / f"router-{time.monotonic_ns()}.json"
         path.write_text(json.dumps(config))
-        self.child = Child("router", [sys.executable, "-m", "cleave.launch.router", str(path)])
+        self.child = Child("router", [find_executable("cleave-router"), str(path)])
         self.address = self.child.address
         host, port = self.address.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)

@@ -1,5 +1,5 @@
 """The router's HTTP API against malformed requests, on real processes over loopback: a router
-(`python -m cleave.launch.router`, i.e. `cleave._native.run_router`) in front of two embedding
+(the `cleave-router` executable) in front of two embedding
 shards (`cleave shard`, each holding half of every table's rows) and a ranker (`cleave
 ranker`), serving the `shared` reference model (weighted sums, mean and max pooling, fixed-width
 bags).
@@ -26,6 +26,7 @@ import cleave
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS, RequestGenerator
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -133,9 +134,7 @@ class Deployment:
         }
         path = root / "router.json"
         path.write_text(json.dumps(config))
-        self.router = self._start(
-            "router", [sys.executable, "-m", "cleave.launch.router", str(path)]
-        )
+        self.router = self._start("router", [find_executable("cleave-router"), str(path)])
         self.url = f"{self.router.address}/v2/models/{MODEL}"
 
     def _start(self, name: str, argv: list[str]) -> Child:

@@ -137,8 +137,7 @@ def children(pid: int) -> dict[str, int]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if ppid != pid:
             continue
-        line = " ".join(cmdline)
-        if "cleave.launch.router" in line:
+        if Path(cmdline[0]).name == "cleave-router":
             found["router"] = int(entry.name)
         for arg in cmdline:
             for role in ("shard", "ranker"):

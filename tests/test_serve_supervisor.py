@@ -1,5 +1,6 @@
-"""The launcher's supervisor on small real child processes (Python one-liners): readiness,
-failures named with the child's output, restarts, ordered stop, SIGKILL after the grace time.
+"""The launcher's supervisor on small real child processes (Python one-liners serving
+`/ready` over HTTP): readiness from the probe, failures named with the child's output and the
+probe's last answer, restarts, ordered stop, SIGKILL after the grace time.
 Also the table-range plan and the config file."""
 
 from __future__ import annotations
@@ -14,22 +15,44 @@ from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.serve import table_ranges
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
+from cleave.runners.local import free_ports
+
+# Serves GET /ready (200) on the port in argv[1], in a thread: what every role does.
+SERVE_READY = """
+import http.server, sys, threading
+class _Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ready" else 404)
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+def serve_ready():
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), _Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+"""
 
 
 def child(name: str, body: str) -> ChildSpec:
-    return ChildSpec(name, [sys.executable, "-c", textwrap.dedent(body)], f"unix:/tmp/{name}")
+    (port,) = free_ports("127.0.0.1", 1)
+    code = SERVE_READY + textwrap.dedent(body)
+    return ChildSpec(
+        name,
+        [sys.executable, "-c", code, str(port)],
+        f"unix:/tmp/{name}",
+        probe=f"http://127.0.0.1:{port}",
+    )
 
 
 READY_THEN_WAIT = """
     import signal, sys, time
-    out = sys.argv[1] if len(sys.argv) > 1 else None
+    out = sys.argv[2] if len(sys.argv) > 2 else None
     def stop(*_):
         if out:
             open(out, "a").write(NAME + "\\n")
         sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
     print("starting up", flush=True)
-    print("ready unix:/tmp/" + NAME, flush=True)
+    serve_ready()
     while True:
         time.sleep(0.05)
 """
@@ -42,18 +65,14 @@ def waiting(name: str, record=None) -> ChildSpec:
     return spec
 
 
-def test_start_waits_for_ready_lines_and_stop_goes_newest_group_first(tmp_path):
+def test_start_waits_for_ready_probes_and_stop_goes_newest_group_first(tmp_path):
     record = tmp_path / "stopped"
     log = io.StringIO()
     sup = Supervisor(log=log)
     try:
         first = sup.start([waiting("shard-0", record), waiting("ranker-0", record)], 30)
         (router,) = sup.start([waiting("router", record)], 30)
-        assert [c.ready_line for c in first] == [
-            "ready unix:/tmp/shard-0",
-            "ready unix:/tmp/ranker-0",
-        ]
-        assert router.ready_line == "ready unix:/tmp/router"
+        assert all(c.ready.is_set() and c.last_answer == "200" for c in [*first, router])
     finally:
         codes = sup.stop(10)
     assert codes == {"router": 0, "shard-0": 0, "ranker-0": 0}
@@ -73,11 +92,35 @@ def test_child_exiting_before_ready_is_named_with_its_output():
     assert "exited with code 3 before it was ready" in message and "no table t9" in message
 
 
-def test_child_not_ready_in_time():
+def test_child_not_ready_in_time_is_named_with_its_probe_url_and_answer():
     sup = Supervisor(log=io.StringIO())
     slow = child("ranker-1", "import time; print('loading', flush=True); time.sleep(60)")
-    with pytest.raises(ChildFailed, match=r"ranker-1 .* was not ready after 1 s[\s\S]*loading"):
+    with pytest.raises(ChildFailed) as err:
         sup.start([slow], 1)
+    sup.stop(5)
+    message = str(err.value)
+    assert "ranker-1 (pid" in message and "was not ready after 1 s" in message
+    assert f"GET {slow.ready_url} answered no HTTP answer" in message and "loading" in message
+
+
+def test_a_probe_answering_503_keeps_the_child_unready():
+    sup = Supervisor(log=io.StringIO())
+    body = """
+        import http.server, threading, time
+        class Busy(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(503)
+                self.end_headers()
+                self.wfile.write(b"loading tables")
+            def log_message(self, *_):
+                pass
+        server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Busy)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        time.sleep(60)
+        """
+    busy = child("shard-3", body)
+    with pytest.raises(ChildFailed, match=r"answered 503 loading tables"):
+        sup.start([busy], 2)
     sup.stop(5)
 
 
@@ -141,7 +184,7 @@ def test_a_child_that_keeps_dying_is_restarted_with_growing_backoff(tmp_path):
         p.write_text(str(n + 1))
         if n:
             sys.exit(4)
-        print("ready", flush=True)
+        serve_ready()
         time.sleep(60)
         """,
     )
@@ -176,7 +219,7 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
         """
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ready", flush=True)
+        serve_ready()
         time.sleep(60)
         """,
     )

@@ -54,6 +54,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["shard"]:  # cleave-shard parses its own flags (and --help)
+        from cleave.launch.shard import exec_shard
+
+        try:
+            return exec_shard(argv[1:])
+        except CleaveError as err:
+            print(f"cleave shard: error: {err}", file=sys.stderr)
+            return 2
     args = build_parser(argv).parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

@@ -1,4 +1,6 @@
-//! `run_router(config_json)`: runs the Rust router (crates/cleave-router) in this process.
+//! `run_router(config_json)`: runs the Rust router (crates/cleave-router) in this process, for
+//! the one-process monolithic baseline (`cleave ranker --with-router`). A router on its own is
+//! the `cleave-router` executable (crates/cleave-router/src/bin), which links no Python.
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;

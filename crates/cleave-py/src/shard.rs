@@ -1,14 +1,13 @@
-//! `cleave._native.run_shard`: an embedding shard process (crate cleave-shard) run from
-//! `cleave shard`; `encode_lookups` (LOOKUP payloads for tests and tools); and
-//! `bench_shard_load`, the load generator of `cleave bench shard`.
+//! `encode_lookups` (LOOKUP payloads for tests and tools) and `bench_shard_load`, the load
+//! generator of `cleave bench shard`. The shard process itself is the `cleave-shard`
+//! executable (crates/cleave-shard/src/bin), which links no Python.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
 use cleave_shard::message::encode_request;
-use cleave_shard::{bench, Lookup, RowSpec, Shard, ShardConfig, ShardInfo};
-use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError, PyValueError};
+use cleave_shard::{bench, Lookup};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -16,88 +15,9 @@ use crate::shard_client::parse_requests;
 use crate::wire::{duration, parse_address};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(run_shard, m)?)?;
     m.add_function(wrap_pyfunction!(encode_lookups, m)?)?;
     m.add_function(wrap_pyfunction!(bench_shard_load, m)?)?;
     Ok(())
-}
-
-fn info_dict<'py>(py: Python<'py>, info: &ShardInfo) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("address", info.listen.to_string())?;
-    d.set_item("metrics", info.metrics.map(|m| format!("http://{m}")))?;
-    let tables: Vec<(String, u64, u64)> = info
-        .tables
-        .iter()
-        .map(|(n, r)| (n.clone(), r.start, r.end))
-        .collect();
-    d.set_item("tables", tables)?;
-    d.set_item("line", info.to_string())?;
-    Ok(d)
-}
-
-/// Serves lookups on `listen` for the tables of `bundle` until SIGTERM or SIGINT, then
-/// finishes the requests in flight and returns whether all drained in time. Blocks with the
-/// GIL released. `rows`: "START:END" or "NAME=START:END,...". `on_ready(info)` is called once
-/// the tables are mapped, with a dict: address, metrics (URL or None), tables
-/// [(name, start, end)], line (the text after "ready "). A bad argument raises ValueError; a
-/// shard that cannot start (bundle, address) raises RuntimeError.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)] // Python keyword arguments
-#[pyo3(signature = (bundle, listen, *, tables=None, rows=None, metrics_port=None, threads=1,
-                    io_threads=1, frame_timeout_s=10.0, resident=false, on_ready=None))]
-fn run_shard(
-    py: Python<'_>,
-    bundle: PathBuf,
-    listen: &str,
-    tables: Option<Vec<String>>,
-    rows: Option<&str>,
-    metrics_port: Option<u16>,
-    threads: usize,
-    io_threads: usize,
-    frame_timeout_s: f64,
-    resident: bool,
-    on_ready: Option<Py<PyAny>>,
-) -> PyResult<bool> {
-    if threads == 0 || io_threads == 0 {
-        return Err(PyValueError::new_err(format!(
-            "threads and io_threads must be at least 1, got {threads} and {io_threads}"
-        )));
-    }
-    let mut config = ShardConfig::new(bundle, parse_address(listen)?);
-    config.tables = tables;
-    config.rows = rows
-        .map(RowSpec::parse)
-        .transpose()
-        .map_err(PyValueError::new_err)?
-        .unwrap_or_default();
-    config.metrics_port = metrics_port;
-    config.threads = threads;
-    config.io_threads = io_threads;
-    config.frame_timeout = duration(frame_timeout_s, "frame_timeout_s")?;
-    config.resident = resident;
-    let mut callback_error = None;
-    let result = py.detach(|| {
-        Shard::run_until_signal(&config, |info| {
-            if let Some(f) = &on_ready {
-                Python::attach(|py| {
-                    if let Err(e) = info_dict(py, info).and_then(|d| f.call1(py, (d,))) {
-                        callback_error = Some(e);
-                    }
-                });
-            }
-        })
-    });
-    // The stopping SIGINT also reached Python's own handler: it has been dealt with.
-    if let Err(e) = py.check_signals() {
-        if !e.is_instance_of::<PyKeyboardInterrupt>(py) {
-            return Err(e);
-        }
-    }
-    if let Some(e) = callback_error {
-        return Err(e);
-    }
-    result.map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// The LOOKUP payload (frame kind 0x0100) for `requests` (ShardClient.lookup's form).

@@ -1,10 +1,8 @@
-"""The router process of `cleave serve`: `python -m cleave.launch.router CONFIG.json` runs the
-Rust router (`cleave._native.run_router`) until SIGTERM/SIGINT. `router_config` writes the JSON
-the router reads (crates/cleave-router's config; docs/serving.md)."""
+"""`router_config`: the JSON a router reads (crates/cleave-router's config; docs/serving.md).
+The router process is the `cleave-router CONFIG.json` executable (no Python in it)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from cleave.launch.config import ServeConfig
@@ -46,26 +44,3 @@ def router_config(
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
     }
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m cleave.launch.router CONFIG.json", file=sys.stderr)
-        return 2
-    from cleave._native import run_router
-
-    try:
-        text = Path(argv[0]).read_text()
-    except OSError as err:
-        print(f"cleave router: cannot read {argv[0]}: {err}", file=sys.stderr)
-        return 2
-    try:
-        run_router(text)
-    except (ValueError, OSError, RuntimeError) as err:
-        print(f"cleave router: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

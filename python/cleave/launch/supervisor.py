@@ -1,7 +1,9 @@
 """Starts the processes of a deployment, gates on their readiness, watches them, stops them.
 
-A child is ready when it prints a line starting with "ready" on stdout. Its other output is
-forwarded to our stderr, prefixed with its name; the last lines are kept for error messages.
+A child is ready when `GET /ready` on its probe URL (the health schema every role serves:
+shards and rankers on their metrics port, routers on their HTTP port) answers 200; the runner
+chose that port before starting it. Its output is forwarded to our stderr, prefixed with its
+name; the last lines are kept for error messages.
 Children run in their own session (a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order) and die with the launcher if it is killed (Linux: PR_SET_PDEATHSIG).
 
@@ -14,12 +16,17 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cleave.errors import CleaveError
 
@@ -28,6 +35,8 @@ _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _STABLE_S = 60.0  # a child that ran this long since it was ready restarts without delay growth
 _WATCH_TICK_S = 0.1
+_PROBE_EVERY_S = 0.1
+_PROBE_TIMEOUT_S = 2.0  # one GET /ready; a role busy loading may answer slowly
 
 
 class ChildFailed(CleaveError):
@@ -40,6 +49,11 @@ class ChildSpec:
     argv: list[str]
     address: str = ""  # what it serves on, for messages
     before_start: object = None  # callable run before each (re)start, e.g. remove a socket
+    probe: str = ""  # base URL of its /ready, /live, /metrics ("http://127.0.0.1:9100")
+
+    @property
+    def ready_url(self) -> str:
+        return f"{self.probe}/ready"
 
 
 @dataclass
@@ -47,14 +61,17 @@ class Child:
     spec: ChildSpec
     proc: subprocess.Popen
     ready: threading.Event = field(default_factory=threading.Event)
-    ready_line: str = ""
+    last_answer: str = "no answer yet"  # of its /ready, for messages
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     started: float = field(default_factory=time.monotonic)
-    ready_at: float = 0.0  # time.monotonic() of the ready line
+    ready_at: float = 0.0  # time.monotonic() of its first 200 from /ready
 
     def describe(self) -> str:
         where = f", {self.spec.address}" if self.spec.address else ""
         return f"{self.spec.name} (pid {self.proc.pid}{where})"
+
+    def not_ready(self) -> str:
+        return f"GET {self.spec.ready_url} answered {self.last_answer}"
 
     def output(self) -> str:
         lines = list(self.tail)
@@ -90,6 +107,23 @@ class _Recovery:
     ready_by: float = 0.0
 
 
+# Probes go straight to the role, never through an HTTP proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def probe_ready(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """One GET of a /ready URL: (whether it answered 200, what it answered, briefly)."""
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return response.status == 200, f"{response.status}"
+    except urllib.error.HTTPError as err:
+        body = err.read(200).decode(errors="replace").strip()
+        return False, f"{err.code} {body}".strip()
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        return False, f"no HTTP answer ({reason})"
+
+
 def backoff_s(attempt: int) -> float:
     """Delay before restart number `attempt` (1, 2, ...) in a row."""
     return min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (attempt - 1))
@@ -108,7 +142,7 @@ class Supervisor:
         self._attempts: dict[str, int] = {}  # name -> restarts in a row without a stable run
 
     # -- starting ------------------------------------------------------------------------------
-    def spawn(self, spec: ChildSpec) -> Child:
+    def spawn(self, spec: ChildSpec, ready_timeout_s: float) -> Child:
         if callable(spec.before_start):
             spec.before_start()
         proc = subprocess.Popen(
@@ -123,18 +157,31 @@ class Supervisor:
             env=self.env,
         )
         child = Child(spec, proc)
-        threading.Thread(target=self._read, args=(child, proc.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(child, proc.stderr, False), daemon=True).start()
+        threading.Thread(target=self._read, args=(child, proc.stdout), daemon=True).start()
+        threading.Thread(target=self._read, args=(child, proc.stderr), daemon=True).start()
+        threading.Thread(target=self._probe, args=(child, ready_timeout_s), daemon=True).start()
         return child
 
-    def _read(self, child: Child, stream, is_stdout: bool) -> None:
-        for raw in stream:
-            line = raw.rstrip("\n")
-            if is_stdout and not child.ready.is_set() and line.startswith("ready"):
-                child.ready_line = line
+    def _probe(self, child: Child, timeout_s: float) -> None:
+        """GET /ready until 200, the child exits, we stop, or (a little after) its ready
+        timeout, when the caller gives up on it anyway."""
+        if not child.spec.probe:
+            child.last_answer = "nothing: no probe URL was given"
+            return
+        deadline = time.monotonic() + timeout_s + _PROBE_TIMEOUT_S
+        while time.monotonic() < deadline and child.proc.poll() is None:
+            if self.stopping.is_set():
+                return
+            ok, child.last_answer = probe_ready(child.spec.ready_url)
+            if ok:
                 child.ready_at = time.monotonic()
                 child.ready.set()
-                continue
+                return
+            time.sleep(_PROBE_EVERY_S)
+
+    def _read(self, child: Child, stream) -> None:
+        for raw in stream:
+            line = raw.rstrip("\n")
             child.tail.append(line)
             try:
                 print(f"[{child.spec.name}] {line}", file=self.log, flush=True)
@@ -142,8 +189,8 @@ class Supervisor:
                 pass
 
     def wait_ready(self, children: list[Child], timeout_s: float) -> None:
-        """Blocks until every child printed its ready line; raises ChildFailed naming the
-        first one that exits or is not ready in time."""
+        """Blocks until every child's /ready answered 200; raises ChildFailed naming the
+        first one that exits or is not ready in time (with the probe URL and its last answer)."""
         deadline = time.monotonic() + timeout_s
         for child in children:
             while not child.ready.wait(0.05):
@@ -158,12 +205,13 @@ class Supervisor:
                     raise ChildFailed(f"stopped while waiting for {child.describe()}")
                 if time.monotonic() > deadline:
                     raise ChildFailed(
-                        f"{child.describe()} was not ready after {timeout_s:.0f} s{child.output()}"
+                        f"{child.describe()} was not ready after {timeout_s:.0f} s: "
+                        f"{child.not_ready()}{child.output()}"
                     )
 
     def start(self, specs: list[ChildSpec], timeout_s: float) -> list[Child]:
         """Starts children together (they load in parallel), then waits for all of them."""
-        started = [self.spawn(spec) for spec in specs]
+        started = [self.spawn(spec, timeout_s) for spec in specs]
         self.children.extend(started)
         self.groups.append([spec.name for spec in specs])
         self.wait_ready(started, timeout_s)
@@ -189,7 +237,8 @@ class Supervisor:
                     self._schedule(child, f"{what}{child.output()}")
                 elif recovery.starting is None:
                     if time.monotonic() >= recovery.due:
-                        recovery.starting = self.children[i] = self.spawn(child.spec)
+                        fresh = self.spawn(child.spec, ready_timeout_s)
+                        recovery.starting = self.children[i] = fresh
                         recovery.ready_by = time.monotonic() + ready_timeout_s
                 else:
                     self._follow_start(child, recovery, ready_timeout_s)
@@ -217,7 +266,7 @@ class Supervisor:
         if code is None:
             child.proc.kill()
             child.proc.wait()
-            why = f"was not ready after {ready_timeout_s:.0f} s; killed it"
+            why = f"was not ready after {ready_timeout_s:.0f} s ({child.not_ready()}); killed it"
         else:
             why = f"{_describe_exit(code)} before it was ready"
         del self._recovering[name]
@@ -264,3 +313,32 @@ class Supervisor:
 def python_argv(*args: str) -> list[str]:
     """A child command line that runs `cleave` with this interpreter (no PATH lookup)."""
     return [sys.executable, "-m", "cleave.cli", *args]
+
+
+EXECUTABLES = ("cleave-shard", "cleave-router")
+
+
+def find_executable(name: str) -> str:
+    """The path of a standalone executable (`cleave-shard`, `cleave-router`): in
+    $CLEAVE_BIN_DIR if set, else beside this interpreter (where `make setup` installs them),
+    else on PATH."""
+    assert name in EXECUTABLES, name
+    bin_dir = os.environ.get("CLEAVE_BIN_DIR")
+    if bin_dir:
+        path = Path(bin_dir) / name
+        if os.access(path, os.X_OK):
+            return str(path)
+        raise CleaveError(
+            f"{name}: not found in CLEAVE_BIN_DIR={bin_dir}; expected an executable {path} "
+            f"(cargo build --release -p {name}, then copy target/release/{name} there)"
+        )
+    beside = Path(sys.executable).parent / name
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise CleaveError(
+        f"{name}: not found beside {sys.executable} nor on PATH; build it with `make setup` "
+        f"(or `cargo install --path crates/{name}`), or set CLEAVE_BIN_DIR to its directory"
+    )

@@ -3,6 +3,7 @@ the plan puts it on (docs/plan.md, "Runners")."""
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,27 +23,61 @@ def _ports(plan: Plan) -> list[int]:
     return [p for p in ports + [r.http_port for r in plan.routers] if p]
 
 
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free on `host` now: bound all at once (so none repeats), then
+    released for the roles to bind. Another process could take one in between; the role then
+    fails to start, named, rather than serving somewhere unknown."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class LocalBinding(Binding):
     """Unix sockets in the runtime directory, or TCP on loopback with the plan's logical
     ports. A plan of several hosts numbers ports per host, so on one machine they may clash:
-    then every shard and ranker port is 0 (learnt from the ready line) instead."""
+    then every shard and ranker port is a free one picked here. A port the plan leaves 0 is
+    a free one picked here too; a role keeps its ports across restarts."""
 
     def __init__(self, plan: Plan, runtime: Path, host: str):
         self.transport = plan.transport
         self.runtime = runtime
         self.host = host
-        self.logical = max(Counter(_ports(plan)).values(), default=1) == 1
+        logical = max(Counter(_ports(plan)).values(), default=1) == 1
+        wanted: dict[tuple[str, str], int] = {}
+        for role in [*plan.shards, *plan.rankers]:
+            if self.transport == "tcp":
+                wanted[(role.name, "port")] = role.port if logical else 0
+            wanted[(role.name, "metrics")] = role.metrics_port if logical else 0
+        for router in plan.routers:
+            wanted[(router.name, "http")] = router.http_port
+        # Routers bind the client host; the rest loopback (`cleave serve --host` is for clients).
+        picked = iter(
+            free_ports(LOOPBACK, sum(1 for k, p in wanted.items() if not p and k[1] != "http"))
+        )
+        routers = iter(
+            free_ports(host, sum(1 for k, p in wanted.items() if not p and k[1] == "http"))
+        )
+        self.ports = {
+            k: p or next(routers if k[1] == "http" else picked) for k, p in wanted.items()
+        }
 
     def listen(self, role: Shard | Ranker) -> str:
         if self.transport == "unix":
             return f"unix:{self.runtime / role.name}.sock"
-        return f"{LOOPBACK}:{role.port if self.logical else 0}"
+        return f"{LOOPBACK}:{self.ports[(role.name, 'port')]}"
 
     def metrics_port(self, role: Shard | Ranker) -> int:
-        return role.metrics_port if self.logical else 0
+        return self.ports[(role.name, "metrics")]
 
     def http(self, router: Router) -> tuple[str, int]:
-        return self.host, router.http_port
+        return self.host, self.ports[(router.name, "http")]
 
 
 class LocalRunner(SupervisedRunner):

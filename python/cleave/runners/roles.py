@@ -5,37 +5,56 @@ them is only where a role listens and how its command is wrapped: a `Binding`.""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleave.launch.config import ServeConfig
-from cleave.launch.supervisor import ChildSpec, python_argv
+from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
 
 
 class Binding:
-    """Where a runner puts each role. The defaults are this machine's loopback; runners
-    override what differs."""
+    """Where a runner puts each role: concrete addresses and ports, chosen before anything
+    starts (readiness is probed on them, and a restarted role comes back on them)."""
 
     def listen(self, role: Shard | Ranker) -> str:
-        """The role's --listen address: `HOST:PORT` (port 0: the child picks one and says which
-        in its ready line) or `unix:PATH`."""
+        """The role's --listen address: `HOST:PORT` (a real port, never 0) or `unix:PATH`."""
         raise NotImplementedError
 
     def metrics_port(self, role: Shard | Ranker) -> int:
-        """Its /metrics, /ready, /live port (on the listen address's host); 0: it picks one."""
+        """Its /metrics, /ready, /live port on the listen address's host (loopback for a Unix
+        socket): the plan's here; a runner that picks ports for 0 overrides it."""
         return role.metrics_port
 
     def http(self, router: Router) -> tuple[str, int]:
-        """The router's client address and port."""
+        """The router's client address and port (never 0); /ready and /live are there too."""
         raise NotImplementedError
 
     def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
         """The command that runs `argv` where the role's host is (a namespace, say)."""
         return argv
+
+
+def _url_host(host: str) -> str:
+    """A bound host as a URL's: a wildcard is probed on loopback; IPv6 in brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def probe_base(listen: str, port: int) -> str:
+    """The base URL of a shard's or ranker's probes: its metrics port on its listen host."""
+    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0].strip("[]")
+    return f"http://{_url_host(host)}:{port}"
+
+
+def client_url(host: str, port: int) -> str:
+    """A router's client URL."""
+    return f"http://{_url_host(host)}:{port}"
 
 
 def _before_start(address: str):
@@ -55,16 +74,23 @@ class RoleSpecs:
         self.runtime = runtime
         self.bundle = plan.bundle_path().resolve()
 
-    def _spec(self, role, argv: list[str], address: str) -> ChildSpec:
-        return ChildSpec(role.name, self.binding.wrap(role, argv), address, _before_start(address))
+    def _spec(self, role, argv: list[str], address: str, metrics_port: int) -> ChildSpec:
+        return ChildSpec(
+            role.name,
+            self.binding.wrap(role, argv),
+            address,
+            _before_start(address),
+            probe=probe_base(address, metrics_port),
+        )
 
     def shard_specs(self) -> list[ChildSpec]:
         specs = []
         for shard in self.plan.shards:
             address = self.binding.listen(shard)
+            metrics_port = self.binding.metrics_port(shard)
             rows = ",".join(f"{t}={a}:{b}" for t, (a, b) in shard.ranges.items())
-            argv = python_argv(
-                "shard",
+            argv = [
+                find_executable("cleave-shard"),
                 "--bundle",
                 str(self.bundle),
                 "--listen",
@@ -74,15 +100,16 @@ class RoleSpecs:
                 "--rows",
                 rows,
                 "--metrics-port",
-                str(self.binding.metrics_port(shard)),
-            )
-            specs.append(self._spec(shard, argv, address))
+                str(metrics_port),
+            ]
+            specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
 
     def ranker_specs(self) -> list[ChildSpec]:
         specs = []
         for r in self.plan.rankers:
             address = self.binding.listen(r)
+            metrics_port = self.binding.metrics_port(r)
             argv = python_argv(
                 "ranker",
                 "--bundle",
@@ -100,18 +127,17 @@ class RoleSpecs:
                 "--max-queue",
                 str(r.max_queue),
                 "--metrics-port",
-                str(self.binding.metrics_port(r)),
+                str(metrics_port),
             )
             if self.plan.mode == "monolithic":
                 argv.append("--monolithic")
             if not r.cuda_graphs:
                 argv.append("--no-cuda-graphs")
-            specs.append(self._spec(r, argv, address))
+            specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
     def router_specs(self, shards: list[ChildSpec], rankers: list[ChildSpec]) -> list[ChildSpec]:
-        """One per router; call after the shards and rankers are ready (their addresses are
-        then known, ports learnt from ready lines included)."""
+        """One per router; call after the shards and rankers are ready."""
         address = {spec.name: spec.address for spec in shards}
         routes = []
         for shard in self.plan.shards:
@@ -125,19 +151,31 @@ class RoleSpecs:
         specs = []
         for router in self.plan.routers:
             path = self._router_config(router, routes, [spec.address for spec in rankers])
-            argv = [sys.executable, "-m", "cleave.launch.router", str(path)]
+            argv = [find_executable("cleave-router"), str(path)]
             specs.append(
-                ChildSpec(router.name, self.binding.wrap(router, argv), self._http(router))
+                ChildSpec(
+                    router.name,
+                    self.binding.wrap(router, argv),
+                    self._http(router),
+                    probe=self.url(router),
+                )
             )
         return specs
 
     def monolith_spec(self) -> ChildSpec:
-        """The monolithic baseline: the whole model and the router in one process."""
+        """The monolithic baseline: the whole model and the router in one process, ready
+        when its router's /ready is."""
         (ranker,) = self.ranker_specs()
         (router,) = self.plan.routers
         path = self._router_config(router, [], [])  # the process fills in its own ranker
         argv = [*ranker.argv, "--with-router", str(path)]
-        return ChildSpec("monolith", argv, self._http(router), ranker.before_start)
+        return ChildSpec(
+            "monolith", argv, self._http(router), ranker.before_start, probe=self.url(router)
+        )
+
+    def url(self, router: Router) -> str:
+        """The router's client URL (its probes are there too)."""
+        return client_url(*self.binding.http(router))
 
     def _router_config(self, router: Router, routes: list[dict], rankers: list[str]) -> Path:
         from cleave.launch.router import router_config
@@ -164,24 +202,6 @@ class RoleSpecs:
     def config_path(self, router: str) -> Path:
         return self.runtime / f"{router}.json"
 
-    def pin_http_port(self, router: str, url: str) -> None:
-        """The router bound an ephemeral port: a restarted router must come back on it, or
-        clients lose the deployment."""
-        port = int(url.rsplit(":", 1)[1])
-        path = self.config_path(router)
-        config = json.loads(path.read_text())
-        config["http_port"] = port
-        path.write_text(json.dumps(config, indent=1))
-
     def _http(self, router: Router) -> str:
         host, port = self.binding.http(router)
         return f"http {host}:{port}"
-
-
-def learn_address(spec: ChildSpec, ready_line: str) -> None:
-    """A TCP child bound port 0: keep the port it got, so a restart binds the same one."""
-    words = ready_line.split()
-    if spec.address.endswith(":0") and len(words) > 1:
-        actual = words[1]
-        spec.argv[spec.argv.index(spec.address)] = actual
-        spec.address = actual

@@ -1,5 +1,5 @@
 """The part shared by runners whose roles are processes started from here (local, testbed):
-start them in order under one Supervisor, gated on their ready lines; watch; stop."""
+start them in order under one Supervisor, each gated on its `/ready` probe; watch; stop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from cleave.launch.supervisor import Child, Supervisor
 from cleave.runners.base import Runner
-from cleave.runners.roles import Binding, RoleSpecs, learn_address
+from cleave.runners.roles import Binding, RoleSpecs
 
 if TYPE_CHECKING:
     from cleave.plan import Plan
@@ -46,22 +46,16 @@ class SupervisedRunner(Runner):
         specs = RoleSpecs(plan, self.bind(plan, plan_dir), plan_dir)
         timeout = plan.supervision.ready_timeout_s
         if plan.mode == "monolithic":
-            routers = self.supervisor.start([specs.monolith_spec()], timeout)
+            self.supervisor.start([specs.monolith_spec()], timeout)
         else:
             shards, rankers = specs.shard_specs(), specs.ranker_specs()
-            # Shards and rankers load in parallel; the routers need their addresses.
-            for child in self.supervisor.start(shards + rankers, timeout):
-                learn_address(child.spec, child.ready_line)
-            routers = self.supervisor.start(specs.router_specs(shards, rankers), timeout)
-        urls = []
-        for router, child in zip(plan.routers, routers, strict=True):
-            words = child.ready_line.split()
-            urls.append(words[1] if len(words) > 1 else "")
-            specs.pin_http_port(router.name, urls[-1])
-            child.spec.address = f"http {urls[-1].removeprefix('http://')}"  # port 0 learnt
+            # Shards and rankers load in parallel; the routers need them ready.
+            self.supervisor.start(shards + rankers, timeout)
+            self.supervisor.start(specs.router_specs(shards, rankers), timeout)
+        urls = [specs.url(router) for router in plan.routers]
         mode = "monolithic" if plan.mode == "monolithic" else f"{len(plan.shards)} shards"
         self._say(f"model {plan.name!r}, {mode}, {len(plan.rankers)} rankers")
-        self._print_metrics(self.supervisor.children, [r.name for r in plan.routers], urls)
+        self._print_metrics(self.supervisor.children)
         return urls
 
     def watch(self) -> int:
@@ -88,13 +82,8 @@ class SupervisedRunner(Runner):
         except (ValueError, OSError):  # our stderr is gone; the deployment goes on
             pass
 
-    def _print_metrics(self, children: list[Child], routers: list[str], urls: list[str]) -> None:
-        """Where each role's /metrics, /ready and /live are: from the ready lines."""
-        where = [
-            f"{c.spec.name} {word.removeprefix('metrics=')}"
-            for c in children
-            for word in c.ready_line.split()
-            if word.startswith("metrics=")
-        ]
-        where += [f"{name} {url}" for name, url in zip(routers, urls, strict=True)]
-        self._say(f"metrics: {', '.join(where)}")
+    def _print_metrics(self, children: list[Child]) -> None:
+        """Where each role's /metrics is (its /ready and /live beside it), one line a role,
+        for an operator's scraper."""
+        for child in children:
+            self._say(f"metrics {child.spec.name} {child.spec.probe}/metrics")

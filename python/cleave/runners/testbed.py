@@ -18,14 +18,33 @@ if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
 
 METRICS_FROM_PORT = 1000  # a role whose plan metrics port is 0 serves them on port + this
+SPARE_FROM_PORT = 20000  # other ports a plan leaves 0: the first free ones from here, per host
 
 
 class TestbedBinding(Binding):
+    """The plan's ports on each host's own address. Every host is a fresh namespace, so the
+    plan's ports are free there; one left 0 gets a port picked here, unused on its host."""
+
     def __init__(self, plan: Plan, testbed: Testbed, runtime: Path):
         self.plan = plan
         self.testbed = testbed
         self.runtime = runtime
         self.index = {h.name: i for i, h in enumerate(plan.hosts)}
+        roles = [*plan.shards, *plan.rankers]
+        wanted = {(r.name, "port"): (r.host, r.port) for r in roles}
+        for r in roles:
+            metrics = r.metrics_port or (r.port + METRICS_FROM_PORT if r.port else 0)
+            wanted[(r.name, "metrics")] = (r.host, metrics)
+        wanted.update({(r.name, "http"): (r.host, r.http_port) for r in plan.routers})
+        used = {hp for hp in wanted.values() if hp[1]}
+        self.ports = {}
+        for key, (host, port) in wanted.items():
+            if not port:
+                port = SPARE_FROM_PORT
+                while (host, port) in used:  # at most len(used) steps
+                    port += 1
+                used.add((host, port))
+            self.ports[key] = port
 
     def address(self, role: Shard | Ranker | Router) -> str:
         return self.testbed.hosts[self.index[role.host]].address
@@ -33,15 +52,13 @@ class TestbedBinding(Binding):
     def listen(self, role: Shard | Ranker) -> str:
         if self.plan.transport == "unix":  # one host only (checked): paths work across netns
             return f"unix:{self.runtime / role.name}.sock"
-        return f"{self.address(role)}:{role.port}"
+        return f"{self.address(role)}:{self.ports[(role.name, 'port')]}"
 
     def metrics_port(self, role: Shard | Ranker) -> int:
-        if role.metrics_port or not role.port:
-            return role.metrics_port
-        return role.port + METRICS_FROM_PORT
+        return self.ports[(role.name, "metrics")]
 
     def http(self, router: Router) -> tuple[str, int]:
-        return self.address(router), router.http_port
+        return self.address(router), self.ports[(router.name, "http")]
 
     def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
         return self.testbed.exec_argv(self.index[role.host], argv)
