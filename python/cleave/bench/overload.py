@@ -223,7 +223,7 @@ def process_tree(pid: int) -> dict[int, str]:
 
 def _role(argv: list[str]) -> str:
     line = " ".join(argv)
-    if "cleave.launch.router" in line:
+    if argv and Path(argv[0]).name == "cleave-router":
         return "router"
     for arg in argv:
         stem = Path(arg).stem

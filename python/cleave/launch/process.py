@@ -21,7 +21,8 @@ class ServeProcess:
         self.ready_timeout_s = ready_timeout_s
         self.echo = echo  # copy the deployment's log lines to our stderr
         self.url = ""
-        self.log: collections.deque[str] = collections.deque(maxlen=200)
+        # Roles log each failed request: an outage under load writes thousands of lines.
+        self.log: collections.deque[str] = collections.deque(maxlen=20000)
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
 
