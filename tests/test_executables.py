@@ -5,7 +5,8 @@ environment (`env -i`: no Python on PATH, no PYTHONPATH) and become ready on `/r
 logs are one object per line and carry a failing request's trace id (its `x-request-id`) in
 both the router's and the shard's lines; SIGTERM drains and exits 0; bad flags and configs
 exit 2 naming the flag or field. Readiness of `cleave serve` from probes is here too: a role
-whose `/ready` never turns 200 fails the start naming the role and the URL."""
+whose `/ready` never turns 200 fails the start naming the role and the URL; every role's
+metrics URL is printed and scrapable; a killed shard comes back on the same ports."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
 from cleave.runners.local import free_ports
 from test_serve import Served
@@ -359,3 +361,47 @@ def test_serve_fails_when_a_roles_ready_never_turns_200_naming_role_and_url(tmp_
     assert "router (pid" in result.stderr and "was not ready after 20 s" in result.stderr
     assert "/ready answered 503 starting" in result.stderr, result.stderr
     assert "ready http" not in result.stdout
+
+
+def shard_pids(parent: int) -> dict[tuple[str, str], int]:
+    """cleave-shard children of `parent` by (--listen, --metrics-port), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and argv[0].endswith("cleave-shard"):
+            at = (argv[argv.index("--listen") + 1], argv[argv.index("--metrics-port") + 1])
+            found[at] = int(entry.name)
+    return found
+
+
+def test_serve_prints_every_roles_metrics_url_and_a_restart_keeps_its_ports(tmp_path):
+    served = Served("shared", tmp_path)
+    config = tmp_path / "serve.toml"
+    config.write_text("shards = 2\ntransport = 'tcp'\n[ranker]\ndevice = 'cpu'\nthreads = 1\n")
+    with ServeProcess(served.dir, "--config", str(config)) as server:
+        lines = [line for line in server.log if line.startswith("cleave serve: metrics ")]
+        urls = dict(line.split()[-2:] for line in lines)
+        assert sorted(urls) == ["ranker-0", "router", "shard-0", "shard-1"], lines
+        for url in urls.values():
+            status, text = get(url)
+            assert status == 200 and "cleave_" in text, (url, text[:200])
+        ((listen, port), pid), _ = sorted(shard_pids(server.proc.pid).items())
+        probe = f"http://127.0.0.1:{port}"
+        assert f"{probe}/metrics" in urls.values()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + START_S  # a bound on the restart, not a timing check
+        while time.monotonic() < deadline:
+            restarted = shard_pids(server.proc.pid).get((listen, port))
+            if restarted not in (None, pid) and get(f"{probe}/ready")[0] == 200:
+                break
+            time.sleep(0.1)
+        # Back with the same data address and metrics port, and ready there.
+        assert restarted not in (None, pid), "\n".join(server.log)
+        assert get(f"{probe}/ready")[0] == 200
+        assert server.stop() == 0
