@@ -405,3 +405,18 @@ def test_serve_prints_every_roles_metrics_url_and_a_restart_keeps_its_ports(tmp_
         assert restarted not in (None, pid), "\n".join(server.log)
         assert get(f"{probe}/ready")[0] == 200
         assert server.stop() == 0
+
+
+def test_testbed_runner_refuses_unix_transport_before_making_anything(tmp_path):
+    """Its roles would serve their probes on their namespace's loopback, out of reach."""
+    from cleave.errors import UsageError
+    from cleave.launch.config import ServeConfig
+    from cleave.plan import local_plan
+    from cleave.runners.testbed import TestbedRunner
+
+    write_bundle(tmp_path / "bundle")
+    plan = local_plan(tmp_path / "bundle", ServeConfig(transport="unix"))
+    runner = TestbedRunner()
+    with pytest.raises(UsageError, match=r"transport: 'unix' cannot run on the testbed"):
+        runner.start(plan, tmp_path)
+    assert runner.testbed is None

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cleave.errors import UsageError
 from cleave.runners.roles import Binding
 from cleave.runners.supervised import SupervisedRunner
 from cleave.testbed import Testbed
@@ -50,8 +51,6 @@ class TestbedBinding(Binding):
         return self.testbed.hosts[self.index[role.host]].address
 
     def listen(self, role: Shard | Ranker) -> str:
-        if self.plan.transport == "unix":  # one host only (checked): paths work across netns
-            return f"unix:{self.runtime / role.name}.sock"
         return f"{self.address(role)}:{self.ports[(role.name, 'port')]}"
 
     def metrics_port(self, role: Shard | Ranker) -> int:
@@ -83,6 +82,13 @@ class TestbedRunner(SupervisedRunner):
         self.testbed: Testbed | None = None
 
     def bind(self, plan: Plan, plan_dir: Path) -> Binding:
+        if plan.transport == "unix":
+            # A role on a Unix socket serves its probes on its namespace's loopback, which
+            # the launcher (in the root namespace) cannot reach to learn it is ready.
+            raise UsageError(
+                "transport: 'unix' cannot run on the testbed (roles are probed over their "
+                "host's address); expected transport: tcp"
+            )
         require_privileges()  # a clear UsageError before anything is made
         testbed = Testbed(len(plan.hosts), link_gbit=self.link_gbit, name=testbed_name(plan.name))
         self.testbed = testbed.up()
