@@ -7,7 +7,7 @@
 # Orchestrators probe GET /ready and /live on the metrics port; there is no HEALTHCHECK.
 
 FROM python:3.11-slim-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends curl build-essential \
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=rust:1.89-slim-bookworm /usr/local/cargo /usr/local/cargo
 COPY --from=rust:1.89-slim-bookworm /usr/local/rustup /usr/local/rustup
