@@ -12,6 +12,12 @@ use pyo3::prelude::*;
 fn run_router(py: Python<'_>, config_json: &str) -> PyResult<()> {
     let config =
         cleave_router::RouterConfig::from_json(config_json).map_err(PyValueError::new_err)?;
+    // The router's events (backends ejected, readiness changes) go to stderr as in the
+    // executable; a process that already installed a logger keeps its own.
+    match cleave_wire::log::init(cleave_wire::log::LogFormat::Text) {
+        Ok(()) | Err(cleave_wire::log::LogError::AlreadySet) => {}
+        Err(e) => return Err(PyValueError::new_err(e.to_string())),
+    }
     let result = py.detach(|| cleave_router::run(config));
     // The stopping SIGINT also reached Python's own handler: it has been dealt with.
     if let Err(e) = py.check_signals() {

@@ -154,20 +154,20 @@ pub async fn serve(
 const ROLE: &str = "router";
 const STARTING: &str = "starting: backends not probed yet";
 
-/// Raises the open-file limit so that `max_connections` can be reached; says on stderr when
+/// Raises the open-file limit so that `max_connections` can be reached; warns when
 /// the system does not allow that many.
 fn check_open_files(max_connections: usize) {
     // Descriptors besides client connections: backends, the listener, the runtime, stdio.
     const SPARE: libc::rlim_t = 256;
     match front_door::raise_open_files_limit() {
-        Ok(limit) if limit < max_connections as libc::rlim_t + SPARE => eprintln!(
-            "cleave router: the open-file limit is {limit}, below max_connections \
-             ({max_connections}) + {SPARE}; connections beyond about {} will fail to be \
-             accepted (raise `ulimit -Hn` or lower max_connections)",
+        Ok(limit) if limit < max_connections as libc::rlim_t + SPARE => tracing::warn!(
+            "the open-file limit is {limit}, below max_connections ({max_connections}) + \
+             {SPARE}; connections beyond about {} will fail to be accepted (raise `ulimit -Hn` \
+             or lower max_connections)",
             limit.saturating_sub(SPARE)
         ),
         Ok(_) => {}
-        Err(e) => eprintln!("cleave router: cannot raise the open-file limit: {e}"),
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
     }
 }
 
@@ -204,7 +204,7 @@ fn split_health(
     }
 }
 
-/// Records the probe's findings; says on stderr when readiness changes, so an operator sees
+/// Records the probe's findings; logs when readiness changes, so an operator sees
 /// a backend leave and come back.
 pub(crate) fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
     let health = Health::new(ROLE, degraded, problems);
@@ -212,14 +212,14 @@ pub(crate) fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>
     let starting = current.problems.iter().any(|p| p == STARTING);
     if (current.degraded != health.degraded || current.problems != health.problems) && !starting {
         if !health.problems.is_empty() {
-            eprintln!("cleave router: not ready: {}", health.problems.join("; "));
+            tracing::warn!(problems = %health.problems.join("; "), "router not ready");
         } else if !health.degraded.is_empty() {
-            eprintln!(
-                "cleave router: degraded (still serving): {}",
-                health.degraded.join("; ")
+            tracing::warn!(
+                degraded = %health.degraded.join("; "),
+                "router degraded (still serving)"
             );
         } else {
-            eprintln!("cleave router: every shard and ranker answers again");
+            tracing::info!("router ready: every shard and ranker answers again");
         }
     }
     *current = health;

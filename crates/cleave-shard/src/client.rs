@@ -6,7 +6,6 @@
 //! replicas) can change while lookups run (membership.rs): each lookup works on the snapshot
 //! it started with.
 
-use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,17 +49,22 @@ impl Default for ShardClientConfig {
 }
 
 /// Why a batch failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The batch cannot be routed or is malformed; says which lookup and why.
+    #[error("{0}")]
     BadRequest(String),
     /// A shard failed, refused, or did not answer in time; the error names its address.
-    Shard(WireError),
+    #[error("shard {0}")]
+    Shard(#[source] WireError),
     /// The last replica tried for a group failed; `holds` names the group's ranges.
+    #[error("shard {source} (holding {holds})")]
     Replica { source: WireError, holds: String },
     /// No replica of a group may take work (all ejected or draining): failed fast.
+    #[error("no shard replica can take the lookup of {holds}: replicas {replicas}")]
     Unavailable { holds: String, replicas: String },
     /// A shard answered something that does not fit the request.
+    #[error("shard {addr}: unexpected response: {reason}")]
     BadResponse { addr: Address, reason: String },
 }
 
@@ -71,29 +75,6 @@ impl ClientError {
             ClientError::Shard(e) | ClientError::Replica { source: e, .. } => Some(e),
             _ => None,
         }
-    }
-}
-
-impl fmt::Display for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::BadRequest(m) => f.write_str(m),
-            ClientError::Shard(e) => write!(f, "shard {e}"),
-            ClientError::Replica { source, holds } => write!(f, "shard {source} (holding {holds})"),
-            ClientError::Unavailable { holds, replicas } => write!(
-                f,
-                "no shard replica can take the lookup of {holds}: replicas {replicas}"
-            ),
-            ClientError::BadResponse { addr, reason } => {
-                write!(f, "shard {addr}: unexpected response: {reason}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for ClientError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.wire().map(|e| e as _)
     }
 }
 
@@ -205,9 +186,11 @@ impl ShardClient {
             .zip(join_all(probes.collect()).await)
         {
             match problem {
-                None if r.readmit() => eprintln!("cleave router: shard {} readmitted", r.addr()),
+                None if r.readmit() => {
+                    tracing::info!(shard = %r.addr(), "shard replica readmitted")
+                }
                 Some(why) if r.eject(why.clone()) => {
-                    eprintln!("cleave router: shard {} ejected: {why}", r.addr());
+                    tracing::warn!(shard = %r.addr(), reason = %why, "shard replica ejected");
                 }
                 _ => {}
             }
@@ -392,7 +375,7 @@ impl ShardClient {
                         }
                         Failure::Eject => {
                             if r.eject(e.to_string()) {
-                                eprintln!("cleave router: shard {} ejected: {e}", r.addr());
+                                tracing::warn!(shard = %r.addr(), reason = %e, "shard replica ejected");
                             }
                         }
                         Failure::Busy => {}

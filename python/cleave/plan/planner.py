@@ -158,7 +158,7 @@ def make_plan(
 def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     """Exactly today's `cleave serve` layout: one host h0 (this machine), `shards` shards
     without replicas, `rankers` rankers, one router, the config's transport. Ports are 0: the
-    local runner binds Unix sockets, or TCP port 0 and learns the port from the ready line."""
+    local runner binds Unix sockets, or picks free TCP ports before it starts each role."""
     config = serve_config
     bundle = Path(bundle_dir).resolve()
     manifest = read_manifest(bundle)
