@@ -1,0 +1,105 @@
+"""Per-stage time of a deployment from its roles' Prometheus metrics, scraped before and after a
+load (docs/benchmarks.md, "Across hosts: the testbed", says how each stage is measured).
+
+The router's `cleave_router_stage_seconds{stage}` histogram gives parse, lookup, transfer,
+queue, compute and total; each shard's `cleave_shard_request_duration_seconds` gives its own
+service time. The sparse side's network is not measured anywhere directly, so it is derived:
+`lookup_network` = the router's mean lookup time less the mean service time of the slowest
+shard that served (a router's lookup waits for the last shard of its fan-out). What it keeps
+is the wire both ways, the shard's socket queueing and the router's own encode and merge; a
+mean of maxima is at least the maximum of means, so it leans towards the network.
+`transfer` (the ranker's side) is the router's round trip less the ranker's reported queue and
+compute (`Ranked::transfer` in crates/cleave-router/src/ranker.rs).
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROUTER_STAGES = ("parse", "lookup", "transfer", "queue", "compute", "total")
+SCRAPE_TIMEOUT_S = 5.0
+
+__all__ = ["ROUTER_STAGES", "breakdown", "metrics_endpoints", "scrape"]
+
+
+def metrics_endpoints(log_lines, url: str) -> dict[str, str]:
+    """Role name -> its /metrics URL: from `cleave serve`'s "metrics:" line (one
+    `NAME URL` per role, comma separated), else only the router at `url` (a deployment we did
+    not start: its shards' metrics ports are unknown here)."""
+    for line in reversed(list(log_lines)):
+        _, sep, rest = line.partition("cleave serve: metrics: ")
+        if not sep:
+            continue
+        found = {}
+        for entry in rest.split(","):
+            words = entry.split()
+            if len(words) == 2:
+                address = words[1] if "://" in words[1] else f"http://{words[1]}"
+                found[words[0]] = f"{address.rstrip('/')}/metrics"
+        if found:
+            return found
+    return {"router": f"{url.rstrip('/')}/metrics"}
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
+        return reply.read().decode()
+
+
+def scrape(endpoints: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each role's sums and counts: `router.<stage>.sum|count`, `shard.sum|count`,
+    `shard.response_bytes`. A role that does not answer is left out (it is down: the
+    breakdown then says nothing about it)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, url in endpoints.items():
+        try:
+            text = _fetch(url)
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("cleave_router_stage_seconds_"):
+                    kind = sample.name.rsplit("_", 1)[1]
+                    if kind in ("sum", "count"):
+                        values[f"router.{sample.labels.get('stage')}.{kind}"] = sample.value
+                elif sample.name == "cleave_shard_request_duration_seconds_sum":
+                    values["shard.sum"] = sample.value
+                elif sample.name == "cleave_shard_request_duration_seconds_count":
+                    values["shard.count"] = sample.value
+                elif sample.name == "cleave_shard_response_bytes_total":
+                    values["shard.response_bytes"] = sample.value
+        out[name] = values
+    return out
+
+
+def _delta(before: dict, after: dict, role: str, key: str) -> float:
+    return after.get(role, {}).get(key, 0.0) - before.get(role, {}).get(key, 0.0)
+
+
+def breakdown(before: dict, after: dict) -> dict:
+    """Mean microseconds per request of each stage between two scrapes, and what the shards
+    sent. Empty stages (nothing counted) are left out."""
+    stages: dict[str, float] = {}
+    routers = [r for r in after if any(k.startswith("router.") for k in after[r])]
+    for stage in ROUTER_STAGES:
+        total = sum(_delta(before, after, r, f"router.{stage}.sum") for r in routers)
+        count = sum(_delta(before, after, r, f"router.{stage}.count") for r in routers)
+        if count > 0:
+            stages[f"{stage}_us"] = total / count * 1e6
+    service, sent = [], 0.0
+    for role, values in after.items():
+        count = _delta(before, after, role, "shard.count")
+        if "shard.count" in values and count > 0:  # stand-by replicas served nothing
+            service.append(_delta(before, after, role, "shard.sum") / count * 1e6)
+            sent += _delta(before, after, role, "shard.response_bytes")
+    result: dict = {"stages_us": stages, "shards_served": len(service)}
+    if service and "lookup_us" in stages:
+        stages["lookup_service_us"] = max(service)
+        stages["lookup_network_us"] = stages["lookup_us"] - max(service)
+        lookups = sum(_delta(before, after, r, "router.lookup.count") for r in routers)
+        result["lookup_reply_bytes"] = sent / lookups if lookups else None
+    return result
