@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_serve_quick_compare(tmp_path):
     out = tmp_path / "serve.json"
@@ -73,3 +75,68 @@ def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_p
         assert dep["single"]["p50_ms"] is None and dep["single"]["errors"]["http_504"] > 0
         assert dep["max_rate_within_budget"] == 0.0
     assert "max rate with p99 <= 0.001 ms: 0/s" in result.stdout
+
+
+def _netns_missing() -> str | None:
+    from cleave.testbed import commands
+
+    if not commands.has_net_admin():
+        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
+    try:
+        commands.require_privileges()
+    except Exception as err:
+        return str(err)
+    return None
+
+
+def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_path):
+    """A 4-host plan under the local runner: the roles' /metrics give every stage, the
+    lookup's network part included."""
+    from cleave.launch.config import RankerConfig, ServeConfig
+    from cleave.plan import emulated_hosts, make_plan, save_plan
+    from test_serve import Served
+
+    served = Served("shared", tmp_path)
+    config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
+    plan = make_plan(served.dir, emulated_hosts(4), 2, 1, 1, 1, serve_config=config)
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    result, report = bench(tmp_path, "--quick", "--check", "--plan", str(path))
+    (dep,) = report["deployments"].values()
+    assert report["runner"] == "local" and report["max_abs_diff"] <= 1e-5
+    metrics = dep["rates"][0]["metrics"]
+    assert metrics["shards_served"] == 2
+    stages = metrics["stages_us"]
+    for stage in ("parse", "lookup", "lookup_service", "transfer", "compute", "total"):
+        assert stages[f"{stage}_us"] > 0, stages
+    assert stages["lookup_network_us"] == stages["lookup_us"] - stages["lookup_service_us"]
+    assert metrics["lookup_reply_bytes"] > 0
+    assert "lookup_n" in result.stdout  # the stage table
+
+
+def test_bench_serve_refuses_flags_that_disagree(tmp_path):
+    for flags, message in [
+        (["--runner", "testbed"], "--runner testbed: only with --plan or --shard-hosts"),
+        (["--shard-hosts", "1,x"], "--shard-hosts: expected shard host counts"),
+        (["--shard-hosts", "1", "--compare"], "got --shard-hosts, --compare"),
+        (["--plan", "p.yaml", "--link-gbit", "2"], "--link-gbit: only with --runner testbed"),
+        (["--plan", str(tmp_path / "none.yaml")], "none.yaml: plan not found"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
+    result, report = bench(tmp_path, "--quick", "--shard-hosts", "1,2")
+    assert list(report["deployments"]) == ["1 shard host", "2 shard hosts"]
+    assert report["runner"] == "testbed" and report["link_gbit"] == 1.0
+    for dep in report["deployments"].values():
+        assert "lookup_network_us" in dep["rates"][0]["metrics"]["stages_us"]
+    assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
+    assert "shard-host sweep, 1 Gbit/s links" in result.stdout
+    assert (tmp_path / "stress.png").stat().st_size > 10_000

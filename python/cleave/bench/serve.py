@@ -250,7 +250,13 @@ class Target:
             where = [self.bundle] if self.plan is None else [None, "--plan", str(self.plan)]
             self.server = ServeProcess(*where, *self.flags).start()
             self.url = self.server.url
-        # Read now: the log keeps only its last lines.
+            # Its "metrics:" line (stderr) comes before "ready" (stdout), but each stream has
+            # its own reader: wait a little for it. Read now: the log keeps only its last lines.
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not any(
+                "cleave serve: metrics: " in line for line in list(self.server.log)
+            ):
+                time.sleep(0.02)
         self.endpoints = metrics_endpoints(self.server.log if self.server else [], self.url)
         return self
 
