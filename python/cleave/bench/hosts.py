@@ -9,8 +9,18 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 
-# Stages of the breakdown from /metrics, in pipeline order (cleave.bench.stages).
-STAGES = ["parse", "lookup_service", "lookup_network", "transfer", "queue", "compute", "rest"]
+# Stages of the breakdown from /metrics, in pipeline order (cleave.bench.stages); "lookup" only
+# when no shard metrics split it (--url).
+STAGES = [
+    "parse",
+    "lookup",
+    "lookup_service",
+    "lookup_network",
+    "transfer",
+    "queue",
+    "compute",
+    "rest",
+]
 MAX_SHARD_HOSTS = 16
 
 
@@ -121,12 +131,15 @@ def stage_means(point: dict) -> dict[str, float]:
     """Milliseconds per request by stage, from the /metrics breakdown; `rest` is the router's
     total less its stages (HTTP encode of the reply, scheduling)."""
     us = point.get("metrics", {}).get("stages_us", {})
-    out = {s: us[f"{s}_us"] / 1e3 for s in STAGES if f"{s}_us" in us}
+    out = {s: us[f"{s}_us"] / 1e3 for s in STAGES if s != "lookup" and f"{s}_us" in us}
     if "lookup_service" not in out and "lookup_us" in us:
         out["lookup"] = us["lookup_us"] / 1e3  # no shard metrics: the lookup as one stage
-    if "total_us" in us:
+    # Each histogram counts the requests that reached its stage: with errors they differ, and
+    # total less the stages would mix populations, so `rest` is left out then.
+    if "total_us" in us and not point.get("errors"):
         parts = ("parse", "lookup", "transfer", "queue", "compute")
         out["rest"] = (us["total_us"] - sum(us.get(f"{p}_us", 0.0) for p in parts)) / 1e3
+    if "total_us" in us:
         out["total"] = us["total_us"] / 1e3
     return out
 

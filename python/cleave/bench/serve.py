@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -491,6 +493,10 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     hosts.check_deployment_flags(args)
+    # SIGTERM unwinds like Ctrl-C: every deployment started here is stopped (and its testbed
+    # removed) on the way out, instead of outliving the benchmark.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()
     workload = Workload(args)
     log(
