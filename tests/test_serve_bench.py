@@ -136,7 +136,9 @@ def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     assert list(report["deployments"]) == ["1 shard host", "2 shard hosts"]
     assert report["runner"] == "testbed" and report["link_gbit"] == 1.0
     for dep in report["deployments"].values():
-        assert "lookup_network_us" in dep["rates"][0]["metrics"]["stages_us"]
+        metrics = dep["rates"][0]["metrics"]
+        assert "lookup_network_us" in metrics["stages_us"]
+        assert set(metrics["link_drops"]["h0"]) == {"to_host", "from_host"}
     assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
     assert "shard-host sweep, 1 Gbit/s links" in result.stdout
     assert (tmp_path / "stress.png").stat().st_size > 10_000

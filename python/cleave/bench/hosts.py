@@ -144,6 +144,14 @@ def stage_means(point: dict) -> dict[str, float]:
     return out
 
 
+def link_drops(point: dict) -> float | None:
+    """Packets every testbed link's queue dropped during the point (None off the testbed)."""
+    links = point.get("metrics", {}).get("link_drops")
+    if not links:
+        return None
+    return sum(sum(d.values()) for d in links.values())
+
+
 def hosts_ratios(result: dict) -> dict[str, float]:
     """Each sweep point's goodput and p99 against the first (S = 1 when it is swept)."""
     deps = list(result["deployments"].items())
@@ -187,12 +195,22 @@ def print_stages(result: dict) -> None:
         return
     print(
         "\nstages, ms per request from /metrics (lookup_network = router lookup - slowest "
-        "shard's service; transfer = ranker round trip - its queue and compute):"
+        "shard's service; transfer = ranker round trip - its queue and compute; drops = "
+        "packets the testbed's link queues dropped):"
     )
-    print(f"{'deployment':<16} {'rate/s':>8} " + " ".join(f"{s[:8]:>8}" for s in STAGES))
+    print(
+        f"{'deployment':<16} {'rate/s':>8} "
+        + " ".join(f"{s[:8]:>8}" for s in STAGES)
+        + f" {'drops':>7}"
+    )
     for name, p in rows:
         means = stage_means(p)
-        print(f"{name:<16} {p['rate']:8.1f} " + " ".join(_ms(means.get(s)) for s in STAGES))
+        drops = link_drops(p)
+        print(
+            f"{name:<16} {p['rate']:8.1f} "
+            + " ".join(_ms(means.get(s)) for s in STAGES)
+            + (f" {drops:7.0f}" if drops is not None else f" {'-':>7}")
+        )
 
 
 def print_hosts(result: dict) -> None:

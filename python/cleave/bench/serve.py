@@ -238,13 +238,14 @@ class Target:
         self.url = url.rstrip("/") if url else ""
         self.model = model  # the served model's name when it is not the workload's
         self.endpoints: dict[str, str] = {}  # role -> /metrics URL
+        self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
 
     @property
     def restartable(self) -> bool:
         return self.bundle is not None or self.plan is not None
 
     def start(self) -> Target:
-        from cleave.bench.stages import metrics_endpoints
+        from cleave.bench.stages import metrics_endpoints, testbed_links
 
         if self.restartable:
             from cleave.launch.process import ServeProcess
@@ -259,7 +260,9 @@ class Target:
                 "cleave serve: metrics: " in line for line in list(self.server.log)
             ):
                 time.sleep(0.02)
-        self.endpoints = metrics_endpoints(self.server.log if self.server else [], self.url)
+        log = list(self.server.log) if self.server else []
+        self.endpoints = metrics_endpoints(log, self.url)
+        self.links = testbed_links(log)
         return self
 
     def stop(self) -> None:
@@ -334,11 +337,11 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         for point in result["rates"]:  # the search may come back to a rate of the sweep
             if point["rate"] == rate:
                 return point
-        before = scrape(target.endpoints)
+        before = scrape(target.endpoints, target.links)
         samples = open_loop(
             infer(), workload.bodies, rate, args.duration, seed=int(rate), check=check
         )
-        metrics = breakdown(before, scrape(target.endpoints))
+        metrics = breakdown(before, scrape(target.endpoints, target.links))
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
         point["metrics"] = metrics
         point["within_budget"] = _ok(point, rate, args.budget_ms, args.max_error_pct)

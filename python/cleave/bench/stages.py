@@ -9,7 +9,9 @@ shard that served (a router's lookup waits for the last shard of its fan-out). W
 is the wire both ways, the shard's socket queueing and the router's own encode and merge; a
 mean of maxima is at least the maximum of means, so it leans towards the network.
 `transfer` (the ranker's side) is the router's round trip less the ranker's reported queue and
-compute (`Ranked::transfer` in crates/cleave-router/src/ranker.rs).
+compute (`Ranked::transfer` in crates/cleave-router/src/ranker.rs). On the testbed, the packets
+each host link's queue dropped (`tc -s qdisc`, its bfifo) are counted too: drops mean TCP
+retransmissions, which no stage shows by name.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROUTER_STAGES = ("parse", "lookup", "transfer", "queue", "compute", "total")
 SCRAPE_TIMEOUT_S = 5.0
 
-__all__ = ["ROUTER_STAGES", "breakdown", "metrics_endpoints", "scrape"]
+__all__ = ["ROUTER_STAGES", "breakdown", "metrics_endpoints", "scrape", "testbed_links"]
 
 
 def metrics_endpoints(log_lines, url: str) -> dict[str, str]:
@@ -44,16 +46,55 @@ def metrics_endpoints(log_lines, url: str) -> dict[str, str]:
     return {"router": f"{url.rstrip('/')}/metrics"}
 
 
+def testbed_links(log_lines) -> dict[str, tuple[str, str, str]]:
+    """Plan host -> (netns, veth, bridge port) of its link, from `cleave serve`'s "testbed
+    'NAME': h0=ADDR, …" line; empty when the deployment is not on a testbed."""
+    from cleave.testbed.testbed import host_link
+
+    for line in reversed(list(log_lines)):
+        _, sep, rest = line.partition("cleave serve: testbed ")
+        if sep and ": " in rest:
+            pairs = [p.split("=", 1) for p in rest.split(": ", 1)[1].split(", ")]
+            return {host: host_link(address) for host, address in pairs}
+    return {}
+
+
+def _bfifo_drops(text: str) -> float:
+    """Packets the bfifo leaf dropped, from `tc -s qdisc show` output."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("qdisc bfifo") and "dropped " in lines[i + 1]:
+            return float(lines[i + 1].split("dropped ", 1)[1].split(",", 1)[0])
+    return 0.0
+
+
+def _link_drops(netns: str, veth: str, bridge_port: str) -> dict[str, float]:
+    from cleave.testbed.commands import tc
+
+    return {
+        "drops.to_host": _bfifo_drops(tc("-s", "qdisc", "show", "dev", bridge_port)),
+        "drops.from_host": _bfifo_drops(tc("-n", netns, "-s", "qdisc", "show", "dev", veth)),
+    }
+
+
 def _fetch(url: str) -> str:
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
         return reply.read().decode()
 
 
-def scrape(endpoints: dict[str, str]) -> dict[str, dict[str, float]]:
+def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, dict[str, float]]:
     """Each role's sums and counts: `router.<stage>.sum|count`, `shard.sum|count`,
     `shard.response_bytes`. A role that does not answer is left out (it is down: the
-    breakdown then says nothing about it)."""
+    breakdown then says nothing about it). `links` (testbed_links): each host link's drops,
+    as `link:<host>`."""
+    from cleave.testbed import TestbedError
+
     out: dict[str, dict[str, float]] = {}
+    for host, link in (links or {}).items():
+        try:
+            out[f"link:{host}"] = _link_drops(*link)
+        except TestbedError:
+            continue  # the testbed is gone (the deployment stopped)
     for name, url in endpoints.items():
         try:
             text = _fetch(url)
@@ -97,6 +138,15 @@ def breakdown(before: dict, after: dict) -> dict:
             service.append(_delta(before, after, role, "shard.sum") / count * 1e6)
             sent += _delta(before, after, role, "shard.response_bytes")
     result: dict = {"stages_us": stages, "shards_served": len(service)}
+    links = {}
+    for role in after:
+        if role.startswith("link:"):
+            host = role.removeprefix("link:")
+            links[host] = {
+                k.removeprefix("drops."): _delta(before, after, role, k) for k in after[role]
+            }
+    if links:
+        result["link_drops"] = links
     if service and "lookup_us" in stages:
         stages["lookup_service_us"] = max(service)
         stages["lookup_network_us"] = stages["lookup_us"] - max(service)
