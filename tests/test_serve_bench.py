@@ -4,8 +4,11 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +145,29 @@ def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
     assert "shard-host sweep, 1 Gbit/s links" in result.stdout
     assert (tmp_path / "stress.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
+    from test_runners import descendants, namespaces
+
+    before = namespaces()
+    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--shard-hosts", "1"]
+    argv += ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
+    argv += ["--rates", "20", "--duration", "600", "--workdir", str(tmp_path / "work")]
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not namespaces() - before and bench.poll() is None:  # the testbed is up
+            assert time.monotonic() < deadline, "the deployment never started"
+            time.sleep(0.2)
+        roles = descendants(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert namespaces() - before == set()
+    assert roles and not [pid for pid in roles if Path(f"/proc/{pid}").exists()]

@@ -23,8 +23,6 @@ from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
 from test_serve import SCALES, TOLERANCE, Served, check_scores, infer_url, post
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
 
 def _netns_missing() -> str | None:
     if not commands.has_net_admin():
@@ -37,7 +35,7 @@ def _netns_missing() -> str | None:
 
 
 pytestmark = [
-    pytestmark,
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
     pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or ""),
 ]
 

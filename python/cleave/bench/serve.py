@@ -251,7 +251,12 @@ class Target:
             from cleave.launch.process import ServeProcess
 
             where = [self.bundle] if self.plan is None else [None, "--plan", str(self.plan)]
-            self.server = ServeProcess(*where, *self.flags).start()
+            self.server = ServeProcess(*where, *self.flags)
+            try:
+                self.server.start()
+            except BaseException:  # SIGTERM while it starts, say: stop what has started
+                self.stop()
+                raise
             self.url = self.server.url
             # Its "metrics:" line (stderr) comes before "ready" (stdout), but each stream has
             # its own reader: wait a little for it. Read now: the log keeps only its last lines.
