@@ -43,7 +43,7 @@ BUDGET_MS = 500
 SLACK_S = 5.0  # for a loaded 2-core machine, not a performance claim: a hang takes 30 s
 
 
-def testbed_plan(served: Served, root: Path) -> Path:
+def plan_on_testbed(served: Served, root: Path) -> Path:
     """Router on h0, each range on both shard hosts h1 and h2 (K = 2), the ranker on h3."""
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
     plan = make_plan(served.dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
@@ -73,7 +73,7 @@ def bundles(tmp_path_factory) -> Bundles:
 @pytest.mark.parametrize("model", sorted(SCALES))
 def test_scores_equal_the_original_model_across_hosts(model, bundles, tmp_path):
     served = bundles[model]
-    plan = testbed_plan(served, tmp_path)
+    plan = plan_on_testbed(served, tmp_path)
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         assert server.url.startswith("http://198.1"), server.url
         check_scores(server, served)
@@ -125,7 +125,7 @@ def host_addresses(server: ServeProcess) -> dict[str, str]:
 
 def test_a_shard_host_link_down_under_load_fails_over_or_fails_fast(bundles, tmp_path):
     served = bundles["shared"]
-    plan = testbed_plan(served, tmp_path)
+    plan = plan_on_testbed(served, tmp_path)
     requests = [served.request(16) for _ in range(4)]
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         url = infer_url(server, served)
