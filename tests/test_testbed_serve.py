@@ -1,7 +1,8 @@
 """Serving across emulated hosts (docs/testbed.md): every reference model on a 4-host testbed
 plan (router host, two shard hosts, ranker host) with 2 replicas per range, scored over HTTP
-against the original model; then one shard host's link taken down under load. One deployment
-per model, one ranker thread (the machine is shared)."""
+against the original model; then one shard host's link taken down under load: the other
+replica answers, nothing fails or hangs. One deployment per model, one ranker thread (the
+machine is shared)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cleave.bench.loadgen import outputs_of
-from cleave.launch.config import RankerConfig, ServeConfig
+from cleave.launch.config import RankerConfig, RouterConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.testbed import commands
@@ -40,12 +41,15 @@ pytestmark = [
 ]
 
 BUDGET_MS = 500
+SHARD_TIMEOUT_MS = 100  # one call to a replica cut off costs this, then the other replica
 SLACK_S = 5.0  # for a loaded 2-core machine, not a performance claim: a hang takes 30 s
 
 
-def plan_on_testbed(served: Served, root: Path) -> Path:
+def plan_on_testbed(served: Served, root: Path, router: RouterConfig | None = None) -> Path:
     """Router on h0, each range on both shard hosts h1 and h2 (K = 2), the ranker on h3."""
-    config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
+    config = ServeConfig(
+        ranker=RankerConfig(threads=1, device="cpu"), router=router or RouterConfig()
+    )
     plan = make_plan(served.dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
     assert {s.host for s in plan.shards} == {"h1", "h2"}
     for group in {s.group for s in plan.shards}:
@@ -123,14 +127,14 @@ def host_addresses(server: ServeProcess) -> dict[str, str]:
     raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
 
 
-def test_a_shard_host_link_down_under_load_fails_over_or_fails_fast(bundles, tmp_path):
+def test_a_shard_host_link_down_under_load_fails_over(bundles, tmp_path):
     served = bundles["shared"]
-    plan = plan_on_testbed(served, tmp_path)
+    plan = plan_on_testbed(served, tmp_path, RouterConfig(shard_timeout_ms=SHARD_TIMEOUT_MS))
     requests = [served.request(16) for _ in range(4)]
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         url = infer_url(server, served)
         assert post_with_budget(url, requests[0][0])[0] == 200
-        # h1 holds the first replica of every range: the one today's router uses.
+        # h1 holds one replica of every range, h2 the other.
         netns, veth, bridge_port = host_link(host_addresses(server)["h1"])
         results: list[tuple[float, int, dict, float, list]] = []
         stop = threading.Event()
@@ -169,13 +173,12 @@ def test_a_shard_host_link_down_under_load_fails_over_or_fails_fast(bundles, tmp
         assert not any(w.is_alive() for w in workers), "a client hung"
         during = [r for r in results if down_at < r[0] - r[3] < up_at]
         assert during, "no request was sent while the link was down"
+        failed = [(status, reply, took) for _, status, reply, took, _ in results if status != 200]
         for _, status, reply, took, want in results:
-            assert took < BUDGET_MS / 1e3 + SLACK_S, (status, reply, took)
+            assert took < BUDGET_MS / 1e3 + SLACK_S, (status, reply, took)  # nothing hung
             if status == 200:
                 for g, w in zip(outputs_of(reply), want, strict=True):
                     assert np.abs(g - w).max() <= TOLERANCE
-            else:  # failed fast and said why: the budget spent in the lookup, or the shard
-                assert 500 <= status < 600, (status, reply)
-                error = reply.get("error", "")
-                assert "shard" in error or '"lookup"' in error, reply
+        # K = 2: a part stuck on h1 is retried on h2 after SHARD_TIMEOUT_MS, within the budget.
+        assert not failed, failed[:5]
         assert server.stop() == 0
