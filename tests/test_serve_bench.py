@@ -123,6 +123,7 @@ def test_bench_serve_refuses_flags_that_disagree(tmp_path):
         (["--shard-hosts", "1", "--compare"], "got --shard-hosts, --compare"),
         (["--plan", "p.yaml", "--link-gbit", "2"], "--link-gbit: only with --runner testbed"),
         (["--plan", str(tmp_path / "none.yaml")], "none.yaml: plan not found"),
+        (["--shard-hosts", "1", "--link-gbit", "0"], "--link-gbit: expected a rate > 0"),
     ]:
         result = subprocess.run(
             [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags],

@@ -42,8 +42,12 @@ def check_deployment_flags(args) -> None:
         args.runner = "testbed" if args.shard_hosts else "local"
     if args.link_gbit is not None and args.runner != "testbed":
         raise UsageError("--link-gbit: only with --runner testbed (--shard-hosts uses it)")
+    if args.link_gbit is not None and not 0 < args.link_gbit <= 100:
+        raise UsageError(f"--link-gbit: expected a rate > 0 and <= 100, got {args.link_gbit}")
     if planned and (args.overload or args.soak):
-        raise UsageError("--overload and --soak measure `cleave serve BUNDLE`: drop --plan")
+        raise UsageError(
+            "--overload and --soak measure `cleave serve BUNDLE`: drop --plan and --shard-hosts"
+        )
     if args.max_error_pct is None:  # the sweep's goodput allows 1 % errors (docs/benchmarks.md)
         args.max_error_pct = 1.0 if args.shard_hosts else 0.0
     if not 0 <= args.max_error_pct <= 100:
