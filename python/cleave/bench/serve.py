@@ -209,15 +209,17 @@ def write_json(result: dict, path) -> Path:
     return path
 
 
-def _ok(point: dict, rate: float, budget_ms: float, max_error_pct: float = 0.0) -> bool:
+def _ok(point: dict, budget_ms: float, max_error_pct: float = 0.0) -> bool:
     """Within budget: errors at most `max_error_pct` of those sent (none by default), p99
-    within it, and the deployment kept up with the load."""
+    within it, and the deployment kept up with the load: 90 % of the requests *sent*
+    answered. Not of `rate` x duration: a Poisson run of 5 s at 12.5/s sends 62 +- 8, so
+    that failed deployments that answered everything."""
     errors = sum(point["errors"].values())
     return (
         errors <= max_error_pct / 100 * point["sent"]
         and point["p99_ms"] is not None
         and point["p99_ms"] <= budget_ms
-        and point["throughput_rps"] >= 0.9 * rate
+        and point["ok"] >= 0.9 * point["sent"]
     )
 
 
@@ -349,7 +351,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         metrics = breakdown(before, scrape(target.endpoints, target.links))
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
         point["metrics"] = metrics
-        point["within_budget"] = _ok(point, rate, args.budget_ms, args.max_error_pct)
+        point["within_budget"] = _ok(point, args.budget_ms, args.max_error_pct)
         result["rates"].append(point)
         log(
             f"  {rate:8.1f}/s: {point['throughput_rps']:8.1f}/s ok, p50 "
