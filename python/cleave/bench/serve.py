@@ -247,7 +247,7 @@ class Target:
         return self.bundle is not None or self.plan is not None
 
     def start(self) -> Target:
-        from cleave.bench.stages import metrics_endpoints, testbed_links
+        from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
 
         if self.restartable:
             from cleave.launch.process import ServeProcess
@@ -260,12 +260,10 @@ class Target:
                 self.stop()
                 raise
             self.url = self.server.url
-            # Its "metrics:" line (stderr) comes before "ready" (stdout), but each stream has
-            # its own reader: wait a little for it. Read now: the log keeps only its last lines.
+            # Its "metrics" lines (stderr) come before "ready" (stdout), but each stream has
+            # its own reader: wait a little for them. Read now: the log keeps only its last lines.
             deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and not any(
-                "cleave serve: metrics: " in line for line in list(self.server.log)
-            ):
+            while time.monotonic() < deadline and not printed_all_metrics(list(self.server.log)):
                 time.sleep(0.02)
         log = list(self.server.log) if self.server else []
         self.endpoints = metrics_endpoints(log, self.url)

@@ -24,26 +24,35 @@ from prometheus_client.parser import text_string_to_metric_families
 ROUTER_STAGES = ("parse", "lookup", "transfer", "queue", "compute", "total")
 SCRAPE_TIMEOUT_S = 5.0
 
-__all__ = ["ROUTER_STAGES", "breakdown", "metrics_endpoints", "scrape", "testbed_links"]
+__all__ = [
+    "ROUTER_STAGES",
+    "breakdown",
+    "metrics_endpoints",
+    "printed_all_metrics",
+    "scrape",
+    "testbed_links",
+]
 
 
 def metrics_endpoints(log_lines, url: str) -> dict[str, str]:
-    """Role name -> its /metrics URL: from `cleave serve`'s "metrics:" line (one
-    `NAME URL` per role, comma separated), else only the router at `url` (a deployment we did
+    """Role name -> its /metrics URL: from `cleave serve`'s lines `metrics NAME URL/metrics`
+    (one a role, before its `ready` line), else only the router at `url` (a deployment we did
     not start: its shards' metrics ports are unknown here)."""
-    for line in reversed(list(log_lines)):
-        _, sep, rest = line.partition("cleave serve: metrics: ")
-        if not sep:
-            continue
-        found = {}
-        for entry in rest.split(","):
-            words = entry.split()
-            if len(words) == 2:
-                address = words[1] if "://" in words[1] else f"http://{words[1]}"
-                found[words[0]] = f"{address.rstrip('/')}/metrics"
-        if found:
-            return found
-    return {"router": f"{url.rstrip('/')}/metrics"}
+    found = {}
+    for line in log_lines:
+        _, sep, rest = line.partition("cleave serve: metrics ")
+        words = rest.split()
+        if sep and len(words) == 2:
+            found[words[0]] = words[1]
+    return found or {"router": f"{url.rstrip('/')}/metrics"}
+
+
+def printed_all_metrics(log_lines) -> bool:
+    """Whether `cleave serve` printed the routers' metrics lines: they come last."""
+    return any(
+        line.startswith(("cleave serve: metrics router", "cleave serve: metrics monolith"))
+        for line in log_lines
+    )
 
 
 def testbed_links(log_lines) -> dict[str, tuple[str, str, str]]:
