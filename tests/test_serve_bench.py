@@ -4,8 +4,13 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 
 def test_bench_serve_quick_compare(tmp_path):
@@ -73,3 +78,97 @@ def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_p
         assert dep["single"]["p50_ms"] is None and dep["single"]["errors"]["http_504"] > 0
         assert dep["max_rate_within_budget"] == 0.0
     assert "max rate with p99 <= 0.001 ms: 0/s" in result.stdout
+
+
+def _netns_missing() -> str | None:
+    from cleave.testbed import commands
+
+    if not commands.has_net_admin():
+        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
+    try:
+        commands.require_privileges()
+    except Exception as err:
+        return str(err)
+    return None
+
+
+def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_path):
+    """A 4-host plan under the local runner: the roles' /metrics give every stage, the
+    lookup's network part included."""
+    from cleave.launch.config import RankerConfig, ServeConfig
+    from cleave.plan import emulated_hosts, make_plan, save_plan
+    from test_serve import Served
+
+    served = Served("shared", tmp_path)
+    config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
+    plan = make_plan(served.dir, emulated_hosts(4), 2, 1, 1, 1, serve_config=config)
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    result, report = bench(tmp_path, "--quick", "--check", "--plan", str(path))
+    (dep,) = report["deployments"].values()
+    assert report["runner"] == "local" and report["max_abs_diff"] <= 1e-5
+    metrics = dep["rates"][0]["metrics"]
+    assert metrics["shards_served"] == 2
+    stages = metrics["stages_us"]
+    for stage in ("parse", "lookup", "lookup_service", "transfer", "compute", "total"):
+        assert stages[f"{stage}_us"] > 0, stages
+    assert stages["lookup_network_us"] == stages["lookup_us"] - stages["lookup_service_us"]
+    assert metrics["lookup_reply_bytes"] > 0
+    assert "lookup_n" in result.stdout  # the stage table
+
+
+def test_bench_serve_refuses_flags_that_disagree(tmp_path):
+    for flags, message in [
+        (["--runner", "testbed"], "--runner testbed: only with --plan or --shard-hosts"),
+        (["--shard-hosts", "1,x"], "--shard-hosts: expected shard host counts"),
+        (["--shard-hosts", "1", "--compare"], "got --shard-hosts, --compare"),
+        (["--plan", "p.yaml", "--link-gbit", "2"], "--link-gbit: only with --runner testbed"),
+        (["--plan", str(tmp_path / "none.yaml")], "none.yaml: plan not found"),
+        (["--shard-hosts", "1", "--link-gbit", "0"], "--link-gbit: expected a rate > 0"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
+    result, report = bench(tmp_path, "--quick", "--shard-hosts", "1,2")
+    assert list(report["deployments"]) == ["1 shard host", "2 shard hosts"]
+    assert report["runner"] == "testbed" and report["link_gbit"] == 1.0
+    for dep in report["deployments"].values():
+        metrics = dep["rates"][0]["metrics"]
+        assert "lookup_network_us" in metrics["stages_us"]
+        assert set(metrics["link_drops"]["h0"]) == {"to_host", "from_host"}
+    assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
+    assert "shard-host sweep, 1 Gbit/s links" in result.stdout
+    assert (tmp_path / "stress.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
+    from test_runners import descendants, namespaces
+
+    before = namespaces()
+    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--shard-hosts", "1"]
+    argv += ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
+    argv += ["--rates", "20", "--duration", "600", "--workdir", str(tmp_path / "work")]
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not namespaces() - before and bench.poll() is None:  # the testbed is up
+            assert time.monotonic() < deadline, "the deployment never started"
+            time.sleep(0.2)
+        roles = descendants(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert namespaces() - before == set()
+    assert roles and not [pid for pid in roles if Path(f"/proc/{pid}").exists()]

@@ -126,3 +126,60 @@ def plot_stress(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_hosts(result: dict, path: str | Path) -> Path:
+    """The shard-host sweep: p99 against offered rate per deployment, goodput within the
+    budget per deployment, and the /metrics stage breakdown at each one's reference rate (its
+    highest within budget), network stages hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cleave.bench.hosts import STAGES, reference_point, stage_means
+
+    deployments = result["deployments"]
+    fig, (lat, good, stages) = plt.subplots(1, 3, figsize=(16, 5))
+    for name, dep in deployments.items():
+        points = sorted(dep["rates"], key=lambda p: p["rate"])
+        lat.plot([p["rate"] for p in points], [p["p99_ms"] for p in points], marker="o", label=name)
+    lat.axhline(result["budget_ms"], color="grey", linestyle=":", label="budget")
+    lat.set_xlabel("offered load (requests/s)")
+    lat.set_ylabel("p99 latency (ms)")
+    lat.set_yscale("log")
+    lat.set_title(f"{result['model']}, {result['candidates']} candidates: p99 vs load")
+    lat.legend(fontsize=8)
+
+    names = list(deployments)
+    good.bar(names, [d["max_rate_within_budget"] for d in deployments.values()], color="C0")
+    good.set_ylabel(f"requests/s with p99 <= {result['budget_ms']:g} ms")
+    good.set_title(f"goodput, {result.get('link_gbit', 1.0):g} Gbit/s host links")
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for x, dep in enumerate(deployments.values()):
+        point = reference_point(dep)
+        means = stage_means(point) if point else {}
+        bottom = 0.0
+        for i, stage in enumerate(STAGES):
+            value = max(means.get(stage, 0.0), 0.0)
+            stages.bar(
+                x,
+                value,
+                0.7,
+                bottom=bottom,
+                color=colors[i % len(colors)],
+                hatch="//" if stage in ("lookup_network", "transfer") else None,
+                label=stage if x == 0 else None,
+            )
+            bottom += value
+    stages.set_xticks(range(len(names)), names)
+    stages.set_ylabel("mean ms per request (from /metrics)")
+    stages.set_title("stages at each one's highest rate within budget")
+    stages.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

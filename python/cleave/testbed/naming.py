@@ -72,3 +72,14 @@ def slot_of_link(name: str) -> int | None:
     """The slot an interface name belongs to, or None when it is not a testbed interface."""
     match = LINK_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def slot_of_address(address: str) -> int | None:
+    """The slot whose subnet holds ``address`` (a host's or the root's), or None."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if ip not in RANGE:
+        return None
+    return (int(ip) - int(RANGE.network_address)) // 256

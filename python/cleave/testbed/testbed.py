@@ -4,6 +4,7 @@ bridge in the root namespace, which also holds an address on it (docs/testbed.md
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import subprocess
@@ -296,11 +297,32 @@ class Testbed:
         """Take the host's link down (both veth ends) or bring it back; its address, routes
         and shaping survive."""
         h = self.host(host)
-        where = "up" if up else "down"
-        # Bridge side last going down and first coming up, so the host side flaps cleanly.
-        steps = [
-            ["-n", h.netns, "link", "set", "dev", h.veth, where],
-            ["link", "set", "dev", h.bridge_port, where],
-        ]
-        for step in reversed(steps) if up else steps:
-            ip(*step)
+        set_link(h.netns, h.veth, h.bridge_port, up)
+
+
+def set_link(netns: str, veth: str, bridge_port: str, up: bool) -> None:
+    """Both ends of one host link down or up (see Testbed.set_link, and `host_link` for a
+    testbed another process made)."""
+    where = "up" if up else "down"
+    # Bridge side last going down and first coming up, so the host side flaps cleanly.
+    steps = [
+        ["-n", netns, "link", "set", "dev", veth, where],
+        ["link", "set", "dev", bridge_port, where],
+    ]
+    for step in reversed(steps) if up else steps:
+        ip(*step)
+
+
+def host_link(address: str) -> tuple[str, str, str]:
+    """(netns, veth, bridge port) of the emulated host at ``address``, in whichever testbed
+    holds it (one another process made, say `cleave serve --runner testbed`)."""
+    slot = naming.slot_of_address(address)
+    index = None
+    if slot is not None:
+        n = naming.Names(slot)
+        offset = int(ipaddress.ip_address(address)) - int(ipaddress.ip_address(n.host_address(0)))
+        index = offset if 0 <= offset < naming.MAX_HOSTS else None
+    if slot is None or index is None:
+        raise UsageError(f"{address!r} is no testbed host address (expected one in {naming.RANGE})")
+    n = naming.Names(slot)
+    return n.netns(index), n.host_veth(index), n.bridge_veth(index)

@@ -1,0 +1,164 @@
+"""Per-stage time of a deployment from its roles' Prometheus metrics, scraped before and after a
+load (docs/benchmarks.md, "Across hosts: the testbed", says how each stage is measured).
+
+The router's `cleave_router_stage_seconds{stage}` histogram gives parse, lookup, transfer,
+queue, compute and total; each shard's `cleave_shard_request_duration_seconds` gives its own
+service time. The sparse side's network is not measured anywhere directly, so it is derived:
+`lookup_network` = the router's mean lookup time less the mean service time of the slowest
+shard that served (a router's lookup waits for the last shard of its fan-out). What it keeps
+is the wire both ways, the shard's socket queueing and the router's own encode and merge; a
+mean of maxima is at least the maximum of means, so it leans towards the network.
+`transfer` (the ranker's side) is the router's round trip less the ranker's reported queue and
+compute (`Ranked::transfer` in crates/cleave-router/src/ranker.rs). On the testbed, the packets
+each host link's queue dropped (`tc -s qdisc`, its bfifo) are counted too: drops mean TCP
+retransmissions, which no stage shows by name.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROUTER_STAGES = ("parse", "lookup", "transfer", "queue", "compute", "total")
+SCRAPE_TIMEOUT_S = 5.0
+
+__all__ = [
+    "ROUTER_STAGES",
+    "breakdown",
+    "metrics_endpoints",
+    "printed_all_metrics",
+    "scrape",
+    "testbed_links",
+]
+
+
+def metrics_endpoints(log_lines, url: str) -> dict[str, str]:
+    """Role name -> its /metrics URL: from `cleave serve`'s lines `metrics NAME URL/metrics`
+    (one a role, before its `ready` line), else only the router at `url` (a deployment we did
+    not start: its shards' metrics ports are unknown here)."""
+    found = {}
+    for line in log_lines:
+        _, sep, rest = line.partition("cleave serve: metrics ")
+        words = rest.split()
+        if sep and len(words) == 2:
+            found[words[0]] = words[1]
+    return found or {"router": f"{url.rstrip('/')}/metrics"}
+
+
+def printed_all_metrics(log_lines) -> bool:
+    """Whether `cleave serve` printed the routers' metrics lines: they come last."""
+    return any(
+        line.startswith(("cleave serve: metrics router", "cleave serve: metrics monolith"))
+        for line in log_lines
+    )
+
+
+def testbed_links(log_lines) -> dict[str, tuple[str, str, str]]:
+    """Plan host -> (netns, veth, bridge port) of its link, from `cleave serve`'s "testbed
+    'NAME': h0=ADDR, …" line; empty when the deployment is not on a testbed."""
+    from cleave.testbed.testbed import host_link
+
+    for line in reversed(list(log_lines)):
+        _, sep, rest = line.partition("cleave serve: testbed ")
+        if sep and ": " in rest:
+            pairs = [p.split("=", 1) for p in rest.split(": ", 1)[1].split(", ")]
+            return {host: host_link(address) for host, address in pairs}
+    return {}
+
+
+def _bfifo_drops(text: str) -> float:
+    """Packets the bfifo leaf dropped, from `tc -s qdisc show` output."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("qdisc bfifo") and "dropped " in lines[i + 1]:
+            return float(lines[i + 1].split("dropped ", 1)[1].split(",", 1)[0])
+    return 0.0
+
+
+def _link_drops(netns: str, veth: str, bridge_port: str) -> dict[str, float]:
+    from cleave.testbed.commands import tc
+
+    return {
+        "drops.to_host": _bfifo_drops(tc("-s", "qdisc", "show", "dev", bridge_port)),
+        "drops.from_host": _bfifo_drops(tc("-n", netns, "-s", "qdisc", "show", "dev", veth)),
+    }
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
+        return reply.read().decode()
+
+
+def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, dict[str, float]]:
+    """Each role's sums and counts: `router.<stage>.sum|count`, `shard.sum|count`,
+    `shard.response_bytes`. A role that does not answer is left out (it is down: the
+    breakdown then says nothing about it). `links` (testbed_links): each host link's drops,
+    as `link:<host>`."""
+    from cleave.testbed import TestbedError
+
+    out: dict[str, dict[str, float]] = {}
+    for host, link in (links or {}).items():
+        try:
+            out[f"link:{host}"] = _link_drops(*link)
+        except TestbedError:
+            continue  # the testbed is gone (the deployment stopped)
+    for name, url in endpoints.items():
+        try:
+            text = _fetch(url)
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("cleave_router_stage_seconds_"):
+                    kind = sample.name.rsplit("_", 1)[1]
+                    if kind in ("sum", "count"):
+                        values[f"router.{sample.labels.get('stage')}.{kind}"] = sample.value
+                elif sample.name == "cleave_shard_request_duration_seconds_sum":
+                    values["shard.sum"] = sample.value
+                elif sample.name == "cleave_shard_request_duration_seconds_count":
+                    values["shard.count"] = sample.value
+                elif sample.name == "cleave_shard_response_bytes_total":
+                    values["shard.response_bytes"] = sample.value
+        out[name] = values
+    return out
+
+
+def _delta(before: dict, after: dict, role: str, key: str) -> float:
+    return after.get(role, {}).get(key, 0.0) - before.get(role, {}).get(key, 0.0)
+
+
+def breakdown(before: dict, after: dict) -> dict:
+    """Mean microseconds per request of each stage between two scrapes, and what the shards
+    sent. Empty stages (nothing counted) are left out."""
+    stages: dict[str, float] = {}
+    routers = [r for r in after if any(k.startswith("router.") for k in after[r])]
+    for stage in ROUTER_STAGES:
+        total = sum(_delta(before, after, r, f"router.{stage}.sum") for r in routers)
+        count = sum(_delta(before, after, r, f"router.{stage}.count") for r in routers)
+        if count > 0:
+            stages[f"{stage}_us"] = total / count * 1e6
+    service, sent = [], 0.0
+    for role, values in after.items():
+        count = _delta(before, after, role, "shard.count")
+        if "shard.count" in values and count > 0:  # stand-by replicas served nothing
+            service.append(_delta(before, after, role, "shard.sum") / count * 1e6)
+            sent += _delta(before, after, role, "shard.response_bytes")
+    result: dict = {"stages_us": stages, "shards_served": len(service)}
+    links = {}
+    for role in after:
+        if role.startswith("link:"):
+            host = role.removeprefix("link:")
+            links[host] = {
+                k.removeprefix("drops."): _delta(before, after, role, k) for k in after[role]
+            }
+    if links:
+        result["link_drops"] = links
+    if service and "lookup_us" in stages:
+        stages["lookup_service_us"] = max(service)
+        stages["lookup_network_us"] = stages["lookup_us"] - max(service)
+        lookups = sum(_delta(before, after, r, "router.lookup.count") for r in routers)
+        result["lookup_reply_bytes"] = sent / lookups if lookups else None
+    return result

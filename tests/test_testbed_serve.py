@@ -1,0 +1,184 @@
+"""Serving across emulated hosts (docs/testbed.md): every reference model on a 4-host testbed
+plan (router host, two shard hosts, ranker host) with 2 replicas per range, scored over HTTP
+against the original model; then one shard host's link taken down under load: the other
+replica answers, nothing fails or hangs. One deployment per model, one ranker thread (the
+machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cleave.bench.loadgen import outputs_of
+from cleave.launch.config import RankerConfig, RouterConfig, ServeConfig
+from cleave.launch.process import ServeProcess
+from cleave.plan import emulated_hosts, make_plan, save_plan
+from cleave.testbed import commands
+from cleave.testbed.testbed import host_link, set_link
+from test_serve import SCALES, TOLERANCE, Served, check_scores, infer_url, post
+
+
+def _netns_missing() -> str | None:
+    if not commands.has_net_admin():
+        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
+    try:
+        commands.require_privileges()
+    except Exception as err:
+        return str(err)
+    return None
+
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+    pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or ""),
+]
+
+BUDGET_MS = 500
+SHARD_TIMEOUT_MS = 100  # one call to a replica cut off costs this, then the other replica
+SLACK_S = 5.0  # for a loaded 2-core machine, not a performance claim: a hang takes 30 s
+
+
+def plan_on_testbed(served: Served, root: Path, router: RouterConfig | None = None) -> Path:
+    """Router on h0, each range on both shard hosts h1 and h2 (K = 2), the ranker on h3."""
+    config = ServeConfig(
+        ranker=RankerConfig(threads=1, device="cpu"), router=router or RouterConfig()
+    )
+    plan = make_plan(served.dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
+    assert {s.host for s in plan.shards} == {"h1", "h2"}
+    for group in {s.group for s in plan.shards}:
+        assert sorted(s.host for s in plan.shards if s.group == group) == ["h1", "h2"]
+    return save_plan(plan, root / f"{served.name}.yaml")
+
+
+class Bundles(dict):
+    """Each model partitioned once for the module, when a test first asks for it."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Served:
+        self[name] = Served(name, self.root)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> Bundles:
+    return Bundles(tmp_path_factory.mktemp("bundles"))
+
+
+@pytest.mark.parametrize("model", sorted(SCALES))
+def test_scores_equal_the_original_model_across_hosts(model, bundles, tmp_path):
+    served = bundles[model]
+    plan = plan_on_testbed(served, tmp_path)
+    with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
+        assert server.url.startswith("http://198.1"), server.url
+        check_scores(server, served)
+        # Concurrent clients: batching across hosts must not mix rows up.
+        bodies = [served.request(b) for b in (3, 5, 9, 17, 2, 30)]
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda bw: post(infer_url(server, served), bw[0]), bodies))
+        for (status, reply), (_, want) in zip(replies, bodies, strict=True):
+            assert status == 200, reply
+            for g, w in zip(outputs_of(reply), want, strict=True):
+                assert np.abs(g - w).max() <= TOLERANCE
+        assert server.stop() == 0
+
+
+def post_with_budget(url: str, body: bytes) -> tuple[int, dict, float]:
+    """(status, reply, seconds); the budget rides in the header, the client gives up after
+    30 s (a request that takes that long has hung)."""
+    start = time.monotonic()
+    request = urllib.request.Request(
+        url,
+        data=body,
+        headers={"Content-Type": "application/json", "cleave-budget-ms": str(BUDGET_MS)},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, reply = response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        text = err.read()
+        try:
+            status, reply = err.code, json.loads(text)
+        except ValueError:
+            status, reply = err.code, {"error": text.decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as err:  # no answer at all: a timeout is a hang
+        status, reply = 0, {"error": f"no answer: {err}"}
+    return status, reply, time.monotonic() - start
+
+
+def host_addresses(server: ServeProcess) -> dict[str, str]:
+    """Plan host name -> its testbed address, from the runner's "testbed 'NAME': h0=ADDR, …"
+    line."""
+    for line in server.log:
+        _, sep, rest = line.partition("cleave serve: testbed ")
+        if sep:
+            pairs = rest.split(": ", 1)[1].split(", ")
+            return dict(pair.split("=", 1) for pair in pairs)
+    raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
+
+
+def test_a_shard_host_link_down_under_load_fails_over(bundles, tmp_path):
+    served = bundles["shared"]
+    plan = plan_on_testbed(served, tmp_path, RouterConfig(shard_timeout_ms=SHARD_TIMEOUT_MS))
+    requests = [served.request(16) for _ in range(4)]
+    with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
+        url = infer_url(server, served)
+        assert post_with_budget(url, requests[0][0])[0] == 200
+        # h1 holds one replica of every range, h2 the other.
+        netns, veth, bridge_port = host_link(host_addresses(server)["h1"])
+        results: list[tuple[float, int, dict, float, list]] = []
+        stop = threading.Event()
+
+        def load(worker: int) -> None:
+            for i in range(worker, worker + 10_000):  # bounded; stopped long before
+                if stop.is_set():
+                    return
+                body, want = requests[i % len(requests)]
+                status, reply, took = post_with_budget(url, body)
+                results.append((time.monotonic(), status, reply, took, want))
+
+        workers = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(0.5)
+            down_at = time.monotonic()
+            set_link(netns, veth, bridge_port, up=False)
+            time.sleep(3.0)  # requests keep arriving while the host is unreachable
+            up_at = time.monotonic()
+            set_link(netns, veth, bridge_port, up=True)
+            deadline = up_at + 60
+            while time.monotonic() < deadline:
+                recent = [r for r in results if r[0] > up_at + 0.1]
+                if len(recent) >= 3 and all(r[1] == 200 for r in recent[-3:]):
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("requests did not succeed again within 60 s of link up")
+        finally:
+            set_link(netns, veth, bridge_port, up=True)
+            stop.set()
+            for w in workers:
+                w.join(60)
+        assert not any(w.is_alive() for w in workers), "a client hung"
+        during = [r for r in results if down_at < r[0] - r[3] < up_at]
+        assert during, "no request was sent while the link was down"
+        failed = [(status, reply, took) for _, status, reply, took, _ in results if status != 200]
+        for _, status, reply, took, want in results:
+            assert took < BUDGET_MS / 1e3 + SLACK_S, (status, reply, took)  # nothing hung
+            if status == 200:
+                for g, w in zip(outputs_of(reply), want, strict=True):
+                    assert np.abs(g - w).max() <= TOLERANCE
+        # K = 2: a part stuck on h1 is retried on h2 after SHARD_TIMEOUT_MS, within the budget.
+        assert not failed, failed[:5]
+        assert server.stop() == 0
