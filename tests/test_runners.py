@@ -20,16 +20,6 @@ from test_serve import Served, check_scores, run_serve
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 
-def _netns_missing() -> str | None:
-    if not commands.has_net_admin():
-        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
-    try:
-        commands.require_privileges()
-    except Exception as err:
-        return str(err)
-    return None
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
     return Served("shared", tmp_path_factory.mktemp("runners"))
@@ -80,7 +70,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+@pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_file, tmp_path):
     before = namespaces()
     urls = tmp_path / "urls.txt"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cleave.testbed import commands
 
 
 def test_bench_serve_quick_compare(tmp_path):
@@ -80,18 +81,6 @@ def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_p
     assert "max rate with p99 <= 0.001 ms: 0/s" in result.stdout
 
 
-def _netns_missing() -> str | None:
-    from cleave.testbed import commands
-
-    if not commands.has_net_admin():
-        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
-    try:
-        commands.require_privileges()
-    except Exception as err:
-        return str(err)
-    return None
-
-
 def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_path):
     """A 4-host plan under the local runner: the roles' /metrics give every stage, the
     lookup's network part included."""
@@ -134,7 +123,7 @@ def test_bench_serve_refuses_flags_that_disagree(tmp_path):
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
 
 
-@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+@pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     result, report = bench(tmp_path, "--quick", "--shard-hosts", "1,2")
     assert list(report["deployments"]) == ["1 shard host", "2 shard hosts"]
@@ -148,7 +137,7 @@ def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     assert (tmp_path / "stress.png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
+@pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
     from test_runners import descendants, namespaces
 

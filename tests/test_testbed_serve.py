@@ -24,20 +24,9 @@ from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
 from test_serve import SCALES, TOLERANCE, Served, check_scores, infer_url, post
 
-
-def _netns_missing() -> str | None:
-    if not commands.has_net_admin():
-        return "needs CAP_NET_ADMIN (run as root) to create the testbed's network namespaces"
-    try:
-        commands.require_privileges()
-    except Exception as err:
-        return str(err)
-    return None
-
-
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
-    pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or ""),
+    pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or ""),
 ]
 
 BUDGET_MS = 500

@@ -66,3 +66,12 @@ def require_privileges() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise UsageError(f"the testbed needs iproute2; not found on PATH: {', '.join(missing)}")
+
+
+def unavailable() -> str | None:
+    """Why no testbed can be made here (what `require_privileges` would say), or None."""
+    try:
+        require_privileges()
+    except UsageError as err:
+        return str(err)
+    return None
