@@ -90,17 +90,24 @@ def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_fil
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 
 
-def test_local_runner_serves_the_same_plan_over_tcp(served, plan_file, tmp_path):
+def test_local_runner_serves_the_same_plan_over_tcp_through_two_routers(served, tmp_path):
+    # The 4-host layout with a second router (Prism's several frontends): both front the same
+    # shards and rankers.
+    config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
+    plan = make_plan(served.dir, emulated_hosts(4), 2, 1, 1, 2, serve_config=config)
+    plan_file = save_plan(plan, tmp_path / "two-routers.yaml")
     urls = tmp_path / "urls.txt"
-    # Port 0: the plan's 8000 may be taken on this machine; its shard ports clash on one
-    # machine (7000 on h1 and h2), so the local runner binds ephemeral ones.
+    # Port 0: the plan's ports may be taken on this machine, and its shard ports clash on one
+    # machine (7000 on h1 and h2), so the local runner picks free ones.
     flags = ("--plan", str(plan_file), "--http-port", "0", "--url-file", str(urls))
     with serve_plan(*flags) as server:
-        assert server.url.startswith("http://127.0.0.1:")
-        assert urls.read_text() == f"{server.url}\n"
+        first, second = urls.read_text().splitlines()
+        assert server.url == first and first != second and second.startswith("http://127.0.0.1:")
+        check_scores(server, served)
+        server.url = second
         check_scores(server, served)
         roles = descendants(server.proc.pid)
-        assert len(roles) == 4
+        assert len(roles) == 5  # two shards, a ranker, two routers
         assert server.stop() == 0
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 

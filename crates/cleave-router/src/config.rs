@@ -80,8 +80,8 @@ pub struct RouterConfig {
     #[serde(default)]
     pub admin_token_env: Option<String>,
     /// Longest wait for one shard replica's answer; one that takes longer is retried once on
-    /// another replica within the request's budget. 0: the whole budget (no retry on a
-    /// timeout).
+    /// another replica within the request's budget. 0: half of what is left of the budget.
+    /// A range's only replica (or the retry) may always use the rest of the budget.
     #[serde(default)]
     pub shard_timeout_ms: u64,
 }

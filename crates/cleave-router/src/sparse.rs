@@ -24,7 +24,7 @@ pub struct Shards {
     client: Option<ShardClient>,
     /// Caps one lookup's wait below the request's budget.
     call_timeout: Duration,
-    /// Caps one replica's wait; a replica that takes longer is retried on another.
+    /// Caps one replica's wait when another could take a retry (None: half the budget left).
     attempt_timeout: Option<Duration>,
 }
 
@@ -100,7 +100,8 @@ impl Shards {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let timeout = budget.left().min(self.call_timeout);
-        let attempt = self.attempt_timeout.map_or(timeout, |a| a.min(timeout));
+        // By default a replica gets half of what is left, so that a retry elsewhere fits.
+        let attempt = self.attempt_timeout.map_or(timeout / 2, |a| a.min(timeout));
         let pooled = client
             .lookup_within(&batch, timeout, attempt, budget.trace_id)
             .await

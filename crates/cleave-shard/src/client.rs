@@ -241,8 +241,9 @@ impl ShardClient {
     }
 
     /// [`lookup_traced`](Self::lookup_traced) where each call to a replica waits at most
-    /// `attempt`: one that times out while `timeout` has time left is retried once on
-    /// another replica (a slow or cut-off replica costs `attempt`, not the whole budget).
+    /// `attempt` while another replica of its group could take a retry: one that times out
+    /// while `timeout` has time left is retried once there (a slow or cut-off replica costs
+    /// `attempt`, not the whole budget). A group's last candidate may use all of `timeout`.
     pub async fn lookup_within(
         &self,
         batch: &[Lookup],
@@ -345,9 +346,12 @@ impl ShardClient {
                     holds: holds(),
                 });
             }
+            // Cutting a call short only pays when another replica can take the retry.
+            let alternative =
+                skip.is_none() && pick(&candidates(&replicas, Some(i)), start).is_some();
+            let wait = if alternative { left.min(attempt) } else { left };
             let guard = r.begin();
             let sent = Instant::now();
-            let wait = left.min(attempt);
             let reply = r
                 .client
                 .call_traced(LOOKUP, payload.clone(), wait, trace_id)

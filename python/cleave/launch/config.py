@@ -39,7 +39,8 @@ class RouterConfig:
     # "Replicas and membership"); "": the admin API needs no token. Never the token itself.
     admin_token_env: str = ""
     # Longest wait for one shard replica; a slower one is retried once on another replica
-    # within the budget. 0: the whole budget (a timeout is not retried).
+    # within the budget. 0: half of what is left of the budget. A range's only replica
+    # (or the retry) may always use the rest of the budget.
     shard_timeout_ms: int = 0
 
 
