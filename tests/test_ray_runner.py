@@ -182,7 +182,10 @@ def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
                 log = "\n".join(server.log)
                 return all(f"{name}: its host died; re-placed" in log for name in on_h2)
 
-            wait_until(healed, 120, "the dead node's roles to be re-placed")
+            try:
+                wait_until(healed, 120, "the dead node's roles to be re-placed")
+            except AssertionError as err:
+                raise AssertionError(f"{err}; its log:\n" + "\n".join(list(server.log)[-80:]))
             times["healed"] = time.monotonic()
 
         results = under_load(server, served, kill)

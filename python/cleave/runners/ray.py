@@ -210,7 +210,9 @@ class RayRunner(Runner):
             )
         env = plan.router.admin_token_env
         token = os.environ.get(env) if env else None
-        here = ray.get_runtime_context().get_node_id()
+        # The controller shares the first router's node: a deployment that loses that node
+        # is over anyway (its clients' URL is gone), so no other node's death can take it.
+        home = mapping[plan.routers[0].host]
         self.controller = (
             ray.remote(Controller)
             .options(
@@ -218,7 +220,7 @@ class RayRunner(Runner):
                 lifetime="detached",  # `cleave scale` finds it; stop() removes it
                 num_cpus=0,
                 max_concurrency=8,  # status and scale answer while it heals
-                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=False),
             )
             .remote(plan, mapping, nodes, token)
         )
