@@ -3,9 +3,9 @@ raylets on this machine, nodes labelled cleave-host=h0..h2). `cleave serve --pla
 runs as a real process against it; every role is a real process on its node's address.
 
 One cluster for the module, two deployments: dlrm (shards on h1, the ranker on h2, the router
-on h0), scored, then scaled 1 -> 2 -> 1 rankers under load with `cleave scale`; and shared with
-2 replicas of every range and 2 rankers, scored, then node h2 (a replica of every range and a
-ranker) removed under load. Bad input first: it starts nothing."""
+on h0), scored, then scaled 1 -> 2 -> 1 rankers and 1 -> 2 -> 1 replicas under load with
+`cleave scale`; and shared with 2 replicas of every range and 2 rankers, scored, then node h2
+(a replica of every range and a ranker) removed under load. Bad input first: it starts nothing."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_bad_input_is_a_clear_error(cluster, models, tmp_path):
     assert done.returncode == 2 and "no deployment 'nosuch'" in done.stderr, done.stderr
 
 
-def test_dlrm_on_three_nodes_then_scaled_1_2_1_rankers_under_load(cluster, models, tmp_path):
+def test_dlrm_on_three_nodes_then_scaled_under_load(cluster, models, tmp_path):
     served = models["dlrm"]
     plan = ray_plan(served, tmp_path / "dlrm.yaml", rankers=1, replicas=1)
     node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
@@ -157,6 +157,17 @@ def test_dlrm_on_three_nodes_then_scaled_1_2_1_rankers_under_load(cluster, model
             assert failures(results) == []
             rankers = membership.members(server.url)["rankers"]
             assert len(rankers) == want and {r["state"] for r in rankers} == {"active"}
+        # Shard replicas too: every range gets a second one on another node, then loses it.
+        for want in (2, 1):
+
+            def scale_replicas(want=want) -> None:
+                done = cli("scale", name, "--ray-address", cluster.address, "--replicas", str(want))
+                assert done.returncode == 0, done.stderr
+
+            results = under_load(server, served, scale_replicas)
+            assert failures(results) == []
+            shards = membership.members(server.url)["shards"]
+            assert len(shards) == 2 * want and {s["state"] for s in shards} == {"active"}
         check_scores(server, served)
         assert server.stop() == 0
 
@@ -185,7 +196,8 @@ def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
             try:
                 wait_until(healed, 120, "the dead node's roles to be re-placed")
             except AssertionError as err:
-                raise AssertionError(f"{err}; its log:\n" + "\n".join(list(server.log)[-80:]))
+                log = "\n".join(list(server.log)[-80:])
+                raise AssertionError(f"{err}; its log:\n{log}") from None
             times["healed"] = time.monotonic()
 
         results = under_load(server, served, kill)
