@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, probe_ready
 from cleave.runners.base import Runner
-from cleave.runners.ray_actors import CONTROLLER, Controller, role_needs
+from cleave.runners.ray_actors import CONTROLLER, Controller, live_nodes, role_needs
 
 if TYPE_CHECKING:
     from cleave.plan import Plan
@@ -90,20 +90,6 @@ def connect(address: str | None, name: str):
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     return ray
-
-
-def live_nodes(ray) -> dict[str, dict]:
-    """node id -> {"ip", "cpus", "gpus", "labels"} for every live node."""
-    return {
-        n["NodeID"]: {
-            "ip": n["NodeManagerAddress"],
-            "cpus": float(n["Resources"].get("CPU", 0)),
-            "gpus": float(n["Resources"].get("GPU", 0)),
-            "labels": dict(n.get("Labels") or {}),
-        }
-        for n in ray.nodes()
-        if n.get("Alive")
-    }
 
 
 def map_hosts(plan: Plan, nodes: dict[str, dict]) -> dict[str, str]:

@@ -44,6 +44,20 @@ def role_needs(kind: str, role, node_gpus: float = 0.0) -> tuple[float, float]:
     return float(role.threads), gpus
 
 
+def live_nodes(ray) -> dict[str, dict]:
+    """node id -> {"ip", "cpus", "gpus", "labels"} for every live node."""
+    return {
+        n["NodeID"]: {
+            "ip": n["NodeManagerAddress"],
+            "cpus": float(n["Resources"].get("CPU", 0)),
+            "gpus": float(n["Resources"].get("GPU", 0)),
+            "labels": dict(n.get("Labels") or {}),
+        }
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+
+
 class RoleHost:
     """Runs one role's process on its node."""
 
@@ -149,7 +163,9 @@ class Controller:
         outside `avoid` (a shard's group's other replicas), else any that fits."""
         import ray
 
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        live = live_nodes(ray)
+        self.nodes.update(live)  # nodes that joined since start are room too
+        alive = set(live)
         used = self._used(exclude=role.name)
 
         def fits(node: str) -> bool:
@@ -297,8 +313,10 @@ class Controller:
         while not self.stopping.wait(HEAL_EVERY_S):
             try:
                 self._heal_once()
-            except Exception as err:  # keep healing; say why this round failed
-                self._note(f"healing failed this round: {err}")
+            except Exception as err:  # keep healing; say why (once, not every round)
+                message = f"healing failed, trying again: {err}"
+                if not self.events or self.events[-1] != message:
+                    self._note(message)
 
     def _heal_once(self) -> None:
         import ray
@@ -323,6 +341,8 @@ class Controller:
     def _replace(self, name: str, p: Placed, err: BaseException) -> None:
         """A dead role host (its node died): start the role on a live node, add it to every
         router, then remove the dead address."""
+        import ray
+
         with self.lock:
             if self.stopping.is_set() or self.placed.get(name) is not p:
                 return
@@ -334,8 +354,11 @@ class Controller:
             avoid = self._group_nodes(p.role.group, exclude=name) if p.kind == "shard" else set()
             node = self._choose(p.kind, p.role, None, avoid | {p.node})
             fresh = self._create(p.kind, p.role, node)
-            del self.placed[name]
-            self._launch([fresh])
+            try:
+                self._launch([fresh])  # replaces the dead entry once ready
+            except BaseException:
+                ray.kill(fresh.actor)  # the dead entry stays: the next round tries again
+                raise
             self._admit(fresh)
             self._leave(p.kind, old, drain=False)
             self._note(
