@@ -107,6 +107,27 @@ def placement(server: ServeProcess) -> dict[str, str]:
     return found
 
 
+def role_processes(served: Served) -> list[str]:
+    """Command lines of this machine's processes that serve `served` (its bundle path, or its
+    routers' JSON in the controller's runtime directory)."""
+    marks = (str(served.dir), f"cleave-ray-{served.dir.name}-")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if entry.name.isdigit() and any(m in cmdline for m in marks):
+            found.append(cmdline)
+    return found
+
+
+def stopped_cleanly(server: ServeProcess, served: Served) -> None:
+    assert role_processes(served)
+    assert server.stop() == 0
+    wait_until(lambda: not role_processes(served), 30, "every role process to exit")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Served]:
     root = tmp_path_factory.mktemp("ray-bundles")
@@ -169,7 +190,7 @@ def test_dlrm_on_three_nodes_then_scaled_under_load(cluster, models, tmp_path):
             shards = membership.members(server.url)["shards"]
             assert len(shards) == 2 * want and {s["state"] for s in shards} == {"active"}
         check_scores(server, served)
-        assert server.stop() == 0
+        stopped_cleanly(server, served)
 
 
 def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
@@ -208,7 +229,7 @@ def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
         check_scores(server, served)
         # Recorded for docs/ray.md: node death to every role ready and readmitted.
         print(f"re-placed in {times['healed'] - times['killed']:.1f} s", file=sys.stderr)
-        assert server.stop() == 0
+        stopped_cleanly(server, served)
 
 
 def test_unlabelled_nodes_take_the_plan_hosts_in_turn_gpu_hosts_on_gpu_nodes(models, tmp_path):
