@@ -66,13 +66,16 @@ class RoleHost:
         self.supervisor = Supervisor(fail_stop=fail_stop, env={**os.environ, **(env or {})})
         self.result: int | None = None  # Supervisor.watch's, once it returned
 
-    def where(self, ports: int) -> tuple[str, list[int]]:
-        """This node's address and `ports` ports free on it now, for the role to bind."""
+    def where(self, ports: int, first: int = 0) -> tuple[str, list[int]]:
+        """This node's address and `ports` ports for the role to bind: `first` if not 0 (a
+        router's plan port: its clients' URL), the others free on the node now."""
         import ray
 
         from cleave.runners.local import free_ports
 
         ip = ray.util.get_node_ip_address()
+        if first:
+            return ip, [first, *free_ports(ip, ports - 1)]
         return ip, free_ports(ip, ports)
 
     def run(self, spec: ChildSpec, files: dict[str, str], ready_timeout_s: float) -> None:
@@ -221,7 +224,9 @@ class Controller:
         import ray
 
         timeout = self.plan.supervision.ready_timeout_s
-        wheres = [p.actor.where.remote(3) for p in placed]
+        wheres = [
+            p.actor.where.remote(3, p.role.http_port if p.kind == "router" else 0) for p in placed
+        ]
         ready, _ = ray.wait(wheres, num_returns=len(wheres), timeout=timeout)
         if len(ready) < len(wheres):
             late = [p.role.name for p, w in zip(placed, wheres, strict=True) if w not in ready]
