@@ -67,11 +67,12 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
-def connect(address: str | None, name: str):
+def connect(address: str | None, name: str, existing: bool = False):
     """ray.init into the deployment's namespace, keeping our signal handlers (cleave serve
-    stops the deployment on SIGTERM; Ray's driver would just exit)."""
+    stops the deployment on SIGTERM; Ray's driver would just exit). No address: $RAY_ADDRESS,
+    else (`existing`) a cluster this machine runs in, else a Ray started here."""
     ray = _import_ray()
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if existing else None)
     if address:
         _check_reachable(address)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -84,6 +85,11 @@ def connect(address: str | None, name: str):
             logging_level="warning",
         )
     except (ConnectionError, RuntimeError, ValueError) as err:
+        if address == "auto":
+            raise UsageError(
+                "no Ray cluster runs on this machine; pass --ray-address HOST:PORT of its head "
+                f"(or set $RAY_ADDRESS): {err}"
+            ) from None
         raise UsageError(f"--ray-address {address}: cannot connect to Ray: {err}") from None
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--rankers", args.rankers), ("--replicas", args.replicas)):
         if value is not None and value < 1:
             raise UsageError(f"{flag}: expected at least 1, got {value}")
-    ray = connect(args.ray_address or "auto", args.name)
+    ray = connect(args.ray_address, args.name, existing=True)
     try:
         try:
             controller = ray.get_actor(CONTROLLER)
