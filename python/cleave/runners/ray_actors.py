@@ -448,34 +448,48 @@ class Controller:
                 self._scale_replicas(replicas)
         return self.status()
 
-    def _scale_rankers(self, want: int) -> None:
-        have = list(self.plan.rankers)
-        if want > len(have):
-            template = have[0]
-            hosts = [r.host for r in have]
-            used = {
-                int(r.name.rsplit("-", 1)[1]) for r in have if r.name.rsplit("-", 1)[1].isdigit()
-            }
-            new, placed = [], []
-            for i in range(want - len(have)):
-                index = next(j for j in range(len(used) + want + 1) if j not in used)
-                used.add(index)
-                role = dataclasses.replace(
-                    template,
-                    name=f"ranker-{index}",
-                    host=hosts[i % len(hosts)],
-                    port=0,
-                    metrics_port=0,
-                )
-                node = self._choose("ranker", role, self.mapping.get(role.host), set())
-                placed.append(self._create("ranker", role, node))
-                self.placed[role.name] = placed[-1]  # counted in _choose's accounting
-                new.append(role)
+    def _add(self, kind: str, roles: list, prefer) -> None:
+        """Places `roles` (each on `prefer(role)`'s node if it has room; a shard away from its
+        group's replicas), starts them, and admits them on every router once ready. On failure
+        undoes it all: the deployment is as before."""
+        import ray
+
+        placed: list[Placed] = []
+        try:
+            for role in roles:
+                avoid = self._group_nodes(role.group) if kind == "shard" else set()
+                p = self._create(kind, role, self._choose(kind, role, prefer(role), avoid))
+                placed.append(p)
+                self.placed[role.name] = p  # counted by the next _choose and _group_nodes
             for p in placed:
                 del self.placed[p.role.name]
             self._launch(placed)
             for p in placed:
                 self._admit(p)
+        except BaseException:
+            for p in placed:
+                self.placed.pop(p.role.name, None)
+                if p.spec is not None:
+                    try:
+                        self._leave(kind, p.spec.address, drain=False)
+                    except membership.MembershipError:
+                        pass  # it never took work
+                ray.kill(p.actor)
+            raise
+
+    def _scale_rankers(self, want: int) -> None:
+        have = list(self.plan.rankers)
+        if want > len(have):
+            taken = {r.name for r in self.plan.rankers}
+            names = [f"ranker-{i}" for i in range(len(have) + want) if f"ranker-{i}" not in taken]
+            hosts = [r.host for r in have]  # new rankers go where the plan put rankers
+            new = [
+                dataclasses.replace(
+                    have[0], name=name, host=hosts[i % len(hosts)], port=0, metrics_port=0
+                )
+                for i, name in enumerate(names[: want - len(have)])
+            ]
+            self._add("ranker", new, lambda role: self.mapping.get(role.host))
             self.plan.rankers.extend(new)
             self._note(f"rankers {len(have)} -> {want}: added {', '.join(r.name for r in new)}")
         elif want < len(have):
@@ -491,20 +505,14 @@ class Controller:
             groups.setdefault(s.group, []).append(s)
         for g, members in groups.items():
             if want > len(members):
-                placed = []
-                for i in range(len(members), want):
-                    role = dataclasses.replace(
-                        members[0], name=f"shard-{g}-{i}", port=0, metrics_port=0
-                    )
-                    node = self._choose("shard", role, None, self._group_nodes(g))
-                    placed.append(self._create("shard", role, node))
-                    self.placed[role.name] = placed[-1]
-                for p in placed:
-                    del self.placed[p.role.name]
-                self._launch(placed)
-                for p in placed:
-                    self._admit(p)
-                self.plan.shards.extend(p.role for p in placed)
+                taken = {s.name for s in self.plan.shards}
+                names = [f"shard-{g}-{i}" for i in range(len(members) + want)]
+                new = [
+                    dataclasses.replace(members[0], name=name, port=0, metrics_port=0)
+                    for name in [n for n in names if n not in taken][: want - len(members)]
+                ]
+                self._add("shard", new, lambda role: None)
+                self.plan.shards.extend(new)
             elif want < len(members):
                 for role in reversed(members[want:]):
                     self._retire(role.name)
