@@ -246,3 +246,18 @@ def test_unlabelled_nodes_take_the_plan_hosts_in_turn_gpu_hosts_on_gpu_nodes(mod
     nodes["a"]["labels"] = {"cleave-host": "h0"}  # some labelled, not all: an error naming them
     with pytest.raises(Exception, match=r"plan hosts h1, h2: no live Ray node has label"):
         map_hosts(plan, nodes)
+
+
+def test_a_cuda_ranker_on_a_node_without_a_gpu_is_named(models, tmp_path):
+    from cleave.errors import UsageError
+    from cleave.plan import load_plan
+    from cleave.runners.ray import check_capacity
+
+    plan = load_plan(ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1))
+    plan.rankers[0].device = "cuda"
+    nodes = {h: {"ip": f"10.0.0.{i}", "cpus": 6.0, "gpus": 0.0} for i, h in enumerate("abc")}
+    mapping = {"h0": "a", "h1": "b", "h2": "c"}
+    with pytest.raises(UsageError, match=r"10\.0\.0\.2 \(c\) has 0 GPUs, its roles need 1 \("):
+        check_capacity(plan, mapping, nodes)
+    nodes["c"]["gpus"] = 1.0
+    check_capacity(plan, mapping, nodes)  # fits now
