@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	cargo build --release --bins -p cleave-shard -p cleave-router
 	install -m 755 target/release/cleave-shard target/release/cleave-router $(VENV)/bin/
 	touch $@

@@ -120,8 +120,8 @@ def test_bad_input_exits_2_leaving_nothing(served, plan_file, tmp_path):
     bad.write_text("format: cleave-plan\nversion: [\n")
     result = run_serve("--plan", str(bad))
     assert result.returncode == 2 and "not valid YAML" in result.stderr
-    result = run_serve("--plan", str(plan_file), "--runner", "ray")
-    assert result.returncode == 2 and "invalid choice: 'ray'" in result.stderr
+    result = run_serve("--plan", str(plan_file), "--runner", "nomad")
+    assert result.returncode == 2 and "invalid choice: 'nomad'" in result.stderr
     result = run_serve(str(served.dir), "--plan", str(plan_file))
     assert result.returncode == 2 and "exactly one of BUNDLE or --plan" in result.stderr
     result = run_serve()

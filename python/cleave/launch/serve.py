@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plan", help="deployment plan (docs/plan.md) to run instead of BUNDLE")
     parser.add_argument(
-        "--runner", choices=["local", "testbed"], default="local", help="what runs the roles"
+        "--runner", choices=["local", "testbed", "ray"], default="local", help="what runs the roles"
     )
+    parser.add_argument("--ray-address", help="ray runner: the Ray head's HOST:PORT")
     parser.add_argument("--url-file", help="write the routers' URLs here, one a line, once ready")
     parser.add_argument(
         "--link-gbit", type=float, help="testbed runner: host link rate, Gbit/s (default 1.0)"
@@ -161,7 +162,7 @@ def _plan_from_args(args: argparse.Namespace):
         raise UsageError(
             f"{', '.join(given)}: not with --plan (the plan says it); "
             "expected only --runner, --http-port, --host (local runner), --name, "
-            "--fail-stop, --url-file, --link-gbit"
+            "--fail-stop, --url-file, --link-gbit, --ray-address"
         )
     plan = load_plan(args.plan)
     if args.name is not None:
@@ -177,6 +178,12 @@ def _plan_from_args(args: argparse.Namespace):
 
 
 def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
+    if args.ray_address is not None and args.runner != "ray":
+        raise UsageError("--ray-address: only with --runner ray")
+    if args.runner == "ray":
+        if args.host is not None or args.link_gbit is not None:
+            raise UsageError("--host, --link-gbit: not with --runner ray (routers bind their node)")
+        return {"address": args.ray_address}
     if args.runner == "testbed":
         if args.host is not None:  # routers bind their emulated host's address
             raise UsageError(

@@ -1,0 +1,263 @@
+"""The Ray runner (docs/ray.md) on a local 3-node Ray cluster (Ray's own cluster utilities: three
+raylets on this machine, nodes labelled cleave-host=h0..h2). `cleave serve --plan --runner ray`
+runs as a real process against it; every role is a real process on its node's address.
+
+One cluster for the module, two deployments: dlrm (shards on h1, the ranker on h2, the router
+on h0), scored, then scaled 1 -> 2 -> 1 rankers and 1 -> 2 -> 1 replicas under load with
+`cleave scale`; and shared with 2 replicas of every range and 2 rankers, scored, then node h2
+(a replica of every range and a ranker) removed under load. Bad input first: it starts nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cleave.launch.config import RankerConfig, ServeConfig
+from cleave.launch.process import ServeProcess
+from cleave.plan import Host, make_plan, save_plan
+from cleave.runners import membership
+from test_replicas import failures, under_load
+from test_serve import Served, check_scores, wait_until
+
+ray = pytest.importorskip("ray", reason="the Ray runner needs Ray: pip install 'cleave[ray]'")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+NODE_CPUS = 6  # logical: Ray's accounting, not this machine's cores
+OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Fast health checks: a removed node is declared dead in about a second, not 30.
+    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    c = cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": NODE_CPUS,
+            "object_store_memory": OBJECT_STORE,
+            "labels": {"cleave-host": "h0"},
+            "include_dashboard": False,
+            "_system_config": system,
+        },
+    )
+    try:
+        nodes = {"h0": c.head_node}
+        for name in ("h1", "h2"):
+            nodes[name] = c.add_node(
+                num_cpus=NODE_CPUS,
+                object_store_memory=OBJECT_STORE,
+                labels={"cleave-host": name},
+            )
+        c.wait_for_nodes()
+        c.nodes_by_host = nodes
+        yield c
+    finally:
+        c.shutdown()
+
+
+def ray_plan(served: Served, path: Path, rankers: int, replicas: int, threads: int = 1) -> Path:
+    """Router on h0; replica r of every range on h{1 + r}; ranker i on h2, h1, h2, ..."""
+    hosts = [Host(f"h{i}", cpus=NODE_CPUS, memory_gib=4.0, gpus=0) for i in range(3)]
+    config = ServeConfig(ranker=RankerConfig(threads=threads, device="cpu"))
+    plan = make_plan(served.dir, hosts, 2, 1, rankers, 1, config)
+    plan.shards = [
+        dataclasses.replace(
+            s,
+            name=f"shard-{s.group}-{r}" if replicas > 1 else s.name,
+            host=f"h{1 + r}",
+            port=0,
+            metrics_port=0,
+        )
+        for s in plan.shards
+        for r in range(replicas)
+    ]
+    for i, r in enumerate(plan.rankers):
+        r.host, r.port, r.metrics_port = f"h{2 - i % 2}", 0, 0
+    plan.routers[0].host, plan.routers[0].http_port = "h0", 0
+    save_plan(plan, path)
+    return path
+
+
+def serve(cluster, plan: Path) -> ServeProcess:
+    return ServeProcess(
+        None, "--plan", str(plan), "--runner", "ray", "--ray-address", cluster.address
+    )
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cleave.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def placement(server: ServeProcess) -> dict[str, str]:
+    """Role name -> its Ray node id, from `cleave serve`'s log."""
+    found = {}
+    for line in server.log:
+        m = re.search(r"role (\S+) on Ray node (\w+)", line)
+        if m:
+            found[m.group(1)] = m.group(2)
+    return found
+
+
+def role_processes(served: Served) -> list[str]:
+    """Command lines of this machine's processes that serve `served` (its bundle path, or its
+    routers' JSON in the controller's runtime directory)."""
+    marks = (str(served.dir), f"cleave-ray-{served.dir.name}-")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if entry.name.isdigit() and any(m in cmdline for m in marks):
+            found.append(cmdline)
+    return found
+
+
+def stopped_cleanly(server: ServeProcess, served: Served) -> None:
+    assert role_processes(served)
+    assert server.stop() == 0
+    wait_until(lambda: not role_processes(served), 30, "every role process to exit")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Served]:
+    root = tmp_path_factory.mktemp("ray-bundles")
+    return {name: Served(name, root) for name in ("dlrm", "shared")}
+
+
+def test_bad_input_is_a_clear_error(cluster, models, tmp_path):
+    plan = ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1)
+    # Nothing listens on port 1: a bounded connect, exit 2, what to do about it.
+    done = cli("serve", "--plan", str(plan), "--runner", "ray", "--ray-address", "127.0.0.1:1")
+    assert done.returncode == 2, done.stderr
+    assert "no Ray cluster answers there" in done.stderr
+    assert "ray start --head" in done.stderr
+    done = cli("serve", "--plan", str(plan), "--runner", "ray", "--ray-address", "nonsense")
+    assert done.returncode == 2 and "expected HOST:PORT" in done.stderr, done.stderr
+    # A ranker of 64 threads cannot fit on a node of 6 CPUs: named, with its host.
+    big = ray_plan(models["shared"], tmp_path / "big.yaml", rankers=1, replicas=1, threads=64)
+    done = cli("serve", "--plan", str(big), "--runner", "ray", "--ray-address", cluster.address)
+    assert done.returncode == 2, done.stderr
+    assert "needs more than the Ray cluster has" in done.stderr
+    assert "ranker-0 on h2" in done.stderr and "6 CPUs" in done.stderr
+    # --ray-address belongs to the Ray runner; scale finds no such deployment.
+    done = cli("serve", "--plan", str(plan), "--ray-address", cluster.address)
+    assert done.returncode == 2 and "only with --runner ray" in done.stderr
+    done = cli("scale", "nosuch", "--ray-address", cluster.address, "--rankers", "2")
+    assert done.returncode == 2 and "no deployment 'nosuch'" in done.stderr, done.stderr
+
+
+def test_dlrm_on_three_nodes_then_scaled_under_load(cluster, models, tmp_path):
+    served = models["dlrm"]
+    plan = ray_plan(served, tmp_path / "dlrm.yaml", rankers=1, replicas=1)
+    node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
+    with serve(cluster, plan) as server:
+        check_scores(server, served)
+        where = placement(server)
+        assert where["router-0"] == node["h0"]
+        assert where["shard-0"] == where["shard-1"] == node["h1"]
+        assert where["ranker-0"] == node["h2"]
+        name = served.dir.name
+        for want in (2, 1):
+
+            def scale(want=want) -> None:
+                done = cli("scale", name, "--ray-address", cluster.address, "--rankers", str(want))
+                assert done.returncode == 0, done.stderr
+                assert sum(" ranker " in line for line in done.stdout.splitlines()) == want
+
+            results = under_load(server, served, scale)
+            assert failures(results) == []
+            rankers = membership.members(server.url)["rankers"]
+            assert len(rankers) == want and {r["state"] for r in rankers} == {"active"}
+        # Shard replicas too: every range gets a second one on another node, then loses it.
+        for want in (2, 1):
+
+            def scale_replicas(want=want) -> None:
+                done = cli("scale", name, "--ray-address", cluster.address, "--replicas", str(want))
+                assert done.returncode == 0, done.stderr
+
+            results = under_load(server, served, scale_replicas)
+            assert failures(results) == []
+            shards = membership.members(server.url)["shards"]
+            assert len(shards) == 2 * want and {s["state"] for s in shards} == {"active"}
+        check_scores(server, served)
+        stopped_cleanly(server, served)
+
+
+def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
+    cluster, models, tmp_path
+):
+    served = models["shared"]
+    plan = ray_plan(served, tmp_path / "shared.yaml", rankers=2, replicas=2)
+    with serve(cluster, plan) as server:
+        check_scores(server, served)
+        where = placement(server)
+        h2 = cluster.nodes_by_host["h2"]
+        on_h2 = sorted(n for n, node in where.items() if node == h2.node_id)
+        assert on_h2 == ["ranker-0", "shard-0-1", "shard-1-1"]
+        times = {}
+
+        def kill() -> None:
+            times["killed"] = time.monotonic()
+            cluster.remove_node(h2, allow_graceful=False)
+
+            def healed() -> bool:
+                log = "\n".join(server.log)
+                return all(f"{name}: its host died; re-placed" in log for name in on_h2)
+
+            try:
+                wait_until(healed, 120, "the dead node's roles to be re-placed")
+            except AssertionError as err:
+                log = "\n".join(list(server.log)[-80:])
+                raise AssertionError(f"{err}; its log:\n{log}") from None
+            times["healed"] = time.monotonic()
+
+        results = under_load(server, served, kill)
+        assert failures(results) == []
+        members = membership.members(server.url)
+        assert len(members["shards"]) == 4 and len(members["rankers"]) == 2
+        assert {m["state"] for m in members["shards"] + members["rankers"]} == {"active"}
+        check_scores(server, served)
+        # Recorded for docs/ray.md: node death to every role ready and readmitted.
+        print(f"re-placed in {times['healed'] - times['killed']:.1f} s", file=sys.stderr)
+        stopped_cleanly(server, served)
+
+
+def test_unlabelled_nodes_take_the_plan_hosts_in_turn_gpu_hosts_on_gpu_nodes(models, tmp_path):
+    from cleave.plan import load_plan
+    from cleave.runners.ray import map_hosts
+
+    plan = load_plan(ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1))
+    plan.hosts[2].gpus = 1
+    nodes = {
+        nid: {"ip": ip, "cpus": 6.0, "gpus": gpus, "labels": {}}
+        for nid, ip, gpus in (("a", "10.0.0.1", 0), ("b", "10.0.0.2", 1), ("c", "10.0.0.3", 0))
+    }
+    assert map_hosts(plan, nodes) == {"h0": "a", "h1": "c", "h2": "b"}
+    nodes["a"]["labels"] = {"cleave-host": "h0"}  # some labelled, not all: an error naming them
+    with pytest.raises(Exception, match=r"plan hosts h1, h2: no live Ray node has label"):
+        map_hosts(plan, nodes)
+
+
+def test_a_cuda_ranker_on_a_node_without_a_gpu_is_named(models, tmp_path):
+    from cleave.errors import UsageError
+    from cleave.plan import load_plan
+    from cleave.runners.ray import check_capacity
+
+    plan = load_plan(ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1))
+    plan.rankers[0].device = "cuda"
+    nodes = {h: {"ip": f"10.0.0.{i}", "cpus": 6.0, "gpus": 0.0} for i, h in enumerate("abc")}
+    mapping = {"h0": "a", "h1": "b", "h2": "c"}
+    with pytest.raises(UsageError, match=r"10\.0\.0\.2 \(c\) has 0 GPUs, its roles need 1 \("):
+        check_capacity(plan, mapping, nodes)
+    nodes["c"]["gpus"] = 1.0
+    check_capacity(plan, mapping, nodes)  # fits now
