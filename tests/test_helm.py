@@ -1,0 +1,333 @@
+"""The Helm chart deploy/helm/cleave (docs/deploy.md), checked offline: no cluster here.
+`helm lint`; `helm template` with the default values and with a 3 shards x 2 replicas,
+2 rankers values file, each from a plan `cleave plan` makes in the test; every rendered
+manifest validated against a pinned Kubernetes version's schemas (kubernetes-validate ships
+them); the shard StatefulSet, the ConfigMap and the router JSON agree with the plan (replica
+count, each ordinal's ranges, ports, resources, router_config's keys); a real cleave-shard
+takes its rows from the rendered plan by its index; bad values fail the render, saying what
+to change. helm is built into .tools/bin by `make tools` (test-python depends on it)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from cleave.launch.config import ServeConfig
+from cleave.launch.router import router_config
+from cleave.launch.supervisor import find_executable
+from cleave.plan import load_plan
+from test_executables import Process
+from test_shard import write_bundle
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "cleave"
+HELM = ROOT / ".tools" / "bin" / "helm"
+KUBERNETES = "1.33.0"  # the pinned API version the manifests are validated against
+RELEASE, NAMESPACE = "demo", "serving"
+START_S = 60.0  # a bound on a shard's start-up, never a timing assertion
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    assert HELM.exists(), f"{HELM} is missing: `make tools` builds it (test-python runs it)"
+    return HELM
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("helm") / "model"
+    write_bundle(path)
+    return path
+
+
+def make_plan(bundle: Path, out: Path, *args: str) -> Path:
+    done = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "plan", str(bundle), *args, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_plan(bundle: Path) -> Path:
+    return make_plan(bundle, bundle.parent / "small.yaml", "--hosts", "2")
+
+
+@pytest.fixture(scope="module")
+def big_plan(bundle: Path) -> Path:
+    """3 range groups x 2 replicas and 2 rankers on 4 hosts (the testbed layout)."""
+    return make_plan(
+        bundle,
+        bundle.parent / "big.yaml",
+        *("--hosts", "4", "--shards", "3", "--replicas", "2", "--rankers", "2"),
+    )
+
+
+@pytest.fixture(scope="module")
+def big_values(bundle: Path) -> Path:
+    """What a user of the 3 x 2 plan might set: ranker autoscaling on its queue depth."""
+    path = bundle.parent / "values-3x2.yaml"
+    values = {
+        "images": {"shard": {"repository": "registry.example/cleave-shard", "tag": "1"}},
+        "ranker": {
+            "autoscaling": {
+                "enabled": True,
+                "maxReplicas": 6,
+                "metric": "cleave_ranker_queue_depth",
+            }
+        },
+        "router": {"autoscaling": {"maxReplicas": 3}},
+    }
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def template(helm: Path, plan: Path | None, *args: str) -> subprocess.CompletedProcess:
+    plan_args = ("--set-file", f"plan={plan}") if plan else ()
+    return run_helm(
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        *("--namespace", NAMESPACE, "--kube-version", KUBERNETES),
+        *plan_args,
+        *args,
+    )
+
+
+def rendered(helm: Path, plan: Path, *args: str) -> dict[tuple[str, str], dict]:
+    done = template(helm, plan, *args)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_helm_lint(helm, small_plan):
+    done = run_helm(
+        helm, "lint", str(CHART), "--kube-version", KUBERNETES, "--set-file", f"plan={small_plan}"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("case", ["default", "3x2"])
+def test_rendered_manifests_are_valid_kubernetes(helm, small_plan, big_plan, big_values, case):
+    if case == "default":
+        docs = rendered(helm, small_plan)
+    else:
+        docs = rendered(helm, big_plan, "--values", str(big_values))
+    kinds = sorted(kind for kind, _ in docs)
+    for kind in ("ConfigMap", "Deployment", "HorizontalPodAutoscaler", "StatefulSet"):
+        assert kind in kinds, kinds
+    assert kinds.count("PodDisruptionBudget") == 3
+    for (kind, name), doc in docs.items():
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{kind} {name} is not valid Kubernetes {KUBERNETES}: {err}")
+
+
+def memory_share_mi(plan, kind: str) -> int:
+    """The chart's rule: the smallest (host memory / roles on that host) among the hosts
+    running roles of this kind, in MiB."""
+    roles = [*plan.shards, *plan.rankers, *plan.routers]
+    hosts = {h.name: h for h in plan.hosts}
+    shares = []
+    for role in getattr(plan, kind):
+        on_host = sum(1 for r in roles if r.host == role.host)
+        shares.append(math.floor(hosts[role.host].memory_gib * 1024 / on_host))
+    return min(shares)
+
+
+def test_shard_statefulset_and_configmap_agree_with_the_plan(helm, big_plan, big_values):
+    plan = load_plan(big_plan)
+    assert (len(plan.shards), len({s.group for s in plan.shards})) == (6, 3)
+    docs = rendered(helm, big_plan, "--values", str(big_values))
+    config = docs[("ConfigMap", f"{RELEASE}-config")]["data"]
+
+    rendered_plan = json.loads(config["plan.json"])
+    assert rendered_plan == yaml.safe_load(big_plan.read_text())  # the plan as the user wrote it
+    for i, shard in enumerate(plan.shards):  # ordinal i is shards[i], ranges and all
+        entry = rendered_plan["shards"][i]
+        assert entry["name"] == shard.name
+        assert {t: tuple(r) for t, r in entry["ranges"].items()} == dict(shard.ranges)
+
+    sts = docs[("StatefulSet", f"{RELEASE}-shard")]
+    assert sts["spec"]["replicas"] == len(plan.shards)
+    assert sts["spec"]["serviceName"] == f"{RELEASE}-shard"
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/cleave-shard:1"
+    assert "--shard-index=$(POD_INDEX)" in container["args"]
+    assert "--plan=/etc/cleave/plan.json" in container["args"]
+    (env,) = container["env"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"lookup": 7000, "metrics": 9000}
+    assert "--listen=0.0.0.0:7000" in container["args"]
+    assert "--metrics-port=9000" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    memory = f"{memory_share_mi(plan, 'shards')}Mi"
+    assert container["resources"] == {
+        "requests": {"cpu": str(max(s.threads for s in plan.shards)), "memory": memory},
+        "limits": {"memory": memory},
+    }
+
+    # The routers reach ordinal i at its stable DNS name, holding shards[i]'s ranges.
+    router = json.loads(config["router.json"])
+    want = [
+        {
+            "table": t,
+            "row_start": a,
+            "row_end": b,
+            "addr": f"{RELEASE}-shard-{i}.{RELEASE}-shard.{NAMESPACE}.svc:7000",
+        }
+        for i, shard in enumerate(plan.shards)
+        for t, (a, b) in sorted(shard.ranges.items())
+    ]
+    assert router["shards"] == want
+    assert router["rankers"] == [
+        f"{RELEASE}-ranker-{i}.{RELEASE}-ranker.{NAMESPACE}.svc:7100" for i in range(2)
+    ]
+    assert docs[("HorizontalPodAutoscaler", f"{RELEASE}-ranker")]["spec"]["minReplicas"] == 2
+    assert "replicas" not in docs[("StatefulSet", f"{RELEASE}-ranker")]["spec"]  # the HPA's
+
+
+def test_router_json_has_router_configs_keys_and_the_plans_settings(helm, big_plan):
+    plan = load_plan(big_plan)
+    config = ServeConfig(
+        name=plan.name,
+        host="0.0.0.0",
+        http_port=8000,
+        ready_timeout_s=plan.supervision.ready_timeout_s,
+        router=plan.router,
+    )
+    want = router_config(plan.name, Path("/bundle"), config, [], [])
+    docs = rendered(helm, big_plan)
+    got = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
+    assert sorted(got) == sorted(want)
+    for key in set(want) - {"shards", "rankers"}:
+        assert got[key] == want[key], key
+
+
+def ready_line(child: Process) -> str:
+    """The child's "ready ..." line: bounded by START_S, failing at once if it exits."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline and child.proc.poll() is None:
+        found = [line for line in child.lines if line.startswith("ready ")]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    child.stop()
+    raise AssertionError("no ready line:\n" + "\n".join(child.lines))
+
+
+def test_a_shard_takes_its_rows_from_the_rendered_plan_by_index(helm, bundle, big_plan, tmp_path):
+    """The executable the StatefulSet runs, given the ConfigMap's plan.json and an ordinal."""
+    docs = rendered(helm, big_plan)
+    plan_json = tmp_path / "plan.json"
+    plan_json.write_text(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["plan.json"])
+    plan = load_plan(big_plan)
+    index = 3
+    shard = Process(
+        [
+            find_executable("cleave-shard"),
+            *("--bundle", str(bundle), "--listen", "127.0.0.1:0", "--metrics-port", "0"),
+            *("--plan", str(plan_json), "--shard-index", str(index)),
+        ]
+    )
+    try:
+        line = ready_line(shard)
+        tables = line.split(" tables=", 1)[1].split(",")
+        want = [f"{t}={a}:{b}" for t, (a, b) in sorted(plan.shards[index].ranges.items())]
+        assert sorted(tables) == sorted(want)
+    finally:
+        shard.stop()
+
+    out_of_range = subprocess.run(
+        [
+            find_executable("cleave-shard"),
+            *("--bundle", str(bundle), "--listen", "127.0.0.1:0"),
+            *("--plan", str(plan_json), "--shard-index", "6"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out_of_range.returncode == 2
+    assert str(plan_json) in out_of_range.stderr and "--shard-index 6" in out_of_range.stderr
+    both = subprocess.run(
+        [
+            find_executable("cleave-shard"),
+            *("--bundle", str(bundle), "--listen", "127.0.0.1:0", "--rows", "0:10"),
+            *("--plan", str(plan_json), "--shard-index", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert both.returncode == 2 and "--rows" in both.stderr, both.stderr
+
+
+def test_bad_values_fail_the_render_saying_what_to_change(helm, small_plan, tmp_path):
+    def fails(plan: Path | None, *args: str, says: str) -> None:
+        done = template(helm, plan, *args)
+        assert done.returncode != 0, f"rendered with {args}"
+        assert says in done.stderr, done.stderr
+
+    fails(None, says="plan is required")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("format: cleave-plan\nshards: [unclosed\n")
+    fails(broken, says="plan: not valid YAML")
+    other = tmp_path / "other.yaml"
+    other.write_text("format: helm\nversion: 1\n")
+    fails(other, says="expected `format: cleave-plan`")
+    text = yaml.safe_load(small_plan.read_text())
+    del text["shards"]
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump(text))
+    fails(missing, says='key "shards" is missing')
+    fails(None, "--set", "plan=42", says="at '/plan': got number, want string")
+    fails(
+        small_plan,
+        *("--set", "router.autoscaling.maxReplicas=0"),
+        says="at '/router/autoscaling/maxReplicas': minimum: got 0, want 1",
+    )
+    fails(small_plan, "--set", "podDisruptionBudget.maxUnavailable=0", says="maxUnavailable")
+    fails(small_plan, "--set", "ports.shard=70000", says="/ports/shard")
+    fails(small_plan, "--set", "bundle.pvc=", "--set", "bundle.fetch.image=x", says="command")
+    text = yaml.safe_load(small_plan.read_text())
+    text["rankers"].append(
+        {
+            **text["rankers"][0],
+            "name": "ranker-1",
+            "port": 7101,
+            "metrics_port": 9101,
+            "max_batch": 64,
+        }
+    )
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(yaml.safe_dump(text))
+    fails(mixed, says="rankers[1].max_batch is 64 but rankers[0].max_batch is 256")
+    text = yaml.safe_load(small_plan.read_text())
+    text["router"]["admin_token_env"] = "CLEAVE_ADMIN_TOKEN"
+    token = tmp_path / "token.yaml"
+    token.write_text(yaml.safe_dump(text))
+    fails(token, says="set router.adminTokenSecret.name")
+    fails(small_plan, "--set", "bundle.pvc=", says="set bundle.pvc")
+    fails(small_plan, "--set", "replicas=3", says="replicas")  # not a value of this chart
