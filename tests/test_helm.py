@@ -123,12 +123,24 @@ def test_helm_lint(helm, small_plan):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("case", ["default", "3x2"])
+FETCH = (
+    *("--set", "bundle.pvc=", "--set", "bundle.fetch.image=registry.example/fetch:1"),
+    *("--set", "bundle.fetch.command={sh,-c,cp -r /src/. $BUNDLE_DIR}"),
+)
+
+
+@pytest.mark.parametrize("case", ["default", "3x2", "fetch"])
 def test_rendered_manifests_are_valid_kubernetes(helm, small_plan, big_plan, big_values, case):
     if case == "default":
         docs = rendered(helm, small_plan)
-    else:
+    elif case == "3x2":
         docs = rendered(helm, big_plan, "--values", str(big_values))
+    else:  # the bundle fetched by an init container into an emptyDir
+        docs = rendered(helm, small_plan, *FETCH)
+        pod = docs[("StatefulSet", f"{RELEASE}-shard")]["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["sh", "-c", "cp -r /src/. $BUNDLE_DIR"]
+        assert pod["volumes"][0] == {"name": "bundle", "emptyDir": {"sizeLimit": "20Gi"}}
     kinds = sorted(kind for kind, _ in docs)
     for kind in ("ConfigMap", "Deployment", "HorizontalPodAutoscaler", "StatefulSet"):
         assert kind in kinds, kinds
@@ -208,7 +220,15 @@ def test_shard_statefulset_and_configmap_agree_with_the_plan(helm, big_plan, big
     assert "replicas" not in docs[("StatefulSet", f"{RELEASE}-ranker")]["spec"]  # the HPA's
 
 
-def test_router_json_has_router_configs_keys_and_the_plans_settings(helm, big_plan):
+@pytest.mark.parametrize("section", ["full", "partial"])
+def test_router_json_has_router_configs_keys_and_the_plans_settings(
+    helm, big_plan, tmp_path, section
+):
+    if section == "partial":  # a plan written before most router keys existed: their defaults
+        text = yaml.safe_load(big_plan.read_text())
+        text["router"] = {"budget_ms": 250.0, "shed": False}
+        big_plan = tmp_path / "partial.yaml"
+        big_plan.write_text(yaml.safe_dump(text))
     plan = load_plan(big_plan)
     config = ServeConfig(
         name=plan.name,
@@ -223,6 +243,23 @@ def test_router_json_has_router_configs_keys_and_the_plans_settings(helm, big_pl
     assert sorted(got) == sorted(want)
     for key in set(want) - {"shards", "rankers"}:
         assert got[key] == want[key], key
+
+
+def test_the_admin_token_comes_from_the_named_secret(helm, small_plan, tmp_path):
+    text = yaml.safe_load(small_plan.read_text())
+    text["router"]["admin_token_env"] = "CLEAVE_ADMIN_TOKEN"
+    plan = tmp_path / "token.yaml"
+    plan.write_text(yaml.safe_dump(text))
+    docs = rendered(helm, plan, "--set", "router.adminTokenSecret.name=cleave-admin")
+    (router,) = docs[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]["containers"]
+    assert router["env"] == [
+        {
+            "name": "CLEAVE_ADMIN_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "cleave-admin", "key": "token"}},
+        }
+    ]
+    config = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
+    assert config["admin_token_env"] == "CLEAVE_ADMIN_TOKEN"  # the name only, never the token
 
 
 def ready_line(child: Process) -> str:
