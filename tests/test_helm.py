@@ -217,6 +217,12 @@ def test_shard_statefulset_and_configmap_agree_with_the_plan(helm, big_plan, big
         f"{RELEASE}-ranker-{i}.{RELEASE}-ranker.{NAMESPACE}.svc:7100" for i in range(2)
     ]
     assert docs[("HorizontalPodAutoscaler", f"{RELEASE}-ranker")]["spec"]["minReplicas"] == 2
+    ranker_pod = docs[("StatefulSet", f"{RELEASE}-ranker")]["spec"]["template"]["spec"]
+    memory = f"{memory_share_mi(plan, 'rankers')}Mi"
+    assert ranker_pod["containers"][0]["resources"] == {  # device auto, no GPU host: no GPU
+        "requests": {"cpu": str(max(r.threads for r in plan.rankers)), "memory": memory},
+        "limits": {"memory": memory},
+    }
     assert "replicas" not in docs[("StatefulSet", f"{RELEASE}-ranker")]["spec"]  # the HPA's
 
 
@@ -260,6 +266,24 @@ def test_the_admin_token_comes_from_the_named_secret(helm, small_plan, tmp_path)
     ]
     config = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
     assert config["admin_token_env"] == "CLEAVE_ADMIN_TOKEN"  # the name only, never the token
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cpu"])
+def test_rankers_on_gpu_hosts_get_a_gpu_unless_on_cpu(helm, big_plan, tmp_path, device):
+    text = yaml.safe_load(big_plan.read_text())
+    for host in text["hosts"]:
+        host["gpus"] = 1 if host["name"] == "h3" else 0  # h3 holds both rankers
+    for ranker in text["rankers"]:
+        ranker["device"] = device
+    plan = tmp_path / "gpu.yaml"
+    plan.write_text(yaml.safe_dump(text))
+    docs = rendered(helm, plan)
+    (ranker,) = docs[("StatefulSet", f"{RELEASE}-ranker")]["spec"]["template"]["spec"]["containers"]
+    assert f"--device={device}" in ranker["args"]
+    limits = ranker["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu") == (None if device == "cpu" else 1)
+    (shard,) = docs[("StatefulSet", f"{RELEASE}-shard")]["spec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in shard["resources"]["limits"]
 
 
 def ready_line(child: Process) -> str:
