@@ -9,8 +9,10 @@ to change. helm is built into .tools/bin by `make tools` (test-python depends on
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -20,15 +22,20 @@ import kubernetes_validate
 import pytest
 import yaml
 from cleave.launch.config import ServeConfig
+from cleave.launch.process import ServeProcess
 from cleave.launch.router import router_config
 from cleave.launch.supervisor import find_executable
 from cleave.plan import load_plan
+from cleave.runners import membership
+from cleave.runners.local import free_ports
 from test_executables import Process
+from test_serve import Served, check_scores, wait_until
 from test_shard import write_bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "cleave"
 HELM = ROOT / ".tools" / "bin" / "helm"
+MEMBERS = CHART / "files" / "members.py"
 KUBERNETES = "1.33.0"  # the pinned API version the manifests are validated against
 RELEASE, NAMESPACE = "demo", "serving"
 START_S = 60.0  # a bound on a shard's start-up, never a timing assertion
@@ -257,13 +264,16 @@ def test_the_admin_token_comes_from_the_named_secret(helm, small_plan, tmp_path)
     plan = tmp_path / "token.yaml"
     plan.write_text(yaml.safe_dump(text))
     docs = rendered(helm, plan, "--set", "router.adminTokenSecret.name=cleave-admin")
-    (router,) = docs[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]["containers"]
-    assert router["env"] == [
-        {
-            "name": "CLEAVE_ADMIN_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": "cleave-admin", "key": "token"}},
-        }
-    ]
+    pod = docs[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    from_secret = {
+        "name": "CLEAVE_ADMIN_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "cleave-admin", "key": "token"}},
+    }
+    assert containers["router"]["env"] == [from_secret]
+    sidecar_env = containers["members"]["env"]  # the sidecar calls the admin API too
+    assert from_secret in sidecar_env
+    assert {"name": "ADMIN_TOKEN_ENV", "value": "CLEAVE_ADMIN_TOKEN"} in sidecar_env
     config = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
     assert config["admin_token_env"] == "CLEAVE_ADMIN_TOKEN"  # the name only, never the token
 
@@ -284,6 +294,89 @@ def test_rankers_on_gpu_hosts_get_a_gpu_unless_on_cpu(helm, big_plan, tmp_path, 
     assert limits.get("nvidia.com/gpu") == (None if device == "cpu" else 1)
     (shard,) = docs[("StatefulSet", f"{RELEASE}-shard")]["spec"]["template"]["spec"]["containers"]
     assert "nvidia.com/gpu" not in shard["resources"]["limits"]
+
+
+def load_members():
+    """The chart's sidecar script (deploy/helm/cleave/files/members.py) as a module."""
+    spec = importlib.util.spec_from_file_location("cleave_chart_members", MEMBERS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_members_reconcile_adds_new_pods_and_removes_gone_ones_never_planned_ones():
+    m = load_members()
+    fmt, port = "r-{i}.r.ns.svc", 7100
+    exists = {"r-2.r.ns.svc", "r-3.r.ns.svc"}.__contains__
+    want = m.wanted(fmt, port, 2, 5, exists)
+    assert want == {"r-2.r.ns.svc:7100", "r-3.r.ns.svc:7100"}
+    mine = m.managed(fmt, port, 2, 5)
+    assert "r-0.r.ns.svc:7100" not in mine and "r-4.r.ns.svc:7100" in mine
+    current = {"r-0.r.ns.svc:7100", "r-1.r.ns.svc:7100", "r-3.r.ns.svc:7100", "r-4.r.ns.svc:7100"}
+    assert m.reconcile(current, want, mine) == (["r-2.r.ns.svc:7100"], ["r-4.r.ns.svc:7100"])
+
+
+def test_members_sidecar_admits_a_ranker_beyond_the_plan_and_removes_it(helm, big_plan, tmp_path):
+    """The chart renders the sidecar with ranker autoscaling on; the script, run against a real
+    deployment of one ranker, admits a second ranker process (ordinal 1 of RANKER_HOST) and
+    requests are served exactly; once the ordinal's name no longer resolves it is drained and
+    removed, and the plan's ranker stays."""
+    docs = rendered(helm, big_plan)  # ranker autoscaling is on by default
+    router_pod = docs[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]
+    sidecar = {c["name"]: c for c in router_pod["containers"]}["members"]
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    assert env["RANKER_HOST"] == f"{RELEASE}-ranker-{{i}}.{RELEASE}-ranker.{NAMESPACE}.svc"
+    assert (env["PLANNED"], env["MAX_RANKERS"]) == ("2", "8")
+    config = docs[("ConfigMap", f"{RELEASE}-config")]["data"]
+    assert config["members.py"] == MEMBERS.read_text()
+    fixed = rendered(helm, big_plan, "--set", "ranker.autoscaling.enabled=false")
+    router_pod = fixed[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]
+    assert [c["name"] for c in router_pod["containers"]] == ["router"]
+    assert fixed[("StatefulSet", f"{RELEASE}-ranker")]["spec"]["replicas"] == 2
+    assert ("HorizontalPodAutoscaler", f"{RELEASE}-ranker") not in fixed
+
+    served = Served("shared", tmp_path)
+    port, metrics = free_ports("127.0.0.1", 2)
+    addr = f"127.0.0.1:{port}"
+    with ServeProcess(served.dir, "--rankers", "1", "--transport", "tcp", "--http-port", "0") as s:
+        ranker = Process(
+            [
+                *(sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(served.dir)),
+                *("--listen", addr, "--metrics-port", str(metrics)),
+                *("--device", "cpu", "--threads", "1"),
+            ]
+        )
+        env = {
+            "ROUTER_URL": s.url,
+            "RANKER_HOST": "127.0.0.{i}",  # ordinal 1 is the extra ranker's address
+            "RANKER_PORT": str(port),
+            "PLANNED": "1",
+            "MAX_RANKERS": "2",
+            "INTERVAL_S": "0.2",
+            "ADMIN_TOKEN_ENV": "",
+        }
+        sidecar = Process([sys.executable, str(MEMBERS)], env={**os.environ, **env})
+        try:
+            ranker.wait_ready(f"http://127.0.0.1:{metrics}/ready")
+
+            def active() -> bool:
+                rankers = membership.members(s.url)["rankers"]
+                return any(r["addr"] == addr and r["state"] == "active" for r in rankers)
+
+            wait_until(active, START_S, f"the sidecar to admit {addr}")
+            check_scores(s, served)
+            assert sidecar.stop() == 0  # SIGTERM ends its loop
+            assert any(f"admitted ranker {addr}" in line for line in sidecar.lines)
+
+            module = load_members()
+            module.resolves = lambda host: False  # the extra ranker's pod is gone
+            module.one_round(env, None)
+            left = [r["addr"] for r in membership.members(s.url)["rankers"]]
+            assert addr not in left and len(left) == 1, left
+            check_scores(s, served)
+        finally:
+            sidecar.stop()
+            ranker.stop()
 
 
 def ready_line(child: Process) -> str:
