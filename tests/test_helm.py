@@ -3,9 +3,10 @@
 2 rankers values file, each from a plan `cleave plan` makes in the test; every rendered
 manifest validated against a pinned Kubernetes version's schemas (kubernetes-validate ships
 them); the shard StatefulSet, the ConfigMap and the router JSON agree with the plan (replica
-count, each ordinal's ranges, ports, resources, router_config's keys); a real cleave-shard
-takes its rows from the rendered plan by its index; bad values fail the render, saying what
-to change. helm is built into .tools/bin by `make tools` (test-python depends on it)."""
+count, each ordinal's ranges, ports, resources, GPUs, router_config's keys); a real
+cleave-shard takes its rows from the rendered plan by its index; the rankers' membership
+sidecar admits and removes an extra ranker of a real deployment; bad values fail the render,
+saying what to change. helm is built into .tools/bin by `make tools` (test-python depends on it)."""
 
 from __future__ import annotations
 
