@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 SOURCES := pyproject.toml Cargo.toml $(shell find crates -name '*.rs' -o -name Cargo.toml)
 export PYO3_PYTHON := $(abspath $(PY))
 
-.PHONY: demo test lint test-rust test-python bench setup clean
+.PHONY: demo test lint test-rust test-python bench setup tools clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,20 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q -e '.[dev,ray]'
 	cargo build --release --bins -p cleave-shard -p cleave-router
 	install -m 755 target/release/cleave-shard target/release/cleave-router $(VENV)/bin/
+	touch $@
+
+# Tools the chart checks need (tests/test_helm.py), built project-locally into .tools/bin from
+# the Go module proxy; the stamp names the version, so a second run builds nothing and a new
+# pin rebuilds. Needs `go` on PATH.
+HELM_VERSION := v3.22.0
+HELM_STAMP   := .tools/helm-$(HELM_VERSION).stamp
+
+tools: $(HELM_STAMP)
+
+$(HELM_STAMP):
+	@command -v go >/dev/null || { echo "make tools: needs go on PATH to build helm"; exit 2; }
+	mkdir -p .tools/bin
+	GOBIN=$(abspath .tools/bin) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 	touch $@
 
 demo: $(STAMP)
@@ -34,7 +48,7 @@ lint: $(STAMP)
 test-rust: $(STAMP)
 	cargo test --workspace
 
-test-python: $(STAMP)
+test-python: $(STAMP) tools
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -4,8 +4,11 @@
 //! "ready ADDRESS metrics=URL tables=..." for people once its tables are mapped (nothing reads
 //! it: launchers probe `/ready`); drains and exits 0 on SIGTERM/SIGINT.
 //!
-//! Exit codes: 2 for a bad flag, or a bundle that is missing or lacks the tables asked for;
-//! 1 when the shard cannot start otherwise (a table file that does not open, an address in
+//! `--plan FILE --shard-index N` takes the rows and threads of the plan's `shards[N]` instead
+//! of `--rows`/`--tables`/`--threads` (a Kubernetes StatefulSet pod passes its ordinal).
+//!
+//! Exit codes: 2 for a bad flag, a plan without entry N, or a bundle that is missing or lacks
+//! the tables asked for; 1 when the shard cannot start otherwise (a table file that does not open, an address in
 //! use).
 
 use std::io::Write;
@@ -13,6 +16,8 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+
+mod plan;
 
 use clap::Parser;
 use cleave_embed::Manifest;
@@ -28,20 +33,27 @@ struct Args {
     #[arg(long)]
     bundle: PathBuf,
     /// Comma-separated tables to hold (default: all, or those named in --rows).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "plan")]
     tables: Option<Vec<String>>,
     /// Rows held: START:END (global ids, every table) or NAME=START:END,... per table.
-    #[arg(long, value_parser = RowSpec::parse)]
+    #[arg(long, value_parser = RowSpec::parse, conflicts_with = "plan")]
     rows: Option<RowSpec>,
+    /// A deployment plan as JSON (docs/plan.md): hold the rows of its `shards[N]` and run
+    /// with its threads (N is --shard-index).
+    #[arg(long, requires = "shard_index")]
+    plan: Option<PathBuf>,
+    /// Which entry of the plan's `shards` this process is (0-based).
+    #[arg(long, requires = "plan")]
+    shard_index: Option<usize>,
     /// HOST:PORT (port 0 picks one) or unix:/path/to/socket.
     #[arg(long)]
     listen: Address,
     /// HTTP port for /metrics, /ready, /live on the listen host (0 picks one).
     #[arg(long)]
     metrics_port: Option<u16>,
-    /// Lookup threads, an I/O thread included.
-    #[arg(long, default_value = "1", value_parser = at_least_one)]
-    threads: NonZeroUsize,
+    /// Lookup threads, an I/O thread included (default: the plan's, else 1).
+    #[arg(long, value_parser = at_least_one)]
+    threads: Option<NonZeroUsize>,
     /// Threads that own connections and run lookups.
     #[arg(long, default_value = "1", value_parser = at_least_one)]
     io_threads: NonZeroUsize,
@@ -118,8 +130,24 @@ fn main() -> ExitCode {
             .collect()
     });
     config.rows = args.rows.unwrap_or_default();
+    config.threads = 1;
+    if let (Some(path), Some(index)) = (&args.plan, args.shard_index) {
+        match plan::planned_shard(path, index) {
+            Ok(planned) => {
+                tracing::info!(shard = %planned.name, index, "rows and threads from the plan");
+                config.rows = planned.rows;
+                config.threads = planned.threads;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "bad input");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if let Some(threads) = args.threads {
+        config.threads = threads.get(); // the flag overrides the plan
+    }
     config.metrics_port = args.metrics_port;
-    config.threads = args.threads.get();
     config.io_threads = args.io_threads.get();
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
