@@ -1,6 +1,6 @@
 """The runner interface (docs/plan.md, "Runners"): something that executes a deployment plan.
-Local processes and the emulated testbed implement it today; Ray and Kubernetes runners are to
-fit the same four methods, so keep it small."""
+Local processes, the emulated testbed and Ray implement it (Kubernetes runs a plan through the
+Helm chart instead, docs/deploy.md); keep it small."""
 
 from __future__ import annotations
 
