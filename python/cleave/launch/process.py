@@ -31,12 +31,13 @@ class ServeProcess:
             self.argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            # One pipe for both, so lines keep the order they were written in: what `cleave
+            # serve` says before `ready` (every role's metrics URL) is in `log` once it is.
+            stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
         )
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._ready.wait(0.05):
             if self.proc.poll() is not None:
