@@ -230,6 +230,11 @@ def test_bench_scale_reports_the_second_rankers_goodput_without_failures(cluster
     assert result["gain_of_most_rankers"] == windows[1]["goodput_over_first"] > 0
     assert "scaled to 2 rankers" in done.stderr and "good/s" in done.stdout  # log, table
     assert not role_processes(served)
+    # Bad input: exit 2 before anything starts, saying what was expected.
+    done = cli("bench", "scale", "--rankers", "1,0")
+    assert done.returncode == 2 and "counts of at least 1, got '1,0'" in done.stderr, done.stderr
+    done = cli("bench", "scale", "--ray-address", "127.0.0.1:1")
+    assert done.returncode == 2 and "no Ray cluster answers there" in done.stderr, done.stderr
 
 
 def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.bench.machine import describe
-from cleave.errors import UsageError
+from cleave.errors import CleaveError, UsageError
 
 NODE_CPUS = 6  # logical, per local node: Ray's accounting, not this machine's cores
 OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
@@ -199,10 +199,10 @@ def scale_to(name: str, address: str, rankers: int, url: str) -> float:
         timeout=SCALE_TIMEOUT_S,
     )  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"cleave scale --rankers {rankers} failed: {done.stderr.strip()}")
+        raise CleaveError(f"cleave scale --rankers {rankers} failed: {done.stderr.strip()}")
     active = [r for r in membership.members(url)["rankers"] if r["state"] == "active"]
     if len(active) != rankers:
-        raise RuntimeError(f"after scaling to {rankers} rankers the router has {active}")
+        raise CleaveError(f"after scaling to {rankers} rankers the router has {active}")
     return time.monotonic() - start
 
 
@@ -297,13 +297,19 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("bench scale needs Ray: pip install 'cleave[ray]'") from None
     from cleave.bench.serve import Workload
+    from cleave.runners.ray import _check_reachable
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if args.ray_address:  # before the workload is built: a bad address fails in seconds
+        _check_reachable(args.ray_address)
+
     if threading.current_thread() is threading.main_thread():  # stop what started on SIGTERM
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    t0 = time.monotonic()
     workload = Workload(args)
+    log(f"workload: {workload.name} ({time.monotonic() - t0:.1f} s)")
     cluster = None if args.ray_address else local_cluster()
     try:
         address = args.ray_address or cluster.address
