@@ -35,6 +35,7 @@ NODE_CPUS = 6  # logical, per local node: Ray's accounting, not this machine's c
 OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
 SCALE_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 30.0
+TOLERANCE = 1e-5  # --check: scores equal to the model's within this
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -338,5 +339,12 @@ def run(args: argparse.Namespace) -> int:
         log(f"wrote {path}")
     if result["failed"]:
         log(f"{result['failed']} requests failed, e.g. {result['failures_first']}")
+        return 1
+    worst = max((w["max_abs_diff"] or 0.0 for w in result["windows"]), default=0.0)
+    if worst > TOLERANCE:  # --check: a score that differs from the model's is a failure too
+        log(f"a score differs from the model's by {worst:g} (> {TOLERANCE:g})")
+        return 1
+    if any(w["answered"] == 0 for w in result["windows"]):  # the load itself did not run
+        log("a window got no answer at all: nothing to compare")
         return 1
     return 0
