@@ -2,14 +2,17 @@
 raylets on this machine, nodes labelled cleave-host=h0..h2). `cleave serve --plan --runner ray`
 runs as a real process against it; every role is a real process on its node's address.
 
-One cluster for the module, two deployments: dlrm (shards on h1, the ranker on h2, the router
+One cluster for the module, four deployments: dlrm (shards on h1, the ranker on h2, the router
 on h0), scored, then scaled 1 -> 2 -> 1 rankers and 1 -> 2 -> 1 replicas under load with
 `cleave scale`; and shared with 2 replicas of every range and 2 rankers, scored, then node h2
-(a replica of every range and a ranker) removed under load. Bad input first: it starts nothing."""
+(a replica of every range and a ranker) removed under load; dcn and din in between, scored
+with their shards and ranker on different nodes (every reference model on Ray). Bad input
+first: it starts nothing."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -22,7 +25,7 @@ from cleave.launch.process import ServeProcess
 from cleave.plan import Host, make_plan, save_plan
 from cleave.runners import membership
 from test_replicas import failures, under_load
-from test_serve import Served, check_scores, wait_until
+from test_serve import SCALES, TOLERANCE, Served, check_scores, wait_until
 
 ray = pytest.importorskip("ray", reason="the Ray runner needs Ray: pip install 'cleave[ray]'")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -131,7 +134,7 @@ def stopped_cleanly(server: ServeProcess, served: Served) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Served]:
     root = tmp_path_factory.mktemp("ray-bundles")
-    return {name: Served(name, root) for name in ("dlrm", "shared")}
+    return {name: Served(name, root) for name in ("dlrm", "shared", "dcn", "din")}
 
 
 def test_bad_input_is_a_clear_error(cluster, models, tmp_path):
@@ -191,6 +194,47 @@ def test_dlrm_on_three_nodes_then_scaled_under_load(cluster, models, tmp_path):
             assert len(shards) == 2 * want and {s["state"] for s in shards} == {"active"}
         check_scores(server, served)
         stopped_cleanly(server, served)
+
+
+def test_dcn_and_din_score_like_their_models_with_shards_and_rankers_apart(
+    cluster, models, tmp_path
+):
+    # The rest of the correctness suite (dlrm and shared are scored above), one after the other.
+    node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
+    for name in ("dcn", "din"):
+        served = models[name]
+        plan = ray_plan(served, tmp_path / f"{name}.yaml", rankers=1, replicas=1)
+        with serve(cluster, plan) as server:
+            check_scores(server, served)
+            where = placement(server)
+            assert where["shard-0"] == where["shard-1"] == node["h1"], where
+            assert where["ranker-0"] == node["h2"] and where["router-0"] == node["h0"], where
+            stopped_cleanly(server, served)
+
+
+def test_bench_scale_reports_the_second_rankers_goodput_without_failures(cluster, models, tmp_path):
+    # `cleave bench scale` (docs/benchmarks.md) with short windows: 1 ranker, then 2.
+    served, out = models["dlrm"], tmp_path / "scale.json"
+    done = cli(
+        "bench", "scale", "--quick", "--check", "--rankers", "1,2", "--clients", "3",
+        "--model", "dlrm", "--scale", str(SCALES["dlrm"]), "--bundle", str(served.dir),
+        "--workdir", str(tmp_path), "--ray-address", cluster.address, "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    windows = result["windows"]
+    assert [w["rankers"] for w in windows] == [1, 2] and result["failed"] == 0
+    assert all(w["answered"] > 0 and w["failed"] == 0 for w in windows)
+    assert all(w["max_abs_diff"] is not None and w["max_abs_diff"] <= TOLERANCE for w in windows)
+    assert windows[0]["goodput_over_first"] == 1.0
+    assert result["gain_of_most_rankers"] == windows[1]["goodput_over_first"] > 0
+    assert "scaled to 2 rankers" in done.stderr and "good/s" in done.stdout  # log, table
+    assert not role_processes(served)
+    # Bad input: exit 2 before anything starts, saying what was expected.
+    done = cli("bench", "scale", "--rankers", "1,0")
+    assert done.returncode == 2 and "counts of at least 1, got '1,0'" in done.stderr, done.stderr
+    done = cli("bench", "scale", "--ray-address", "127.0.0.1:1")
+    assert done.returncode == 2 and "no Ray cluster answers there" in done.stderr, done.stderr
 
 
 def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(

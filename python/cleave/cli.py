@@ -24,6 +24,7 @@ BENCHMARKS = {
     "lookup": ("cleave.bench.lookup", "pooled lookup rate vs PyTorch and the memory limit"),
     "shard": ("cleave.bench.shard", "shard latency and throughput over loopback"),
     "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
+    "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
 }
 
 
