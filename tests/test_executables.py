@@ -27,7 +27,7 @@ import pytest
 from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
 from cleave.runners.local import free_ports
-from test_serve import Served
+from test_serve import Served, child_processes
 from test_shard import write_bundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -366,17 +366,10 @@ def test_serve_fails_when_a_roles_ready_never_turns_200_naming_role_and_url(tmp_
 def shard_pids(parent: int) -> dict[tuple[str, str], int]:
     """cleave-shard children of `parent` by (--listen, --metrics-port), from /proc."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and argv[0].endswith("cleave-shard"):
+    for pid, argv in child_processes(parent).items():
+        if argv[0].endswith("cleave-shard"):
             at = (argv[argv.index("--listen") + 1], argv[argv.index("--metrics-port") + 1])
-            found[at] = int(entry.name)
+            found[at] = pid
     return found
 
 

@@ -123,26 +123,32 @@ def test_scores_equal_the_original_model(models, model, shards, rankers, monolit
 # -- failures ------------------------------------------------------------------------------
 
 
-def children(pid: int) -> dict[str, int]:
-    """The launcher's children by role name (shard-0, ranker-1, router), from /proc."""
+def child_processes(parent: int) -> dict[int, list[str]]:
+    """The direct children of `parent`: pid -> argv, from /proc."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode().split("\0")
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != pid:
-            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found[int(entry.name)] = argv
+    return found
+
+
+def children(pid: int) -> dict[str, int]:
+    """The launcher's children by role name (shard-0, ranker-1, router), from /proc."""
+    found = {}
+    for child, cmdline in child_processes(pid).items():
         if Path(cmdline[0]).name == "cleave-router":
-            found["router"] = int(entry.name)
+            found["router"] = child
         for arg in cmdline:
             for role in ("shard", "ranker"):
                 if arg.endswith(".sock") and f"/{role}-" in arg:
-                    found[Path(arg).stem] = int(entry.name)
+                    found[Path(arg).stem] = child
     return found
 
 
