@@ -12,7 +12,9 @@ breakdown). Every response can be checked against the original model's outputs (
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import signal
 import sys
 import threading
@@ -23,6 +25,7 @@ from cleave.bench import hosts
 from cleave.bench.machine import describe, go_realtime
 from cleave.bench.plot import plot_hosts, plot_results, plot_stress
 from cleave.errors import UsageError
+from cleave.partitioner.accuracy import REFERENCE_SAMPLES
 
 __all__ = [
     "Target",
@@ -43,7 +46,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="out/bench-serve", help="where bundles are written")
     parser.add_argument("--rates", default="50,100,200", help="offered loads, requests/s")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per rate")
-    parser.add_argument("--budget-ms", type=float, default=25.0, help="latency budget (SLO)")
+    parser.add_argument(
+        "--budget-ms",
+        type=float,
+        help="latency budget (SLO); default: 25 ms, or twice the float32 dense program's time "
+        "per request on one thread when that is more (rounded up to 5 ms)",
+    )
+    parser.add_argument(
+        "--dense-dtype",
+        choices=["float32", "bfloat16", "int8"],
+        default="float32",
+        help="serve a bundle with this dense precision (refused if it fails its accuracy "
+        "check); a reduced one is compared with the float32 bundle served the same way",
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads per ranker (default: cleave serve's split)"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="rankers compile their dense program (CPU)"
+    )
     parser.add_argument("--candidates", type=int, default=100, help="rows per request")
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
     parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
@@ -139,39 +160,116 @@ class Workload:
         scale = entry.default_scale if args.scale is None else args.scale
         model, example = entry.factory(scale=scale, seed=args.seed)
         model.eval()
+        dtype = getattr(args, "dense_dtype", "float32")
+        base = Path(args.workdir) / f"{args.model}-{scale:g}-{args.seed}"
         if args.bundle:
             self.bundle_dir = Path(args.bundle)
             bundle = cleave.load_bundle(self.bundle_dir, verify=False)
         else:
-            self.bundle_dir = Path(args.workdir) / f"{args.model}-{scale:g}-{args.seed}"
-            bundle = cleave.partition(model, example)
+            self.bundle_dir = base if dtype == "float32" else base.with_name(f"{base.name}-{dtype}")
+            labelled = (
+                None
+                if dtype == "float32"
+                else RequestGenerator(args.model, scale=scale, seed=args.seed).labelled(
+                    REFERENCE_SAMPLES, 256
+                )
+            )
+            bundle = cleave.partition(model, example, dense_dtype=dtype, labelled=labelled)
             bundle.save(self.bundle_dir, overwrite=True)
+        # A reduced-precision bundle is also served in float32, the same way, for the ratio.
+        self.float32_dir = None
+        if bundle.dense_dtype != "float32":
+            self.float32_dir = base
+            cleave.partition(model, example).save(base, overwrite=True)
         generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
+        self.bundle = bundle
+        self.inputs = [generator.batch(args.candidates) for _ in range(args.requests)]
+        self.roofline = None
+        if hasattr(args, "dense_dtype"):  # cleave bench serve: the dense program vs the CPU
+            self.roofline = _rooflines(self, args)
+            if args.budget_ms is None:
+                fp32_ms = self.roofline["float32_one_thread_ms"]
+                args.budget_ms = max(25.0, 5.0 * math.ceil(2 * fp32_ms / 5.0))
         # Overload and soak runs send no budget: the router's default is what they test.
         stress = getattr(args, "overload", False) or getattr(args, "soak", None)
         body_budget = None if stress else args.budget_ms
-        self.bundle = bundle
-        self.inputs, self.bodies, self.expected = [], [], []
+        self.bodies, self.expected, self.model_expected = [], [], []
+        self.float32_distance = 0.0
         with torch.inference_mode():
-            for _ in range(args.requests):
-                inputs = generator.batch(args.candidates)
-                self.inputs.append(inputs)
+            for inputs in self.inputs:
                 self.bodies.append(infer_body(bundle.named_inputs(*inputs), body_budget))
-                flat = pytree.tree_leaves(model(*inputs))
-                self.expected.append([t.double().numpy() for t in flat])
+                flat = [t.double().numpy() for t in pytree.tree_leaves(model(*inputs))]
+                self.model_expected.append(flat)
+                if bundle.dense_dtype == "float32":
+                    self.expected.append(flat)
+                    continue
+                # A reduced-precision bundle is checked against its own reference executor;
+                # its distance to the float32 model is reported apart.
+                own = [t.double().numpy() for t in pytree.tree_leaves(bundle.reference(*inputs))]
+                self.expected.append(own)
+                for o, f in zip(own, flat, strict=True):
+                    if f.size:
+                        self.float32_distance = max(self.float32_distance, float(abs(o - f).max()))
         self.name = self.bundle_dir.name
         self.scale = scale
 
-    def check(self, index: int, response: dict) -> float:
+    def check(self, index: int, response: dict, want_model: bool = False) -> float:
+        """Largest distance of a response's outputs from the expected ones: the bundle's own
+        reference executor's (the model's for float32 bundles), or with `want_model` the
+        float32 model's."""
         from cleave.bench.loadgen import outputs_of
 
         got = outputs_of(response)
-        want = self.expected[index]
+        want = (self.model_expected if want_model else self.expected)[index]
         if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want, strict=True)):
             return float("inf")
         return max(
             float(abs(g - w).max()) if g.size else 0.0 for g, w in zip(got, want, strict=True)
         )
+
+
+def _rooflines(workload: Workload, args) -> dict:
+    """The served dense program (and the float32 one) against the matmul peak, at the threads
+    a ranker gets; and the float32 program on one thread, which the default budget scales by."""
+    import cleave
+    from cleave.bench.roofline import roofline
+    from cleave.launch.config import ServeConfig
+
+    bundle = workload.bundle
+    config = ServeConfig(rankers=args.rankers)
+    threads = args.threads or config.ranker_threads(bundle.manifest["dense"].get("demand"))
+    inputs = bundle.named_inputs(*workload.inputs[0])
+    values = {**inputs, **bundle.sparse_reference(inputs)}
+    dense_args = [values[n] for n in bundle.manifest["dense"]["inputs"]]
+    program = None
+    if args.compile:
+        from cleave.ranker.program import compile_program
+
+        program = compile_program(bundle.dense_module(), Path(args.workdir) / "inductor")
+    served = roofline(bundle, dense_args, threads, program)
+    fp32 = bundle
+    if workload.float32_dir is not None:
+        fp32 = cleave.load_bundle(workload.float32_dir, verify=False)
+    result = {"served": served, "float32": served}
+    if fp32 is not bundle:
+        result["float32"] = roofline(fp32, dense_args, threads)
+    result["float32_one_thread_ms"] = roofline(fp32, dense_args, 1)["dense_ms"]
+    return result
+
+
+def print_roofline(roof: dict) -> None:
+    print("dense program vs the matrix-multiply peak (same dtype and threads, this run):")
+    for name in dict.fromkeys(("served", "float32")):
+        r = roof[name]
+        peak = f"{r['peak_gflops']:.0f}" if r["peak_gflops"] else "-"
+        share = f"{100 * r['fraction_of_peak']:.0f}%" if r["fraction_of_peak"] else "-"
+        print(
+            f"  {r['dtype']:<9} {r['threads']} threads{' compiled' if r['compiled'] else ''}: "
+            f"{r['dense_ms']:.2f} ms per request of {r['rows']}, {r['achieved_gflops']:.0f} "
+            f"GFLOP/s of a {peak} GFLOP/s peak ({share})"
+        )
+        if roof["served"] is roof["float32"]:
+            break
 
 
 def read_bundle_summary(bundle_dir: Path) -> dict:
@@ -180,6 +278,8 @@ def read_bundle_summary(bundle_dir: Path) -> dict:
         "tables": len(manifest["tables"]),
         "table_mib": sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]) / 2**20,
         "dense_inputs": len(manifest["dense"]["inputs"]),
+        "dense_dtype": manifest["dense"].get("dtype", "float32"),
+        "accuracy": manifest["dense"].get("accuracy"),
     }
 
 
@@ -198,6 +298,7 @@ def new_result(args, workload: Workload) -> dict:
         "rankers": args.rankers,
         "realtime": bool(getattr(args, "realtime", False)),
         "bundle": read_bundle_summary(workload.bundle_dir),
+        "roofline": workload.roofline,
         "deployments": {},
     }
 
@@ -234,11 +335,13 @@ class Target:
         url: str | None = None,
         plan=None,
         model: str | None = None,
+        want_model: bool = False,
     ):
         # plan: `cleave serve --plan PLAN *flags` (flags name the runner) instead of BUNDLE.
         self.bundle, self.plan, self.flags, self.server = bundle, plan, flags or [], None
         self.url = url.rstrip("/") if url else ""
         self.model = model  # the served model's name when it is not the workload's
+        self.want_model = want_model  # --check against the float32 model, not the bundle
         self.endpoints: dict[str, str] = {}  # role -> /metrics URL
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
 
@@ -282,6 +385,10 @@ class Target:
     def infer_url(self, workload: Workload) -> str:
         return f"{self.url}/v2/models/{self.model or workload.name}/infer"
 
+    def checker(self, workload: Workload):
+        """What --check compares this deployment's responses with."""
+        return functools.partial(workload.check, want_model=self.want_model)
+
     def __enter__(self) -> Target:
         return self.start()
 
@@ -299,13 +406,13 @@ def paired_single(targets: dict[str, Target], workload: Workload, args, log) -> 
 
     rounds = 10
     per_round = max(1, args.single // rounds)
-    check = workload.check if args.check else None
     samples: dict[str, list] = {name: [] for name in targets}
     p50s: dict[str, list] = {name: [] for name in targets}
     for target in targets.values():  # warm-up
         sequential(target.infer_url(workload), workload.bodies, min(20, args.single))
     for _ in range(rounds):
         for name, target in targets.items():
+            check = target.checker(workload) if args.check else None
             got = sequential(target.infer_url(workload), workload.bodies, per_round, check=check)
             samples[name].extend(got)
             ok = [s.latency_s * 1e3 for s in got if not s.error]
@@ -329,7 +436,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
     def infer() -> str:
         return target.infer_url(workload)
 
-    check = workload.check if args.check else None
+    check = target.checker(workload) if args.check else None
     sequential(infer(), workload.bodies, min(20, args.single), check=None)  # warm-up
     result: dict = {"rates": []}
     if single:
@@ -436,16 +543,28 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
         plan = [("monolithic", True), ("disaggregated", False)]
     else:
         plan = [("monolithic", True)] if args.monolithic else [("disaggregated", False)]
-    return {
+    targets = {
         name: Target(workload.bundle_dir, _serve_flags(args, monolithic))
         for name, monolithic in plan
     }
+    if workload.float32_dir is not None and not args.monolithic:
+        targets["disaggregated-float32"] = Target(
+            workload.float32_dir,
+            _serve_flags(args, False),
+            model=workload.float32_dir.name,
+            want_model=True,
+        )
+    return targets
 
 
 def _serve_flags(args, monolithic: bool) -> list[str]:
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
     if args.config:
         flags += ["--config", args.config]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    if args.compile:
+        flags.append("--compile")
     if monolithic:
         flags.append("--monolithic")
     return flags
@@ -554,6 +673,20 @@ def run(args: argparse.Namespace) -> int:
                 dis["max_rate_within_budget"], mono["max_rate_within_budget"]
             ),
         }
+    if "disaggregated-float32" in deps and "disaggregated" in deps:
+        reduced, fp32 = deps["disaggregated"], deps["disaggregated-float32"]
+        result.setdefault("ratios", {}).update(
+            {
+                "max_rate_dtype_over_float32": _ratio(
+                    reduced["max_rate_within_budget"], fp32["max_rate_within_budget"]
+                ),
+                "single_p50_dtype_over_float32": _ratio(
+                    reduced["single"]["p50_ms"], fp32["single"]["p50_ms"]
+                ),
+            }
+        )
+    if workload.float32_dir is not None:
+        result["float32_distance"] = workload.float32_distance
     if args.shard_hosts:
         result["ratios"] = hosts.hosts_ratios(result)
     if args.check:
@@ -565,6 +698,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         result["max_abs_diff"] = max(diffs) if diffs else None
     print_table(result)
+    if workload.roofline:
+        print_roofline(workload.roofline)
     hosts.print_stages(result)
     if args.shard_hosts:
         hosts.print_hosts(result)

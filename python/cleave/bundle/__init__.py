@@ -23,6 +23,7 @@ from cleave.errors import BundleError, CleaveError
 __all__ = ["Bundle", "load_bundle"]
 
 DENSE_PROGRAM = "dense.pt2"
+DENSE_PROBE = "dense_probe.pt"  # a small batch of dense inputs and the float32 outputs
 
 
 class Bundle:
@@ -40,7 +41,9 @@ class Bundle:
         self._raw_tables = tables  # name -> uint8 [rows, row_bytes] (array or memmap)
         self._dense = dense
         self._decoded: dict[str, torch.Tensor] = {}
-        self._dense_module: torch.nn.Module | None = None
+        self._dense_modules: dict[str, torch.nn.Module] = {}
+        # {"inputs": [...], "outputs": [...]}: set by the partitioner, read lazily from disk
+        self._probe: dict | None = None
 
     # -- what is inside ----------------------------------------------------------------------
     @property
@@ -49,7 +52,13 @@ class Bundle:
 
     @property
     def dense_program(self) -> torch.export.ExportedProgram:
+        """The float32 dense program (see `dense_module` for the one served)."""
         return self._dense
+
+    @property
+    def dense_dtype(self) -> str:
+        """The precision the dense program is served at (cleave.bundle.precision)."""
+        return self.manifest["dense"].get("dtype", "float32")
 
     def table(self, name: str) -> torch.Tensor:
         """A table decoded to fp32 [rows, dim] (int8 and fp16 dequantized)."""
@@ -83,6 +92,8 @@ class Bundle:
             "dense_bytes": dense_bytes,
             "boundary": [_crossing(b) for b in self.manifest["boundary"]],
             "shared_inputs": self.manifest["shared_inputs"],
+            "dense_dtype": self.dense_dtype,
+            "accuracy": self.manifest["dense"].get("accuracy"),
         }
 
     # -- running it ------------------------------------------------------------------------
@@ -100,11 +111,37 @@ class Bundle:
         """The boundary tensors of a request, computed with the reference executor."""
         return run_sparse(self.manifest, inputs, self.table)
 
-    def dense_module(self) -> torch.nn.Module:
-        """(*dense inputs, in manifest order) -> tuple of the model's flat outputs."""
-        if self._dense_module is None:
-            self._dense_module = self._dense.module()
-        return self._dense_module
+    def dense_module(self, dtype: str | None = None) -> torch.nn.Module:
+        """(*dense inputs, in manifest order) -> tuple of the model's flat outputs, at the
+        bundle's dense dtype (or `dtype`: "float32" is the program as partitioned)."""
+        from cleave.bundle.precision import convert
+
+        dtype = dtype or self.dense_dtype
+        if dtype not in self._dense_modules:
+            if "float32" not in self._dense_modules:
+                self._dense_modules["float32"] = self._dense.module()
+            self._dense_modules[dtype] = convert(self._dense_modules["float32"], dtype)
+        return self._dense_modules[dtype]
+
+    def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:
+        """Keeps `dense_inputs` and the float32 program's outputs on them as the probe."""
+        with torch.inference_mode():
+            outputs = [t.clone() for t in self.dense_module("float32")(*dense_inputs)]
+        self._probe = {"inputs": [t.clone() for t in dense_inputs], "outputs": outputs}
+        self.manifest["dense"]["probe"] = DENSE_PROBE
+
+    def probe(self) -> dict | None:
+        """The probe batch: dense inputs and the float32 program's outputs on them, recorded
+        at partition time; a ranker checks the program it is about to serve against it.
+        None for bundles partitioned before probes existed."""
+        if self._probe is None and self.path is not None:
+            file = self.path / DENSE_PROBE
+            if self.manifest["dense"].get("probe") and file.exists():
+                try:
+                    self._probe = torch.load(file, weights_only=True)
+                except Exception as err:
+                    raise BundleError(f"{file}: cannot be read: {err}") from None
+        return self._probe
 
     def run_dense(self, values: dict[str, torch.Tensor]) -> tuple:
         names = self.manifest["dense"]["inputs"]
@@ -119,10 +156,11 @@ class Bundle:
         spec = pytree.treespec_loads(self.manifest["output_spec"])
         return pytree.tree_unflatten(list(flat), spec)
 
-    def full_module(self) -> torch.nn.Module:
+    def full_module(self, dense: torch.nn.Module | None = None) -> torch.nn.Module:
         """The whole model in one module over the flat manifest inputs (the monolithic
-        baseline): (*inputs) -> tuple of flat outputs."""
-        return _FullModel(self)
+        baseline): (*inputs) -> tuple of flat outputs. `dense`: the dense program to run
+        (default `dense_module()`), a compiled one say."""
+        return _FullModel(self, dense or self.dense_module())
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -138,6 +176,8 @@ class Bundle:
                 raw = np.ascontiguousarray(self._raw_tables[meta["name"]])
                 (tmp / meta["file"]).write_bytes(raw.tobytes())
             torch.export.save(self._dense, tmp / DENSE_PROGRAM)
+            if self.probe() is not None:
+                torch.save(self.probe(), tmp / DENSE_PROBE)
             manifest_io.write(tmp, self.manifest)
             if path.exists():
                 old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -191,12 +231,14 @@ def _crossing(tensor: dict) -> dict:
 
 
 class _FullModel(torch.nn.Module):
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle, dense: torch.nn.Module):
         super().__init__()
         self.bundle = bundle
+        self.dense = dense
         for name in {f["table"] for f in bundle.manifest["features"]}:
             bundle.table(name)  # decode once, up front
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         named = dict(zip(self.bundle.input_names, inputs, strict=True))
-        return self.bundle.run_dense({**named, **self.bundle.sparse_reference(named)})
+        values = {**named, **self.bundle.sparse_reference(named)}
+        return tuple(self.dense(*[values[n] for n in self.bundle.manifest["dense"]["inputs"]]))

@@ -57,6 +57,8 @@ class RankerConfig:
     max_wait_ms: float = 0.0  # how long a request may wait for company; 0: work-conserving
     max_queue: int = 1024  # requests waiting at most; more are refused `overloaded` at once
     cuda_graphs: bool = True
+    compile: bool = False  # compile the dense program with TorchInductor before ready (CPU)
+    compile_cache: str = ""  # compiled programs kept here; "": $XDG_CACHE_HOME/cleave/inductor
 
 
 @dataclass
@@ -132,12 +134,28 @@ class ServeConfig:
         need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
         return self
 
-    def ranker_threads(self) -> int:
+    def ranker_threads(self, demand: dict | None = None) -> int:
+        """Torch threads per ranker: the config's, else this machine's cores split by the
+        bundle's measured demand (manifest dense.demand; docs/serving.md, "Cores")."""
         if self.ranker.threads:
             return self.ranker.threads
-        # One core is left to the router and shards: a torch thread that loses its core to
-        # them stalls every parallel region of the batch (measured: 1.5 ms -> 140 ms).
-        return max(1, ((os.cpu_count() or 1) - 1) // self.rankers)
+        return ranker_cores(os.cpu_count() or 1, self.rankers, self.monolithic, demand)
+
+
+def ranker_cores(cores: int, rankers: int, monolithic: bool, demand: dict | None) -> int:
+    """Torch threads per ranker on a machine of `cores`. One core is always left to the router
+    and the shards (and the monolith's router threads): a torch thread that loses its core to
+    them stalls every parallel region of the batch (measured: 1.5 ms -> 140 ms). Of the rest,
+    rankers get the dense side's share by its measured time per sample against the sparse
+    side's (a DCN-like model nearly all, a Criteo-like one less), split evenly among them; the
+    monolith, one process doing all the work, gets all of the rest."""
+    spare = max(1, cores - 1)
+    dense = (demand or {}).get("dense_us_per_sample", 0.0)
+    sparse = (demand or {}).get("sparse_us_per_sample", 0.0)
+    if monolithic or dense <= 0 or sparse < 0:  # no measurement: an older bundle
+        return spare if monolithic else max(1, spare // rankers)
+    total = min(spare, max(1, round(spare * dense / (dense + sparse))))
+    return max(1, total // rankers)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -44,7 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, help="embedding shard processes (default 1)")
     parser.add_argument("--rankers", type=int, help="ranker processes (default 1)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="ranker device")
-    parser.add_argument("--threads", type=int, help="torch threads per ranker")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads per ranker (default: the cores the bundle's measured demand gives "
+        "the dense side; all of them with --monolithic)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="compile the dense program with TorchInductor before ready (CPU; cached)",
+    )
     parser.add_argument("--max-batch", type=int, help="ranker batch rows at most")
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
     parser.add_argument("--transport", choices=["unix", "tcp"], help="internal sockets")
@@ -73,6 +84,7 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
     ranker = {
         "device": args.device,
         "threads": args.threads,
+        "compile": args.compile,
         "max_batch": args.max_batch,
         "max_wait_ms": args.max_wait_ms,
     }
@@ -130,6 +142,7 @@ _LAYOUT_FLAGS = (
     "rankers",
     "device",
     "threads",
+    "compile",
     "max_batch",
     "max_wait_ms",
     "transport",

@@ -7,7 +7,9 @@ import importlib
 import json
 import sys
 
+from cleave.bundle.precision import DENSE_DTYPES
 from cleave.errors import UsageError
+from cleave.partitioner.accuracy import REFERENCE_SAMPLES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,30 +27,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "float16", "int8_rowwise", "int8"],
         help="storage type of the embedding tables (int8 = int8_rowwise)",
     )
+    parser.add_argument(
+        "--dense-dtype",
+        default="float32",
+        choices=list(DENSE_DTYPES),
+        help="precision the dense program is served at; a reduced one is refused when it moves "
+        "AUC or scores past the limits on the labelled set",
+    )
+    parser.add_argument(
+        "--labelled",
+        metavar="PKG.MODULE:FUNCTION",
+        help="a function returning [(forward args, labels), ...] to measure a reduced dense "
+        "dtype's accuracy on (default for the reference models: their request generator's "
+        f"{REFERENCE_SAMPLES} labelled samples)",
+    )
+    parser.add_argument(
+        "--max-auc-drop", type=float, default=0.001, help="largest AUC change allowed"
+    )
+    parser.add_argument(
+        "--score-tolerance",
+        type=float,
+        default=0.02,
+        help="largest change of any output value allowed",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing BUNDLE_DIR")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _resolve(spec: str, flag: str, what: str):
+    """PKG.MODULE:NAME -> the callable it names."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{flag} expects PKG.MODULE:{what}, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(f"{flag} {spec}: cannot import module {module_name!r}: {err}") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise UsageError(f"{flag} {spec}: module {module_name!r} has no callable {attr!r}")
+    return function
+
+
+def _call(function, spec: str, flag: str):
+    try:
+        return function()
+    except Exception as err:
+        raise UsageError(f"{flag} {spec}: it raised {type(err).__name__}: {err}") from None
 
 
 def load_factory(spec: str):
     """Resolves PKG.MODULE:FACTORY and calls it; checks that it returns (model, inputs)."""
     import torch
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--model expects PKG.MODULE:FACTORY, got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UsageError(f"--model {spec}: cannot import module {module_name!r}: {err}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"--model {spec}: module {module_name!r} has no callable {attr!r}")
-    try:
-        result = factory()
-    except Exception as err:
-        raise UsageError(
-            f"--model {spec}: the factory raised {type(err).__name__}: {err}"
-        ) from None
+    result = _call(_resolve(spec, "--model", "FACTORY"), spec, "--model")
     if not (
         isinstance(result, tuple)
         and len(result) == 2
@@ -65,12 +97,48 @@ def load_factory(spec: str):
     return result
 
 
+def reference_entry(spec: str):
+    """The reference model (cleave.models.MODELS) whose factory `spec` names, or None."""
+    from cleave.models import MODELS
+
+    factory = _resolve(spec, "--model", "FACTORY")
+    return next((e for e in MODELS.values() if e.factory is factory), None)
+
+
+def load_labelled(args: argparse.Namespace):
+    """(labelled set or None, a typical request's forward args or None)."""
+    entry = reference_entry(args.model)
+    typical = entry.generator().batch(100) if entry else None
+    if args.labelled:
+        labelled = _call(
+            _resolve(args.labelled, "--labelled", "FUNCTION"), args.labelled, "--labelled"
+        )
+        if not isinstance(labelled, list) or not labelled:
+            raise UsageError(
+                f"--labelled {args.labelled}: expected a non-empty list of (forward args, "
+                f"labels), got {type(labelled).__name__}"
+            )
+        return labelled, typical
+    if args.dense_dtype == "float32" or entry is None:
+        return None, typical
+    return entry.generator().labelled(REFERENCE_SAMPLES, 256), typical
+
+
 def run(args: argparse.Namespace) -> int:
-    from cleave.partitioner import partition
+    from cleave.partitioner import AccuracyLimits, partition
 
     model, example = load_factory(args.model)
     dtype = "int8_rowwise" if args.table_dtype == "int8" else args.table_dtype
-    bundle = partition(model, example, table_dtype=dtype)
+    labelled, typical = load_labelled(args)
+    bundle = partition(
+        model,
+        example,
+        table_dtype=dtype,
+        dense_dtype=args.dense_dtype,
+        labelled=labelled,
+        limits=AccuracyLimits(args.max_auc_drop, args.score_tolerance),
+        typical_inputs=typical,
+    )
     path = bundle.save(args.output, overwrite=args.force)
     summary = bundle.summary()
     if args.json:
@@ -88,7 +156,15 @@ def print_summary(path, summary: dict) -> None:
         f"sparse side: {len(tables)} tables, {summary['features']} features, "
         f"{_mib(summary['sparse_bytes'])}"
     )
-    print(f"dense side:  {_mib(summary['dense_bytes'])} of weights")
+    dense = f"{_mib(summary['dense_bytes'])} of weights, served as {summary['dense_dtype']}"
+    print(f"dense side:  {dense}")
+    if summary["accuracy"]:
+        a = summary["accuracy"]
+        print(
+            f"accuracy:    AUC {a['auc']:.5f} vs {a['auc_float32']:.5f} in float32 "
+            f"({a['auc_delta']:+.5f}), scores within {a['max_score_diff']:.3g}, "
+            f"on {a['samples']} labelled samples"
+        )
     per_sample = sum(b["bytes"] for b in summary["boundary"] if b["per"] == "sample")
     print(f"boundary:    {len(summary['boundary'])} tensors, {per_sample} bytes per sample")
     groups: dict[tuple, list[str]] = {}  # tensors of one shape are listed together

@@ -56,6 +56,8 @@ def _ranker_settings(config: ServeConfig) -> dict:
         "max_wait_ms": c.max_wait_ms,
         "max_queue": c.max_queue,
         "cuda_graphs": c.cuda_graphs,
+        "compile": c.compile,
+        "compile_cache": c.compile_cache,
     }
 
 
@@ -168,7 +170,12 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     ]
     rankers = [
         Ranker(
-            f"ranker-{i}", "h0", 0, 0, threads=config.ranker_threads(), **_ranker_settings(config)
+            f"ranker-{i}",
+            "h0",
+            0,
+            0,
+            threads=config.ranker_threads(manifest.get("dense", {}).get("demand")),
+            **_ranker_settings(config),
         )
         for i in range(config.rankers)
     ]

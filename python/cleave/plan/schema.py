@@ -54,6 +54,8 @@ class Ranker:
     max_wait_ms: float
     max_queue: int
     cuda_graphs: bool
+    compile: bool = False  # TorchInductor-compile the dense program before ready (CPU)
+    compile_cache: str = ""  # where compiled code is kept; "": the user's cache directory
 
 
 @dataclass

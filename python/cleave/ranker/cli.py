@@ -42,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run CUDA batches eagerly")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the dense program with TorchInductor (CPU) before reporting ready",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="keep compiled programs here (default: $XDG_CACHE_HOME/cleave/inductor)",
+    )
+    parser.add_argument(
         "--with-router",
         metavar="CONFIG.json",
         help="also run the router (its JSON config) in this process: the one-process "
@@ -92,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         max_wait_s=args.max_wait_ms / 1000,
         cuda_graphs=not args.no_cuda_graphs,
         max_queue=args.max_queue,
+        compile=args.compile,
+        compile_cache=args.compile_cache,
     )
     try:
         server = FrameServer(args.listen)

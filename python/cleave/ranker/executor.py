@@ -61,6 +61,8 @@ class DenseExecutor:
         if example is None:
             return
         self.run(example)
+        if self.device.type == "cpu":  # a compiled program specializes batch 1: compile both
+            self.run(self.signature.example(2))
         for bucket in self.buckets:
             batch = self.signature.example(bucket)
             if batch is not None:
@@ -84,6 +86,12 @@ class DenseExecutor:
                     self.graphs[bucket] = graph
                 return graph.replay(inputs, rows)
             return self._eager(inputs)
+
+    def run_module(self, module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`module` (on this executor's device) run eagerly on `inputs`: CPU outputs."""
+        with torch.inference_mode():
+            moved = [t.to(self.device) for t in inputs]
+            return [t.to("cpu") for t in _flat(module(*moved))]
 
     def _eager(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         moved = [t.to(self.device, non_blocking=True) for t in inputs]

@@ -1,21 +1,83 @@
-"""Builds a ranker from a bundle: the program it runs, its signature, executor and batcher."""
+"""Builds a ranker from a bundle: the program it runs (at the bundle's dense dtype, compiled
+or not, checked against the bundle's probe), its signature, executor and batcher."""
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import torch
 
-from cleave.errors import UsageError
+from cleave.errors import BundleError, CleaveError, UsageError
 from cleave.ranker import DEFAULT_MAX_QUEUE
 from cleave.ranker.batcher import Batcher
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL
 from cleave.ranker.signature import signature
 
+log = logging.getLogger("cleave.ranker")
+
+# A float32 program may differ from the partitioned one by its sums' order once compiled.
+FLOAT32_PROBE_TOLERANCE = 1e-4
+
 
 def pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def default_compile_cache() -> Path:
+    """Where compiled programs are kept across restarts: $XDG_CACHE_HOME/cleave/inductor."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cleave" / "inductor"
+
+
+def compile_program(module: torch.nn.Module, cache_dir: str | os.PathLike | None):
+    """TorchInductor compilation for the CPU: one program with a symbolic batch size (plus
+    PyTorch's own specialization for batch 1), weights frozen into it, kept in `cache_dir` so
+    a restart reuses the generated code. Compilation itself happens on the first calls, which
+    the executor's warm-up makes before the ranker reports ready."""
+    cache = Path(cache_dir) if cache_dir else default_compile_cache()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"compile cache {cache}: cannot be created: {err}") from None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    return torch.compile(module, dynamic=True, options={"freezing": True})
+
+
+def check_probe(bundle, run, dtype: str) -> None:
+    """Refuses to serve a program whose outputs on the bundle's probe batch are further from
+    the float32 program's than the bundle's accuracy check allowed."""
+    probe = bundle.probe()
+    if probe is None:
+        log.info("bundle has no probe batch (partitioned by an older cleave): not checked")
+        return
+    accuracy = bundle.manifest["dense"].get("accuracy") or {}
+    tolerance = accuracy.get("score_tolerance", FLOAT32_PROBE_TOLERANCE)
+    try:
+        got = run(probe["inputs"])
+    except Exception as err:
+        raise CleaveError(f"the {dtype} dense program failed on the probe batch: {err}") from err
+    want = probe["outputs"]
+    if len(got) != len(want):
+        raise BundleError(f"probe: the program returned {len(got)} outputs, expected {len(want)}")
+    worst = max(
+        (
+            float((g.double() - w.double()).abs().max())
+            for g, w in zip(got, want, strict=True)
+            if w.numel()
+        ),
+        default=0.0,
+    )
+    if not worst <= tolerance:  # NaN fails too
+        raise CleaveError(
+            f"the {dtype} dense program's outputs on the probe batch are {worst:.4g} from the "
+            f"float32 program's, more than the bundle's tolerance {tolerance:g}: not served"
+        )
+    log.info("%s dense program checked on the probe batch: within %.3g", dtype, worst)
 
 
 def load_ranker(
@@ -28,10 +90,13 @@ def load_ranker(
     max_wait_s: float = 0.0,
     cuda_graphs: bool = True,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    compile: bool = False,
+    compile_cache: str | None = None,
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
     or with `monolithic` for the whole model (lookups in PyTorch + the dense program)."""
     from cleave.bundle import load_bundle
+    from cleave.bundle.precision import slow_reason
 
     # Tables are read only by the monolithic model; a dense ranker skips their checksums.
     bundle = load_bundle(bundle_dir, verify=monolithic)
@@ -39,12 +104,30 @@ def load_ranker(
     if monolithic and device != "cpu":
         # The monolithic model looks rows up in host-memory tables with PyTorch's CPU kernels.
         raise UsageError(f"--monolithic runs on the CPU, not on {device!r}")
-    module = bundle.full_module() if monolithic else bundle.dense_module()
+    dtype = bundle.dense_dtype
+    if dtype == "int8" and device != "cpu":
+        raise UsageError(f"int8 dense programs run on the CPU (FBGEMM), not on {device!r}")
+    if compile and device != "cpu":
+        raise UsageError(f"--compile is for the CPU; on {device!r} the ranker replays CUDA graphs")
+    reason = slow_reason(dtype, device)
+    if reason:
+        log.warning("%s", reason)
+    if threads:  # before compiling: the generated code is tuned to the thread count
+        torch.set_num_threads(threads)
+    dense = bundle.dense_module()
+    if compile:
+        dense = compile_program(dense, compile_cache)
+    module = bundle.full_module(dense) if monolithic else dense
     sig = signature(bundle.manifest, monolithic)
     executor = DenseExecutor(
         module, sig, device, threads, max_batch=max_batch, cuda_graphs=cuda_graphs
     )
-    executor.warm_up()
+    try:
+        executor.warm_up()
+    except Exception as err:
+        what = "compile" if compile else "warm-up run"
+        raise CleaveError(f"the {dtype} dense program's {what} failed: {err}") from err
+    check_probe(bundle, lambda inputs: executor.run_module(dense, inputs), dtype)
     kind = KIND_RANK_FULL if monolithic else KIND_RANK
     return Batcher(
         source,

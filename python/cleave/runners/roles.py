@@ -133,6 +133,10 @@ class RoleSpecs:
                 argv.append("--monolithic")
             if not r.cuda_graphs:
                 argv.append("--no-cuda-graphs")
+            if r.compile:
+                argv.append("--compile")
+            if r.compile_cache:
+                argv += ["--compile-cache", r.compile_cache]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 

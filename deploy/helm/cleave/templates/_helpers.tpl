@@ -31,7 +31,7 @@ fails the render with what was expected and what arrived. */}}
 {{- end -}}
 {{- $first := index $plan.rankers 0 -}}
 {{- range $i, $r := $plan.rankers -}}
-{{- range $key := list "device" "threads" "max_batch" "max_wait_ms" "max_queue" "cuda_graphs" -}}
+{{- range $key := list "device" "threads" "max_batch" "max_wait_ms" "max_queue" "cuda_graphs" "compile" "compile_cache" -}}
 {{- if ne (toString (index $r $key)) (toString (index $first $key)) -}}
 {{- fail (printf "plan: rankers[%d].%s is %v but rankers[0].%s is %v: every ranker pod runs one template, so the plan's rankers must share their settings" $i $key (index $r $key) $key (index $first $key)) -}}
 {{- end -}}

@@ -1,0 +1,132 @@
+"""The dense program's precision, a bundle property (`cleave partition --dense-dtype`).
+
+A bundle keeps its dense program in float32; `convert` derives the program that is served from
+it, deterministically, so the partitioner's accuracy measurement holds for every ranker that
+loads the bundle (docs/bundle.md, "Dense precision"):
+
+* bfloat16: weights and floating activations in bfloat16, inputs cast on the way in and
+  outputs back to float32 on the way out (oneDNN's AVX512-BF16/AMX kernels);
+* int8: every linear layer with a constant weight quantized dynamically (weights int8 per
+  output channel, activations quantized per batch; FBGEMM's VNNI kernels); the rest float32.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import torch
+from torch import fx
+
+from cleave.errors import UsageError
+
+DENSE_DTYPES = ("float32", "bfloat16", "int8")
+# The CPU feature flags (/proc/cpuinfo) that make each reduced precision fast.
+FAST_ON = {"bfloat16": ("avx512_bf16", "amx_bf16"), "int8": ("avx512_vnni", "avx_vnni", "amx_int8")}
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DENSE_DTYPES:
+        raise UsageError(f"dense dtype must be one of {', '.join(DENSE_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def slow_reason(dtype: str, device: str = "cpu") -> str | None:
+    """Why `dtype` would be slow on this machine's CPU, or None."""
+    if device != "cpu" or dtype not in FAST_ON:
+        return None
+    flags = cpu_flags()
+    if not flags or any(f in flags for f in FAST_ON[dtype]):
+        return None
+    return (
+        f"this CPU has none of {', '.join(FAST_ON[dtype])}: a {dtype} dense program is "
+        "emulated and may be slower than float32"
+    )
+
+
+def convert(module: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """The program to serve at `dtype`, from the bundle's float32 dense module (not modified)."""
+    check_dtype(dtype)
+    if dtype == "float32":
+        return module
+    if dtype == "bfloat16":
+        return _Bfloat16(copy.deepcopy(module).to(torch.bfloat16))
+    return _quantize_linears(module)
+
+
+class _Bfloat16(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        cast = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs]
+        return tuple(t.float() if t.is_floating_point() else t for t in _leaves(self.module(*cast)))
+
+
+def _leaves(outputs) -> list:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [leaf for out in outputs for leaf in _leaves(out)]
+
+
+def _quantize_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Replaces each `aten.linear(x, weight[, bias])` whose weight is a constant of the graph
+    with a dynamically quantized Linear (per-channel int8 weights)."""
+    if not isinstance(module, fx.GraphModule):
+        raise UsageError(f"int8 needs the dense program as a graph, got {type(module).__name__}")
+    with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated, still kept
+        warnings.simplefilter("ignore")
+        import torch.ao.quantization as tq
+
+        q = copy.deepcopy(module)
+        count = 0
+        for node in list(q.graph.nodes):
+            if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
+                continue
+            x, weight, bias = (*node.args, None)[:3]
+            if weight.op != "get_attr" or (bias is not None and bias.op != "get_attr"):
+                continue  # a weight computed at run time stays float32
+            w = getattr(q, weight.target)
+            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(w)
+                if bias is not None:
+                    linear.bias.copy_(getattr(q, bias.target))
+            spec = {torch.nn.Linear: tq.per_channel_dynamic_qconfig}
+            quantized = tq.quantize_dynamic(torch.nn.Sequential(linear), spec)[0]
+            name = f"int8_linear_{count}"
+            count += 1
+            q.add_submodule(name, quantized)
+            with q.graph.inserting_before(node):
+                node.replace_all_uses_with(q.graph.call_module(name, (x,)))
+            q.graph.erase_node(node)
+    if count == 0:
+        raise UsageError("int8: the dense program has no linear layer with constant weights")
+    q.graph.eliminate_dead_code()
+    q.delete_all_unused_submodules()
+    q.recompile()
+    return q
+
+
+def count_flops(module: torch.nn.Module, inputs: list[torch.Tensor]) -> int:
+    """FLOPs of one run of `module` on `inputs` (2 per multiply-add of its matrix products),
+    counted by PyTorch's FlopCounterMode as the program runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        module(*inputs)
+    return int(counter.get_total_flops())

@@ -1,0 +1,228 @@
+"""Dense precision as a bundle property (`--dense-dtype`): the accuracy check that refuses a
+conversion, what the bundle records, the ranker's probe check and compiled programs, the
+split of cores by measured demand, and the benchmark's roofline and dtype comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cleave
+import numpy as np
+import pytest
+import torch
+from cleave.bundle.precision import convert, count_flops, slow_reason
+from cleave.errors import CleaveError, UsageError
+from cleave.launch.config import ranker_cores
+from cleave.models import MODELS, RequestGenerator
+from cleave.partitioner import AccuracyError, AccuracyLimits
+from cleave.partitioner.accuracy import auc
+from cleave.ranker.local import LocalQueue
+from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
+from cleave.ranker.program import load_ranker
+
+SCALE = 0.01
+LOOSE = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MODELS["shared"].factory(scale=SCALE)
+
+
+@pytest.fixture(scope="module")
+def labelled():
+    return RequestGenerator("shared", scale=SCALE).labelled(2048, 256)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(model, labelled, tmp_path_factory):
+    net, example = model
+    bundle = cleave.partition(net, example, dense_dtype="bfloat16", labelled=labelled)
+    return bundle.save(tmp_path_factory.mktemp("bf16") / "bundle")
+
+
+def dense_args(bundle, args) -> list[torch.Tensor]:
+    inputs = bundle.named_inputs(*args)
+    values = {**inputs, **bundle.sparse_reference(inputs)}
+    return [values[n] for n in bundle.manifest["dense"]["inputs"]]
+
+
+def test_auc_matches_pairwise_counting_with_ties():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 300).astype(float)  # many ties
+    labels = (rng.random(300) < 0.4).astype(float)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    assert auc(scores, labels) == pytest.approx(pairs / (len(pos) * len(neg)))
+    with pytest.raises(UsageError, match="both classes"):
+        auc(scores, np.ones(300))
+
+
+def test_bfloat16_bundle_records_its_accuracy_and_serves_it(bf16_dir, model):
+    bundle = cleave.load_bundle(bf16_dir)
+    dense = bundle.manifest["dense"]
+    assert dense["dtype"] == "bfloat16" and dense["probe"] == "dense_probe.pt"
+    accuracy = dense["accuracy"]
+    assert accuracy["samples"] == 2048 and abs(accuracy["auc_delta"]) <= 0.001
+    assert 0 < accuracy["max_score_diff"] <= accuracy["score_tolerance"] == 0.02
+    assert accuracy["auc_float32"] > 0.7  # the teacher's labels carry signal
+    assert dense["flops_per_sample"] > 0 and dense["demand"]["dense_us_per_sample"] > 0
+    # The served program runs in bfloat16 and stays near the float32 model.
+    net, _ = model
+    args = RequestGenerator("shared", scale=SCALE, seed=5).batch(7)
+    with torch.no_grad():
+        want = net(*args)
+    got = bundle.reference(*args)
+    assert got.dtype == torch.float32
+    assert 0 < float((got - want).abs().max()) <= 0.02
+    served = bundle.dense_module()
+    assert any(p.dtype == torch.bfloat16 for p in served.parameters())
+
+
+def test_int8_that_moves_auc_too_far_is_refused_and_allowed_when_limits_are_relaxed(
+    model, labelled
+):
+    net, example = model
+    strict = AccuracyLimits(max_auc_drop=0.0, score_tolerance=1e-6)
+    with pytest.raises(AccuracyError, match=r"dense dtype int8 refused on 2048 labelled samples"):
+        cleave.partition(net, example, dense_dtype="int8", labelled=labelled, limits=strict)
+    bundle = cleave.partition(net, example, dense_dtype="int8", labelled=labelled, limits=LOOSE)
+    assert bundle.manifest["dense"]["dtype"] == "int8"
+    names = [type(m).__name__ for m in bundle.dense_module().modules()]
+    assert "Linear" in names and any(
+        "int8_linear" in n for n, _ in bundle.dense_module().named_children()
+    )
+
+
+def test_reduced_dtype_without_labels_or_with_bad_labels_is_a_clear_error(model, labelled):
+    net, example = model
+    with pytest.raises(UsageError, match="needs a labelled set"):
+        cleave.partition(net, example, dense_dtype="bfloat16")
+    with pytest.raises(UsageError, match="dense dtype must be one of"):
+        cleave.partition(net, example, dense_dtype="float8")
+    (args, labels) = labelled[0]
+    with pytest.raises(UsageError, match="labels, but the model's first output has"):
+        cleave.partition(net, example, dense_dtype="bfloat16", labelled=[(args, labels[:3])])
+    with pytest.raises(UsageError, match="max_auc_drop must be a number >= 0"):
+        cleave.partition(
+            net, example, dense_dtype="bfloat16", labelled=labelled, limits=AccuracyLimits(-1)
+        )
+
+
+def test_int8_of_a_program_without_linear_layers_is_refused():
+    graph = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(UsageError, match="no linear layer"):
+        convert(graph, "int8")
+
+
+def test_flops_and_cpu_support():
+    linear = torch.nn.Linear(64, 32)
+    assert count_flops(linear, [torch.randn(10, 64)]) == 2 * 10 * 64 * 32
+    assert slow_reason("float32") is None and slow_reason("bfloat16", "cuda") is None
+
+
+def rank(batcher, queue, tensors):
+    future = queue.submit(KIND_RANK, encode_request(tensors))
+    for _ in range(100):  # bounded: one step serves it
+        if future.done():
+            break
+        batcher.step()
+    return decode_response(future.result(timeout=10)).tensors
+
+
+def test_ranker_serves_the_bundles_dtype_and_refuses_a_program_off_its_probe(bf16_dir, tmp_path):
+    bundle = cleave.load_bundle(bf16_dir)
+    args = RequestGenerator("shared", scale=SCALE, seed=3).batch(5)
+    tensors = dense_args(bundle, args)
+    queue = LocalQueue()
+    batcher = load_ranker(bf16_dir, queue, threads=1)
+    (got,) = rank(batcher, queue, tensors)
+    assert torch.equal(got, bundle.reference(*args).reshape(got.shape))
+    # A probe whose float32 outputs the program no longer matches: the ranker will not serve.
+    probe = torch.load(bf16_dir / "dense_probe.pt", weights_only=True)
+    probe["outputs"] = [t + 0.5 for t in probe["outputs"]]
+    torch.save(probe, bf16_dir / "dense_probe.pt")
+    try:
+        with pytest.raises(CleaveError, match="not served"):
+            load_ranker(bf16_dir, LocalQueue(), threads=1)
+    finally:
+        probe["outputs"] = [t - 0.5 for t in probe["outputs"]]
+        torch.save(probe, bf16_dir / "dense_probe.pt")
+
+
+def test_compiled_ranker_matches_eager_and_keeps_its_cache(bf16_dir, tmp_path):
+    cache = tmp_path / "inductor"
+    bundle = cleave.load_bundle(bf16_dir)
+    args = RequestGenerator("shared", scale=SCALE, seed=4).batch(9)
+    queue = LocalQueue()
+    batcher = load_ranker(bf16_dir, queue, threads=1, compile=True, compile_cache=str(cache))
+    (got,) = rank(batcher, queue, dense_args(bundle, args))
+    want = bundle.reference(*args).reshape(got.shape)
+    assert float((got - want).abs().max()) <= 0.02
+    assert any(cache.rglob("*"))  # generated code kept for the next start
+
+
+def test_cores_follow_measured_demand():
+    dense_heavy = {"dense_us_per_sample": 900.0, "sparse_us_per_sample": 50.0}
+    balanced = {"dense_us_per_sample": 100.0, "sparse_us_per_sample": 100.0}
+    assert ranker_cores(16, 1, False, dense_heavy) == 14
+    assert ranker_cores(16, 1, False, balanced) == 8
+    assert ranker_cores(16, 2, False, dense_heavy) == 7
+    assert ranker_cores(16, 1, True, balanced) == 15  # the monolith: every core but one
+    assert ranker_cores(2, 1, False, dense_heavy) == 1
+    assert ranker_cores(16, 1, False, None) == 15  # an older bundle: the old rule
+    assert ranker_cores(1, 4, False, balanced) == 1
+
+
+def test_partition_cli_refuses_a_failing_dtype_and_writes_nothing(tmp_path):
+    out = tmp_path / "bundle"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}  # tests/factories.py
+
+    def partition(*flags: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "cleave.cli", "partition", "-o", str(out), *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+    result = partition("--model", "factories:shape_control_flow", "--dense-dtype", "bfloat16")
+    assert result.returncode == 2 and "needs a labelled set" in result.stderr
+    result = partition(
+        "--model", "factories:shape_control_flow", "--dense-dtype", "int8",
+        "--labelled", "factories:no_such_function",
+    )  # fmt: skip
+    assert result.returncode == 2 and "has no callable 'no_such_function'" in result.stderr
+    # A reference model whose int8 program moves AUC too far (its own labelled set).
+    result = partition(
+        "--model", "cleave.models:shared_weighted", "--dense-dtype", "int8",
+        "--max-auc-drop", "0", "--score-tolerance", "0",
+    )  # fmt: skip
+    assert result.returncode == 2 and "dense dtype int8 refused" in result.stderr
+    assert not out.exists()
+
+
+def test_bench_serve_compares_a_reduced_dtype_with_float32_and_reports_the_roofline(tmp_path):
+    out = tmp_path / "serve.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
+        + ["--model", "shared", "--scale", str(SCALE), "--candidates", "16", "--requests", "4"]
+        + ["--dense-dtype", "bfloat16", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["deployments"]) == {"disaggregated", "disaggregated-float32"}
+    assert report["bundle"]["dense_dtype"] == "bfloat16"
+    assert report["budget_ms"] >= 25.0
+    roof = report["roofline"]
+    assert roof["served"]["dtype"] == "bfloat16" and roof["float32"]["dtype"] == "float32"
+    for r in (roof["served"], roof["float32"]):
+        assert r["achieved_gflops"] > 0 and r["peak_gflops"] > 0
+    # Checked against the bundle's own reference; the distance to float32 reported apart.
+    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
+    assert 0 < report["float32_distance"] <= 0.02
+    assert "max_rate_dtype_over_float32" in report["ratios"]
+    assert "GFLOP/s peak" in result.stdout
