@@ -107,6 +107,8 @@ def test_study_json_by_hand(tmp_path):
         "disaggregated_with_loaning": 2,
     }
     assert doc["unplaced"] == {"monolithic": 0.0, "disaggregated": 0.0}
+    # Any mix: still 2-GPU hosts only here, so the same answer.
+    assert doc["gpus_needed_any_mix"] == {"monolithic": 4, "disaggregated": 2, "instances": 2}
 
 
 def test_loaning_by_hand(tmp_path):

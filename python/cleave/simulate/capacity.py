@@ -24,9 +24,11 @@ class Study:
     scale: float
     hosts: int
     replays: dict[str, rp.Replay]
-    gpus_needed: dict[str, int]
+    gpus_needed: dict[str, int | None]
+    gpus_needed_any_mix: dict[str, int]  # and how many HN instances it counts
     loaning: dict
     seconds: float
+    search_bound: int  # the most GPUs fewest_hosts tries (MAX_SCALE times the list's)
 
 
 def auto_scale(work: rp.Workload, types: list[HostType]) -> float:
@@ -52,17 +54,47 @@ def gpus_of(found: tuple[float, object]) -> int | None:
     return int(hosts.gpu.sum())
 
 
-def run_study(trace: Trace, types: list[HostType], scale: float | None, percentile: float) -> Study:
-    """`scale` None: auto. `percentile`: the load the dedicated pool is sized for (loaning)."""
+def like_for_like(trace: Trace, types: list[HostType]) -> Trace:
+    """Only the apps whose every monolithic instance fits some host type: both deployments
+    then place the same work, and neither is credited for what the other cannot place."""
+    mono = rp.monolithic(trace)
+    too_big = mono.source[~rp.fits_some_type(mono, types)]
+    return trace.subset(~np.isin(trace.app, np.unique(trace.app[too_big])))
+
+
+def run_study(
+    trace: Trace,
+    types: list[HostType],
+    scale: float | None,
+    percentile: float,
+    same_work: bool = False,
+) -> Study:
+    """`scale` None: auto. `percentile`: the load the dedicated pool is sized for (loaning).
+    `same_work`: keep only the apps `like_for_like` keeps."""
     if not 0 < percentile <= 100:
         raise UsageError(f"--loan-percentile: expected 0 < P <= 100, got {percentile:g}")
     began = time.process_time()
+    if same_work:
+        trace = like_for_like(trace, types)
+        if not len(trace):
+            raise UsageError("--like-for-like: no app's monolithic instances all fit a host")
     works = {rp.MONOLITHIC: rp.monolithic(trace), rp.DISAGGREGATED: rp.disaggregated(trace)}
     if scale is None:
         scale = auto_scale(works[rp.DISAGGREGATED], types)
     hosts = build_hosts(types, scale)
     replays = {m: rp.replay(w, hosts, samples=SAMPLES) for m, w in works.items()}
     needed = {m: gpus_of(rp.fewest_hosts(rp.gpu_holding(w), types)) for m, w in works.items()}
+    # Any mix, like for like: only the HNs whose monolithic instance some GPU host can hold,
+    # so neither deployment is credited for instances the other could not place at all.
+    mono_gpu = rp.gpu_holding(works[rp.MONOLITHIC])
+    mono_gpu = mono_gpu.subset(rp.fits_some_type(mono_gpu, types, only_gpu=True))
+    dis_gpu = rp.gpu_holding(works[rp.DISAGGREGATED])
+    dis_gpu = dis_gpu.subset(np.isin(dis_gpu.source, mono_gpu.source))
+    any_mix = {
+        rp.MONOLITHIC: rp.fewest_gpus_any_mix(mono_gpu, types),
+        rp.DISAGGREGATED: rp.fewest_gpus_any_mix(dis_gpu, types),
+        "instances": len(dis_gpu),
+    }
     # Loaning: HN instances beyond the percentile's load borrow training hosts.
     gpu_work = rp.gpu_holding(works[rp.DISAGGREGATED])
     limit = rp.percentile_alive(gpu_work, percentile)
@@ -89,4 +121,5 @@ def run_study(trace: Trace, types: list[HostType], scale: float | None, percenti
         "monolithic_borrowed_unplaceable": int((~fits).sum()),
     }
     seconds = time.process_time() - began
-    return Study(scale, len(hosts), replays, needed, loaning, seconds)
+    bound = int(rp.MAX_SCALE * sum(t.count * t.gpus for t in types))
+    return Study(scale, len(hosts), replays, needed, any_mix, loaning, seconds, bound)

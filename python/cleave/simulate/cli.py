@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="percentile of the HN load the dedicated GPU pool is sized for (default 50)",
     )
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots over time to DIR")
+    parser.add_argument(
+        "--like-for-like",
+        action="store_true",
+        help="only apps whose every monolithic instance fits some host type",
+    )
     signals = parser.add_argument_group("scaling signals (instead of --trace/--nodes)")
     signals.add_argument("--load", help="load trace CSV: time_s,requests_per_s")
     signals.add_argument("--cn-rps", type=float, help="requests/s one CN instance serves")
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--json {args.json}: is a directory; expected a file name")
     types = load_nodes(args.nodes)
     trace = load_trace(args.trace)
-    study = run_study(trace, types, scale, args.loan_percentile)
+    study = run_study(trace, types, scale, args.loan_percentile, args.like_for_like)
     doc = to_json(study)
     print(table(doc))
     if args.json:

@@ -53,6 +53,18 @@ class Pool:
         self.free_gpu[host] -= sign * gpu
         self._count(key)[host] += sign
 
+    def add_host(self, kind: int) -> None:
+        """One more empty host of `hosts.types[kind]`: a pool that grows (any-mix sizing)."""
+        t, h = self.hosts.types[kind], self.hosts
+        h.cpu, h.mem = np.append(h.cpu, t.cpus), np.append(h.mem, t.mem)
+        h.gpu, h.kind = np.append(h.gpu, t.gpus), np.append(h.kind, kind)
+        self.free_cpu = np.append(self.free_cpu, t.cpus)
+        self.free_mem = np.append(self.free_mem, t.mem)
+        self.free_gpu = np.append(self.free_gpu, t.gpus)
+        self.has_gpu = h.gpu > 0
+        for key, counts in self.density.items():
+            self.density[key] = np.append(counts, 0)
+
     def release(self, host: int, cpu: float, mem: float, gpu: float, key) -> None:
         self.take(host, cpu, mem, gpu, key, -1)
 

@@ -251,6 +251,42 @@ def fewest_hosts(
     return hi, found
 
 
+def fewest_gpus_any_mix(work: Workload, types: list[HostType]) -> int:
+    """GPUs of a pool that grows as the trace needs, each new host of the GPU type with the
+    fewest GPUs (then cores, then memory) that holds the instance that did not fit: the GPU
+    need when the mix is free, not the list's proportions. Hosts are never given back."""
+    gpu_types = [t for t in types if t.gpus > 0]
+    work = work.subset(fits_some_type(work, gpu_types) & (work.end > work.start))
+    empty = np.zeros(0)
+    pool = Pool(Hosts(empty, empty, empty, np.zeros(0, dtype=np.int32), gpu_types))
+    cheapest = sorted(
+        range(len(gpu_types)),
+        key=lambda i: (gpu_types[i].gpus, gpu_types[i].cpus, gpu_types[i].mem),
+    )
+    codes, _ = _events(work)
+    where = np.full(len(work), -1, dtype=np.int64)
+    keys = [tuple(k) for k in work.key.tolist()]
+    for code in codes.tolist():
+        if code < 0:
+            r = -1 - code
+            if where[r] >= 0:
+                pool.release(int(where[r]), work.cpu[r], work.mem[r], work.gpu[r], keys[r])
+            continue
+        args = (work.cpu[code], work.mem[code], work.gpu[code], keys[code], int(work.density[code]))
+        host = pool.place(*args)
+        if host < 0:  # fits_some_type kept only instances some type holds
+            cpu, mem, gpu = args[:3]
+            t = next(
+                i
+                for i in cheapest
+                if cpu <= gpu_types[i].cpus and mem <= gpu_types[i].mem and gpu <= gpu_types[i].gpus
+            )
+            pool.add_host(t)
+            host = pool.place(*args)
+        where[code] = host
+    return int(pool.hosts.gpu.sum())
+
+
 def peak_demand(work: Workload) -> np.ndarray:
     """The peak over time of the alive instances' total (CPUs, memory, GPUs)."""
     live = work.subset(work.end > work.start)

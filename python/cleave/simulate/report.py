@@ -43,7 +43,12 @@ def to_json(study: Study) -> dict:
         "gpu_fragmentation": gpu_frag,
         "gpus_needed": dict(study.gpus_needed),
         "unplaced": unplaced,
-        # Extras: what the fractions are made of.
+        # Extras: GPUs needed when the pool's mix of GPU types is free; what the fractions
+        # are made of.
+        "gpus_needed_any_mix": dict(study.gpus_needed_any_mix),
+        # gpus_needed is null where even this many GPUs (MAX_SCALE times the list's) were not
+        # enough: instances that fit only a rare host type make a proportional pool huge.
+        "gpus_needed_search_bound": study.search_bound,
         "fragments": per_mode(
             lambda x: {
                 "cpus": round(_mean(x.cpu_fragments), 1),
@@ -72,6 +77,9 @@ def to_json(study: Study) -> dict:
             "gpu_fragmentation": _reduction(gpu_frag[MONOLITHIC], gpu_frag[DISAGGREGATED]),
             "dedicated_gpus_by_loaning": _reduction(
                 study.gpus_needed[DISAGGREGATED], study.gpus_needed["disaggregated_with_loaning"]
+            ),
+            "gpus_needed_any_mix": _reduction(
+                study.gpus_needed_any_mix[MONOLITHIC], study.gpus_needed_any_mix[DISAGGREGATED]
             ),
             "borrowed_gpus_vs_monolithic": _reduction(
                 loan["monolithic_borrowed_gpus"], loan["borrowed_gpus"]
@@ -117,7 +125,14 @@ def table(doc: dict) -> str:
             "instances failed / unplaceable",
             {m: f"{v['failed']} / {v['unplaceable']}" for m, v in doc["instances"].items()},
         ),
-        ("gpus needed", doc["gpus_needed"]),
+        (
+            "gpus needed",
+            {
+                k: f"> {doc['gpus_needed_search_bound']}" if v is None else v
+                for k, v in doc["gpus_needed"].items()
+            },
+        ),
+        ("gpus needed, any mix, like for like", doc["gpus_needed_any_mix"]),
     ]
     width = max(len(r[0]) for r in rows)
     out = [f"{'':{width}}  {'monolithic':>14}  {'disaggregated':>14}  {'+loaning':>10}"]
@@ -137,6 +152,7 @@ def table(doc: dict) -> str:
     out.append(
         "reductions vs monolithic: cpu fragmentation "
         f"{_pct(red['cpu_fragmentation'])}, gpu fragmentation {_pct(red['gpu_fragmentation'])}; "
+        f"GPUs needed (any mix) {_pct(red['gpus_needed_any_mix'])}; "
         f"dedicated GPUs by loaning {_pct(red['dedicated_gpus_by_loaning'])}; borrowed GPUs vs "
         f"monolithic {_pct(red['borrowed_gpus_vs_monolithic'])}"
     )
