@@ -252,3 +252,18 @@ def test_cli(tmp_path):
     assert sig.returncode == 0, sig.stderr
     assert json.loads((tmp_path / "s.json").read_text())["windows"][0]["cn"] == 13
     assert cleave("--load", "load.csv", cwd=tmp_path).returncode == 2
+
+
+def test_cpu_only_trace_and_cluster(tmp_path):
+    trace = load_trace(write_trace(tmp_path, [row("c0", "CN", "a", 4, 0, 8, "", 10)]))
+    types = load_nodes(write_nodes(tmp_path, gpus=0))
+    doc = to_json(run_study(trace, types, None, 50))
+    assert doc["gpus_needed"] == {
+        "monolithic": 0,
+        "disaggregated": 0,
+        "disaggregated_with_loaning": 0,
+    }
+    assert doc["gpu_fragmentation"] == {"monolithic": 0.0, "disaggregated": 0.0}
+    assert doc["loaning"]["borrowed_gpus"] == 0
+    with pytest.raises(UsageError, match=r"--loan-percentile: expected 0 < P <= 100, got 0"):
+        run_study(trace, types, None, 0)
