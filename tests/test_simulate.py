@@ -56,11 +56,12 @@ def test_fragments_by_hand():
     mem = np.array([100.0, 100.0])
     # h0: 4 free cpus, 2 GPUs: A misfits (1/4 of the workload) -> 4 * 1/4 = 1 CPU fragment.
     # h1: 16 cpus, no GPU: B misfits (3/4) -> 12. GPUs: only B counts; it fits h0 -> 0.
-    cpu, gpu = fragments(np.array([4.0, 16.0]), mem, np.array([2.0, 0.0]), types, counts)
-    assert (cpu, gpu) == (13.0, 0.0)
+    # Weng et al.'s count: A needs no GPU, so h0's 2 GPUs are fragments for it: 2 * 1/4.
+    got = fragments(np.array([4.0, 16.0]), mem, np.array([2.0, 0.0]), types, counts)
+    assert got == (13.0, 0.0, 0.5)
     # h0 with 1 free cpu: both misfit (1 fragment CPU) and its 2 GPUs are stranded for B.
-    cpu, gpu = fragments(np.array([1.0, 16.0]), mem, np.array([2.0, 0.0]), types, counts)
-    assert (cpu, gpu) == (13.0, 2.0)
+    got = fragments(np.array([1.0, 16.0]), mem, np.array([2.0, 0.0]), types, counts)
+    assert got == (13.0, 2.0, 2.0)
 
 
 def small_trace(tmp_path: Path) -> Path:

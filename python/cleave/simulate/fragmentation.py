@@ -7,8 +7,9 @@ For resource r and host n, with p_m the share of alive instances of type m (a ty
 
     fragments_r(n) = free_r(n) * sum_m p_m * [m does not fit on n]
 
-A type that does not request r never counts: CPU-only instances cannot use a free GPU however
-it is placed, so counting them would make every free GPU a fragment (docs/simulate.md)."""
+A type that does not request r is left out: CPU-only instances cannot use a free GPU however
+it is placed. Weng et al. count every free GPU as a fragment for such a type; that variant is
+returned too (docs/simulate.md)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def fragments(
     free_gpu: np.ndarray,
     types: np.ndarray,
     counts: np.ndarray,
-) -> tuple[float, float]:
-    """(fragmented CPUs, fragmented GPUs) of the cluster against the workload `types` (rows of
-    cpu, mem, gpu) weighted by `counts`."""
+) -> tuple[float, float, float]:
+    """(fragmented CPUs, fragmented GPUs, fragmented GPUs as Weng et al. count them) of the
+    cluster against the workload `types` (rows of cpu, mem, gpu) weighted by `counts`. The
+    third counts every free GPU as a fragment for a type that requests none (their "x-axis"
+    case): over a mostly CPU-only workload it is high whatever the placement."""
     if not len(types):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     fits = (
         (free_cpu[:, None] >= types[None, :, 0])
         & (free_mem[:, None] >= types[None, :, 1])
@@ -45,12 +48,13 @@ def fragments(
     misfit = ~fits
     out = []
     for free, col in ((free_cpu, 0), (free_gpu, 2)):
-        wants = types[:, col] > 0
-        weights = counts * wants
+        weights = counts * (types[:, col] > 0)
         total = weights.sum()
         if not total:
             out.append(0.0)
             continue
         unusable = misfit @ (weights / total)  # per host: probability the instance misfits
         out.append(float(free @ unusable))
-    return out[0], out[1]
+    no_gpu = types[:, 2] == 0
+    weng = float(free_gpu @ ((misfit | no_gpu[None, :]) @ (counts / counts.sum())))
+    return out[0], out[1], weng

@@ -124,6 +124,7 @@ class Replay:
     times: np.ndarray
     cpu_fragments: np.ndarray  # fragmented CPUs
     gpu_fragments: np.ndarray
+    gpu_fragments_weng: np.ndarray  # CPU-only types count every free GPU (Weng et al.)
     cpu_allocation: np.ndarray  # allocated fraction
     gpu_allocation: np.ndarray
     unplaced_alive: np.ndarray  # alive instances without a host (failed or unplaceable)
@@ -155,7 +156,7 @@ def replay(work: Workload, hosts: Hosts, samples: int = 0, stop_on_failure: bool
     where = np.full(len(work), -1, dtype=np.int64)
     codes, times = _events(work)
     sample_t = np.linspace(0, work.horizon, samples, endpoint=False) if samples else np.zeros(0)
-    series = {k: np.zeros(len(sample_t)) for k in ("cf", "gf", "ca", "ga", "un", "al")}
+    series = {k: np.zeros(len(sample_t)) for k in ("cf", "gf", "gw", "ca", "ga", "un", "al")}
     failed = 0
     s = 0
     cpu, mem, gpu, dens = work.cpu, work.mem, work.gpu, work.density
@@ -164,9 +165,9 @@ def replay(work: Workload, hosts: Hosts, samples: int = 0, stop_on_failure: bool
     def measure(k: int, t: float) -> None:
         alive = (work.start <= t) & (work.end > t)
         types, counts = instance_types(cpu[alive], mem[alive], gpu[alive])
-        cf, gf = fragments(pool.free_cpu, pool.free_mem, pool.free_gpu, types, counts)
+        cf, gf, gw = fragments(pool.free_cpu, pool.free_mem, pool.free_gpu, types, counts)
         ca, ga = pool.allocation()
-        series["cf"][k], series["gf"][k] = cf, gf
+        series["cf"][k], series["gf"][k], series["gw"][k] = cf, gf, gw
         series["ca"][k], series["ga"][k] = ca, ga
         series["al"][k] = alive.sum()
         series["un"][k] = (alive & (where < 0)).sum()
@@ -195,6 +196,7 @@ def replay(work: Workload, hosts: Hosts, samples: int = 0, stop_on_failure: bool
         times=sample_t,
         cpu_fragments=series["cf"],
         gpu_fragments=series["gf"],
+        gpu_fragments_weng=series["gw"],
         cpu_allocation=series["ca"],
         gpu_allocation=series["ga"],
         unplaced_alive=series["un"],

@@ -55,6 +55,10 @@ def to_json(study: Study) -> dict:
                 "gpus": round(_mean(x.gpu_fragments), 1),
             }
         ),
+        # GPU fragments as Weng et al. count them: CPU-only types count every free GPU.
+        "gpu_fragmentation_weng": per_mode(
+            lambda x: round(_mean(x.gpu_fragments_weng) / cap_gpu, 4)
+        ),
         # The share of the free CPUs (GPUs) that are fragments: blind to how much is free.
         "fragmentation_of_unallocated": per_mode(
             lambda x: {
@@ -108,6 +112,7 @@ def table(doc: dict) -> str:
     rows = [
         ("cpu fragmentation (of cluster CPUs)", doc["cpu_fragmentation"]),
         ("gpu fragmentation (of cluster GPUs)", doc["gpu_fragmentation"]),
+        ("gpu fragmentation, Weng et al.'s count", doc["gpu_fragmentation_weng"]),
         ("fragmented CPUs (mean)", {m: v["cpus"] for m, v in doc["fragments"].items()}),
         ("fragmented GPUs (mean)", {m: v["gpus"] for m, v in doc["fragments"].items()}),
         (
