@@ -287,3 +287,12 @@ def test_cli_plan_with_topology(tmp_path):
     assert bad.returncode == 2
     assert "topology[4].parent: unknown node 'ghost'" in bad.stderr
     assert not (tmp_path / "p2.yaml").exists()
+    # A shard (rows + 64 MiB) larger than every host's memory: named, exit 2, no file.
+    data = cluster_data()
+    for h in data["hosts"]:
+        h["memory_gib"] = 0.01
+    write(tmp_path, data, "small.yaml")
+    small = cleave("plan", "model", "--cluster", "small.yaml", "-o", "p3.yaml", cwd=tmp_path)
+    assert small.returncode == 2
+    assert "shard-0: requests 1 cpus, 0.063 GiB, 0 gpus: larger than every host" in small.stderr
+    assert not (tmp_path / "p3.yaml").exists()
