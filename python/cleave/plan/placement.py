@@ -50,9 +50,15 @@ class Placement:
     stranded_gpus: int
     stranded_cpus: int
     report: list[str] = field(default_factory=list)
+    _by_name: dict[str, Choice] = field(default_factory=dict, repr=False)
+
+    def choice(self, name: str) -> Choice:
+        if len(self._by_name) != len(self.choices):
+            self._by_name = {c.request.name: c for c in self.choices}
+        return self._by_name[name]
 
     def host_of(self, name: str) -> str:
-        return next(c.host for c in self.choices if c.request.name == name)
+        return self.choice(name).host
 
 
 class _HostState:

@@ -12,7 +12,7 @@ from cleave.launch.config import ServeConfig
 from cleave.launch.serve import read_manifest, table_ranges
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, host_problems
 from cleave.plan.cluster import this_machine
-from cleave.plan.placement import Placement, Request, place
+from cleave.plan.placement import Request, place
 from cleave.plan.schema import Host, Plan, Ranker, Router, Shard, Supervision
 from cleave.plan.topology import Topology
 
@@ -148,7 +148,7 @@ def make_plan(
         port = ports.next("rankers", host.name, RANKER_PORT)
         threads = config.ranker.threads
         if placement:  # the cores it was given
-            threads = sum(_choice(placement, f"ranker-{i}").cores.values())
+            threads = sum(placement.choice(f"ranker-{i}").cores.values())
         elif not threads:  # cleave serve's rule, per host: one core left when it is shared
             spare = host.cpus - (1 if host.name in busy else 0)
             threads = max(1, spare // per_host[host.name])
@@ -173,10 +173,6 @@ def make_plan(
         routers=plan_routers,
         placement=placement.report if placement else [],
     )
-
-
-def _choice(placement: Placement, name: str):
-    return next(c for c in placement.choices if c.request.name == name)
 
 
 def _requests(manifest, groups, replicas, rankers, routers, config, hosts) -> list[Request]:
