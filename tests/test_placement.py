@@ -113,6 +113,15 @@ def test_replicas_spread_over_hosts_and_switches():
         assert len({c.switch for c in pair}) == 2  # two switches in the pod: one each
 
 
+def test_a_roles_instances_spread_over_a_switchs_hosts():
+    hosts = [Host("g0", 16, 64.0, 2), Host("g1", 16, 64.0, 2)]
+    nodes = [Node("p0", "pod"), Node("s0", "switch", "p0")]
+    nodes += [Node("g0", "host", "s0"), Node("g1", "host", "s0")]
+    reqs = [Request(f"ranker-{i}", "rankers", 2, 1.0, 1) for i in range(4)]
+    p = place(reqs, build_topology(nodes, hosts))
+    assert [c.host for c in p.choices] == ["g0", "g1", "g0", "g1"]
+
+
 def test_density_limit_and_whole_pod():
     hosts = [Host(f"h{i}", 16, 64.0, 2) for i in range(4)]
     # pod p0 has one host, p1 three: four rankers at most one per host fit only in p1.

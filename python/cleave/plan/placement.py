@@ -176,12 +176,14 @@ def _try_pod(pod: str, requests: list[Request], topology: Topology, limits: dict
                     continue
                 c = st.calc(req)
                 if c is not None:
-                    # Best topology score; then CN roles keep off hosts with free GPUs, and
-                    # both take the host they fill most (fewest cores left).
+                    # Best topology score; then CN roles keep off hosts with free GPUs; then
+                    # the host with the fewest of this role (a role's instances spread over
+                    # hosts: losing one loses fewer); then the host they fill most.
                     spare_gpus = 0 if req.gpus else st.free_gpus()
-                    candidates.append((-c.score, spare_gpus, st.free_cpus() - req.cpus, c))
+                    key = (-c.score, spare_gpus, st.count[req.role], st.free_cpus() - req.cpus)
+                    candidates.append((key, c))
             if candidates:
-                chosen = min(candidates, key=lambda x: x[:3])[3]
+                chosen = min(candidates, key=lambda x: x[0])[1]
                 break
         if chosen is None:
             failed.append(req)
