@@ -182,6 +182,22 @@ def test_alibaba_node_list_places_everything_within_limits():
     assert "cost:" in p.report[-1]
 
 
+@pytest.mark.skipif(not NODE_LIST.exists(), reason="the shared data set is not on this machine")
+def test_alibaba_node_list_plan(tmp_path):
+    bundle = tmp_path / "model"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps(MANIFEST))
+    hosts = alibaba_hosts()
+    topo = build_topology(generated(hosts), hosts)
+    plan = make_plan(bundle, hosts, 16, 2, 32, 4, ServeConfig(), topo, {"rankers": 2})
+    plan.check(MANIFEST)  # raises on any broken rule
+    gpus = {h.name: h.gpus for h in hosts}
+    per_host = Counter(r.host for r in plan.rankers)
+    assert len(plan.rankers) == 32 and all(gpus[h] >= n for h, n in per_host.items())
+    assert max(per_host.values()) <= 2
+    assert len(plan.shards) == 32 and len(plan.routers) == 4
+
+
 def write(tmp_path: Path, data: dict, name: str = "cluster.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
