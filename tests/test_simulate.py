@@ -156,6 +156,23 @@ def test_malformed_trace_rows(tmp_path, bad, message):
         load_trace(path)
 
 
+def test_other_column_orders_and_names(tmp_path):
+    # The same trace with its columns reversed and one more column; the node list with the
+    # openb original's column names: the same study.
+    path = small_trace(tmp_path)
+    lines = [line.split(",") for line in path.read_text().splitlines()]
+    other = tmp_path / "reordered.csv"
+    other.write_text("\n".join(",".join([*reversed(x), "extra"]) for x in lines) + "\n")
+    nodes = tmp_path / "openb.csv"
+    nodes.write_text(
+        "sn,cpu_milli,memory_mib,num_gpu,gpu_type\nn0,16000,65536,2,X\nn1,16000,65536,2,X\n"
+    )
+    a = to_json(run_study(load_trace(path), load_nodes(write_nodes(tmp_path)), 1.0, 50))
+    b = to_json(run_study(load_trace(other), load_nodes(nodes), 1.0, 50))
+    a.pop("cpu_seconds"), b.pop("cpu_seconds")
+    assert a == b
+
+
 def test_malformed_headers_and_node_lists(tmp_path):
     (tmp_path / "t.csv").write_text("instance_sn,role\nx,HN\n")
     with pytest.raises(UsageError, match=r"header: expected the columns .* missing app_name"):

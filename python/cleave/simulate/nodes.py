@@ -64,7 +64,9 @@ def load_nodes(path: str | os.PathLike) -> list[HostType]:
     with f:
         reader = csv.DictReader(f)
         fields = reader.fieldnames or []
+        # The shipped list's names, or those of the openb original (num_gpu, gpu_type).
         gpu_key = "gpu" if "gpu" in fields else "num_gpu"
+        model_key = "model" if "model" in fields else "gpu_type"
         missing = [c for c in ("cpu_milli", "memory_mib") if c not in fields]
         if gpu_key not in fields:
             missing.append("gpu")
@@ -84,7 +86,7 @@ def load_nodes(path: str | os.PathLike) -> list[HostType]:
                 raise UsageError(f"{where}: {gpu_key}: expected a whole number, got {gpus:g}")
             if cpu <= 0:
                 raise UsageError(f"{where}: cpu_milli: expected > 0, got {row['cpu_milli']!r}")
-            model = (row.get("model") or "").strip() if gpus else ""
+            model = (row.get(model_key) or "").strip() if gpus else ""
             key = (cpu, mem, int(gpus), model)
             counts[key] = counts.get(key, 0) + 1
     if not counts:
