@@ -112,6 +112,14 @@ def test_study_json_by_hand(tmp_path):
     assert doc["gpus_needed_any_mix"] == {"monolithic": 4, "disaggregated": 2, "instances": 2}
 
 
+def test_zero_length_instances_hold_nothing(tmp_path):
+    rows = [row("z", "HN", "a", 4, 1, 8, 5, 5), row("c", "CN", "a", 4, 0, 8, "", 10)]
+    trace = load_trace(write_trace(tmp_path, rows))
+    assert rp.monolithic(trace).cpu.tolist() == [8.0]  # finite: its own 4 + the CN's 4
+    replay = rp.replay(rp.disaggregated(trace), build_hosts(load_nodes(write_nodes(tmp_path)), 1))
+    assert (replay.instances, replay.failed, replay.unplaceable) == (1, 0, 0)
+
+
 def test_loaning_by_hand(tmp_path):
     # Two HNs alive throughout, two more over [40, 50): 2 alive 90% of the time, 4 for 10%.
     rows = [row(f"i{i}", "HN", "a", 4, 1, 8, "", 100) for i in range(2)]

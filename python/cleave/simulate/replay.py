@@ -89,8 +89,9 @@ def monolithic(trace: Trace) -> Workload:
                 cn_mem[a] += s * trace.mem[r]
         for r in arriving_hn:
             a = trace.app[r]
-            cpu[r] += max(cn_cpu[a], 0.0) / hn_alive[a]
-            mem[r] += max(cn_mem[a], 0.0) / hn_alive[a]
+            alive = max(hn_alive[a], 1.0)  # 0 only when it also leaves now (a zero-length life)
+            cpu[r] += max(cn_cpu[a], 0.0) / alive
+            mem[r] += max(cn_mem[a], 0.0) / alive
         i = j
     keep = hn | ~has_hn[trace.app]
     whole = Workload(
