@@ -16,6 +16,7 @@ COMMANDS = {
     "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
     "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),
     "plan": ("cleave.plan.cli", "write or check a deployment plan: which role runs on which host"),
+    "simulate": ("cleave.simulate.cli", "replay a cluster trace: fragmentation, GPUs, loaning"),
     "scale": ("cleave.runners.ray_scale", "add or remove rankers or shard replicas on Ray"),
     "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
     "testbed": ("cleave.testbed.cli", "emulated multi-host network of namespaces on this machine"),

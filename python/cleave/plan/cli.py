@@ -13,7 +13,7 @@ from pathlib import Path
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.serve import read_manifest
-from cleave.plan.cluster import emulated_hosts, load_cluster
+from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
 from cleave.plan.schema import Plan
@@ -22,7 +22,10 @@ from cleave.plan.schema import Plan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", nargs="?", help="bundle directory (cleave partition's output)")
     hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument("--cluster", help="YAML file: hosts: [{name, cpus, memory_gib, gpus}]")
+    hosts.add_argument(
+        "--cluster",
+        help="YAML file: hosts: [{name, cpus, memory_gib, gpus}], optional topology (docs/plan.md)",
+    )
     hosts.add_argument("--hosts", type=int, help="N identical emulated hosts h0..h{N-1}")
     parser.add_argument("--shards", type=int, help="range groups (default: the config's shards)")
     parser.add_argument("--replicas", type=int, default=1, help="replicas per range group")
@@ -83,10 +86,15 @@ def run(args: argparse.Namespace) -> int:
     if output.is_dir():
         raise UsageError(f"-o {output}: is a directory; expected a file name")
     config = config_io.load(args.config)
-    hosts = load_cluster(args.cluster) if args.cluster else emulated_hosts(args.hosts)
+    cluster = load_cluster_file(args.cluster) if args.cluster else None
+    hosts = cluster.hosts if cluster else emulated_hosts(args.hosts)
+    topology = cluster.topology if cluster else None
+    limits = cluster.limits if cluster else None
     shards = config.shards if args.shards is None else args.shards
     rankers = config.rankers if args.rankers is None else args.rankers
-    plan = make_plan(bundle, hosts, shards, args.replicas, rankers, args.routers, config)
+    plan = make_plan(
+        bundle, hosts, shards, args.replicas, rankers, args.routers, config, topology, limits
+    )
     # The bundle is named relative to the plan, so the two move together.
     plan.bundle = os.path.relpath(bundle.resolve(), output.parent.resolve())
     plan.source = output
@@ -95,8 +103,11 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as err:
         raise UsageError(f"{err}\n(nothing was written to {output})") from None
     command = shlex.join(["cleave", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""
-    save_plan(plan, output, header=command and f"command: {command}")
+    header = "\n".join([*([f"command: {command}"] if command else []), *plan.placement])
+    save_plan(plan, output, header=header)
     for warning in warnings:
         print(warning, file=sys.stderr)
+    if plan.placement:  # the placement's cost; each choice is explained in the plan file
+        print(f"cleave plan: {plan.placement[-1]}")
     print(f"cleave plan: wrote {output}: {describe(plan)}")
     return 0

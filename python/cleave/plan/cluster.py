@@ -5,7 +5,7 @@ docs/testbed.md)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.errors import UsageError
@@ -13,6 +13,7 @@ from cleave.plan import codec
 from cleave.plan.check import host_problems
 from cleave.plan.files import read_yaml
 from cleave.plan.schema import Host
+from cleave.plan.topology import Node, Topology, build_topology
 
 MAX_EMULATED = 200  # the testbed's limit per instance
 
@@ -20,15 +21,45 @@ MAX_EMULATED = 200  # the testbed's limit per instance
 @dataclass
 class Cluster:
     hosts: list[Host]
+    # Optional (docs/plan.md, "Topology-aware placement"): pods, switches, hosts, NUMA nodes
+    # and PCIe switches; with it `cleave plan` places by Prism's Algorithm 1.
+    topology: list[Node] = field(default_factory=list)
+    # Role kind (shards, rankers, routers) -> at most this many of it per host.
+    max_instance_per_node: dict[str, int] = field(default_factory=dict)
 
 
-def load_cluster(path: str | os.PathLike) -> list[Host]:
+@dataclass
+class ClusterFile:
+    hosts: list[Host]
+    topology: Topology | None
+    limits: dict[str, int]
+
+
+def load_cluster_file(path: str | os.PathLike) -> ClusterFile:
+    """The cluster file's hosts, its resolved topology (None without one) and density limits."""
     path = Path(path)
     cluster = codec.from_dict(Cluster, read_yaml(path, "cluster file"), "", str(path))
     problems = host_problems(cluster.hosts)
+    for role, limit in cluster.max_instance_per_node.items():
+        if role not in ("shards", "rankers", "routers"):
+            problems.append(
+                f"max_instance_per_node.{role}: expected shards, rankers or routers, got {role!r}"
+            )
+        elif limit < 1:
+            problems.append(f"max_instance_per_node.{role}: expected at least 1, got {limit}")
     if problems:
         raise UsageError(f"{path}: " + "; ".join(problems))
-    return cluster.hosts
+    topology = None
+    if cluster.topology:
+        try:
+            topology = build_topology(cluster.topology, cluster.hosts)
+        except UsageError as err:
+            raise UsageError(f"{path}: {err}") from None
+    return ClusterFile(cluster.hosts, topology, dict(cluster.max_instance_per_node))
+
+
+def load_cluster(path: str | os.PathLike) -> list[Host]:
+    return load_cluster_file(path).hosts
 
 
 def machine_gpus() -> int:

@@ -10,15 +10,20 @@ from pathlib import Path
 from cleave.errors import UsageError
 from cleave.launch.config import ServeConfig
 from cleave.launch.serve import read_manifest, table_ranges
-from cleave.plan.check import host_problems
+from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, host_problems
 from cleave.plan.cluster import this_machine
+from cleave.plan.placement import Request, place
 from cleave.plan.schema import Host, Plan, Ranker, Router, Shard, Supervision
+from cleave.plan.topology import Topology
 
 # Logical ports, per host: role i of its kind on a host gets BASE + i; its metrics port is
 # that + METRICS_OFFSET. PER_HOST keeps the kinds' ranges apart.
 SHARD_PORT, RANKER_PORT, ROUTER_PORT = 7000, 7100, 8000
 METRICS_OFFSET = 2000
 PER_HOST = 100
+# Topology-aware requests the config does not give: a ranker's cores when its threads are
+# "auto", and the memory of a ranker and a router (their own, beside no table rows).
+RANKER_CORES, RANKER_MEMORY_GIB, ROUTER_MEMORY_GIB = 4, 1.0, 0.5
 
 
 def layout(hosts: list[Host]) -> tuple[list[Host], list[Host], list[Host]]:
@@ -78,10 +83,13 @@ def make_plan(
     rankers: int,
     routers: int,
     serve_config: ServeConfig,
+    topology: Topology | None = None,
+    limits: dict[str, int] | None = None,
 ) -> Plan:
     """A disaggregated deployment of the bundle on `hosts`: `shards` range groups with
     `replicas` replicas each on distinct hosts, `rankers` rankers, `routers` routers. Not yet
-    checked against resources: call `plan.check(manifest)`."""
+    checked against resources: call `plan.check(manifest)`. With a `topology`, roles are placed
+    by `placement.place` (Prism's Algorithm 1) within `limits` per host."""
     config = serve_config.check()
     for key, value in (("shards", shards), ("replicas", replicas), ("rankers", rankers)):
         if value < 1:
@@ -99,7 +107,13 @@ def make_plan(
     bundle = Path(bundle_dir).resolve()
     manifest = read_manifest(bundle)
     router_hosts, shard_hosts, ranker_hosts = layout(hosts)
-    if replicas > len(shard_hosts):
+    # More shards than rows in every table leaves some empty: they are left out.
+    groups = [r for r in table_ranges(manifest, shards) if r]
+    placement = None
+    if topology is not None:
+        requests = _requests(manifest, groups, replicas, rankers, routers, config, hosts)
+        placement = place(requests, topology, limits)
+    elif replicas > len(shard_hosts):
         names = ", ".join(h.name for h in shard_hosts)
         raise UsageError(
             f"replicas: expected at most {len(shard_hosts)}, the hosts that may hold shards "
@@ -107,32 +121,37 @@ def make_plan(
         )
     ports = _Ports()
     plan_shards = []
-    # More shards than rows in every table leaves some empty: they are left out.
-    groups = [r for r in table_ranges(manifest, shards) if r]
     for g, ranges in enumerate(groups):
         for r in range(replicas):
+            name = f"shard-{g}" if replicas == 1 else f"shard-{g}-{r}"
             # Consecutive slots over the shard hosts: a group's K replicas land on K distinct
             # hosts (K <= hosts) and every host gets the same number of shards, +- 1.
             host = shard_hosts[(g * replicas + r) % len(shard_hosts)].name
+            host = placement.host_of(name) if placement else host
             port = ports.next("shards", host, SHARD_PORT)
-            name = f"shard-{g}" if replicas == 1 else f"shard-{g}-{r}"
             plan_shards.append(
                 Shard(name, g, host, port, port + METRICS_OFFSET, config.shard.threads, ranges)
             )
     plan_routers = []
     for i in range(routers):
         host = router_hosts[i % len(router_hosts)].name
+        host = placement.host_of(f"router-{i}") if placement else host
         n = ports.next("routers", host, 0)
         http_port = (config.http_port or ROUTER_PORT) + n
         plan_routers.append(Router(f"router-{i}", host, http_port))
     placed = [ranker_hosts[i % len(ranker_hosts)] for i in range(rankers)]
+    if placement:
+        by_name = {h.name: h for h in hosts}
+        placed = [by_name[placement.host_of(f"ranker-{i}")] for i in range(rankers)]
     per_host = Counter(h.name for h in placed)
     busy = {s.host for s in plan_shards} | {r.host for r in plan_routers}
     plan_rankers = []
     for i, host in enumerate(placed):
         port = ports.next("rankers", host.name, RANKER_PORT)
         threads = config.ranker.threads
-        if not threads:  # cleave serve's rule, per host: one core left when it is shared
+        if placement:  # the cores it was given
+            threads = sum(placement.choice(f"ranker-{i}").cores.values())
+        elif not threads:  # cleave serve's rule, per host: one core left when it is shared
             spare = host.cpus - (1 if host.name in busy else 0)
             threads = max(1, spare // per_host[host.name])
         plan_rankers.append(
@@ -154,7 +173,32 @@ def make_plan(
         shards=plan_shards,
         rankers=plan_rankers,
         routers=plan_routers,
+        placement=placement.report if placement else [],
     )
+
+
+def _requests(manifest, groups, replicas, rankers, routers, config, hosts) -> list[Request]:
+    """What each role asks of a host: a shard its threads and the rows it maps, a ranker its
+    threads (RANKER_CORES when auto) and a GPU when the cluster has any and its device allows,
+    a router its threads."""
+    row_bytes = {t["name"]: int(t["row_bytes"]) for t in manifest["tables"]}
+    out = []
+    for g, ranges in enumerate(groups):
+        rows = sum((b - a) * row_bytes[t] for t, (a, b) in ranges.items())
+        memory = (rows + SHARD_MARGIN_BYTES) / GIB
+        for r in range(replicas):
+            name = f"shard-{g}" if replicas == 1 else f"shard-{g}-{r}"
+            out.append(Request(name, "shards", config.shard.threads, memory, 0, g))
+    gpu = int(config.ranker.device != "cpu" and any(h.gpus for h in hosts))
+    cores = config.ranker.threads or RANKER_CORES
+    out += [
+        Request(f"ranker-{i}", "rankers", cores, RANKER_MEMORY_GIB, gpu) for i in range(rankers)
+    ]
+    out += [
+        Request(f"router-{i}", "routers", config.router.threads, ROUTER_MEMORY_GIB)
+        for i in range(routers)
+    ]
+    return out
 
 
 def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:

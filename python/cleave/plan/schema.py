@@ -92,6 +92,9 @@ class Plan:
     supervision: Supervision
     # The file this plan was read from: names it in errors, anchors a relative bundle path.
     source: Path | None = field(default=None, compare=False, metadata={"serialise": False})
+    # Why each role is where it is, and the placement's cost (topology-aware plans only);
+    # written as comments at the head of the plan file.
+    placement: list[str] = field(default_factory=list, compare=False, metadata={"serialise": False})
 
     def bundle_path(self) -> Path:
         path = Path(self.bundle)
