@@ -21,7 +21,7 @@ from cleave.models import MODELS, RequestGenerator
 from cleave.partitioner import AccuracyError, AccuracyLimits
 from cleave.partitioner.accuracy import auc
 from cleave.ranker.local import LocalQueue
-from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
+from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, encode_request
 from cleave.ranker.program import load_ranker
 
 SCALE = 0.01
@@ -125,8 +125,8 @@ def test_flops_and_cpu_support():
     assert slow_reason("float32") is None and slow_reason("bfloat16", "cuda") is None
 
 
-def rank(batcher, queue, tensors):
-    future = queue.submit(KIND_RANK, encode_request(tensors))
+def rank(batcher, queue, tensors, kind=KIND_RANK):
+    future = queue.submit(kind, encode_request(tensors))
     for _ in range(100):  # bounded: one step serves it
         if future.done():
             break
@@ -152,6 +152,16 @@ def test_ranker_serves_the_bundles_dtype_and_refuses_a_program_off_its_probe(bf1
     finally:
         probe["outputs"] = [t - 0.5 for t in probe["outputs"]]
         torch.save(probe, bf16_dir / "dense_probe.pt")
+
+
+def test_monolithic_ranker_runs_the_whole_model_at_the_bundles_dtype(bf16_dir):
+    bundle = cleave.load_bundle(bf16_dir)
+    args = RequestGenerator("shared", scale=SCALE, seed=6).batch(4)
+    queue = LocalQueue()
+    batcher = load_ranker(bf16_dir, queue, monolithic=True, threads=1)
+    inputs = list(bundle.named_inputs(*args).values())
+    (got,) = rank(batcher, queue, inputs, kind=KIND_RANK_FULL)
+    assert torch.equal(got, bundle.reference(*args).reshape(got.shape))
 
 
 def test_compiled_ranker_matches_eager_and_keeps_its_cache(bf16_dir, tmp_path):
