@@ -42,7 +42,8 @@ class Hosts:
         return [self.types[k] for k in np.unique(self.kind)]
 
 
-def _field(row: dict, key: str, where: str) -> float:
+def number_field(row: dict, key: str, where: str) -> float:
+    """`row[key]` as a finite number >= 0, or a UsageError naming `where` and the key."""
     text = (row.get(key) or "").strip()
     try:
         value = float(text)
@@ -79,9 +80,9 @@ def load_nodes(path: str | os.PathLike) -> list[HostType]:
             where = f"{path}: row {reader.line_num}"
             if None in row:
                 raise UsageError(f"{where}: expected {len(fields)} fields, got more")
-            cpu = _field(row, "cpu_milli", where) / 1000
-            mem = _field(row, "memory_mib", where) / 1024
-            gpus = _field(row, gpu_key, where)
+            cpu = number_field(row, "cpu_milli", where) / 1000
+            mem = number_field(row, "memory_mib", where) / 1024
+            gpus = number_field(row, gpu_key, where)
             if gpus != int(gpus):
                 raise UsageError(f"{where}: {gpu_key}: expected a whole number, got {gpus:g}")
             if cpu <= 0:

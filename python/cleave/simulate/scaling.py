@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave.errors import UsageError
+from cleave.simulate.nodes import number_field
 
 COLUMNS = ("time_s", "requests_per_s")
 
@@ -43,14 +44,7 @@ def load_load(path: str | os.PathLike) -> list[tuple[float, float]]:
             where = f"{path}: row {reader.line_num}"
             values = []
             for key in COLUMNS:
-                text = (row[key] or "").strip()
-                try:
-                    value = float(text)
-                except ValueError:
-                    raise UsageError(f"{where}: {key}: expected a number, got {text!r}") from None
-                if not math.isfinite(value) or value < 0:
-                    raise UsageError(f"{where}: {key}: expected a number >= 0, got {text!r}")
-                values.append(value)
+                values.append(number_field(row, key, where))
             if rows and values[0] < rows[-1][0]:
                 raise UsageError(
                     f"{where}: time_s: expected times in increasing order, got {values[0]:g} "
