@@ -120,7 +120,8 @@ class Bundle:
         if dtype not in self._dense_modules:
             if "float32" not in self._dense_modules:
                 self._dense_modules["float32"] = self._dense.module()
-            self._dense_modules[dtype] = convert(self._dense_modules["float32"], dtype)
+            layers = self.manifest["dense"].get("int8_layers")  # chosen by the partitioner
+            self._dense_modules[dtype] = convert(self._dense_modules["float32"], dtype, layers)
         return self._dense_modules[dtype]
 
     def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:

@@ -6,8 +6,10 @@ loads the bundle (docs/bundle.md, "Dense precision"):
 
 * bfloat16: weights and floating activations in bfloat16, inputs cast on the way in and
   outputs back to float32 on the way out (oneDNN's AVX512-BF16/AMX kernels);
-* int8: every linear layer with a constant weight quantized dynamically (weights int8 per
-  output channel, activations quantized per batch; FBGEMM's VNNI kernels); the rest float32.
+* int8: the linear layers with a constant weight that the partitioner chose (those whose
+  quantization keeps the accuracy within limits) quantized dynamically (weights int8 per
+  output channel, activations quantized per batch; FBGEMM's VNNI kernels), the other linear
+  layers in bfloat16, everything else float32.
 """
 
 from __future__ import annotations
@@ -57,14 +59,19 @@ def slow_reason(dtype: str, device: str = "cpu") -> str | None:
     )
 
 
-def convert(module: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """The program to serve at `dtype`, from the bundle's float32 dense module (not modified)."""
+def convert(
+    module: torch.nn.Module, dtype: str, int8_layers: list[int] | None = None
+) -> torch.nn.Module:
+    """The program to serve at `dtype`, from the bundle's float32 dense module (not modified).
+    For int8, `int8_layers` are the indices (in graph order, among the linear layers with
+    constant weights) of the layers quantized; the other linear layers run in bfloat16.
+    None: every one of them."""
     check_dtype(dtype)
     if dtype == "float32":
         return module
     if dtype == "bfloat16":
         return _Bfloat16(copy.deepcopy(module).to(torch.bfloat16))
-    return _quantize_linears(module)
+    return _quantize_linears(module, int8_layers)
 
 
 class _Bfloat16(torch.nn.Module):
@@ -83,39 +90,68 @@ def _leaves(outputs) -> list:
     return [leaf for out in outputs for leaf in _leaves(out)]
 
 
-def _quantize_linears(module: torch.nn.Module) -> torch.nn.Module:
-    """Replaces each `aten.linear(x, weight[, bias])` whose weight is a constant of the graph
-    with a dynamically quantized Linear (per-channel int8 weights)."""
+class _Bfloat16Linear(torch.nn.Module):
+    """A linear layer computed in bfloat16 between float32 neighbours."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def constant_linears(module: fx.GraphModule) -> list[fx.Node]:
+    """The `aten.linear(x, weight[, bias])` nodes whose weight (and bias) are constants of the
+    graph, in graph order: the layers int8 can quantize."""
+    found = []
+    for node in module.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
+            continue
+        weight, bias = (*node.args[1:], None)[:2]
+        if weight.op == "get_attr" and (bias is None or bias.op == "get_attr"):
+            found.append(node)
+    return found
+
+
+def _quantize_linears(module: torch.nn.Module, layers: list[int] | None) -> torch.nn.Module:
+    """Replaces the constant-weight linear layers chosen by `layers` with dynamically quantized
+    Linears (per-channel int8 weights), and the others with bfloat16 ones."""
     if not isinstance(module, fx.GraphModule):
         raise UsageError(f"int8 needs the dense program as a graph, got {type(module).__name__}")
+    q = copy.deepcopy(module)
+    nodes = constant_linears(q)
+    if not nodes:
+        raise UsageError("int8: the dense program has no linear layer with constant weights")
+    chosen = set(range(len(nodes)) if layers is None else layers)
+    if not chosen <= set(range(len(nodes))):
+        raise UsageError(
+            f"int8 layers {sorted(chosen)}: the dense program has {len(nodes)} linear layers"
+        )
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated, still kept
         warnings.simplefilter("ignore")
         import torch.ao.quantization as tq
 
-        q = copy.deepcopy(module)
-        count = 0
-        for node in list(q.graph.nodes):
-            if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
-                continue
+        for index, node in enumerate(nodes):
             x, weight, bias = (*node.args, None)[:3]
-            if weight.op != "get_attr" or (bias is not None and bias.op != "get_attr"):
-                continue  # a weight computed at run time stays float32
             w = getattr(q, weight.target)
-            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(w)
-                if bias is not None:
-                    linear.bias.copy_(getattr(q, bias.target))
-            spec = {torch.nn.Linear: tq.per_channel_dynamic_qconfig}
-            quantized = tq.quantize_dynamic(torch.nn.Sequential(linear), spec)[0]
-            name = f"int8_linear_{count}"
-            count += 1
-            q.add_submodule(name, quantized)
+            b = None if bias is None else getattr(q, bias.target)
+            if index in chosen:
+                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+                with torch.no_grad():
+                    linear.weight.copy_(w)
+                    if b is not None:
+                        linear.bias.copy_(b)
+                spec = {torch.nn.Linear: tq.per_channel_dynamic_qconfig}
+                replacement = tq.quantize_dynamic(torch.nn.Sequential(linear), spec)[0]
+            else:
+                replacement = _Bfloat16Linear(w, b)
+            name = f"linear_{index}_{'int8' if index in chosen else 'bf16'}"
+            q.add_submodule(name, replacement)
             with q.graph.inserting_before(node):
                 node.replace_all_uses_with(q.graph.call_module(name, (x,)))
             q.graph.erase_node(node)
-    if count == 0:
-        raise UsageError("int8: the dense program has no linear layer with constant weights")
     q.graph.eliminate_dead_code()
     q.delete_all_unused_submodules()
     q.recompile()

@@ -63,6 +63,8 @@ def partition(
         if reason:
             print(f"cleave partition: warning: {reason}", file=sys.stderr)
         dense["accuracy"] = measure(bundle, dense_dtype, labelled, limits)
+        if "int8_layers" in dense["accuracy"]:
+            dense["int8_layers"] = dense["accuracy"].pop("int8_layers")
     dense["dtype"] = dense_dtype
     if typical_inputs is None:
         typical_inputs = labelled[0][0] if labelled else example_inputs

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cleave.bundle import Bundle
-from cleave.bundle.precision import convert
+from cleave.bundle.precision import constant_linears, convert
 from cleave.errors import CleaveError, UsageError
 
 # Labelled samples drawn for a reference model when the user gives no labelled set.
@@ -52,43 +52,89 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     )
 
 
+class LabelledSet:
+    """A labelled set [(forward args, labels)] run through the sparse side once: the dense
+    programs' inputs per batch, the labels, and the float32 program's outputs."""
+
+    def __init__(self, bundle: Bundle, labelled):
+        self.fp32 = bundle.dense_module("float32")
+        names = bundle.manifest["dense"]["inputs"]
+        self.batches, labels = [], []
+        with torch.inference_mode():
+            for i, item in enumerate(labelled):
+                if not (isinstance(item, tuple | list) and len(item) == 2):
+                    raise UsageError(f"labelled set item {i}: expected (forward args, labels)")
+                args, batch_labels = item
+                inputs = bundle.named_inputs(*args)
+                values = {**inputs, **bundle.sparse_reference(inputs)}
+                dense_args = [values[n] for n in names]
+                want = self.fp32(*dense_args)
+                batch_labels = torch.as_tensor(batch_labels).reshape(-1).double()
+                if batch_labels.numel() != want[0].numel():
+                    raise UsageError(
+                        f"labelled set item {i}: {batch_labels.numel()} labels, but the model's "
+                        f"first output has {want[0].numel()} values"
+                    )
+                self.batches.append((dense_args, want))
+                labels.append(batch_labels)
+        if not labels:
+            raise UsageError("the labelled set is empty")
+        self.labels = torch.cat(labels).numpy()
+        self.auc_float32 = auc(self._first(w for _, w in self.batches), self.labels)
+
+    @staticmethod
+    def _first(outputs) -> np.ndarray:
+        return torch.cat([o[0].reshape(-1).double() for o in outputs]).numpy()
+
+    def evaluate(self, module) -> tuple[float, float]:
+        """(AUC, largest change of any output value against float32) of `module`."""
+        got, worst = [], 0.0
+        with torch.inference_mode():
+            for dense_args, want in self.batches:
+                out = module(*dense_args)
+                for w, g in zip(want, out, strict=True):
+                    if w.numel():
+                        worst = max(worst, float((w.double() - g.double()).abs().max()))
+                got.append(out)
+        return auc(self._first(got), self.labels), worst
+
+    def within(self, module, limits: AccuracyLimits) -> bool:
+        value, worst = self.evaluate(module)
+        return abs(value - self.auc_float32) <= limits.max_auc_drop and (
+            worst <= limits.score_tolerance
+        )
+
+
+def choose_int8_layers(data: LabelledSet, limits: AccuracyLimits) -> list[int]:
+    """The linear layers to quantize to int8: each layer's cost alone is measured, then layers
+    are added from the least to the most harmful (ties: the largest first) while the whole
+    stays within `limits`; the rest run in bfloat16. Greedy, like mixed-precision searches."""
+    nodes = constant_linears(data.fp32)
+    harm = []
+    for index, node in enumerate(nodes):
+        value, worst = data.evaluate(convert(data.fp32, "int8", [index]))
+        size = getattr(data.fp32, node.args[1].target).numel()
+        harm.append((abs(value - data.auc_float32), worst, -size, index))
+    chosen: list[int] = []
+    for *_, index in sorted(harm):
+        if data.within(convert(data.fp32, "int8", [*chosen, index]), limits):
+            chosen.append(index)
+    return sorted(chosen)
+
+
 def measure(bundle: Bundle, dtype: str, labelled, limits: AccuracyLimits) -> dict:
     """Runs the labelled set [(forward args, labels)] through the float32 and the `dtype`
     dense programs (the sparse side by the reference executor) and returns the measurement;
-    raises AccuracyError when it is past `limits`."""
-    fp32 = bundle.dense_module("float32")
-    reduced = convert(fp32, dtype)
-    names = bundle.manifest["dense"]["inputs"]
-    ref_scores, scores, labels, worst = [], [], [], 0.0
-    with torch.inference_mode():
-        for i, item in enumerate(labelled):
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise UsageError(f"labelled set item {i}: expected (forward args, labels)")
-            args, batch_labels = item
-            inputs = bundle.named_inputs(*args)
-            values = {**inputs, **bundle.sparse_reference(inputs)}
-            dense_args = [values[n] for n in names]
-            want, got = fp32(*dense_args), reduced(*dense_args)
-            for w, g in zip(want, got, strict=True):
-                if w.numel():
-                    worst = max(worst, float((w.double() - g.double()).abs().max()))
-            first = want[0].reshape(-1)
-            batch_labels = torch.as_tensor(batch_labels).reshape(-1)
-            if batch_labels.numel() != first.numel():
-                raise UsageError(
-                    f"labelled set item {i}: {batch_labels.numel()} labels, but the model's "
-                    f"first output has {first.numel()} values"
-                )
-            ref_scores.append(first.double())
-            scores.append(got[0].reshape(-1).double())
-            labels.append(batch_labels.double())
-    if not labels:
-        raise UsageError("the labelled set is empty")
-    y = torch.cat(labels).numpy()
-    auc_fp32 = auc(torch.cat(ref_scores).numpy(), y)
-    auc_dtype = auc(torch.cat(scores).numpy(), y)
+    for int8 it first chooses the layers to quantize (`int8_layers` in the result). Raises
+    AccuracyError when the program is past `limits` (for int8: when no layer can be)."""
+    data = LabelledSet(bundle, labelled)
+    layers = None
+    if dtype == "int8":
+        layers = choose_int8_layers(data, limits)
+    auc_dtype, worst = data.evaluate(convert(data.fp32, dtype, layers))
+    auc_fp32 = data.auc_float32
     result = {
-        "samples": len(y),
+        "samples": len(data.labels),
         "auc_float32": round(auc_fp32, 6),
         "auc": round(auc_dtype, 6),
         "auc_delta": round(auc_dtype - auc_fp32, 6),
@@ -97,6 +143,8 @@ def measure(bundle: Bundle, dtype: str, labelled, limits: AccuracyLimits) -> dic
         "score_tolerance": limits.score_tolerance,
     }
     problems = []
+    if layers is not None and not layers:
+        problems.append("no linear layer can be quantized without passing the limits")
     if abs(auc_dtype - auc_fp32) > limits.max_auc_drop:
         problems.append(
             f"AUC moved by {auc_dtype - auc_fp32:+.5f} ({auc_fp32:.5f} -> {auc_dtype:.5f}), "
@@ -108,17 +156,19 @@ def measure(bundle: Bundle, dtype: str, labelled, limits: AccuracyLimits) -> dic
         )
     if problems:
         raise AccuracyError(
-            f"dense dtype {dtype} refused on {len(y)} labelled samples: "
+            f"dense dtype {dtype} refused on {len(data.labels)} labelled samples: "
             + "; ".join(problems)
             + " (keep float32, try another dtype, or relax --max-auc-drop / --score-tolerance)"
         )
+    if layers is not None:
+        result["int8_layers"] = layers
     return result
 
 
 def demand(bundle: Bundle, dtype: str, args: tuple, repeats: int = 3) -> dict:
     """Seconds per sample of the sparse side (reference executor) and of the dense program on
     one thread, on `args`: what `cleave serve` splits cores by (docs/serving.md)."""
-    module = convert(bundle.dense_module("float32"), dtype)
+    module = bundle.dense_module(dtype)
     names = bundle.manifest["dense"]["inputs"]
     inputs = bundle.named_inputs(*args)
     threads = torch.get_num_threads()
