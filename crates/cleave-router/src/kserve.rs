@@ -1,6 +1,8 @@
 //! The Open Inference Protocol (KServe v2) JSON forms: infer request in, infer response and
 //! model metadata out. <https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/>
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -39,14 +41,18 @@ struct RawRequest<'a> {
     outputs: Option<Vec<RawOutput>>,
 }
 
+// Names borrow from the body where they can, and parameters keep only the two keys read (the
+// rest are skipped unparsed): a binary body's JSON is little else than these, once per input.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawInput<'a> {
-    name: String,
+    #[serde(borrow)]
+    name: Cow<'a, str>,
     shape: Vec<i64>,
-    datatype: String,
+    #[serde(borrow)]
+    datatype: Cow<'a, str>,
     #[serde(default)]
-    parameters: Option<Map<String, Value>>,
+    parameters: Option<TensorParams>,
     // Kept raw so that a bad element is reported with the input's name.
     #[serde(borrow, default)]
     data: Option<&'a RawValue>,
@@ -57,12 +63,22 @@ struct RawInput<'a> {
 struct RawOutput {
     name: String,
     #[serde(default)]
-    parameters: Option<Map<String, Value>>,
+    parameters: Option<TensorParams>,
+}
+
+/// The parameters of an input or output that the binary extension defines; others are
+/// allowed and ignored.
+#[derive(Deserialize, Default)]
+struct TensorParams {
+    #[serde(default)]
+    binary_data: Option<Value>,
+    #[serde(default)]
+    binary_data_size: Option<Value>,
 }
 
 /// A boolean parameter (`binary_data`, `binary_data_output`); absent is `None`.
-fn flag(parameters: Option<&Map<String, Value>>, name: &str) -> Result<Option<bool>, String> {
-    match parameters.and_then(|p| p.get(name)) {
+fn flag(value: Option<&Value>, name: &str) -> Result<Option<bool>, String> {
+    match value {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(v) => Err(format!("parameters.{name} is {v}, expected true or false")),
@@ -70,8 +86,8 @@ fn flag(parameters: Option<&Map<String, Value>>, name: &str) -> Result<Option<bo
 }
 
 /// An input's `binary_data_size`, when given: a non-negative integer.
-fn binary_size(parameters: Option<&Map<String, Value>>) -> Result<Option<usize>, String> {
-    match parameters.and_then(|p| p.get("binary_data_size")) {
+fn binary_size(value: Option<&Value>) -> Result<Option<usize>, String> {
+    match value {
         None => Ok(None),
         Some(v) => v
             .as_u64()
@@ -108,9 +124,14 @@ pub fn parse_infer(
         None => (body, Sections::empty()),
     };
     let raw: RawRequest = serde_json::from_slice(json).map_err(RequestError::json)?;
-    let binary_output = flag(raw.parameters.as_ref(), "binary_data_output")
-        .map_err(|e| RequestError::invalid(format!("request {e}")))?
-        .unwrap_or(false);
+    let binary_output = flag(
+        raw.parameters
+            .as_ref()
+            .and_then(|p| p.get("binary_data_output")),
+        "binary_data_output",
+    )
+    .map_err(|e| RequestError::invalid(format!("request {e}")))?
+    .unwrap_or(false);
     let budget_ms = budget_param(raw.parameters.as_ref().and_then(|p| p.get("budget_ms")))?;
     let mut inputs: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
     for input in raw.inputs {
@@ -166,8 +187,11 @@ fn select_outputs(
                         names(&model.outputs)
                     ))
                 })?;
-            let asked = flag(o.parameters.as_ref(), "binary_data")
-                .map_err(|e| RequestError::invalid(format!("output {:?}: {e}", o.name)))?;
+            let asked = flag(
+                o.parameters.as_ref().and_then(|p| p.binary_data.as_ref()),
+                "binary_data",
+            )
+            .map_err(|e| RequestError::invalid(format!("output {:?}: {e}", o.name)))?;
             if let Some(b) = asked {
                 binary[index] = b;
             }
@@ -202,8 +226,8 @@ fn convert_input(
         .collect::<Result<Vec<usize>, _>>()
         .map_err(|_| fail(format!("shape {:?} has a negative size", input.shape)))?;
     let params = input.parameters.as_ref();
-    let size = binary_size(params).map_err(fail)?;
-    let flagged = flag(params, "binary_data").map_err(fail)?;
+    let size = binary_size(params.and_then(|p| p.binary_data_size.as_ref())).map_err(fail)?;
+    let flagged = flag(params.and_then(|p| p.binary_data.as_ref()), "binary_data").map_err(fail)?;
     check_declared(spec, &input.datatype, &shape)?;
     match (size, input.data) {
         (Some(_), Some(_)) | (None, Some(_)) if flagged == Some(true) => Err(fail(
