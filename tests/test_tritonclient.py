@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
+
+# In the dev extra: a missing client is a failure, not a skip.
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
 from cleave.bench.loadgen import codec_counters
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-
-httpclient = pytest.importorskip("tritonclient.http")
-aioclient = pytest.importorskip("tritonclient.http.aio")
-from tritonclient.utils import np_to_triton_dtype  # noqa: E402
+from tritonclient.utils import np_to_triton_dtype
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The given buffer is not writable", "ignore::DeprecationWarning"
