@@ -1,13 +1,15 @@
 """The REST binary tensor data extension against a real `cleave serve` deployment, in raw HTTP
 bodies: binary, JSON and mixed requests get the model's scores; binary replies carry their JSON
 header length; every malformed binary body is a 400 naming the tensor or parameter, and the
-router keeps serving.
+router keeps serving. Then `cleave bench serve --protocol binary` end to end.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import urllib.parse
 
 import cleave
@@ -223,3 +225,24 @@ def test_malformed_binary_bodies_are_400s_naming_what_is_wrong(served):
     assert counters[("parse", "binary")][1] >= len(cases) - 2
     assert counters[("encode", "json")][1] >= 1
     assert counters[("parse", "binary")][0] > 0.0
+
+
+def test_bench_serve_drives_binary_bodies_and_checks_their_scores(tmp_path):
+    out = tmp_path / "serve.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
+        + ["--protocol", "binary", "--model", "dlrm", "--scale", "0.002"]
+        + ["--candidates", "16", "--requests", "8"]
+        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (deployment,) = report["deployments"].values()
+    for point in [deployment["single"], *deployment["rates"]]:
+        assert point["ok"] > 0, point
+    # Stage timings come from the binary replies' JSON headers; scores from their bytes.
+    assert "compute_us" in deployment["rates"][0]["stages_us"]
+    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= TOLERANCE
