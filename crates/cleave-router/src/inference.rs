@@ -141,6 +141,7 @@ async fn run(
     // the body is.
     let binary_header =
         header_length(&parts.headers).map_err(|e| RequestError::invalid(e.to_string()))?;
+    check_identity_encoding(&parts.headers)?;
     app.set_budget(budget, asked)?;
     let load = RankerLoad::of(&app.router.rankers);
     let _permit = app
@@ -227,6 +228,19 @@ async fn run(
     }
 }
 
+/// Compressed bodies (tritonclient's `request_compression_algorithm`) are refused by name
+/// rather than failing as JSON that does not parse.
+fn check_identity_encoding(headers: &HeaderMap) -> Result<(), RequestError> {
+    match headers.get(header::CONTENT_ENCODING) {
+        None => Ok(()),
+        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"identity") => Ok(()),
+        Some(v) => Err(RequestError::invalid(format!(
+            "header content-encoding is {v:?}: compressed request bodies are not supported; \
+             send the body uncompressed"
+        ))),
+    }
+}
+
 /// The `cleave-budget-ms` header, when given: a positive number of milliseconds.
 fn header_budget(headers: &HeaderMap) -> Result<Option<f64>, RequestError> {
     let Some(value) = headers.get(BUDGET_HEADER) else {
@@ -283,5 +297,25 @@ mod tests {
             );
             assert!(e.message.contains(bad), "{}", e.message);
         }
+    }
+
+    #[test]
+    fn compressed_bodies_are_refused_by_name() {
+        let mut h = HeaderMap::new();
+        assert!(check_identity_encoding(&h).is_ok());
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        assert!(check_identity_encoding(&h).is_ok());
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        let e = check_identity_encoding(&h).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message
+                .contains("content-encoding is \"gzip\": compressed request bodies"),
+            "{}",
+            e.message
+        );
     }
 }

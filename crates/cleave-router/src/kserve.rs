@@ -11,7 +11,7 @@ use crate::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
 use crate::error::RequestError;
 use crate::json_tensor::{JsonData, JsonElements};
 use crate::model::{Model, TensorSpec};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use crate::validate::check_declared;
 
 /// An infer request, parsed and converted, not yet checked as a whole.
@@ -282,6 +282,15 @@ fn binary_input(
         ));
     }
     let bytes = sections.take(size).map_err(|e| e.to_string())?;
+    // The one dtype whose bytes can be invalid: a bool is 0 or 1.
+    if spec.dtype == DType::Bool {
+        if let Some(at) = bytes.iter().position(|&b| b > 1) {
+            return Err(format!(
+                "element {at} of the BOOL binary data is byte {}, expected 0 or 1",
+                bytes[at]
+            ));
+        }
+    }
     Tensor::new(spec.dtype, shape.to_vec(), bytes.to_vec())
         .ok_or_else(|| format!("shape {shape:?} does not match {size} bytes"))
 }
@@ -765,6 +774,25 @@ mod tests {
         // The header cuts the JSON short: a JSON error, not a panic.
         let e = parse_infer(&model(), &body, Some(n - 2)).unwrap_err();
         assert_eq!(e.kind, ErrorKind::InvalidJson);
+    }
+
+    #[test]
+    fn bool_binary_data_is_0_or_1() {
+        let mut spec = model().inputs[0].clone();
+        spec.dtype = DType::Bool;
+        let cut = |bytes: &[u8]| {
+            let (body, n) = binary_tensor::join(Vec::new(), &[bytes]);
+            let (_, mut sections) = binary_tensor::split(&body, n).unwrap();
+            binary_input(&spec, &[2, 3], 6, true, &mut sections)
+        };
+        assert_eq!(
+            cut(&[0, 1, 1, 0, 0, 1]).unwrap().data,
+            vec![0, 1, 1, 0, 0, 1]
+        );
+        assert_eq!(
+            cut(&[0, 1, 2, 0, 0, 1]).unwrap_err(),
+            "element 2 of the BOOL binary data is byte 2, expected 0 or 1"
+        );
     }
 
     proptest::proptest! {
