@@ -34,7 +34,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
 MODEL, SCALE = "shared", 0.01
 BODY_LIMIT = 256 << 10
 TOLERANCE = 1e-5
-NO_BINARY = "binary tensor data is not supported yet (send JSON data, or binary_data: false)"
 KSERVE = {
     torch.float32: "FP32",
     torch.float16: "FP16",
@@ -347,28 +346,25 @@ def malformed_infer_bodies(deployment, good: dict) -> list[tuple[str, object, in
             ['"outputs" is empty; name at least one output', 'leave "outputs" out'],
         ),
         (
-            "binary input",
+            "binary_data on an input that has data",
             with_input(good, "dense_x", parameters={"binary_data": True}),
             400,
-            ['input "dense_x"', "parameters.binary_data is true", NO_BINARY],
+            [
+                'input "dense_x"',
+                'parameters.binary_data is true but the input also has "data"',
+            ],
         ),
         (
-            "binary_data_size",
+            "binary_data_size on an input that has data",
             with_input(good, "dense_x", parameters={"binary_data_size": 32}),
             400,
-            ['input "dense_x"', "parameters.binary_data_size is 32", NO_BINARY],
+            ['input "dense_x"', 'parameters.binary_data_size is 32 but the input also has "data"'],
         ),
         (
-            "binary output",
-            {**good, "outputs": [{"name": "output_0", "parameters": {"binary_data": True}}]},
+            "binary output flag not a bool",
+            {**good, "outputs": [{"name": "output_0", "parameters": {"binary_data": "yes"}}]},
             400,
-            ['output "output_0"', NO_BINARY],
-        ),
-        (
-            "binary_data_output",
-            {**good, "parameters": {"binary_data_output": True}},
-            400,
-            ["parameters.binary_data_output is true", NO_BINARY],
+            ['output "output_0"', 'parameters.binary_data is "yes", expected true or false'],
         ),
         ("body over the limit", b" " * (BODY_LIMIT + 1), 413, [f"limit of {BODY_LIMIT} bytes"]),
     ]

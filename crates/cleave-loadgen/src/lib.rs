@@ -37,6 +37,10 @@ pub struct Outcome {
 pub struct Run {
     pub url: String,
     pub bodies: Vec<Bytes>,
+    /// Extra request headers per body (indexed like `bodies`; missing = none), e.g. the
+    /// `Inference-Header-Content-Length` of a binary-tensor body. A `content-type` here
+    /// replaces the default `application/json`.
+    pub headers: Vec<Vec<(String, String)>>,
     pub times_s: Vec<f64>,
     pub order: Vec<usize>,
     pub timeout: Duration,
@@ -66,6 +70,12 @@ impl Run {
                 self.bodies.len()
             ));
         }
+        for (k, v) in self.headers.iter().flatten() {
+            hyper::header::HeaderName::try_from(k.as_str())
+                .map_err(|e| format!("header name {k:?}: {e}"))?;
+            hyper::header::HeaderValue::try_from(v.as_str())
+                .map_err(|e| format!("header {k:?} value {v:?}: {e}"))?;
+        }
         if self.times_s.iter().any(|t| !t.is_finite() || *t < 0.0) {
             return Err("send times must be finite and >= 0".into());
         }
@@ -76,6 +86,24 @@ impl Run {
         Ok(runtime.block_on(self.drive(uri)))
     }
 
+    /// The POST of body `body`, with its headers (checked valid by `execute`).
+    fn request(&self, uri: &Uri, body: usize) -> hyper::Request<Full<Bytes>> {
+        let extra = self.headers.get(body).map_or(&[][..], |h| h.as_slice());
+        let mut builder = hyper::Request::post(uri.clone());
+        if !extra
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        {
+            builder = builder.header("content-type", "application/json");
+        }
+        for (k, v) in extra {
+            builder = builder.header(k.as_str(), v.as_str());
+        }
+        builder
+            .body(Full::new(self.bodies[body].clone()))
+            .expect("a POST of a parsed URI with checked headers is a valid request")
+    }
+
     async fn drive(self, uri: Uri) -> Vec<Outcome> {
         let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
         let start = tokio::time::Instant::now() + Duration::from_millis(50);
@@ -84,10 +112,7 @@ impl Run {
             let scheduled = start + Duration::from_secs_f64(at);
             tokio::time::sleep_until(scheduled).await;
             let lag_s = scheduled.elapsed().as_secs_f64();
-            let request = hyper::Request::post(uri.clone())
-                .header("content-type", "application/json")
-                .body(Full::new(self.bodies[body].clone()))
-                .expect("a POST of a parsed URI is a valid request");
+            let request = self.request(&uri, body);
             let client = client.clone();
             let (timeout, keep) = (self.timeout, self.keep_replies);
             tasks.push(tokio::spawn(async move {

@@ -48,6 +48,7 @@ fn run(
     Run {
         url,
         bodies: vec![Bytes::from_static(b"{}")],
+        headers: vec![],
         times_s,
         order,
         timeout: Duration::from_millis(timeout_ms),
@@ -98,6 +99,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
     let mut r = Run {
         url: "http://127.0.0.1:1/".into(),
         bodies: vec![],
+        headers: vec![],
         times_s: vec![0.0],
         order: vec![0],
         timeout: Duration::from_millis(10),
@@ -110,6 +112,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
     r = Run {
         url: "http://127.0.0.1:1/".into(),
         bodies: vec![Bytes::new()],
+        headers: vec![],
         times_s: vec![0.0, 1.0],
         order: vec![0],
         timeout: Duration::from_millis(10),
@@ -119,4 +122,17 @@ fn bad_input_is_refused_before_anything_is_sent() {
         .execute()
         .unwrap_err()
         .contains("2 send times but 1 body indices"));
+    r = Run {
+        url: "http://127.0.0.1:1/".into(),
+        bodies: vec![Bytes::new()],
+        headers: vec![vec![("bad name".into(), "x".into())]],
+        times_s: vec![0.0],
+        order: vec![0],
+        timeout: Duration::from_millis(10),
+        keep_replies: false,
+    };
+    assert!(r
+        .execute()
+        .unwrap_err()
+        .contains("header name \"bad name\""));
 }

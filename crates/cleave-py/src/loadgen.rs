@@ -22,9 +22,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 type Row = (usize, f64, f64, f64, u16, String, Option<Py<PyBytes>>);
 
 /// POSTs `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start, whether or not
-/// earlier requests have answered; each request may take `timeout_s`.
+/// earlier requests have answered; each request may take `timeout_s`. `headers[i]` are extra
+/// request headers of `bodies[i]`.
+// The arguments are Python keyword arguments; a struct would only move them.
+#[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (url, bodies, times_s, order, timeout_s=10.0, keep_replies=false))]
+#[pyo3(signature = (url, bodies, times_s, order, timeout_s=10.0, keep_replies=false, headers=None))]
 fn http_load(
     py: Python<'_>,
     url: String,
@@ -33,11 +36,13 @@ fn http_load(
     order: Vec<usize>,
     timeout_s: f64,
     keep_replies: bool,
+    headers: Option<Vec<Vec<(String, String)>>>,
 ) -> PyResult<Vec<Row>> {
     let timeout: Duration = duration(timeout_s, "timeout_s")?;
     let run = Run {
         url,
         bodies: bodies.into_iter().map(Bytes::from).collect(),
+        headers: headers.unwrap_or_default(),
         times_s,
         order,
         timeout,

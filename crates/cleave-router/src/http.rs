@@ -129,7 +129,7 @@ pub fn error_response(e: &RequestError) -> Response {
 }
 
 async fn server_metadata() -> Response {
-    let body = json!({"name": "cleave", "version": env!("CARGO_PKG_VERSION"), "extensions": []});
+    let body = json!({"name": "cleave", "version": env!("CARGO_PKG_VERSION"), "extensions": ["binary_tensor_data"]});
     json_bytes(StatusCode::OK, body.to_string().into_bytes())
 }
 

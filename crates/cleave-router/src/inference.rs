@@ -12,11 +12,13 @@ use axum::response::Response;
 use serde_json::{json, Map, Value};
 
 use crate::admission::{RankerLoad, Shed, Stages};
+use crate::binary_tensor::{header_length, HEADER_LENGTH};
 use crate::body::read_body;
 use crate::conn::Arrival;
 use crate::error::{ErrorKind, RequestError, Stage};
 use crate::http::{error_response, json_bytes, App};
-use crate::kserve::{infer_response, parse_infer};
+use crate::kserve::{infer_response, parse_infer, InferReply};
+use crate::metrics::{thread_cpu, Codec};
 use crate::rank_form::{parse_rank, NestedOutputs};
 use crate::router::{Budget, Inference};
 
@@ -70,10 +72,10 @@ async fn handle(app: &App, name: &str, request: Request, form: Form) -> Response
     let result = run(app, name, request, form, &mut budget, &mut body_read).await;
     let trace_id = cleave_wire::log::trace_id(budget.trace_id);
     let mut response = match result {
-        Ok(body) => {
+        Ok(reply) => {
             app.router.metrics.observe(Stage::Total, arrival.elapsed());
             tracing::debug!(%trace_id, model = name, elapsed_us = arrival.elapsed().as_micros() as u64, "answered");
-            json_bytes(StatusCode::OK, body)
+            reply_response(reply)
         }
         Err(Failure::Request(e)) => {
             app.router.metrics.error(e.kind);
@@ -97,6 +99,21 @@ async fn handle(app: &App, name: &str, request: Request, form: Form) -> Response
     response
 }
 
+/// A 200: JSON, or a JSON header and binary outputs (the binary tensor data extension).
+fn reply_response(reply: InferReply) -> Response {
+    let Some(header) = reply.header else {
+        return json_bytes(StatusCode::OK, reply.body);
+    };
+    let mut response = Response::new(axum::body::Body::from(reply.body));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    headers.insert(HEADER_LENGTH, HeaderValue::from(header));
+    response
+}
+
 fn shed_response(shed: &Shed) -> Response {
     let body = json!({"error": shed.message, "stage": Stage::Admission.as_str()});
     let mut response = json_bytes(
@@ -116,10 +133,15 @@ async fn run(
     form: Form,
     budget: &mut Budget,
     body_read: &mut bool,
-) -> Result<Vec<u8>, Failure> {
+) -> Result<InferReply, Failure> {
     let model = app.model(name)?;
     let (parts, body) = request.into_parts();
     let asked = header_budget(&parts.headers)?;
+    // Checked before the body is read: a bad header is the client's mistake however long
+    // the body is.
+    let binary_header =
+        header_length(&parts.headers).map_err(|e| RequestError::invalid(e.to_string()))?;
+    check_identity_encoding(&parts.headers)?;
     app.set_budget(budget, asked)?;
     let load = RankerLoad::of(&app.router.rankers);
     let _permit = app
@@ -138,27 +160,54 @@ async fn run(
     let bytes = read_body(body, declared, &app.body, (until, read_ms), budget.start).await?;
     *body_read = true;
 
+    let metrics = &app.router.metrics;
     match form {
         Form::Infer => {
-            let req = parse_infer(model, &bytes)?;
+            let protocol = match binary_header {
+                Some(_) => Codec::Binary,
+                None => Codec::Json,
+            };
+            let cpu = thread_cpu();
+            let req = parse_infer(model, &bytes, binary_header);
+            metrics.codec_cpu("parse", protocol, cpu);
+            let req = req?;
             app.set_budget(budget, req.budget_ms)?;
             let parsed = budget.start.elapsed();
             let inf = app.router.infer(req.inputs, budget).await?;
             app.admission.observe(stages(parsed, &inf));
-            Ok(infer_response(
+            let cpu = thread_cpu();
+            let reply = infer_response(
                 model,
                 req.id.as_deref(),
                 &inf.outputs,
                 req.outputs.as_deref(),
+                &req.binary,
                 &timings(&inf),
-            ))
+            );
+            let protocol = match reply.header {
+                Some(_) => Codec::Binary,
+                None => Codec::Json,
+            };
+            metrics.codec_cpu("encode", protocol, cpu);
+            Ok(reply)
         }
         Form::Rank => {
-            let req = parse_rank(model, &bytes)?;
+            if binary_header.is_some() {
+                return Err(RequestError::invalid(format!(
+                    "header {HEADER_LENGTH}: the rank form takes JSON only; send binary \
+                     tensors to /v2/models/{name}/infer"
+                ))
+                .into());
+            }
+            let cpu = thread_cpu();
+            let req = parse_rank(model, &bytes);
+            metrics.codec_cpu("parse", Codec::Rank, cpu);
+            let req = req?;
             app.set_budget(budget, req.budget_ms)?;
             let parsed = budget.start.elapsed();
             let inf = app.router.infer(req.inputs, budget).await?;
             app.admission.observe(stages(parsed, &inf));
+            let cpu = thread_cpu();
             let outputs = model
                 .outputs
                 .iter()
@@ -172,8 +221,23 @@ async fn run(
                 "outputs": serde_json::to_value(NestedOutputs(outputs)).unwrap_or(Value::Null),
                 "parameters": timings(&inf),
             });
-            Ok(body.to_string().into_bytes())
+            let body = body.to_string().into_bytes();
+            metrics.codec_cpu("encode", Codec::Rank, cpu);
+            Ok(InferReply { body, header: None })
         }
+    }
+}
+
+/// Compressed bodies (tritonclient's `request_compression_algorithm`) are refused by name
+/// rather than failing as JSON that does not parse.
+fn check_identity_encoding(headers: &HeaderMap) -> Result<(), RequestError> {
+    match headers.get(header::CONTENT_ENCODING) {
+        None => Ok(()),
+        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"identity") => Ok(()),
+        Some(v) => Err(RequestError::invalid(format!(
+            "header content-encoding is {v:?}: compressed request bodies are not supported; \
+             send the body uncompressed"
+        ))),
     }
 }
 
@@ -233,5 +297,25 @@ mod tests {
             );
             assert!(e.message.contains(bad), "{}", e.message);
         }
+    }
+
+    #[test]
+    fn compressed_bodies_are_refused_by_name() {
+        let mut h = HeaderMap::new();
+        assert!(check_identity_encoding(&h).is_ok());
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        assert!(check_identity_encoding(&h).is_ok());
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        let e = check_identity_encoding(&h).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message
+                .contains("content-encoding is \"gzip\": compressed request bodies"),
+            "{}",
+            e.message
+        );
     }
 }

@@ -1,14 +1,17 @@
 //! The Open Inference Protocol (KServe v2) JSON forms: infer request in, infer response and
 //! model metadata out. <https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/>
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+use crate::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
 use crate::error::RequestError;
 use crate::json_tensor::{JsonData, JsonElements};
 use crate::model::{Model, TensorSpec};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use crate::validate::check_declared;
 
 /// An infer request, parsed and converted, not yet checked as a whole.
@@ -21,6 +24,8 @@ pub struct InferRequest {
     pub inputs: Vec<Option<Tensor>>,
     /// Indices into `model.outputs` the client asked for; `None` = all.
     pub outputs: Option<Vec<usize>>,
+    /// Indexed like `model.outputs`: whether that output goes back as binary data.
+    pub binary: Vec<bool>,
 }
 
 #[derive(Deserialize)]
@@ -36,14 +41,18 @@ struct RawRequest<'a> {
     outputs: Option<Vec<RawOutput>>,
 }
 
+// Names borrow from the body where they can, and parameters keep only the two keys read (the
+// rest are skipped unparsed): a binary body's JSON is little else than these, once per input.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawInput<'a> {
-    name: String,
+    #[serde(borrow)]
+    name: Cow<'a, str>,
     shape: Vec<i64>,
-    datatype: String,
+    #[serde(borrow)]
+    datatype: Cow<'a, str>,
     #[serde(default)]
-    parameters: Option<Map<String, Value>>,
+    parameters: Option<TensorParams>,
     // Kept raw so that a bad element is reported with the input's name.
     #[serde(borrow, default)]
     data: Option<&'a RawValue>,
@@ -54,26 +63,39 @@ struct RawInput<'a> {
 struct RawOutput {
     name: String,
     #[serde(default)]
-    parameters: Option<Map<String, Value>>,
+    parameters: Option<TensorParams>,
 }
 
-/// The one answer to every part of the binary tensor data extension.
-pub const NO_BINARY: &str =
-    "binary tensor data is not supported yet (send JSON data, or binary_data: false)";
+/// The parameters of an input or output that the binary extension defines; others are
+/// allowed and ignored.
+#[derive(Deserialize, Default)]
+struct TensorParams {
+    #[serde(default)]
+    binary_data: Option<Value>,
+    #[serde(default)]
+    binary_data_size: Option<Value>,
+}
 
-/// Rejects the binary tensor data extension in `parameters`: a flag among `flags` set to
-/// anything but false, or a `binary_data_size`. Says which parameter it found.
-fn check_not_binary(parameters: Option<&Map<String, Value>>, flags: &[&str]) -> Result<(), String> {
-    let Some(p) = parameters else { return Ok(()) };
-    for &flag in flags {
-        match p.get(flag) {
-            None | Some(Value::Bool(false)) => {}
-            Some(v) => return Err(format!("parameters.{flag} is {v}: {NO_BINARY}")),
-        }
+/// A boolean parameter (`binary_data`, `binary_data_output`); absent is `None`.
+fn flag(value: Option<&Value>, name: &str) -> Result<Option<bool>, String> {
+    match value {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(format!("parameters.{name} is {v}, expected true or false")),
     }
-    match p.get("binary_data_size") {
-        Some(v) => Err(format!("parameters.binary_data_size is {v}: {NO_BINARY}")),
-        None => Ok(()),
+}
+
+/// An input's `binary_data_size`, when given: a non-negative integer.
+fn binary_size(value: Option<&Value>) -> Result<Option<usize>, String> {
+    match value {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                format!("parameters.binary_data_size is {v}, expected a non-negative integer")
+            }),
     }
 }
 
@@ -88,11 +110,28 @@ pub fn budget_param(value: Option<&Value>) -> Result<Option<f64>, RequestError> 
     }
 }
 
-/// Parses an infer request body against the model.
-pub fn parse_infer(model: &Model, body: &[u8]) -> Result<InferRequest, RequestError> {
-    let raw: RawRequest = serde_json::from_slice(body).map_err(RequestError::json)?;
-    check_not_binary(raw.parameters.as_ref(), &["binary_data_output"])
-        .map_err(|e| RequestError::invalid(format!("request {e}")))?;
+/// Parses an infer request body against the model. `header` is the request's
+/// `Inference-Header-Content-Length`: when given, the body is that many bytes of JSON followed
+/// by the binary tensors (docs/serving.md, "Binary tensors").
+pub fn parse_infer(
+    model: &Model,
+    body: &[u8],
+    header: Option<usize>,
+) -> Result<InferRequest, RequestError> {
+    let framing = |e: BinaryError| RequestError::invalid(format!("binary tensor data: {e}"));
+    let (json, mut sections) = match header {
+        Some(n) => binary_tensor::split(body, n).map_err(framing)?,
+        None => (body, Sections::empty()),
+    };
+    let raw: RawRequest = serde_json::from_slice(json).map_err(RequestError::json)?;
+    let binary_output = flag(
+        raw.parameters
+            .as_ref()
+            .and_then(|p| p.get("binary_data_output")),
+        "binary_data_output",
+    )
+    .map_err(|e| RequestError::invalid(format!("request {e}")))?
+    .unwrap_or(false);
     let budget_ms = budget_param(raw.parameters.as_ref().and_then(|p| p.get("budget_ms")))?;
     let mut inputs: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
     for input in raw.inputs {
@@ -102,22 +141,31 @@ pub fn parse_infer(model: &Model, body: &[u8]) -> Result<InferRequest, RequestEr
         if inputs[index].is_some() {
             return Err(RequestError::input(&input.name, "given twice"));
         }
-        inputs[index] = Some(convert_input(&model.inputs[index], input)?);
+        let spec = &model.inputs[index];
+        let tensor = convert_input(spec, input, header.is_some(), &mut sections)?;
+        inputs[index] = Some(tensor);
     }
+    sections.finish().map_err(framing)?;
+    let mut binary = vec![binary_output; model.outputs.len()];
     let outputs = raw
         .outputs
-        .map(|requested| select_outputs(model, &requested))
+        .map(|requested| select_outputs(model, &requested, &mut binary))
         .transpose()?;
     Ok(InferRequest {
         id: raw.id,
         budget_ms,
         inputs,
         outputs,
+        binary,
     })
 }
 
-/// Indices of the outputs a request names, in its order.
-fn select_outputs(model: &Model, requested: &[RawOutput]) -> Result<Vec<usize>, RequestError> {
+/// Indices of the outputs a request names, in its order; sets `binary` for those that say.
+fn select_outputs(
+    model: &Model,
+    requested: &[RawOutput],
+    binary: &mut [bool],
+) -> Result<Vec<usize>, RequestError> {
     if requested.is_empty() {
         return Err(RequestError::invalid(format!(
             "\"outputs\" is empty; name at least one output ({}), or leave \"outputs\" out \
@@ -128,9 +176,7 @@ fn select_outputs(model: &Model, requested: &[RawOutput]) -> Result<Vec<usize>, 
     requested
         .iter()
         .map(|o| {
-            check_not_binary(o.parameters.as_ref(), &["binary_data"])
-                .map_err(|e| RequestError::invalid(format!("output {:?}: {e}", o.name)))?;
-            model
+            let index = model
                 .outputs
                 .iter()
                 .position(|s| s.name == o.name)
@@ -140,7 +186,16 @@ fn select_outputs(model: &Model, requested: &[RawOutput]) -> Result<Vec<usize>, 
                         o.name,
                         names(&model.outputs)
                     ))
-                })
+                })?;
+            let asked = flag(
+                o.parameters.as_ref().and_then(|p| p.binary_data.as_ref()),
+                "binary_data",
+            )
+            .map_err(|e| RequestError::invalid(format!("output {:?}: {e}", o.name)))?;
+            if let Some(b) = asked {
+                binary[index] = b;
+            }
+            Ok(index)
         })
         .collect()
 }
@@ -157,28 +212,100 @@ fn names(specs: &[TensorSpec]) -> String {
     q.join(", ")
 }
 
-fn convert_input(spec: &TensorSpec, input: RawInput) -> Result<Tensor, RequestError> {
+fn convert_input(
+    spec: &TensorSpec,
+    input: RawInput,
+    framed: bool,
+    sections: &mut Sections,
+) -> Result<Tensor, RequestError> {
+    let fail = |e: String| RequestError::input(&spec.name, e);
     let shape = input
         .shape
         .iter()
         .map(|&d| usize::try_from(d))
         .collect::<Result<Vec<usize>, _>>()
-        .map_err(|_| {
-            RequestError::input(
-                &spec.name,
-                format!("shape {:?} has a negative size", input.shape),
-            )
-        })?;
-    check_not_binary(input.parameters.as_ref(), &["binary_data"])
-        .map_err(|e| RequestError::input(&spec.name, e))?;
+        .map_err(|_| fail(format!("shape {:?} has a negative size", input.shape)))?;
+    let params = input.parameters.as_ref();
+    let size = binary_size(params.and_then(|p| p.binary_data_size.as_ref())).map_err(fail)?;
+    let flagged = flag(params.and_then(|p| p.binary_data.as_ref()), "binary_data").map_err(fail)?;
     check_declared(spec, &input.datatype, &shape)?;
-    let raw = input
-        .data
-        .ok_or_else(|| RequestError::input(&spec.name, "no \"data\" given"))?;
-    let data: JsonData = serde_json::from_str(raw.get())
-        .map_err(|e| RequestError::input(&spec.name, format!("data: {e}")))?;
-    data.into_tensor(spec.dtype, &shape)
-        .map_err(|e| RequestError::input(&spec.name, e))
+    match (size, input.data) {
+        (Some(_), Some(_)) | (None, Some(_)) if flagged == Some(true) => Err(fail(
+            "parameters.binary_data is true but the input also has \"data\"; give one or the \
+             other"
+                .into(),
+        )),
+        (Some(size), Some(_)) => Err(fail(format!(
+            "parameters.binary_data_size is {size} but the input also has \"data\"; give one \
+             or the other"
+        ))),
+        (Some(size), None) => binary_input(spec, &shape, size, framed, sections).map_err(fail),
+        (None, Some(raw)) => {
+            let data: JsonData =
+                serde_json::from_str(raw.get()).map_err(|e| fail(format!("data: {e}")))?;
+            data.into_tensor(spec.dtype, &shape).map_err(fail)
+        }
+        (None, None) if flagged == Some(true) => Err(fail(
+            "parameters.binary_data is true but no parameters.binary_data_size says how many \
+             bytes it has"
+                .into(),
+        )),
+        (None, None) => Err(fail(
+            "no \"data\" given (nor parameters.binary_data_size for binary data)".into(),
+        )),
+    }
+}
+
+/// The input's bytes, cut from the binary part as they are: shape × itemsize of them.
+fn binary_input(
+    spec: &TensorSpec,
+    shape: &[usize],
+    size: usize,
+    framed: bool,
+    sections: &mut Sections,
+) -> Result<Tensor, String> {
+    if !framed {
+        return Err(format!(
+            "parameters.binary_data_size is {size} but the request has no \
+             {HEADER_LENGTH} header to say where its JSON ends"
+        ));
+    }
+    let want = crate::tensor::numel(shape)
+        .and_then(|n| n.checked_mul(spec.dtype.itemsize()))
+        .ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    if size != want {
+        return Err(format!(
+            "parameters.binary_data_size is {size} bytes, expected {want} (shape {shape:?} \
+             of {}, {} bytes each)",
+            spec.dtype.kserve_name(),
+            spec.dtype.itemsize()
+        ));
+    }
+    let bytes = sections.take(size).map_err(|e| e.to_string())?;
+    // The one dtype whose bytes can be invalid: a bool is 0 or 1.
+    if spec.dtype == DType::Bool {
+        if let Some(at) = bytes.iter().position(|&b| b > 1) {
+            return Err(format!(
+                "element {at} of the BOOL binary data is byte {}, expected 0 or 1",
+                bytes[at]
+            ));
+        }
+    }
+    Tensor::new(spec.dtype, shape.to_vec(), bytes.to_vec())
+        .ok_or_else(|| format!("shape {shape:?} does not match {size} bytes"))
+}
+
+/// The data of one output tensor: JSON numbers, or the size of its binary section.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum OutputData<'a> {
+    Json { data: JsonElements<'a> },
+    Binary { parameters: BinarySize },
+}
+
+#[derive(Serialize)]
+struct BinarySize {
+    binary_data_size: usize,
 }
 
 /// One output tensor of a response.
@@ -187,7 +314,8 @@ struct ResponseOutput<'a> {
     name: &'a str,
     datatype: &'static str,
     shape: &'a [usize],
-    data: JsonElements<'a>,
+    #[serde(flatten)]
+    data: OutputData<'a>,
 }
 
 #[derive(Serialize)]
@@ -199,17 +327,26 @@ struct Response<'a> {
     outputs: Vec<ResponseOutput<'a>>,
 }
 
-/// The infer response body. `outputs` are the model's flat outputs, in manifest order;
-/// `selected` picks some of them.
+/// An infer response: its body, and the length of its JSON header when some outputs are
+/// binary (the `Inference-Header-Content-Length` to send).
+pub struct InferReply {
+    pub body: Vec<u8>,
+    pub header: Option<usize>,
+}
+
+/// The infer response. `outputs` are the model's flat outputs, in manifest order; `selected`
+/// picks some of them; `binary` (indexed like `outputs`) says which go back as raw bytes.
 pub fn infer_response(
     model: &Model,
     id: Option<&str>,
     outputs: &[Tensor],
     selected: Option<&[usize]>,
+    binary: &[bool],
     parameters: &Map<String, Value>,
-) -> Vec<u8> {
+) -> InferReply {
     let all: Vec<usize> = (0..outputs.len()).collect();
     let pick = selected.unwrap_or(&all);
+    let is_binary = |i: usize| binary.get(i).copied().unwrap_or(false);
     let response = Response {
         model_name: &model.name,
         id,
@@ -220,11 +357,37 @@ pub fn infer_response(
                 name: &model.outputs[i].name,
                 datatype: outputs[i].dtype.kserve_name(),
                 shape: &outputs[i].dims,
-                data: JsonElements(&outputs[i]),
+                data: if is_binary(i) {
+                    OutputData::Binary {
+                        parameters: BinarySize {
+                            binary_data_size: outputs[i].data.len(),
+                        },
+                    }
+                } else {
+                    OutputData::Json {
+                        data: JsonElements(&outputs[i]),
+                    }
+                },
             })
             .collect(),
     };
-    serde_json::to_vec(&response).expect("serializing numbers and strings cannot fail")
+    let json = serde_json::to_vec(&response).expect("serializing numbers and strings cannot fail");
+    let sections: Vec<&[u8]> = pick
+        .iter()
+        .filter(|&&i| is_binary(i))
+        .map(|&i| outputs[i].data.as_slice())
+        .collect();
+    if sections.is_empty() {
+        return InferReply {
+            body: json,
+            header: None,
+        };
+    }
+    let (body, header) = binary_tensor::join(json, &sections);
+    InferReply {
+        body,
+        header: Some(header),
+    }
 }
 
 /// `GET /v2/models/{name}`: inputs and outputs, -1 for symbolic sizes.
@@ -276,6 +439,7 @@ mod tests {
                 "FP32",
                 serde_json::json!([[1, 2, 3], [4, 5, 6.5]]),
             )),
+            None,
         )
         .unwrap();
         assert_eq!(r.budget_ms, Some(25.0));
@@ -286,7 +450,7 @@ mod tests {
     }
 
     fn err(b: &[u8]) -> RequestError {
-        parse_infer(&model(), b).unwrap_err()
+        parse_infer(&model(), b, None).unwrap_err()
     }
 
     #[test]
@@ -345,13 +509,13 @@ mod tests {
             (
                 serde_json::json!([{"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
                                     "parameters": {"binary_data_size": 24}}]),
-                "parameters.binary_data_size is 24: binary tensor data is not supported yet \
-                 (send JSON data, or binary_data: false)",
+                "parameters.binary_data_size is 24 but the request has no \
+                 inference-header-content-length header",
             ),
             (
                 serde_json::json!([{"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
                                     "parameters": {"binary_data": true}}]),
-                "parameters.binary_data is true: binary tensor data is not supported yet",
+                "parameters.binary_data is true but no parameters.binary_data_size",
             ),
         ];
         for (inputs, want) in cases {
@@ -386,6 +550,7 @@ mod tests {
         let r = parse_infer(
             &model(),
             br#"{"inputs": [], "outputs": [{"name": "output_0"}]}"#,
+            None,
         )
         .unwrap();
         assert_eq!(r.outputs, Some(vec![0]));
@@ -404,26 +569,31 @@ mod tests {
             e.message
         );
         let b = br#"{"inputs": [], "outputs": [{"name": "output_0",
-                     "parameters": {"binary_data": true}}]}"#;
+                     "parameters": {"binary_data": "yes"}}]}"#;
         let e = err(b);
         assert_eq!(e.kind, ErrorKind::InvalidInput);
-        assert!(
-            e.message
-                .starts_with("output \"output_0\": parameters.binary_data is true: binary"),
-            "{}",
-            e.message
+        assert_eq!(
+            e.message,
+            "output \"output_0\": parameters.binary_data is \"yes\", expected true or false"
         );
+        let b = br#"{"inputs": [], "parameters": {"binary_data_output": 1}}"#;
+        assert_eq!(
+            err(b).message,
+            "request parameters.binary_data_output is 1, expected true or false"
+        );
+        let b = br#"{"inputs": [], "parameters": {"binary_data_output": true},
+                     "outputs": [{"name": "output_0", "parameters": {"binary_data": false}}]}"#;
+        assert_eq!(parse_infer(&model(), b, None).unwrap().binary, vec![false]);
         let b = br#"{"inputs": [], "parameters": {"binary_data_output": true}}"#;
-        assert!(err(b)
-            .message
-            .starts_with("request parameters.binary_data_output is true: binary"));
+        assert_eq!(parse_infer(&model(), b, None).unwrap().binary, vec![true]);
         // tritonclient's JSON mode says binary_data: false; that is JSON data, and fine.
         let b = br#"{"inputs": [{"name": "dense_x", "shape": [1, 3], "datatype": "FP32",
                                  "parameters": {"binary_data": false}, "data": [1, 2, 3]}],
                      "parameters": {"binary_data_output": false},
                      "outputs": [{"name": "output_0", "parameters": {"binary_data": false}}]}"#;
-        let r = parse_infer(&model(), b).unwrap();
+        let r = parse_infer(&model(), b, None).unwrap();
         assert_eq!(r.outputs, Some(vec![0]));
+        assert_eq!(r.binary, vec![false]);
         assert!(r.inputs[0].is_some());
         let e = err(br#"{"inputs": [], "outputs": [{"name": "output_0", "x": 1}]}"#);
         assert_eq!(e.kind, ErrorKind::InvalidJson);
@@ -434,14 +604,40 @@ mod tests {
         let m = model();
         let out = Tensor::from_f32(vec![2, 1], &[0.5, 0.25]);
         let params = Map::new();
-        let b = infer_response(&m, Some("r1"), &[out], None, &params);
-        let v: Value = serde_json::from_slice(&b).unwrap();
+        let reply = infer_response(
+            &m,
+            Some("r1"),
+            std::slice::from_ref(&out),
+            None,
+            &[false],
+            &params,
+        );
+        assert_eq!(reply.header, None);
+        let v: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(
             v,
             serde_json::json!({"model_name": "dlrm", "id": "r1", "parameters": {},
                 "outputs": [{"name": "output_0", "datatype": "FP32", "shape": [2, 1],
                              "data": [0.5, 0.25]}]})
         );
+        // Binary: the JSON header says the size, the raw bytes follow it.
+        let reply = infer_response(
+            &m,
+            None,
+            std::slice::from_ref(&out),
+            Some(&[0]),
+            &[true],
+            &params,
+        );
+        let n = reply.header.unwrap();
+        let v: Value = serde_json::from_slice(&reply.body[..n]).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"model_name": "dlrm", "parameters": {},
+                "outputs": [{"name": "output_0", "datatype": "FP32", "shape": [2, 1],
+                             "parameters": {"binary_data_size": 8}}]})
+        );
+        assert_eq!(&reply.body[n..], out.data.as_slice());
         let meta = model_metadata(&m);
         assert_eq!(
             meta["inputs"][0],
@@ -449,5 +645,181 @@ mod tests {
         );
         assert_eq!(meta["inputs"][6]["datatype"], "INT32");
         assert_eq!(meta["outputs"][0]["shape"], serde_json::json!([-1, 1]));
+    }
+
+    /// A body of JSON header + binary sections, and its header length.
+    fn framed(header: Value, sections: &[&[u8]]) -> (Vec<u8>, usize) {
+        binary_tensor::join(header.to_string().into_bytes(), sections)
+    }
+
+    fn dense_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn binary_inputs_mixed_with_json() {
+        let m = model();
+        let dense_le = dense_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
+        let spec = &m.inputs[1];
+        let header = serde_json::json!({"inputs": [
+            {"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
+             "parameters": {"binary_data_size": 24}},
+            {"name": spec.name, "shape": [2], "datatype": spec.dtype.kserve_name(),
+             "data": [7, 9]},
+        ], "parameters": {"binary_data_output": true}});
+        let (framed_body, n) = framed(header, &[&dense_le]);
+        let r = parse_infer(&m, &framed_body, Some(n)).unwrap();
+        let t = r.inputs[0].as_ref().unwrap();
+        assert_eq!(
+            (t.dims.as_slice(), t.data.as_slice()),
+            (&[2, 3][..], &dense_le[..])
+        );
+        assert_eq!(r.inputs[1].as_ref().unwrap().dims, vec![2]);
+        assert_eq!(r.binary, vec![true]);
+        // A header length with no binary tensor at all is a JSON body.
+        let json = body(dense([1, 3].into(), "FP32", [1, 2, 3].into()));
+        let n = json.len();
+        assert!(parse_infer(&m, &json, Some(n)).unwrap().inputs[0].is_some());
+    }
+
+    fn binary_err(header: Value, sections: &[&[u8]], cut: usize) -> String {
+        let (mut body, n) = framed(header, sections);
+        body.truncate(body.len() - cut);
+        let e = parse_infer(&model(), &body, Some(n)).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidInput, "{}", e.message);
+        e.message
+    }
+
+    #[test]
+    fn bad_binary_inputs_are_named() {
+        let one = |params: Value, data: Option<Value>| {
+            let mut input = serde_json::json!({"name": "dense_x", "shape": [2, 3],
+                                               "datatype": "FP32", "parameters": params});
+            if let Some(d) = data {
+                input["data"] = d;
+            }
+            serde_json::json!({"inputs": [input]})
+        };
+        let six = dense_bytes(&[0.0; 6]);
+        // Truncated: the section is cut short.
+        let e = binary_err(
+            one(serde_json::json!({"binary_data_size": 24}), None),
+            &[&six],
+            5,
+        );
+        assert_eq!(
+            e,
+            "input \"dense_x\": its binary data (24 bytes from byte 0 of the binary part) runs \
+             past the end of the body: only 19 bytes are left"
+        );
+        // A size that disagrees with shape × dtype.
+        let e = binary_err(
+            one(serde_json::json!({"binary_data_size": 20}), None),
+            &[&six],
+            0,
+        );
+        assert_eq!(
+            e,
+            "input \"dense_x\": parameters.binary_data_size is 20 bytes, expected 24 (shape \
+             [2, 3] of FP32, 4 bytes each)"
+        );
+        // Bytes left over after the last section.
+        let e = binary_err(
+            one(serde_json::json!({"binary_data_size": 24}), None),
+            &[&six, b"xyz"],
+            0,
+        );
+        assert!(e.contains("3 bytes after the last binary tensor"), "{e}");
+        // Both data and binary.
+        let e = binary_err(
+            one(
+                serde_json::json!({"binary_data_size": 24}),
+                Some([0; 6].into()),
+            ),
+            &[&six],
+            0,
+        );
+        assert!(
+            e.starts_with("input \"dense_x\": parameters.binary_data_size is 24 but the input also has \"data\""),
+            "{e}"
+        );
+        let e = binary_err(
+            one(
+                serde_json::json!({"binary_data": true}),
+                Some([0; 6].into()),
+            ),
+            &[],
+            0,
+        );
+        assert!(
+            e.contains("binary_data is true but the input also has \"data\""),
+            "{e}"
+        );
+        for bad in [
+            serde_json::json!(-24),
+            serde_json::json!(2.5),
+            serde_json::json!("24"),
+        ] {
+            let e = binary_err(
+                one(serde_json::json!({"binary_data_size": bad}), None),
+                &[&six],
+                0,
+            );
+            assert!(e.contains("expected a non-negative integer"), "{e}");
+        }
+        // The header says more than the body has.
+        let (body, n) = framed(one(serde_json::json!({"binary_data_size": 24}), None), &[]);
+        let e = parse_infer(&model(), &body, Some(n + 1)).unwrap_err();
+        assert!(e.message.contains("but the body has only"), "{}", e.message);
+        // The header cuts the JSON short: a JSON error, not a panic.
+        let e = parse_infer(&model(), &body, Some(n - 2)).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidJson);
+    }
+
+    #[test]
+    fn bool_binary_data_is_0_or_1() {
+        let mut spec = model().inputs[0].clone();
+        spec.dtype = DType::Bool;
+        let cut = |bytes: &[u8]| {
+            let (body, n) = binary_tensor::join(Vec::new(), &[bytes]);
+            let (_, mut sections) = binary_tensor::split(&body, n).unwrap();
+            binary_input(&spec, &[2, 3], 6, true, &mut sections)
+        };
+        assert_eq!(
+            cut(&[0, 1, 1, 0, 0, 1]).unwrap().data,
+            vec![0, 1, 1, 0, 0, 1]
+        );
+        assert_eq!(
+            cut(&[0, 1, 2, 0, 0, 1]).unwrap_err(),
+            "element 2 of the BOOL binary data is byte 2, expected 0 or 1"
+        );
+    }
+
+    proptest::proptest! {
+        /// Any bytes with any header length: an answer, never a panic.
+        #[test]
+        fn the_decoder_never_panics(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            header in proptest::option::of(0usize..220),
+        ) {
+            let _ = parse_infer(&model(), &body, header);
+        }
+
+        /// A well-formed header with sizes drawn at random: an answer, never a panic; when
+        /// it succeeds the tensor holds exactly the bytes sent.
+        #[test]
+        fn random_sizes_never_panic(size in 0usize..64, tail in 0usize..64) {
+            let header = serde_json::json!({"inputs": [{"name": "dense_x", "shape": [2, 3],
+                "datatype": "FP32", "parameters": {"binary_data_size": size}}]});
+            let payload = vec![1u8; tail];
+            let (body, n) = framed(header, &[&payload]);
+            match parse_infer(&model(), &body, Some(n)) {
+                Ok(r) => {
+                    proptest::prop_assert!(size == 24 && tail == 24);
+                    proptest::prop_assert_eq!(&r.inputs[0].as_ref().unwrap().data, &payload);
+                }
+                Err(e) => proptest::prop_assert_eq!(e.kind, ErrorKind::InvalidInput),
+            }
+        }
     }
 }

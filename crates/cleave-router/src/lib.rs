@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod binary_tensor;
 pub mod body;
 pub mod config;
 pub mod conn;

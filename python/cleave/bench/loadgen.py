@@ -52,6 +52,99 @@ def infer_body(named_inputs: dict, budget_ms: float | None = None) -> bytes:
     return json.dumps(body).encode()
 
 
+# The KServe v2 binary tensor data extension (docs/serving.md, "Binary tensors"): the header
+# that says where a body's JSON ends and its tensors' raw bytes begin.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class BinaryBody(bytes):
+    """A binary-tensor request body: JSON header, then every input's raw bytes. It is bytes
+    (every sender takes it as a body) that knows the headers it must be sent with."""
+
+    header_length: int
+
+    def __new__(cls, header: bytes, sections: Sequence[bytes]) -> BinaryBody:
+        body = super().__new__(cls, header + b"".join(sections))
+        body.header_length = len(header)
+        return body
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {
+            "Content-Type": "application/octet-stream",
+            HEADER_LENGTH: str(self.header_length),
+        }
+
+
+def binary_infer_body(named_inputs: dict, budget_ms: float | None = None) -> BinaryBody:
+    """The body of `infer_body` with every tensor binary (little-endian, row-major) and every
+    output asked for binary: what tritonclient sends by default."""
+    inputs, sections = [], []
+    for name, tensor in named_inputs.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raw = _raw_bytes(tensor)
+        inputs.append(
+            {
+                "name": name,
+                "shape": list(tensor.shape),
+                "datatype": KSERVE_DTYPES[dtype],
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        )
+        sections.append(raw)
+    params: dict = {"binary_data_output": True}
+    if budget_ms is not None:
+        params["budget_ms"] = budget_ms
+    header = json.dumps({"inputs": inputs, "parameters": params}).encode()
+    return BinaryBody(header, sections)
+
+
+def _raw_bytes(tensor) -> bytes:
+    """A torch tensor's elements as little-endian C-order bytes (bfloat16 has no numpy dtype:
+    its bits go as int16)."""
+    import torch
+
+    t = tensor.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    arr = t.numpy()
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def build_body(named_inputs: dict, budget_ms: float | None, protocol: str) -> bytes:
+    """A request body in `protocol`: "json" (`infer_body`) or "binary" (`binary_infer_body`)."""
+    if protocol == "binary":
+        return binary_infer_body(named_inputs, budget_ms)
+    if protocol == "json":
+        return infer_body(named_inputs, budget_ms)
+    raise ValueError(f"protocol must be json or binary, got {protocol!r}")
+
+
+_OUTPUT_DTYPES = {"FP32": "<f4", "FP16": "<f2", "INT64": "<i8", "INT32": "<i4", "UINT8": "u1"}
+
+
+def parse_reply(raw: bytes) -> dict:
+    """A KServe v2 infer response, JSON or binary: binary outputs get their `data` from the
+    bytes after the JSON header. The header's end is where its JSON object ends (the
+    Inference-Header-Content-Length response header says the same; the load generator keeps
+    bodies only)."""
+    text = raw.decode("latin-1")  # one char per byte: indices are byte offsets
+    reply, end = json.JSONDecoder().raw_decode(text)
+    if end == len(raw):
+        return reply
+    at = end
+    for out in reply.get("outputs", []):
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            continue
+        dtype = np.dtype(_OUTPUT_DTYPES[out["datatype"]])
+        out["data"] = np.frombuffer(raw[at : at + size], dtype=dtype).reshape(out["shape"])
+        at += size
+    if at != len(raw):
+        raise ValueError(f"binary reply: {len(raw) - at} bytes after the last binary output")
+    return reply
+
+
 def outputs_of(response: dict) -> list[np.ndarray]:
     """The output tensors of a KServe v2 infer response, in order, as float arrays."""
     return [
@@ -89,9 +182,8 @@ async def _send(
     check: Callable[[int, dict], float] | None,
 ) -> None:
     try:
-        async with session.post(
-            url, data=body, headers={"Content-Type": "application/json"}, timeout=timeout
-        ) as resp:
+        headers = getattr(body, "headers", None) or {"Content-Type": "application/json"}
+        async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
             raw = await resp.read()
             sample.status = resp.status
             done = time.perf_counter()
@@ -149,6 +241,7 @@ def open_loop_phases(
         order.tolist(),
         timeout_s,
         keep_replies=replies or check is not None,
+        headers=[list(getattr(b, "headers", {}).items()) for b in bodies],
     )
     samples = []
     for index, scheduled, lag, latency, status, error, reply in rows:
@@ -166,8 +259,8 @@ def open_loop_phases(
 def _read_reply(sample: Sample, raw: bytes, check) -> None:
     """Stage timings from a 200's parameters, and its scores checked when asked."""
     try:
-        reply = json.loads(raw)
-    except ValueError as err:
+        reply = parse_reply(raw)
+    except (ValueError, KeyError) as err:
         sample.error = f"client_{type(err).__name__}"
         return
     params = reply.get("parameters") or {}
@@ -244,3 +337,31 @@ def summarize(samples: list[Sample], duration_s: float, budget_ms: float) -> dic
         "checked": len(diffs),
         "max_abs_diff": max(diffs) if diffs else None,
     }
+
+
+def codec_counters(metrics_text: str) -> dict[tuple[str, str], tuple[float, int]]:
+    """The router's parse/encode CPU counters from its /metrics text:
+    {(step, protocol): (cpu seconds, count)}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cpu: dict[tuple[str, str], float] = {}
+    count: dict[tuple[str, str], int] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            key = (s.labels.get("step", ""), s.labels.get("protocol", ""))
+            if s.name == "cleave_router_codec_cpu_seconds_total":
+                cpu[key] = s.value
+            elif s.name == "cleave_router_codec_total":
+                count[key] = int(s.value)
+    return {k: (cpu.get(k, 0.0), count.get(k, 0)) for k in cpu.keys() | count.keys()}
+
+
+def codec_cpu_us(before: dict, after: dict) -> dict[str, float]:
+    """Mean router CPU µs per request between two `codec_counters` readings, as
+    {"<step>_<protocol>_us": ...} (steps and protocols with no requests in between left out)."""
+    out = {}
+    for key, (cpu, n) in sorted(after.items()):
+        cpu0, n0 = before.get(key, (0.0, 0))
+        if n > n0:
+            out[f"{key[0]}_{key[1]}_us"] = (cpu - cpu0) / (n - n0) * 1e6
+    return out

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile", action="store_true", help="rankers compile their dense program (CPU)"
     )
     parser.add_argument("--candidates", type=int, default=100, help="rows per request")
+    parser.add_argument(
+        "--protocol",
+        choices=("json", "binary"),
+        default="json",
+        help="request bodies: KServe v2 JSON tensors, or binary tensors (what tritonclient sends)",
+    )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
     parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
     parser.add_argument("--single", type=int, default=200, help="single-request samples")
@@ -151,7 +157,7 @@ class Workload:
         import torch.utils._pytree as pytree
 
         import cleave
-        from cleave.bench.loadgen import infer_body
+        from cleave.bench.loadgen import build_body
         from cleave.models import MODELS, RequestGenerator
 
         if args.model not in MODELS:
@@ -193,11 +199,13 @@ class Workload:
         # Overload and soak runs send no budget: the router's default is what they test.
         stress = getattr(args, "overload", False) or getattr(args, "soak", None)
         body_budget = None if stress else args.budget_ms
+        protocol = getattr(args, "protocol", "json")
         self.bodies, self.expected, self.model_expected = [], [], []
         self.float32_distance = 0.0
         with torch.inference_mode():
             for inputs in self.inputs:
-                self.bodies.append(infer_body(bundle.named_inputs(*inputs), body_budget))
+                named = bundle.named_inputs(*inputs)
+                self.bodies.append(build_body(named, body_budget, protocol))
                 flat = [t.double().numpy() for t in pytree.tree_leaves(model(*inputs))]
                 self.model_expected.append(flat)
                 if bundle.dense_dtype == "float32":
