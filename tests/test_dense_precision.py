@@ -14,7 +14,7 @@ import cleave
 import numpy as np
 import pytest
 import torch
-from cleave.bundle.precision import convert, count_flops, slow_reason
+from cleave.bundle.precision import constant_linears, convert, count_flops, slow_reason
 from cleave.errors import CleaveError, UsageError
 from cleave.launch.config import ranker_cores
 from cleave.models import MODELS, RequestGenerator
@@ -83,19 +83,36 @@ def test_bfloat16_bundle_records_its_accuracy_and_serves_it(bf16_dir, model):
     assert any(p.dtype == torch.bfloat16 for p in served.parameters())
 
 
-def test_int8_that_moves_auc_too_far_is_refused_and_allowed_when_limits_are_relaxed(
-    model, labelled
+def test_int8_quantizes_only_the_layers_the_limits_allow_and_refuses_when_none_can(
+    model, labelled, tmp_path
 ):
     net, example = model
     strict = AccuracyLimits(max_auc_drop=0.0, score_tolerance=1e-6)
     with pytest.raises(AccuracyError, match=r"dense dtype int8 refused on 2048 labelled samples"):
         cleave.partition(net, example, dense_dtype="int8", labelled=labelled, limits=strict)
     bundle = cleave.partition(net, example, dense_dtype="int8", labelled=labelled, limits=LOOSE)
-    assert bundle.manifest["dense"]["dtype"] == "int8"
-    names = [type(m).__name__ for m in bundle.dense_module().modules()]
-    assert "Linear" in names and any(
-        "int8_linear" in n for n, _ in bundle.dense_module().named_children()
-    )
+    dense = bundle.manifest["dense"]
+    layers = constant_linears(bundle.dense_module("float32"))
+    assert dense["dtype"] == "int8"
+    assert [spec["layer"] for spec in dense["int8_layers"]] == list(range(len(layers)))
+    default = cleave.partition(net, example, dense_dtype="int8", labelled=labelled)
+    chosen = default.manifest["dense"]["int8_layers"]
+    assert abs(default.manifest["dense"]["accuracy"]["auc_delta"]) <= 0.001
+    children = default.dense_module().named_children()
+    kinds = [name.rsplit("_", 1)[1] for name, _ in children if name.startswith("linear_")]
+    assert len(kinds) == len(layers) and kinds.count("int8") == len(chosen) > 0
+    # The choice travels with the bundle: a loaded bundle serves the same program.
+    args = RequestGenerator("shared", scale=SCALE, seed=8).batch(5)
+    # Inputs are quantized with calibrated scales, not per batch: a request's scores do not
+    # depend on the requests it is batched with.
+    batch = dense_args(default, RequestGenerator("shared", scale=SCALE, seed=9).batch(12))
+    alone = [t[:3] if t.shape[0] == 12 else t for t in batch]
+    with torch.inference_mode():
+        together, by_itself = default.dense_module()(*batch)[0], default.dense_module()(*alone)[0]
+    assert torch.allclose(together[:3], by_itself, atol=1e-6)
+    loaded = cleave.load_bundle(default.save(tmp_path / "int8"))
+    assert loaded.manifest["dense"]["int8_layers"] == chosen
+    assert torch.equal(loaded.reference(*args), default.reference(*args))
 
 
 def test_reduced_dtype_without_labels_or_with_bad_labels_is_a_clear_error(model, labelled):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from cleave.bundle.precision import convert, count_flops
+from cleave.bundle.precision import convert, count_flops, input_quantization
 
 
 def _best_seconds(fn, repeats: int, min_s: float = 0.3) -> float:
@@ -45,7 +45,9 @@ def matmul_peak(dtype: str, rows: int, in_f: int, out_f: int) -> float:
     way a `dtype` dense program multiplies (int8: FBGEMM's dynamic quantized linear)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, in_f, generator=gen)
-    program = convert(_as_aten(torch.nn.Linear(in_f, out_f, bias=False)), dtype)
+    graph = _as_aten(torch.nn.Linear(in_f, out_f, bias=False))
+    layers = [{"layer": 0, **input_quantization(float(x.min()), float(x.max()))}]
+    program = convert(graph, dtype, layers if dtype == "int8" else None)
     with torch.inference_mode():
         seconds = _best_seconds(lambda: program(x), repeats=10)
     return 2.0 * rows * in_f * out_f / seconds / 1e9

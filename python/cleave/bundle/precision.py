@@ -7,8 +7,8 @@ loads the bundle (docs/bundle.md, "Dense precision"):
 * bfloat16: weights and floating activations in bfloat16, inputs cast on the way in and
   outputs back to float32 on the way out (oneDNN's AVX512-BF16/AMX kernels);
 * int8: the linear layers with a constant weight that the partitioner chose (those whose
-  quantization keeps the accuracy within limits) quantized dynamically (weights int8 per
-  output channel, activations quantized per batch; FBGEMM's VNNI kernels), the other linear
+  quantization keeps the accuracy within limits) in int8 (weights per output channel, inputs
+  with a scale calibrated on the labelled set; FBGEMM's VNNI kernels), the other linear
   layers in bfloat16, everything else float32.
 """
 
@@ -60,12 +60,12 @@ def slow_reason(dtype: str, device: str = "cpu") -> str | None:
 
 
 def convert(
-    module: torch.nn.Module, dtype: str, int8_layers: list[int] | None = None
+    module: torch.nn.Module, dtype: str, int8_layers: list[dict] | None = None
 ) -> torch.nn.Module:
     """The program to serve at `dtype`, from the bundle's float32 dense module (not modified).
-    For int8, `int8_layers` are the indices (in graph order, among the linear layers with
-    constant weights) of the layers quantized; the other linear layers run in bfloat16.
-    None: every one of them."""
+    For int8, `int8_layers` are the layers quantized ({"layer": index among the linear layers
+    with constant weights in graph order, "scale", "zero_point" of its input}, from
+    `calibrate`); the other linear layers run in bfloat16."""
     check_dtype(dtype)
     if dtype == "float32":
         return module
@@ -115,43 +115,88 @@ def constant_linears(module: fx.GraphModule) -> list[fx.Node]:
     return found
 
 
-def _quantize_linears(module: torch.nn.Module, layers: list[int] | None) -> torch.nn.Module:
-    """Replaces the constant-weight linear layers chosen by `layers` with dynamically quantized
-    Linears (per-channel int8 weights), and the others with bfloat16 ones."""
+class _Int8Linear(torch.nn.Module):
+    """A linear layer in int8: weights per output channel, the input quantized with the scale
+    and zero point calibrated at partition time (not per batch: a request's scores never
+    depend on what it was batched with), the output float32 (FBGEMM)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, zero: int):
+        super().__init__()
+        w = weight.detach().float()
+        w_scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch, still kept
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, w_scale, zeros, 0, torch.qint8)
+        b = None if bias is None else bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack(qweight, b)
+        self.scale, self.zero = float(scale), int(zero)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x.float().contiguous(), self.scale, self.zero, self.packed
+        )
+
+
+def input_quantization(low: float, high: float) -> dict:
+    """uint8 scale and zero point covering [low, high] (and 0)."""
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max((high - low) / 255.0, 1e-8)
+    return {"scale": scale, "zero_point": int(min(255, max(0, round(-low / scale))))}
+
+
+def calibrate(module: fx.GraphModule, batches: list[list[torch.Tensor]]) -> list[dict]:
+    """Per constant-weight linear layer (graph order), the input's uint8 quantization from
+    the range its input takes on `batches` (the dense programs' inputs)."""
+    layers = constant_linears(module)
+    position = {node: i for i, node in enumerate(layers)}
+    ranges = [[float("inf"), float("-inf")] for _ in layers]
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            if node in position:
+                x = self.env[node.args[0]]
+                r = ranges[position[node]]
+                r[0], r[1] = min(r[0], float(x.min())), max(r[1], float(x.max()))
+            return super().run_node(node)
+
+    with torch.inference_mode():
+        for batch in batches:
+            Recorder(module).run(*batch)
+    return [
+        input_quantization(lo, hi) if lo <= hi else input_quantization(0, 0) for lo, hi in ranges
+    ]
+
+
+def _quantize_linears(module: torch.nn.Module, layers: list[dict] | None) -> torch.nn.Module:
+    """Replaces the constant-weight linear layers named in `layers` ({"layer": index, "scale",
+    "zero_point"}) with int8 ones, and the other constant-weight linear layers with bfloat16
+    ones."""
     if not isinstance(module, fx.GraphModule):
         raise UsageError(f"int8 needs the dense program as a graph, got {type(module).__name__}")
     q = copy.deepcopy(module)
     nodes = constant_linears(q)
     if not nodes:
         raise UsageError("int8: the dense program has no linear layer with constant weights")
-    chosen = set(range(len(nodes)) if layers is None else layers)
-    if not chosen <= set(range(len(nodes))):
+    chosen = {spec["layer"]: spec for spec in layers or []}
+    if not set(chosen) <= set(range(len(nodes))):
         raise UsageError(
             f"int8 layers {sorted(chosen)}: the dense program has {len(nodes)} linear layers"
         )
-    with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated, still kept
-        warnings.simplefilter("ignore")
-        import torch.ao.quantization as tq
-
-        for index, node in enumerate(nodes):
-            x, weight, bias = (*node.args, None)[:3]
-            w = getattr(q, weight.target)
-            b = None if bias is None else getattr(q, bias.target)
-            if index in chosen:
-                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-                with torch.no_grad():
-                    linear.weight.copy_(w)
-                    if b is not None:
-                        linear.bias.copy_(b)
-                spec = {torch.nn.Linear: tq.per_channel_dynamic_qconfig}
-                replacement = tq.quantize_dynamic(torch.nn.Sequential(linear), spec)[0]
-            else:
-                replacement = _Bfloat16Linear(w, b)
-            name = f"linear_{index}_{'int8' if index in chosen else 'bf16'}"
-            q.add_submodule(name, replacement)
-            with q.graph.inserting_before(node):
-                node.replace_all_uses_with(q.graph.call_module(name, (x,)))
-            q.graph.erase_node(node)
+    for index, node in enumerate(nodes):
+        x, weight, bias = (*node.args, None)[:3]
+        w = getattr(q, weight.target)
+        b = None if bias is None else getattr(q, bias.target)
+        spec = chosen.get(index)
+        if spec is not None:
+            replacement = _Int8Linear(w, b, spec["scale"], spec["zero_point"])
+        else:
+            replacement = _Bfloat16Linear(w, b)
+        name = f"linear_{index}_{'bf16' if spec is None else 'int8'}"
+        q.add_submodule(name, replacement)
+        with q.graph.inserting_before(node):
+            node.replace_all_uses_with(q.graph.call_module(name, (x,)))
+        q.graph.erase_node(node)
     q.graph.eliminate_dead_code()
     q.delete_all_unused_submodules()
     q.recompile()

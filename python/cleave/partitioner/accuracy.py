@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cleave.bundle import Bundle
-from cleave.bundle.precision import constant_linears, convert
+from cleave.bundle.precision import calibrate, constant_linears, convert
 from cleave.errors import CleaveError, UsageError
 
 # Labelled samples drawn for a reference model when the user gives no labelled set.
@@ -105,21 +105,26 @@ class LabelledSet:
         )
 
 
-def choose_int8_layers(data: LabelledSet, limits: AccuracyLimits) -> list[int]:
-    """The linear layers to quantize to int8: each layer's cost alone is measured, then layers
-    are added from the least to the most harmful (ties: the largest first) while the whole
-    stays within `limits`; the rest run in bfloat16. Greedy, like mixed-precision searches."""
+def choose_int8_layers(data: LabelledSet, limits: AccuracyLimits) -> list[dict]:
+    """The linear layers to run in int8, with their inputs' quantization calibrated on the
+    labelled set: each layer's harm when quantized alone is measured, then layers are added
+    from the least to the most harmful (ties: the largest first) while the whole stays within
+    `limits`; the rest run in bfloat16. Greedy, like mixed-precision searches."""
+    specs = [
+        {"layer": i, **q}
+        for i, q in enumerate(calibrate(data.fp32, [args for args, _ in data.batches]))
+    ]
     nodes = constant_linears(data.fp32)
     harm = []
-    for index, node in enumerate(nodes):
-        value, worst = data.evaluate(convert(data.fp32, "int8", [index]))
+    for spec, node in zip(specs, nodes, strict=True):
+        value, worst = data.evaluate(convert(data.fp32, "int8", [spec]))
         size = getattr(data.fp32, node.args[1].target).numel()
-        harm.append((abs(value - data.auc_float32), worst, -size, index))
-    chosen: list[int] = []
+        harm.append((abs(value - data.auc_float32), worst, -size, spec["layer"]))
+    chosen: list[dict] = []
     for *_, index in sorted(harm):
-        if data.within(convert(data.fp32, "int8", [*chosen, index]), limits):
-            chosen.append(index)
-    return sorted(chosen)
+        if data.within(convert(data.fp32, "int8", [*chosen, specs[index]]), limits):
+            chosen.append(specs[index])
+    return sorted(chosen, key=lambda spec: spec["layer"])
 
 
 def measure(bundle: Bundle, dtype: str, labelled, limits: AccuracyLimits) -> dict:
