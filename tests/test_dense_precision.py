@@ -14,6 +14,7 @@ import cleave
 import numpy as np
 import pytest
 import torch
+from cleave.bundle import precision
 from cleave.bundle.precision import constant_linears, convert, count_flops, slow_reason
 from cleave.errors import CleaveError, UsageError
 from cleave.launch.config import ranker_cores
@@ -136,10 +137,14 @@ def test_int8_of_a_program_without_linear_layers_is_refused():
         convert(graph, "int8")
 
 
-def test_flops_and_cpu_support():
+def test_flops_and_cpu_support(monkeypatch):
     linear = torch.nn.Linear(64, 32)
     assert count_flops(linear, [torch.randn(10, 64)]) == 2 * 10 * 64 * 32
     assert slow_reason("float32") is None and slow_reason("bfloat16", "cuda") is None
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    assert slow_reason("int8") and "bfloat16 layers are emulated" in slow_reason("int8")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx_vnni"}))
+    assert slow_reason("int8") is None and slow_reason("bfloat16") is None
 
 
 def rank(batcher, queue, tensors, kind=KIND_RANK):

@@ -51,12 +51,14 @@ def slow_reason(dtype: str, device: str = "cpu") -> str | None:
     if device != "cpu" or dtype not in FAST_ON:
         return None
     flags = cpu_flags()
-    if not flags or any(f in flags for f in FAST_ON[dtype]):
-        return None
-    return (
-        f"this CPU has none of {', '.join(FAST_ON[dtype])}: a {dtype} dense program is "
-        "emulated and may be slower than float32"
-    )
+    # An int8 program runs the layers it does not quantize in bfloat16.
+    for needed in (dtype, "bfloat16") if dtype == "int8" else (dtype,):
+        if flags and not any(f in flags for f in FAST_ON[needed]):
+            return (
+                f"this CPU has none of {', '.join(FAST_ON[needed])}: the {dtype} dense "
+                f"program's {needed} layers are emulated and may be slower than float32"
+            )
+    return None
 
 
 def convert(
