@@ -33,6 +33,9 @@ def test_bench_serve_quick_compare(tmp_path):
             assert point["ok"] > 0 and point["p99_ms"] > 0
         assert "compute_us" in deployment["rates"][0]["stages_us"]
     assert report["deployments"]["disaggregated"]["rates"][0]["stages_us"]["lookup_us"] > 0
+    codec = report["deployments"]["disaggregated"]["rates"][0]["metrics"]["codec_cpu_us"]
+    assert codec["parse_json"] > 0 and codec["encode_json"] > 0  # the router's CPU per request
+    assert "router CPU per request in parsing and encoding" in result.stdout
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
     assert "single_p50_disagg_over_mono" in report["ratios"]
     assert (tmp_path / "serve.png").stat().st_size > 10_000

@@ -215,6 +215,16 @@ def print_stages(result: dict) -> None:
             + " ".join(_ms(means.get(s)) for s in STAGES)
             + (f" {drops:7.0f}" if drops is not None else f" {'-':>7}")
         )
+    codec = [
+        (name, p, p["metrics"]["codec_cpu_us"])
+        for name, p in rows
+        if "codec_cpu_us" in p["metrics"]
+    ]
+    if codec:
+        print("\nrouter CPU per request in parsing and encoding, µs (from /metrics):")
+        for name, p, cpu in codec:
+            steps = "  ".join(f"{step} {us:.0f}" for step, us in cpu.items())
+            print(f"{name:<16} {p['rate']:8.1f}  {steps}")
 
 
 def print_hosts(result: dict) -> None:

@@ -354,14 +354,3 @@ def codec_counters(metrics_text: str) -> dict[tuple[str, str], tuple[float, int]
             elif s.name == "cleave_router_codec_total":
                 count[key] = int(s.value)
     return {k: (cpu.get(k, 0.0), count.get(k, 0)) for k in cpu.keys() | count.keys()}
-
-
-def codec_cpu_us(before: dict, after: dict) -> dict[str, float]:
-    """Mean router CPU µs per request between two `codec_counters` readings, as
-    {"<step>_<protocol>_us": ...} (steps and protocols with no requests in between left out)."""
-    out = {}
-    for key, (cpu, n) in sorted(after.items()):
-        cpu0, n0 = before.get(key, (0.0, 0))
-        if n > n0:
-            out[f"{key[0]}_{key[1]}_us"] = (cpu - cpu0) / (n - n0) * 1e6
-    return out

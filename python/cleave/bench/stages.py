@@ -122,8 +122,17 @@ def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, di
                     values["shard.count"] = sample.value
                 elif sample.name == "cleave_shard_response_bytes_total":
                     values["shard.response_bytes"] = sample.value
+                elif sample.name in _CODEC:  # router CPU per step (parse, encode) and protocol
+                    labels = sample.labels
+                    key = (
+                        f"codec.{labels.get('step')}_{labels.get('protocol')}.{_CODEC[sample.name]}"
+                    )
+                    values[key] = sample.value
         out[name] = values
     return out
+
+
+_CODEC = {"cleave_router_codec_cpu_seconds_total": "sum", "cleave_router_codec_total": "count"}
 
 
 def _delta(before: dict, after: dict, role: str, key: str) -> float:
@@ -147,6 +156,15 @@ def breakdown(before: dict, after: dict) -> dict:
             service.append(_delta(before, after, role, "shard.sum") / count * 1e6)
             sent += _delta(before, after, role, "shard.response_bytes")
     result: dict = {"stages_us": stages, "shards_served": len(service)}
+    codec = {k.rsplit(".", 1)[0] for r in routers for k in after[r] if k.startswith("codec.")}
+    cpu_us = {}
+    for key in sorted(codec):
+        count = sum(_delta(before, after, r, f"{key}.count") for r in routers)
+        if count > 0:
+            total = sum(_delta(before, after, r, f"{key}.sum") for r in routers)
+            cpu_us[key.removeprefix("codec.")] = total / count * 1e6
+    if cpu_us:  # the router's CPU per request in each codec step, µs: parse_json, encode_json..
+        result["codec_cpu_us"] = cpu_us
     links = {}
     for role in after:
         if role.startswith("link:"):
