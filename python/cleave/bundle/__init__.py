@@ -144,9 +144,10 @@ class Bundle:
                     raise BundleError(f"{file}: cannot be read: {err}") from None
         return self._probe
 
-    def run_dense(self, values: dict[str, torch.Tensor]) -> tuple:
+    def run_dense(self, values: dict[str, torch.Tensor], dense=None) -> tuple:
+        """The dense program (`dense_module()`, or `dense`) on the named values."""
         names = self.manifest["dense"]["inputs"]
-        return tuple(self.dense_module()(*[values[n] for n in names]))
+        return tuple((dense or self.dense_module())(*[values[n] for n in names]))
 
     def reference(self, *args):
         """The model's outputs: the sparse side by the reference executor, then the dense
@@ -241,5 +242,4 @@ class _FullModel(torch.nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
         named = dict(zip(self.bundle.input_names, inputs, strict=True))
-        values = {**named, **self.bundle.sparse_reference(named)}
-        return tuple(self.dense(*[values[n] for n in self.bundle.manifest["dense"]["inputs"]]))
+        return self.bundle.run_dense({**named, **self.bundle.sparse_reference(named)}, self.dense)

@@ -13,7 +13,7 @@ import torch
 from cleave.bundle import Bundle
 from cleave.bundle.precision import check_dtype, count_flops, slow_reason
 from cleave.errors import UsageError
-from cleave.partitioner.accuracy import AccuracyError, AccuracyLimits, demand, measure
+from cleave.partitioner.accuracy import AccuracyError, AccuracyLimits, batch_rows, demand, measure
 from cleave.partitioner.capture import capture, input_names
 from cleave.partitioner.emit import emit
 from cleave.partitioner.graph import find_seam
@@ -56,7 +56,7 @@ def partition(
     values = {**inputs, **bundle.sparse_reference(inputs)}
     dense_args = [values[n] for n in dense["inputs"]]
     bundle.record_probe(dense_args)
-    rows = max(1, int(bundle.probe()["outputs"][0].shape[0]) if bundle.probe()["outputs"] else 1)
+    rows = max(1, batch_rows(bundle, inputs))
     dense["flops_per_sample"] = count_flops(bundle.dense_module("float32"), dense_args) // rows
     if dense_dtype != "float32":
         reason = slow_reason(dense_dtype)

@@ -190,7 +190,7 @@ def demand(bundle: Bundle, dtype: str, args: tuple, repeats: int = 3) -> dict:
                 sparse_s, dense_s = min(sparse_s, t1 - t0), min(dense_s, t2 - t1)
     finally:
         torch.set_num_threads(threads)
-    rows = max(1, _batch_rows(bundle, inputs))
+    rows = max(1, batch_rows(bundle, inputs))
     return {
         "sparse_us_per_sample": round(sparse_s / rows * 1e6, 3),
         "dense_us_per_sample": round(dense_s / rows * 1e6, 3),
@@ -198,7 +198,8 @@ def demand(bundle: Bundle, dtype: str, args: tuple, repeats: int = 3) -> dict:
     }
 
 
-def _batch_rows(bundle: Bundle, inputs: dict) -> int:
+def batch_rows(bundle: Bundle, inputs: dict) -> int:
+    """Rows of the batch dimension B in a request's named inputs (1 when none has it)."""
     for spec in bundle.manifest["inputs"]:
         shape = spec["shape"]
         if shape and shape[0] == "B":
