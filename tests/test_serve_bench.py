@@ -42,6 +42,27 @@ def test_bench_serve_quick_compare(tmp_path):
     assert "max rate with p99 <= 25 ms" in result.stdout
 
 
+def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_input_model(
+    tmp_path,
+):
+    out = tmp_path / "din.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
+        + ["--model", "din", "--scale", "0.002", "--candidates", "16"]
+        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["deployments"]) == {"disaggregated", "disaggregated-per-request"}
+    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
+    assert {"max_rate_joined_over_per_request", "max_goodput_joined_over_per_request"} <= set(
+        report["ratios"]
+    )
+
+
 def bench(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "stress.json"
     result = subprocess.run(

@@ -555,6 +555,11 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
         name: Target(workload.bundle_dir, _serve_flags(args, monolithic))
         for name, monolithic in plan
     }
+    if not args.monolithic and workload.bundle.per_request_inputs:
+        # The same ranker running the model one request per batch, as before batched programs.
+        targets["disaggregated-per-request"] = Target(
+            workload.bundle_dir, [*_serve_flags(args, False), "--no-shared-batching"]
+        )
     if workload.float32_dir is not None and not args.monolithic:
         targets["disaggregated-float32"] = Target(
             workload.float32_dir,
@@ -563,6 +568,10 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
             want_model=True,
         )
     return targets
+
+
+def _max_goodput(deployment: dict) -> float:
+    return max((p["goodput_rps"] for p in deployment["rates"]), default=0.0)
 
 
 def _serve_flags(args, monolithic: bool) -> list[str]:
@@ -690,6 +699,18 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 "single_p50_dtype_over_float32": _ratio(
                     reduced["single"]["p50_ms"], fp32["single"]["p50_ms"]
+                ),
+            }
+        )
+    if "disaggregated-per-request" in deps and "disaggregated" in deps:
+        joined, alone = deps["disaggregated"], deps["disaggregated-per-request"]
+        result.setdefault("ratios", {}).update(
+            {
+                "max_rate_joined_over_per_request": _ratio(
+                    joined["max_rate_within_budget"], alone["max_rate_within_budget"]
+                ),
+                "max_goodput_joined_over_per_request": _ratio(
+                    _max_goodput(joined), _max_goodput(alone)
                 ),
             }
         )

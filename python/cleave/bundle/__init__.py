@@ -35,13 +35,16 @@ class Bundle:
         tables: dict[str, np.ndarray],
         dense: torch.export.ExportedProgram,
         path: Path | None = None,
+        batched: torch.export.ExportedProgram | None = None,
     ):
         self.manifest = manifest
         self.path = path
         self._raw_tables = tables  # name -> uint8 [rows, row_bytes] (array or memmap)
         self._dense = dense
+        # The same program over many requests' joined inputs (cleave.partitioner.batched).
+        self._batched = batched
         self._decoded: dict[str, torch.Tensor] = {}
-        self._dense_modules: dict[str, torch.nn.Module] = {}
+        self._dense_modules: dict[tuple[str, bool], torch.nn.Module] = {}
         # {"inputs": [...], "outputs": [...]}: set by the partitioner, read lazily from disk
         self._probe: dict | None = None
 
@@ -92,6 +95,7 @@ class Bundle:
             "dense_bytes": dense_bytes,
             "boundary": [_crossing(b) for b in self.manifest["boundary"]],
             "shared_inputs": self.manifest["shared_inputs"],
+            "batched": self.manifest["dense"].get("batched"),
             "dense_dtype": self.dense_dtype,
             "accuracy": self.manifest["dense"].get("accuracy"),
         }
@@ -111,18 +115,28 @@ class Bundle:
         """The boundary tensors of a request, computed with the reference executor."""
         return run_sparse(self.manifest, inputs, self.table)
 
-    def dense_module(self, dtype: str | None = None) -> torch.nn.Module:
+    @property
+    def per_request_inputs(self) -> list[str]:
+        return manifest_io.per_request_inputs(self.manifest)
+
+    def dense_module(self, dtype: str | None = None, batched: bool = False) -> torch.nn.Module:
         """(*dense inputs, in manifest order) -> tuple of the model's flat outputs, at the
-        bundle's dense dtype (or `dtype`: "float32" is the program as partitioned)."""
+        bundle's dense dtype (or `dtype`: "float32" is the program as partitioned). `batched`:
+        the program over joined requests, whose `per_request_inputs` have a row per sample."""
         from cleave.bundle.precision import convert
 
         dtype = dtype or self.dense_dtype
-        if dtype not in self._dense_modules:
-            if "float32" not in self._dense_modules:
-                self._dense_modules["float32"] = self._dense.module()
+        if batched and self._batched is None:
+            raise CleaveError("the bundle has no batched dense program (no per-request inputs)")
+        if (dtype, batched) not in self._dense_modules:
+            if ("float32", batched) not in self._dense_modules:
+                program = self._batched if batched else self._dense
+                self._dense_modules["float32", batched] = program.module()
             layers = self.manifest["dense"].get("int8_layers")  # chosen by the partitioner
-            self._dense_modules[dtype] = convert(self._dense_modules["float32"], dtype, layers)
-        return self._dense_modules[dtype]
+            self._dense_modules[dtype, batched] = convert(
+                self._dense_modules["float32", batched], dtype, layers
+            )
+        return self._dense_modules[dtype, batched]
 
     def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:
         """Keeps `dense_inputs` and the float32 program's outputs on them as the probe."""
@@ -178,6 +192,8 @@ class Bundle:
                 raw = np.ascontiguousarray(self._raw_tables[meta["name"]])
                 (tmp / meta["file"]).write_bytes(raw.tobytes())
             torch.export.save(self._dense, tmp / DENSE_PROGRAM)
+            if self._batched is not None:
+                torch.export.save(self._batched, tmp / self.manifest["dense"]["batched"]["program"])
             if self.probe() is not None:
                 torch.save(self.probe(), tmp / DENSE_PROBE)
             manifest_io.write(tmp, self.manifest)
@@ -207,14 +223,19 @@ def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
             raise BundleError(
                 f"{file}: CRC-32 mismatch for table {meta['name']!r}: the file is corrupted"
             )
-    program = path / manifest["dense"]["program"]
+    dense = _load_program(path / manifest["dense"]["program"])
+    batched = (manifest["dense"].get("batched") or {}).get("program")
+    batched = _load_program(path / batched) if batched else None
+    return Bundle(manifest, tables, dense, path, batched)
+
+
+def _load_program(program: Path) -> torch.export.ExportedProgram:
     try:
-        dense = torch.export.load(program)
+        return torch.export.load(program)
     except FileNotFoundError:
         raise BundleError(f"{program}: the dense program is missing") from None
     except Exception as err:  # torch raises many types for a damaged archive
         raise BundleError(f"{program}: cannot load the dense program: {err}") from None
-    return Bundle(manifest, tables, dense, path)
 
 
 def _crossing(tensor: dict) -> dict:

@@ -92,3 +92,13 @@ def check(manifest: dict, path: Path) -> None:
     for name in manifest["dense"].get("inputs", []):
         if name not in inputs and name not in boundary:
             fail(f"dense input {name!r} is neither a model input nor a boundary tensor")
+    for name in per_request_inputs(manifest):
+        if name not in manifest["dense"].get("inputs", []):
+            fail(f"dense.batched names per-request input {name!r}, not a dense input")
+
+
+def per_request_inputs(manifest: dict) -> list[str]:
+    """The dense inputs the bundle's batched program takes expanded to each request's rows
+    (cleave.partitioner.batched); empty when the bundle has no batched program."""
+    batched = manifest["dense"].get("batched") or {}
+    return list(batched.get("per_request", [])) if batched.get("program") else []

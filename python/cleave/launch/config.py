@@ -59,6 +59,7 @@ class RankerConfig:
     cuda_graphs: bool = True
     compile: bool = False  # compile the dense program with TorchInductor before ready (CPU)
     compile_cache: str = ""  # compiled programs kept here; "": $XDG_CACHE_HOME/cleave/inductor
+    shared_batching: bool = True  # join requests of a shared-input model (bundle permitting)
 
 
 @dataclass

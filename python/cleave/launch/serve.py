@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compile the dense program with TorchInductor before ready (CPU; cached)",
     )
+    parser.add_argument(
+        "--no-shared-batching",
+        dest="shared_batching",
+        action="store_false",
+        default=None,
+        help="run a shared-input model one request per batch (default: joined when the "
+        "bundle has a batched program)",
+    )
     parser.add_argument("--max-batch", type=int, help="ranker batch rows at most")
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
     parser.add_argument("--transport", choices=["unix", "tcp"], help="internal sockets")
@@ -85,6 +93,7 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
         "device": args.device,
         "threads": args.threads,
         "compile": args.compile,
+        "shared_batching": args.shared_batching,
         "max_batch": args.max_batch,
         "max_wait_ms": args.max_wait_ms,
     }
@@ -143,6 +152,7 @@ _LAYOUT_FLAGS = (
     "device",
     "threads",
     "compile",
+    "shared_batching",
     "max_batch",
     "max_wait_ms",
     "transport",

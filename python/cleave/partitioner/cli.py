@@ -176,6 +176,11 @@ def print_summary(path, summary: dict) -> None:
         print(f"  {label:<44} {shape:<16} {size}")
     if summary["shared_inputs"]:
         print(f"shared inputs (looked up once per request): {', '.join(summary['shared_inputs'])}")
+    batched = summary["batched"]
+    if batched and batched["program"]:
+        print("requests share ranker batches: per-request inputs expanded to their rows")
+    elif batched:
+        print(f"requests run one per ranker batch: {batched['reason']}")
 
 
 def _mib(n: int) -> str:

@@ -16,6 +16,7 @@ from cleave.bundle import tables as table_io
 from cleave.bundle.manifest import FORMAT, VERSION
 from cleave.bundle.reference import run_sparse
 from cleave.errors import UnsupportedModelError
+from cleave.partitioner.batched import BATCHED_PROGRAM, export_batched, per_request_inputs
 from cleave.partitioner.capture import dynamic_shapes
 from cleave.partitioner.graph import Lookup, Seam
 
@@ -137,7 +138,15 @@ def emit(
             )
     except Exception as err:
         raise UnsupportedModelError(f"the dense side could not be exported: {err}") from err
-    return Bundle(manifest, raw_tables, program)
+    batched, per_request = None, per_request_inputs(manifest)
+    if per_request:  # requests of a model with shared inputs: can they share a batch?
+        batched, why_not = export_batched(module, dense_inputs, dense_args, per_request)
+        manifest["dense"]["batched"] = {
+            "program": BATCHED_PROGRAM if batched else None,
+            "per_request": per_request,
+            **({} if batched else {"reason": why_not}),
+        }
+    return Bundle(manifest, raw_tables, program, batched=batched)
 
 
 def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.GraphModule:

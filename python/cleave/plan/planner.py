@@ -63,6 +63,7 @@ def _ranker_settings(config: ServeConfig) -> dict:
         "cuda_graphs": c.cuda_graphs,
         "compile": c.compile,
         "compile_cache": c.compile_cache,
+        "shared_batching": c.shared_batching,
     }
 
 

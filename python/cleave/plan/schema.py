@@ -56,6 +56,7 @@ class Ranker:
     cuda_graphs: bool
     compile: bool = False  # TorchInductor-compile the dense program before ready (CPU)
     compile_cache: str = ""  # where compiled code is kept; "": the user's cache directory
+    shared_batching: bool = True  # join a shared-input model's requests (bundle permitting)
 
 
 @dataclass

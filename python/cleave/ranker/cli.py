@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep compiled programs here (default: $XDG_CACHE_HOME/cleave/inductor)",
     )
     parser.add_argument(
+        "--no-shared-batching",
+        action="store_true",
+        help="run a shared-input model one request per batch even when the bundle has a "
+        "batched program",
+    )
+    parser.add_argument(
         "--with-router",
         metavar="CONFIG.json",
         help="also run the router (its JSON config) in this process: the one-process "
@@ -104,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         compile=args.compile,
         compile_cache=args.compile_cache,
+        shared_batching=not args.no_shared_batching,
     )
     try:
         server = FrameServer(args.listen)

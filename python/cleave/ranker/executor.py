@@ -1,8 +1,9 @@
 """The dense executor: runs one batch as one fused sequence on CPU threads or on a GPU.
 
-On CUDA, batches whose inputs all carry the batch dimension are padded up to a bucket size
-(powers of two up to max_batch) and replayed from a CUDA graph captured once per bucket, so a
-batch is one graph launch instead of one launch per operator. Other batches run eagerly.
+On CUDA, batches whose inputs all carry the batch dimension (joined per-request inputs too)
+are padded up to a bucket size (powers of two up to max_batch) and replayed from a CUDA graph
+captured once per bucket, so a batch is one graph launch instead of one launch per operator.
+Other batches run eagerly.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class DenseExecutor:
             cuda_graphs
             and self.device.type == "cuda"
             and signature.batchable
-            and all(spec.join == "batch" for spec in signature.inputs)
+            and all(spec.join in ("batch", "expand") for spec in signature.inputs)
         )
         self.buckets = _buckets(max_batch) if self.use_graphs else []
 

@@ -92,9 +92,12 @@ def load_ranker(
     max_queue: int = DEFAULT_MAX_QUEUE,
     compile: bool = False,
     compile_cache: str | None = None,
+    shared_batching: bool = True,
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
-    or with `monolithic` for the whole model (lookups in PyTorch + the dense program)."""
+    or with `monolithic` for the whole model (lookups in PyTorch + the dense program).
+    `shared_batching`: join requests of a shared-input model when the bundle has the batched
+    program for it (cleave.partitioner.batched); otherwise such a model runs one per batch."""
     from cleave.bundle import load_bundle
     from cleave.bundle.precision import slow_reason
 
@@ -114,11 +117,12 @@ def load_ranker(
         log.warning("%s", reason)
     if threads:  # before compiling: the generated code is tuned to the thread count
         torch.set_num_threads(threads)
-    dense = bundle.dense_module()
+    batched = shared_batching and not monolithic and bool(bundle.per_request_inputs)
+    dense = bundle.dense_module(batched=batched)
     if compile:
         dense = compile_program(dense, compile_cache)
     module = bundle.full_module(dense) if monolithic else dense
-    sig = signature(bundle.manifest, monolithic)
+    sig = signature(bundle.manifest, monolithic, batched)
     executor = DenseExecutor(
         module, sig, device, threads, max_batch=max_batch, cuda_graphs=cuda_graphs
     )
@@ -127,7 +131,12 @@ def load_ranker(
     except Exception as err:
         what = "compile" if compile else "warm-up run"
         raise CleaveError(f"the {dtype} dense program's {what} failed: {err}") from err
-    check_probe(bundle, lambda inputs: executor.run_module(dense, inputs), dtype)
+    check_probe(bundle, lambda inputs: executor.run_module(dense, sig.join([inputs])), dtype)
+    if bundle.per_request_inputs or not sig.batchable:
+        log.info(
+            "requests %s",
+            "joined into batches" if sig.batchable else f"one per batch: {sig.why_not}",
+        )
     kind = KIND_RANK_FULL if monolithic else KIND_RANK
     return Batcher(
         source,

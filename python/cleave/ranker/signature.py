@@ -6,8 +6,12 @@ Joining rules, per input (chosen from the manifest, never from the model's code)
 * `jagged`: ids / per-sample weights of an `offsets`-layout feature -> concatenated along dim 0;
 * `offsets`: the offsets of such a feature -> concatenated with each request's offsets shifted
   by the ids that came before (with include_last_offset, the inner end markers are dropped);
-* anything else (a static leading size such as a shared user's batch of 1, or another
-  symbol) cannot be joined across requests, so such a model runs one request per batch.
+* `expand`: a per-request input (a shared user's leading size of 1) of a bundle with a
+  batched program (cleave.partitioner.batched) -> each request's tensor expanded to its rows,
+  then concatenated: the broadcast the program did per request, done per request before
+  joining;
+* anything else (a per-request input without a batched program, or another symbol) cannot be
+  joined across requests, so such a model runs one request per batch.
 Outputs are split by their leading "B" rows; a model with any other output runs one request
 per batch as well.
 """
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cleave.bundle.manifest import per_request_inputs
 from cleave.ranker.payload import DTYPE_NAMES, PayloadError, RankRequest
 
 BATCH = "B"
@@ -28,7 +33,7 @@ class InputSpec:
     name: str
     dtype: torch.dtype
     shape: tuple  # ints (static) and strs (symbols)
-    join: str  # "batch" | "jagged" | "offsets" | "none"
+    join: str  # "batch" | "jagged" | "offsets" | "expand" | "none"
     ids: str | None = None  # for join == "offsets": the ids input whose lengths shift them
     include_last_offset: bool = False
 
@@ -93,7 +98,7 @@ class Signature:
             rest = spec.shape[1:]
             if not all(isinstance(d, int) for d in rest):
                 return None
-            if spec.join == "batch":
+            if spec.join in ("batch", "expand"):
                 size = rows
             elif spec.join == "jagged":
                 size = 0
@@ -112,13 +117,17 @@ class Signature:
 
     def join(self, requests: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Concatenates several requests' tensors into one batch (see the module docstring)."""
-        if len(requests) == 1:
+        expands = any(spec.join == "expand" for spec in self.inputs)
+        if len(requests) == 1 and not expands:
             return requests[0]
+        rows = [self.rows(tensors) for tensors in requests] if expands else []
         index = {spec.name: i for i, spec in enumerate(self.inputs)}
         joined = []
         for i, spec in enumerate(self.inputs):
             parts = [tensors[i] for tensors in requests]
-            if spec.join == "offsets":
+            if spec.join == "expand":
+                parts = [t.expand(n, *t.shape[1:]) for t, n in zip(parts, rows, strict=True)]
+            elif spec.join == "offsets":
                 parts = _shift_offsets(
                     parts, [t[index[spec.ids]].shape[0] for t in requests], spec.include_last_offset
                 )
@@ -151,8 +160,9 @@ def _shape(raw: list) -> tuple:
     return tuple(d if isinstance(d, int) else str(d) for d in raw)
 
 
-def signature(manifest: dict, monolithic: bool) -> Signature:
-    """The signature of the dense program (RANK) or of the whole model (RANK_FULL)."""
+def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signature:
+    """The signature of the dense program (RANK) or of the whole model (RANK_FULL);
+    `batched`: of the bundle's batched dense program, which joins per-request inputs."""
     tensors = {t["name"]: t for t in manifest.get("inputs", [])}
     tensors.update({t["name"]: t for t in manifest.get("boundary", [])})
     names = (
@@ -167,6 +177,7 @@ def signature(manifest: dict, monolithic: bool) -> Signature:
                 jagged[feature["weights"]] = feature
             offsets[feature["offsets"]] = feature
     shared = set(manifest.get("shared_inputs", []))
+    per_request = set(per_request_inputs(manifest)) if batched and not monolithic else set()
     specs, why_not = [], ""
     for name in names:
         meta = tensors.get(name)
@@ -177,7 +188,9 @@ def signature(manifest: dict, monolithic: bool) -> Signature:
             raise PayloadError(f"tensor {name!r} has dtype {meta['dtype']!r}, not a wire dtype")
         shape = _shape(meta["shape"])
         spec = InputSpec(name, dtype, shape, "none")
-        if name in shared:
+        if name in per_request:
+            spec = InputSpec(name, dtype, shape, "expand")
+        elif name in shared:
             pass  # one user per request: never joined with another request's user
         elif name in offsets and name in names and offsets[name]["ids"] in names:
             feature = offsets[name]

@@ -137,6 +137,8 @@ class RoleSpecs:
                 argv.append("--compile")
             if r.compile_cache:
                 argv += ["--compile-cache", r.compile_cache]
+            if not r.shared_batching:
+                argv.append("--no-shared-batching")
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
