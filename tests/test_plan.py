@@ -363,6 +363,28 @@ def test_resource_errors(bundle):
     assert "host h1: its roles run 2 threads on 1 cpus" in warning
 
 
+def test_router_held_plans_have_no_shards_and_count_tables_on_router_hosts(bundle, tmp_path):
+    config = ServeConfig(router_held=True)
+    plan = make_plan(bundle, hosts(2), 3, 1, 1, 2, serve_config=config)
+    assert (plan.mode, plan.shards, len(plan.routers)) == ("router-held", [], 2)
+    plan.check(MANIFEST)  # no error (warnings about shared cores are fine)
+    assert load_plan(save_plan(plan, tmp_path / "held.yaml")) == plan
+    local = local_plan(bundle, ServeConfig(router_held=True, shards=3))
+    assert (local.mode, local.shards) == ("router-held", [])
+
+    router_host = plan.routers[0].host
+    next(h for h in plan.hosts if h.name == router_host).memory_gib = 0.001
+    check_fails(plan, f"host {router_host}: memory_gib", "router-held routers")
+
+    held = make_plan(bundle, hosts(2), 1, 1, 1, 1, serve_config=config)
+    held.shards = plan4(bundle).shards[:1]
+    check_fails(held, "shards: expected none in mode 'router-held'")
+    held.mode = "sideways"
+    check_fails(held, "mode: expected one of 'disaggregated', 'monolithic', 'router-held'")
+    with pytest.raises(UsageError, match="router_held"):
+        ServeConfig(router_held=True, monolithic=True).check()
+
+
 def test_several_problems_are_reported_together(bundle):
     plan = plan4(bundle)
     plan.rankers[0].host, plan.routers[0].http_port = "nowhere", 70000

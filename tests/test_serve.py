@@ -90,24 +90,27 @@ def check_scores(server: ServeProcess, served: Served, batches=(1, 7, 64)) -> No
 
 
 @pytest.mark.parametrize(
-    "model, shards, rankers, monolithic",
+    "model, shards, rankers, mode",
     [
-        ("dlrm", 3, 2, False),
-        ("dcn", 1, 1, False),
-        ("din", 3, 1, False),
-        ("shared", 1, 2, False),
-        ("dlrm", 1, 1, True),
+        ("dlrm", 3, 2, "disaggregated"),
+        ("dcn", 1, 1, "disaggregated"),
+        ("din", 3, 1, "disaggregated"),
+        ("shared", 1, 2, "disaggregated"),
+        ("dlrm", 1, 1, "monolithic"),
+        ("shared", 1, 1, "router-held"),
     ],
 )
-def test_scores_equal_the_original_model(models, model, shards, rankers, monolithic):
+def test_scores_equal_the_original_model(models, model, shards, rankers, mode):
     served = models[model]
     flags = ["--shards", str(shards), "--rankers", str(rankers), "--threads", "1"]
-    if monolithic:
-        flags.append("--monolithic")
+    if mode != "disaggregated":
+        flags.append(f"--{mode}")
     with ServeProcess(served.dir, *flags) as server:
         check_scores(server, served)
-        if monolithic:  # the baseline is one process: the router and the whole model
+        if mode == "monolithic":  # the baseline is one process: the router and the whole model
             assert list(children(server.proc.pid)) == ["ranker-0"]
+        if mode == "router-held":  # lookups in the router: no shard process
+            assert sorted(children(server.proc.pid)) == ["ranker-0", "router"]
         # Concurrent requests from several clients: batching must not mix rows up.
         bodies = [served.request(b) for b in (3, 5, 9, 17, 2, 30)]
         from concurrent.futures import ThreadPoolExecutor

@@ -26,7 +26,7 @@ def test_bench_serve_quick_compare(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["deployments"]) == {"monolithic", "disaggregated"}
+    assert set(report["deployments"]) == {"monolithic", "disaggregated", "router-held"}
     for deployment in report["deployments"].values():
         assert [p["rate"] for p in deployment["rates"]] == [20.0, 40.0]
         for point in [deployment["single"], *deployment["rates"]]:
@@ -37,7 +37,9 @@ def test_bench_serve_quick_compare(tmp_path):
     assert codec["parse_json"] > 0 and codec["encode_json"] > 0  # the router's CPU per request
     assert "router CPU per request in parsing and encoding" in result.stdout
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
-    assert "single_p50_disagg_over_mono" in report["ratios"]
+    assert {"single_p50_disagg_over_mono", "max_rate_held_over_disagg"} <= set(report["ratios"])
+    held = report["deployments"]["router-held"]["rates"][0]
+    assert held["stages_us"]["lookup_us"] > 0  # looked up in the router, no shard process
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     assert "max rate with p99 <= 25 ms" in result.stdout
 

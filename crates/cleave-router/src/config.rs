@@ -84,6 +84,9 @@ pub struct RouterConfig {
     /// A range's only replica (or the retry) may always use the rest of the budget.
     #[serde(default)]
     pub shard_timeout_ms: u64,
+    /// Lookup threads of the tables a router-held deployment opens in-process.
+    #[serde(default = "default_held_threads")]
+    pub held_threads: usize,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -102,17 +105,23 @@ pub enum ConfigMode {
     #[default]
     Disaggregated,
     Monolithic,
+    /// Disaggregated, with the tables held in the router's process instead of shards.
+    #[serde(rename = "router-held")]
+    RouterHeld,
 }
 
 impl From<ConfigMode> for Mode {
     fn from(m: ConfigMode) -> Mode {
         match m {
-            ConfigMode::Disaggregated => Mode::Disaggregated,
+            ConfigMode::Disaggregated | ConfigMode::RouterHeld => Mode::Disaggregated,
             ConfigMode::Monolithic => Mode::Monolithic,
         }
     }
 }
 
+fn default_held_threads() -> usize {
+    1
+}
 fn default_host() -> String {
     "127.0.0.1".into()
 }
@@ -195,6 +204,11 @@ impl RouterConfig {
         if mode == Mode::Monolithic && !self.shards.is_empty() {
             return bad("monolithic mode takes no \"shards\"".into());
         }
+        if self.mode == ConfigMode::RouterHeld && !self.shards.is_empty() {
+            return bad(
+                "mode \"router-held\" takes no \"shards\": the router holds every table".into(),
+            );
+        }
         if !(self.budget_ms > 0.0 && self.budget_ms <= self.max_budget_ms) {
             return bad(format!(
                 "budget_ms is {}, expected > 0 and at most max_budget_ms ({})",
@@ -258,6 +272,18 @@ mod tests {
                 "shards": [{"table": "t0", "row_start": 0, "row_end": 5, "addr": "h:1"}]}"#,
         );
         assert!(e.unwrap_err().contains("monolithic mode takes no"));
+        let held = RouterConfig::from_json(
+            r#"{"model": "m", "bundle": "b", "rankers": ["a:1"], "mode": "router-held"}"#,
+        )
+        .unwrap();
+        assert_eq!((held.mode, held.held_threads), (ConfigMode::RouterHeld, 1));
+        let e = RouterConfig::from_json(
+            r#"{"model": "m", "bundle": "b", "rankers": ["a:1"], "mode": "router-held",
+                "shards": [{"table": "t0", "row_start": 0, "row_end": 5, "addr": "h:1"}]}"#,
+        );
+        assert!(e
+            .unwrap_err()
+            .contains("\"router-held\" takes no \"shards\""));
         let e = RouterConfig::from_json(
             r#"{"model": "m", "bundle": "b", "rankers": ["a:1"],
                 "shards": [{"table": "t0", "row_start": 5, "row_end": 5, "addr": "h:1"}]}"#,

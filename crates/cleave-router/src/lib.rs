@@ -15,6 +15,7 @@ pub mod conn;
 pub mod error;
 mod ewma;
 pub mod front_door;
+pub mod held;
 pub mod http;
 pub mod inference;
 pub mod json_tensor;

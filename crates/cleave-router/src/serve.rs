@@ -13,9 +13,10 @@ use tokio::sync::watch;
 use crate::admin::AdminConfig;
 use crate::admission::Admission;
 use crate::body::BodyLimits;
-use crate::config::RouterConfig;
+use crate::config::{ConfigMode, RouterConfig};
 use crate::conn::Timeouts;
 use crate::front_door::{self, DoorConfig, DoorStats};
+use crate::held::HeldShards;
 use crate::http::{routes, App};
 use crate::metrics::Metrics;
 use crate::model::{Mode, Model};
@@ -39,14 +40,17 @@ pub async fn serve(
     let io = IoThreads::new("cleave-router-io", config.threads)
         .map_err(|e| format!("cannot start I/O threads: {e}"))?;
     let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
-    let shards = match mode {
-        Mode::Disaggregated => {
+    let shards = match (mode, config.mode) {
+        (_, ConfigMode::RouterHeld) => {
+            Shards::held(HeldShards::open(&config.bundle, config.held_threads)?)
+        }
+        (Mode::Disaggregated, _) => {
             let cap = Duration::from_secs_f64(config.max_budget_ms / 1e3);
             let attempt = (config.shard_timeout_ms > 0)
                 .then(|| Duration::from_millis(config.shard_timeout_ms));
             Shards::new(&model, &config.shards, &io, connect_timeout, cap, attempt)?
         }
-        Mode::Monolithic => Shards::none(),
+        (Mode::Monolithic, _) => Shards::none(),
     };
     let client = ClientConfig {
         connections: config.ranker_connections.max(1),

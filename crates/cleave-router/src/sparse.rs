@@ -2,7 +2,8 @@
 //! cleave-shard's client (range routing table, replica choice and fail-over, fan-out, merge of
 //! partial pools), and the results become boundary tensors shaped as the sparse reference
 //! shapes them: pooled `[bags, dim]`, gathered `ids.shape + [dim]`. The shard membership
-//! (replicas joining, draining, leaving) changes here, for the admin API.
+//! (replicas joining, draining, leaving) changes here, for the admin API. A router-held
+//! deployment looks the same batch up in-process instead (held.rs).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -14,14 +15,16 @@ use cleave_wire::{Address, IoThreads, WireError};
 
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
+use crate::held::HeldShards;
 use crate::model::Model;
 use crate::router::Budget;
 use crate::tensor::{numel, Tensor};
 use crate::validate::Lookup;
 
-/// The shards of a disaggregated router (none in monolithic mode).
+/// The shards of a disaggregated router (none in monolithic mode), or the tables it holds.
 pub struct Shards {
     client: Option<ShardClient>,
+    held: Option<HeldShards>,
     /// Caps one lookup's wait below the request's budget.
     call_timeout: Duration,
     /// Caps one replica's wait when another could take a retry (None: half the budget left).
@@ -61,6 +64,7 @@ impl Shards {
         };
         Ok(Shards {
             client: Some(ShardClient::with_io(table, io.clone(), &config)),
+            held: None,
             call_timeout,
             attempt_timeout,
         })
@@ -69,8 +73,17 @@ impl Shards {
     pub fn none() -> Shards {
         Shards {
             client: None,
+            held: None,
             call_timeout: Duration::ZERO,
             attempt_timeout: None,
+        }
+    }
+
+    /// Every table of the bundle held in this process (router-held mode).
+    pub fn held(held: HeldShards) -> Shards {
+        Shards {
+            held: Some(held),
+            ..Shards::none()
         }
     }
 
@@ -83,12 +96,6 @@ impl Shards {
         lookups: Vec<Lookup>,
         budget: &Budget,
     ) -> Result<Vec<Tensor>, RequestError> {
-        let Some(client) = &self.client else {
-            return Err(RequestError::new(
-                ErrorKind::Unavailable,
-                "this router has no shards",
-            ));
-        };
         let mut dims = Vec::with_capacity(lookups.len());
         let batch = lookups
             .into_iter()
@@ -99,13 +106,24 @@ impl Shards {
                     .map_err(|e| RequestError::input(&model.inputs[f.ids].name, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let timeout = budget.left().min(self.call_timeout);
-        // By default a replica gets half of what is left, so that a retry elsewhere fits.
-        let attempt = self.attempt_timeout.map_or(timeout / 2, |a| a.min(timeout));
-        let pooled = client
-            .lookup_within(&batch, timeout, attempt, budget.trace_id)
-            .await
-            .map_err(shard_error)?;
+        let pooled = match (&self.held, &self.client) {
+            (Some(held), _) => held.lookup(&batch)?,
+            (None, None) => {
+                return Err(RequestError::new(
+                    ErrorKind::Unavailable,
+                    "this router has no shards",
+                ))
+            }
+            (None, Some(client)) => {
+                let timeout = budget.left().min(self.call_timeout);
+                // By default a replica gets half of what is left, so a retry elsewhere fits.
+                let attempt = self.attempt_timeout.map_or(timeout / 2, |a| a.min(timeout));
+                client
+                    .lookup_within(&batch, timeout, attempt, budget.trace_id)
+                    .await
+                    .map_err(shard_error)?
+            }
+        };
         pooled
             .into_iter()
             .zip(dims)
@@ -142,7 +160,12 @@ impl Shards {
 
     fn client(&self) -> Result<&ShardClient, MembershipError> {
         self.client.as_ref().ok_or_else(|| {
-            MembershipError::Conflict("this router is monolithic: it has no shards".into())
+            let why = if self.held.is_some() {
+                "holds its tables in-process"
+            } else {
+                "is monolithic"
+            };
+            MembershipError::Conflict(format!("this router {why}: it has no shard processes"))
         })
     }
 

@@ -186,6 +186,15 @@ impl Shard {
         })
     }
 
+    /// The tables and lookup engine of `config` without a server, answering
+    /// [`ShardService::lookup`] in the caller's process (a router holding its shards, as
+    /// Prism's CN does). `listen`, `metrics_port` and `io_threads` are not used.
+    pub fn open_in_process(config: &ShardConfig) -> Result<Arc<ShardService>, StartError> {
+        let service = Arc::new(ShardService::new(config.max_payload as usize));
+        service.load(open_tables(config)?, Engine::new(config.threads.max(1)));
+        Ok(service)
+    }
+
     pub fn info(&self) -> &ShardInfo {
         &self.info
     }

@@ -83,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard-hosts)",
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--compare", action="store_true", help="monolithic, then disaggregated")
+    mode.add_argument(
+        "--compare",
+        action="store_true",
+        help="monolithic, disaggregated, then router-held (the tables in the router)",
+    )
     mode.add_argument("--monolithic", action="store_true", help="only the monolithic baseline")
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--rankers", type=int, default=1)
@@ -547,23 +551,20 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
         return hosts.targets(args, workload, result, Target)
     if args.url:
         return {"given": Target(url=args.url)}
-    if args.compare:
-        plan = [("monolithic", True), ("disaggregated", False)]
+    if args.compare:  # the baseline, then shards as processes, then shards in the router
+        names = ["monolithic", "disaggregated", "router-held"]
     else:
-        plan = [("monolithic", True)] if args.monolithic else [("disaggregated", False)]
-    targets = {
-        name: Target(workload.bundle_dir, _serve_flags(args, monolithic))
-        for name, monolithic in plan
-    }
+        names = ["monolithic"] if args.monolithic else ["disaggregated"]
+    targets = {name: Target(workload.bundle_dir, _serve_flags(args, name)) for name in names}
     if not args.monolithic and workload.bundle.per_request_inputs:
         # The same ranker running the model one request per batch, as before batched programs.
         targets["disaggregated-per-request"] = Target(
-            workload.bundle_dir, [*_serve_flags(args, False), "--no-shared-batching"]
+            workload.bundle_dir, [*_serve_flags(args, "disaggregated"), "--no-shared-batching"]
         )
     if workload.float32_dir is not None and not args.monolithic:
         targets["disaggregated-float32"] = Target(
             workload.float32_dir,
-            _serve_flags(args, False),
+            _serve_flags(args, "disaggregated"),
             model=workload.float32_dir.name,
             want_model=True,
         )
@@ -574,7 +575,9 @@ def _max_goodput(deployment: dict) -> float:
     return max((p["goodput_rps"] for p in deployment["rates"]), default=0.0)
 
 
-def _serve_flags(args, monolithic: bool) -> list[str]:
+def _serve_flags(args, mode: str) -> list[str]:
+    """`cleave serve`'s flags for a deployment in `mode` (disaggregated, monolithic,
+    router-held)."""
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
     if args.config:
         flags += ["--config", args.config]
@@ -582,8 +585,8 @@ def _serve_flags(args, monolithic: bool) -> list[str]:
         flags += ["--threads", str(args.threads)]
     if args.compile:
         flags.append("--compile")
-    if monolithic:
-        flags.append("--monolithic")
+    if mode != "disaggregated":
+        flags.append(f"--{mode}")
     return flags
 
 
@@ -700,6 +703,19 @@ def run(args: argparse.Namespace) -> int:
                 "single_p50_dtype_over_float32": _ratio(
                     reduced["single"]["p50_ms"], fp32["single"]["p50_ms"]
                 ),
+            }
+        )
+    if "router-held" in deps and "disaggregated" in deps:
+        held, dis = deps["router-held"], deps["disaggregated"]
+        result.setdefault("ratios", {}).update(
+            {
+                "single_p50_held_over_disagg": _ratio(
+                    held["single"]["p50_ms"], dis["single"]["p50_ms"]
+                ),
+                "max_rate_held_over_disagg": _ratio(
+                    held["max_rate_within_budget"], dis["max_rate_within_budget"]
+                ),
+                "max_goodput_held_over_disagg": _ratio(_max_goodput(held), _max_goodput(dis)),
             }
         )
     if "disaggregated-per-request" in deps and "disaggregated" in deps:

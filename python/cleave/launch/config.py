@@ -70,6 +70,9 @@ class ServeConfig:
     shards: int = 1
     rankers: int = 1
     monolithic: bool = False
+    # The router looks rows up in-process (every table in its memory), no shard processes:
+    # Prism's CN keeping its tables local. Lookup threads: [shard] threads.
+    router_held: bool = False
     transport: str = "unix"  # internal sockets: "unix" (co-located) or "tcp" on loopback
     fail_stop: bool = False  # a child that dies stops the deployment (default: restart it)
     ready_timeout_s: float = 120.0
@@ -87,6 +90,7 @@ class ServeConfig:
         need(self.rankers >= 1, "rankers", "at least 1", self.rankers)
         if self.monolithic:  # the baseline is one process: one ranker loop beside the router
             need(self.rankers == 1, "rankers", "1 with monolithic", self.rankers)
+            need(not self.router_held, "router_held", "false with monolithic", True)
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
         need(self.transport in ("unix", "tcp"), "transport", '"unix" or "tcp"', self.transport)
         need(

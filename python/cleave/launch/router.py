@@ -21,7 +21,7 @@ def router_config(
         "bundle": str(bundle),
         "host": config.host,
         "http_port": config.http_port,
-        "mode": "monolithic" if config.monolithic else "disaggregated",
+        "mode": deployment_mode(config),
         "shards": routes,
         "rankers": rankers,
         "budget_ms": r.budget_ms,
@@ -43,4 +43,12 @@ def router_config(
         # The variable's name only: the router reads the token from its environment.
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
+        "held_threads": config.shard.threads,
     }
+
+
+def deployment_mode(config: ServeConfig) -> str:
+    """The deployment's mode, as plans and the router's config name it."""
+    if config.monolithic:
+        return "monolithic"
+    return "router-held" if config.router_held else "disaggregated"

@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--monolithic", action="store_true", default=None, help="serve the original model whole"
     )
+    parser.add_argument(
+        "--router-held",
+        action="store_true",
+        default=None,
+        help="the router holds every table and looks rows up in-process (no shard processes)",
+    )
 
 
 def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> None:
@@ -88,6 +94,7 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
         "transport": args.transport,
         "fail_stop": args.fail_stop,
         "monolithic": args.monolithic,
+        "router_held": args.router_held,
     }
     ranker = {
         "device": args.device,
@@ -157,6 +164,7 @@ _LAYOUT_FLAGS = (
     "max_wait_ms",
     "transport",
     "monolithic",
+    "router_held",
 )
 
 

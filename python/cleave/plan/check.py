@@ -18,6 +18,7 @@ SHARD_MARGIN_BYTES = 64 << 20
 NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 DEVICES = ("auto", "cpu", "cuda")
 GIB = float(1 << 30)
+MODES = ("disaggregated", "monolithic", "router-held")
 
 
 def host_problems(hosts: list[Host], where: str = "hosts") -> list[str]:
@@ -45,8 +46,9 @@ def host_problems(hosts: list[Host], where: str = "hosts") -> list[str]:
 def check_plan(plan: Plan, manifest: dict) -> list[str]:
     errors: list[str] = []
     warnings: list[str] = []
-    if plan.mode not in ("disaggregated", "monolithic"):
-        errors.append(f"mode: expected 'disaggregated' or 'monolithic', got {plan.mode!r}")
+    if plan.mode not in MODES:
+        expected = ", ".join(repr(m) for m in MODES)
+        errors.append(f"mode: expected one of {expected}, got {plan.mode!r}")
     if plan.transport not in ("tcp", "unix"):
         errors.append(f"transport: expected 'tcp' or 'unix', got {plan.transport!r}")
     if not plan.name:
@@ -56,6 +58,8 @@ def check_plan(plan: Plan, manifest: dict) -> list[str]:
     _settings(plan, errors)
     if plan.mode == "monolithic":
         _monolithic(plan, errors)
+    elif plan.mode == "router-held":
+        _router_held(plan, errors)
     else:
         tables = {t["name"]: t for t in manifest["tables"]}
         _ranges(plan, tables, errors, warnings)
@@ -157,6 +161,18 @@ def _span(r: tuple[int, int]) -> str:
     return f"[{r[0]}, {r[1]})"
 
 
+def _router_held(plan: Plan, errors: list[str]) -> None:
+    """Every router holds every table: no shard processes, rankers and routers as usual."""
+    if plan.shards:
+        errors.append(
+            f"shards: expected none in mode 'router-held' (each router holds every table), "
+            f"got {len(plan.shards)}"
+        )
+    for kind, items in (("rankers", plan.rankers), ("routers", plan.routers)):
+        if not items:
+            errors.append(f"{kind}: expected at least one in mode 'router-held', got none")
+
+
 def _ranges(plan: Plan, tables: dict, errors: list[str], warnings: list[str]) -> None:
     """Every range inside its table; replicas of a group identical; groups disjoint; every row
     of every table held by some shard."""
@@ -248,12 +264,18 @@ def _resources(plan: Plan, manifest: dict, errors: list[str], warnings: list[str
             for t, (a, b) in s.ranges.items()
             if t in row_bytes
         )
-        need = rows + SHARD_MARGIN_BYTES * len(shards)
-        if shards and need > h.memory_gib * GIB:
+        holders = len(shards)
+        if plan.mode == "router-held":  # every router holds every row
+            rows += len(routers) * sum(
+                int(t["rows"]) * row_bytes[t["name"]] for t in manifest["tables"]
+            )
+            holders += len(routers)
+        need = rows + SHARD_MARGIN_BYTES * holders
+        if holders and need > h.memory_gib * GIB:
             errors.append(
-                f"host {h.name}: memory_gib: expected at least {need / GIB:.3f} GiB for its "
-                f"{len(shards)} shard(s): {rows / GIB:.3f} GiB of rows plus "
-                f"{SHARD_MARGIN_BYTES >> 20} MiB each; got {h.memory_gib}"
+                f"host {h.name}: memory_gib: expected at least {need / GIB:.3f} GiB for the "
+                f"tables of its {holders} shard(s) or router-held routers: {rows / GIB:.3f} GiB "
+                f"of rows plus {SHARD_MARGIN_BYTES >> 20} MiB each; got {h.memory_gib}"
             )
         cuda = [i for i, r in rankers if r.device == "cuda"]
         for i in cuda:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 from cleave.launch.config import ServeConfig
+from cleave.launch.router import deployment_mode
 from cleave.launch.serve import read_manifest, table_ranges
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, host_problems
 from cleave.plan.cluster import this_machine
@@ -109,7 +110,7 @@ def make_plan(
     manifest = read_manifest(bundle)
     router_hosts, shard_hosts, ranker_hosts = layout(hosts)
     # More shards than rows in every table leaves some empty: they are left out.
-    groups = [r for r in table_ranges(manifest, shards) if r]
+    groups = [] if config.router_held else [r for r in table_ranges(manifest, shards) if r]
     placement = None
     if topology is not None:
         requests = _requests(manifest, groups, replicas, rankers, routers, config, hosts)
@@ -168,7 +169,7 @@ def make_plan(
     used = {s.host for s in plan_shards} | busy | set(per_host)
     return Plan(
         **_common(bundle, config),
-        mode="disaggregated",
+        mode=deployment_mode(config),
         transport=config.transport if len(used) == 1 else "tcp",
         hosts=list(hosts),
         shards=plan_shards,
@@ -209,7 +210,8 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     config = serve_config
     bundle = Path(bundle_dir).resolve()
     manifest = read_manifest(bundle)
-    ranges = [] if config.monolithic else [r for r in table_ranges(manifest, config.shards) if r]
+    held = config.monolithic or config.router_held  # no shard processes
+    ranges = [] if held else [r for r in table_ranges(manifest, config.shards) if r]
     shards = [
         Shard(f"shard-{i}", i, "h0", 0, 0, config.shard.threads, r) for i, r in enumerate(ranges)
     ]
@@ -226,7 +228,7 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     ]
     return Plan(
         **_common(bundle, config),
-        mode="monolithic" if config.monolithic else "disaggregated",
+        mode=deployment_mode(config),
         transport=config.transport,
         hosts=[this_machine("h0")],
         shards=shards,

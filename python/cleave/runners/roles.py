@@ -193,6 +193,7 @@ class RoleSpecs:
             host=host,
             http_port=port,
             monolithic=self.plan.mode == "monolithic",
+            router_held=self.plan.mode == "router-held",
             ready_timeout_s=s.ready_timeout_s,
             stop_timeout_s=s.stop_timeout_s,
             router=self.plan.router,

@@ -53,7 +53,7 @@ class SupervisedRunner(Runner):
             self.supervisor.start(shards + rankers, timeout)
             self.supervisor.start(specs.router_specs(shards, rankers), timeout)
         urls = [specs.url(router) for router in plan.routers]
-        mode = "monolithic" if plan.mode == "monolithic" else f"{len(plan.shards)} shards"
+        mode = f"{len(plan.shards)} shards" if plan.mode == "disaggregated" else plan.mode
         self._say(f"model {plan.name!r}, {mode}, {len(plan.rankers)} rankers")
         self._print_metrics(self.supervisor.children)
         return urls
