@@ -19,6 +19,9 @@ pub struct RouterConfig {
     /// 0 picks a free port; the "ready" line says which.
     #[serde(default)]
     pub http_port: u16,
+    /// The KServe v2 gRPC port; none: no gRPC. 0 picks a free port (the "ready" line says).
+    #[serde(default)]
+    pub grpc_port: Option<u16>,
     #[serde(default)]
     pub mode: ConfigMode,
     /// The range routing table: which shard holds which rows of which table.

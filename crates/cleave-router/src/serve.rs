@@ -16,6 +16,7 @@ use crate::body::BodyLimits;
 use crate::config::RouterConfig;
 use crate::conn::Timeouts;
 use crate::front_door::{self, DoorConfig, DoorStats};
+use crate::grpc_front::GrpcFront;
 use crate::http::{routes, App};
 use crate::metrics::Metrics;
 use crate::model::{Mode, Model};
@@ -99,6 +100,23 @@ pub async fn serve(
         app.door.clone(),
         stop_rx.clone(),
     ));
+    let grpc = match config.grpc_port {
+        Some(port) => {
+            let (listener, grpc_addr) = crate::grpc::bind(&config.host, port).await?;
+            tracing::info!(addr = %grpc_addr, "KServe v2 gRPC listening");
+            let front = GrpcFront {
+                max_message_bytes: config.body_limit_bytes,
+            };
+            let stop = wait_stop(stop_rx.clone());
+            Some(tokio::spawn(crate::grpc::serve(
+                app.clone(),
+                listener,
+                front,
+                stop,
+            )))
+        }
+        None => None,
+    };
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -119,6 +137,9 @@ pub async fn serve(
         }
         if Instant::now() >= deadline {
             server.abort();
+            if let Some(grpc) = &grpc {
+                grpc.abort();
+            }
             return Err(format!(
                 "backends not ready after {} ms: {}",
                 config.ready_timeout_ms,
@@ -147,8 +168,16 @@ pub async fn serve(
         });
     }
     let result = server.await;
+    let grpc = match grpc {
+        Some(task) => task
+            .await
+            .map_err(|e| format!("gRPC server stopped: {e}"))
+            .and_then(|r| r),
+        None => Ok(()),
+    };
     io.stop();
-    result.map_err(|e| format!("HTTP server on {addr} stopped: {e}"))
+    result.map_err(|e| format!("HTTP server on {addr} stopped: {e}"))?;
+    grpc
 }
 
 const ROLE: &str = "router";

@@ -66,6 +66,7 @@ class ServeConfig:
     name: str = ""  # model name in the URLs; "" -> the bundle directory's name
     host: str = "127.0.0.1"
     http_port: int = 0  # 0: an ephemeral port (the ready line says which)
+    grpc_port: int | None = None  # KServe v2 gRPC; None: off; 0: ephemeral (the router logs it)
     shards: int = 1
     rankers: int = 1
     monolithic: bool = False
@@ -87,6 +88,8 @@ class ServeConfig:
         if self.monolithic:  # the baseline is one process: one ranker loop beside the router
             need(self.rankers == 1, "rankers", "1 with monolithic", self.rankers)
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
+        grpc = self.grpc_port
+        need(grpc is None or 0 <= grpc < 65536, "grpc_port", "a port in 0..65535", grpc)
         need(self.transport in ("unix", "tcp"), "transport", '"unix" or "tcp"', self.transport)
         need(
             self.ranker.device in ("auto", "cpu", "cuda"),

@@ -43,4 +43,6 @@ def router_config(
         # The variable's name only: the router reads the token from its environment.
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
+        # Only when asked for: a router config without it serves no gRPC (the chart's too).
+        **({} if config.grpc_port is None else {"grpc_port": config.grpc_port}),
     }

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", help="TOML file (docs/serving.md); flags override it")
     parser.add_argument("--http-port", type=int, help="client port; 0: ephemeral (default)")
+    parser.add_argument(
+        "--grpc-port", type=int, help="KServe v2 gRPC port (default: no gRPC); 0: ephemeral"
+    )
     parser.add_argument("--host", help="client address to bind (default 127.0.0.1)")
     parser.add_argument("--name", help="model name in the URLs (default: bundle directory name)")
     parser.add_argument("--shards", type=int, help="embedding shard processes (default 1)")
@@ -73,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> None:
     top = {
         "http_port": args.http_port,
+        "grpc_port": args.grpc_port,
         "host": args.host,
         "name": args.name,
         "shards": args.shards,
@@ -174,7 +178,7 @@ def _plan_from_args(args: argparse.Namespace):
     if given:
         raise UsageError(
             f"{', '.join(given)}: not with --plan (the plan says it); "
-            "expected only --runner, --http-port, --host (local runner), --name, "
+            "expected only --runner, --http-port, --grpc-port, --host (local runner), --name, "
             "--fail-stop, --url-file, --link-gbit, --ray-address"
         )
     plan = load_plan(args.plan)
@@ -185,6 +189,9 @@ def _plan_from_args(args: argparse.Namespace):
     if args.http_port is not None:  # one port per router: P, P+1, ... (0: each picks one)
         for i, router in enumerate(plan.routers):
             router.http_port = args.http_port + i if args.http_port else 0
+    if args.grpc_port is not None:  # the same for gRPC
+        for i, router in enumerate(plan.routers):
+            router.grpc_port = args.grpc_port + i if args.grpc_port else 0
     for warning in plan.check(read_manifest(plan.bundle_path())):
         print(f"cleave serve: warning: {warning}", file=sys.stderr, flush=True)
     return plan, args.host

@@ -190,6 +190,7 @@ class RoleSpecs:
             name=self.plan.name,
             host=host,
             http_port=port,
+            grpc_port=router.grpc_port,
             monolithic=self.plan.mode == "monolithic",
             ready_timeout_s=s.ready_timeout_s,
             stop_timeout_s=s.stop_timeout_s,
