@@ -164,3 +164,29 @@ def test_bytes_that_are_not_protobuf(deployment):
     # And the server still serves.
     reply = infer_call(channel)(raw_request(arrays), timeout=30)
     assert len(reply.outputs) >= 1
+
+
+def test_the_bench_load_path_speaks_the_published_messages(deployment):
+    """`cleave bench serve --protocol grpc` encodes requests and decodes replies by hand:
+    its request parses as the published ModelInferRequest, and its reply parser reads what
+    the router sends (the scores equal those tritonclient's messages get)."""
+    from cleave.bench.loadgen import grpc_infer_message, grpc_with_model, parse_grpc_reply
+
+    channel, arrays = deployment
+    import torch
+
+    named = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    message = grpc_with_model(grpc_infer_message(named, budget_ms=5000.0), "dlrm")
+    parsed = pb.ModelInferRequest.FromString(message)
+    assert parsed.model_name == "dlrm"
+    assert [i.name for i in parsed.inputs] == list(arrays)
+    assert [list(i.shape) for i in parsed.inputs] == [list(a.shape) for a in arrays.values()]
+    assert parsed.parameters["budget_ms"].double_param == 5000.0
+    assert list(parsed.raw_input_contents) == [a.tobytes() for a in arrays.values()]
+    raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(message, timeout=30)
+    mine = parse_grpc_reply(raw)
+    theirs = infer_call(channel)(raw_request(arrays), timeout=30)
+    assert [o["name"] for o in mine["outputs"]] == [o.name for o in theirs.outputs]
+    for out, want in zip(mine["outputs"], theirs.raw_output_contents, strict=True):
+        assert out["data"].tobytes() == want
+    assert mine["parameters"]["lookup_us"] >= 0

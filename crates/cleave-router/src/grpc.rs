@@ -60,6 +60,7 @@ pub async fn serve(
     app: Arc<App>,
     listener: tokio::net::TcpListener,
     front: GrpcFront,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let addr = listener.local_addr().ok();
@@ -67,7 +68,13 @@ pub async fn serve(
     let service = GrpcInferenceServiceServer::new(Service { app })
         .max_decoding_message_size(limit)
         .max_encoding_message_size(usize::MAX);
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| format!("gRPC TLS: {e}"))?;
+    }
+    builder
         .layer(front)
         .add_service(service)
         .serve_with_incoming_shutdown(

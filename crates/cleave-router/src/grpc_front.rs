@@ -1,9 +1,12 @@
-//! What wraps every gRPC call before tonic's service sees it: tonic refuses a message over
-//! the size limit with OUT_OF_RANGE and a terse message; the protocol's clients expect
-//! RESOURCE_EXHAUSTED, so that answer is rewritten with the limit and how to stay under it.
+//! What wraps every gRPC call before tonic's service sees it: the bearer token, when the
+//! router has one (auth.rs), is checked first (UNAUTHENTICATED without it); tonic refuses a
+//! message over the size limit with OUT_OF_RANGE and a terse message; the protocol's clients
+//! expect RESOURCE_EXHAUSTED, so that answer is rewritten with the limit and how to stay
+//! under it.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tonic::codegen::http;
@@ -11,11 +14,15 @@ use tonic::{Code, Status};
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::auth::BearerToken;
+
 /// The layer for `tonic::transport::Server::layer`.
 #[derive(Clone, Debug)]
 pub struct GrpcFront {
     /// The largest request message accepted (bytes): the router's body limit.
     pub max_message_bytes: usize,
+    /// Every call must carry it; none: no authentication.
+    pub token: Option<Arc<BearerToken>>,
 }
 
 impl<S> Layer<S> for GrpcFront {
@@ -41,6 +48,7 @@ impl<S, B, R> Service<http::Request<B>> for GrpcFrontService<S>
 where
     S: Service<http::Request<B>, Response = http::Response<R>>,
     S::Future: Send + 'static,
+    R: Default + Send + 'static,
 {
     type Response = http::Response<R>;
     type Error = S::Error;
@@ -51,6 +59,13 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if let Some(token) = &self.front.token {
+            if let Err(e) = token.check_headers(request.headers()) {
+                tracing::warn!(path = request.uri().path(), error = %e, "gRPC call refused");
+                let refused = Status::unauthenticated(e.to_string()).into_http();
+                return Box::pin(async move { Ok(refused) });
+            }
+        }
         let response = self.inner.call(request);
         let limit = self.front.max_message_bytes;
         Box::pin(async move {

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod auth;
 pub mod binary_tensor;
 pub mod body;
 pub mod config;
@@ -32,6 +33,7 @@ pub mod router;
 pub mod serve;
 pub mod sparse;
 pub mod tensor;
+pub mod tls;
 pub mod validate;
 
 pub use config::{RouterConfig, ShardRoute};

@@ -42,6 +42,11 @@ class RouterConfig:
     # within the budget. 0: half of what is left of the budget. A range's only replica
     # (or the retry) may always use the rest of the budget.
     shard_timeout_ms: int = 0
+    # docs/security.md. A file holding the bearer token clients must send on REST and gRPC
+    # ("": none); TLS on both client ports from a PEM certificate chain and key ("": plain).
+    auth_token_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass

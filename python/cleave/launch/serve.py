@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, help="KServe v2 gRPC port (default: no gRPC); 0: ephemeral"
     )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: TLS on REST and gRPC")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--auth-token-file", help="file with the bearer token clients must send (REST, gRPC)"
+    )
     parser.add_argument("--host", help="client address to bind (default 127.0.0.1)")
     parser.add_argument("--name", help="model name in the URLs (default: bundle directory name)")
     parser.add_argument("--shards", type=int, help="embedding shard processes (default 1)")
@@ -98,6 +103,15 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
     for key, value in ranker.items():
         if value is not None:
             setattr(config.ranker, key, value)
+    _apply_security(config.router, args)
+
+
+def _apply_security(router: config_io.RouterConfig, args: argparse.Namespace) -> None:
+    """--tls-cert, --tls-key, --auth-token-file: with a bundle or a plan alike."""
+    for key in ("tls_cert", "tls_key", "auth_token_file"):
+        value = getattr(args, key, None)
+        if value is not None:
+            setattr(router, key, value)
 
 
 def read_manifest(bundle: Path) -> dict:
@@ -178,10 +192,12 @@ def _plan_from_args(args: argparse.Namespace):
     if given:
         raise UsageError(
             f"{', '.join(given)}: not with --plan (the plan says it); "
-            "expected only --runner, --http-port, --grpc-port, --host (local runner), --name, "
+            "expected only --runner, --http-port, --grpc-port, --tls-cert, --tls-key, "
+            "--auth-token-file, --host (local runner), --name, "
             "--fail-stop, --url-file, --link-gbit, --ray-address"
         )
     plan = load_plan(args.plan)
+    _apply_security(plan.router, args)
     if args.name is not None:
         plan.name = args.name
     if args.fail_stop is not None:
