@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+import struct
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import cleave
 import grpc
@@ -168,3 +170,54 @@ def test_tls_on_rest_and_grpc(bundle_and_arrays):
             with pytest.raises(grpc.RpcError) as caught:
                 infer(channel, arrays, None)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def children_argv(pid: int) -> list[list[str]]:
+    """The command lines of `pid`'s direct children (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append((entry / "cmdline").read_bytes().decode().rstrip("\0").split("\0"))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return out
+
+
+def test_internal_connections_prove_the_plans_secret(bundle_and_arrays, monkeypatch):
+    """With `internal_secret_env`, every role proves the secret in its HELLO: the deployment
+    serves; a client that does not know it (a plain HELLO, as any process that reaches a
+    shard's port could send) is refused by the shard."""
+    bundle_dir, arrays, tmp = bundle_and_arrays
+    monkeypatch.setenv("CLEAVE_TEST_SECRET", "internal-9d1c")
+    config = tmp / "secret.toml"
+    config.write_text('transport = "tcp"\n[router]\ninternal_secret_env = "CLEAVE_TEST_SECRET"\n')
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--config", str(config)]
+    with ServeProcess(bundle_dir, *flags) as server:
+        status, _, reply = post(f"{server.url}/v2/models/dlrm/infer", json_body(arrays), None)
+        assert status == 200, reply
+        (router_json,) = [
+            argv[-1] for argv in children_argv(server.proc.pid) if "router.json" in argv[-1]
+        ]
+        shard_addr = json.loads(Path(router_json).read_text())["shards"][0]["addr"]
+        host, port = shard_addr.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            raw.settimeout(10)
+            # HELLO (kind 0) as frame.rs lays it out, with the plain 4-byte payload.
+            raw.sendall(plain_hello())
+            answer = b""
+            while chunk := raw.recv(4096):
+                answer += chunk
+        assert b"unauthenticated HELLO refused" in answer, answer
+
+
+def plain_hello() -> bytes:
+    """A HELLO request with the plain 4-byte payload (docs/protocol.md: magic, version 2,
+    flags, kind, request id, payload length, reserved, deadline, trace id)."""
+    payload = bytes([0, 0, 0, 0])
+    header = b"CLVW" + struct.pack("<BBHQIIQQ", 2, 0, 0, 0, len(payload), 0, 0, 0)
+    return header + payload

@@ -47,6 +47,9 @@ class RouterConfig:
     auth_token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # The environment variable holding the deployment's internal secret: every shard, ranker
+    # and router connection then proves it in its HELLO (docs/security.md). Never the secret.
+    internal_secret_env: str = ""
 
 
 @dataclass
