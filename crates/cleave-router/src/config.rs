@@ -19,6 +19,19 @@ pub struct RouterConfig {
     /// 0 picks a free port; the "ready" line says which.
     #[serde(default)]
     pub http_port: u16,
+    /// The KServe v2 gRPC port; none: no gRPC. 0 picks a free port (the "ready" line says).
+    #[serde(default)]
+    pub grpc_port: Option<u16>,
+    /// A file whose first line is the bearer token clients must send (REST and gRPC);
+    /// none: no authentication. The token itself never appears in a config or plan.
+    #[serde(default)]
+    pub auth_token_file: Option<PathBuf>,
+    /// TLS on the REST and gRPC ports: the server's PEM certificate chain and private key
+    /// (both or neither); none: plain TCP.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
     #[serde(default)]
     pub mode: ConfigMode,
     /// The range routing table: which shard holds which rows of which table.

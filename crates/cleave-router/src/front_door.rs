@@ -21,6 +21,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
+use tokio_rustls::TlsAcceptor;
 use tower_service::Service;
 
 use crate::conn::{linger, Arrival, Conn, ConnState, Expiry, Slot, Timeouts};
@@ -57,6 +58,7 @@ pub async fn serve(
     config: DoorConfig,
     stats: Arc<DoorStats>,
     mut stop: watch::Receiver<bool>,
+    tls: Option<TlsAcceptor>,
 ) {
     let mut builder = http1::Builder::new();
     // Our own clocks (conn.rs) replace hyper's header timeout, which also runs while idle.
@@ -113,14 +115,27 @@ pub async fn serve(
                 }
             })
         };
-        let connection = builder.serve_connection(io, service);
-        tokio::spawn(drive(
-            connection,
-            state,
-            stats.clone(),
-            stop.clone(),
-            done_tx.clone(),
-        ));
+        let (stats, stop, done_tx) = (stats.clone(), stop.clone(), done_tx.clone());
+        let Some(tls) = &tls else {
+            let connection = builder.serve_connection(io, service);
+            tokio::spawn(drive(connection, state, stats, stop, done_tx));
+            continue;
+        };
+        // The handshake is bounded by the header timeout: a client that opens a connection
+        // and says nothing holds it no longer than one that sends half a request head.
+        let (tls, builder) = (tls.clone(), builder.clone());
+        let handshake_timeout = config.timeouts.header;
+        tokio::spawn(async move {
+            let accept = tls.accept(io.into_inner());
+            match tokio::time::timeout(handshake_timeout, accept).await {
+                Ok(Ok(stream)) => {
+                    let connection = builder.serve_connection(TokioIo::new(stream), service);
+                    drive(connection, state, stats, stop, done_tx).await;
+                }
+                Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!("TLS handshake timed out"),
+            }
+        });
     }
     drop(listener);
     drop(done_tx);

@@ -255,7 +255,7 @@ fn header_budget(headers: &HeaderMap) -> Result<Option<f64>, RequestError> {
     }
 }
 
-fn stages(parse: Duration, inf: &Inference) -> Stages {
+pub(crate) fn stages(parse: Duration, inf: &Inference) -> Stages {
     Stages {
         parse,
         lookup: inf.lookup,
@@ -264,7 +264,7 @@ fn stages(parse: Duration, inf: &Inference) -> Stages {
     }
 }
 
-fn timings(inf: &Inference) -> Map<String, Value> {
+pub(crate) fn timings(inf: &Inference) -> Map<String, Value> {
     let us = |d: Duration| Value::from(d.as_micros() as u64);
     let mut p = Map::new();
     p.insert("ranker".into(), inf.ranker.clone().into());

@@ -33,6 +33,11 @@ pub struct InferRequest {
 struct RawRequest<'a> {
     #[serde(default)]
     id: Option<String>,
+    // KServe's Python SDK names the model (and version) in the body too.
+    #[serde(borrow, default)]
+    model_name: Option<Cow<'a, str>>,
+    #[serde(borrow, default, rename = "model_version")]
+    _model_version: Option<Cow<'a, str>>,
     #[serde(default)]
     parameters: Option<Map<String, Value>>,
     #[serde(borrow)]
@@ -124,6 +129,12 @@ pub fn parse_infer(
         None => (body, Sections::empty()),
     };
     let raw: RawRequest = serde_json::from_slice(json).map_err(RequestError::json)?;
+    if let Some(named) = raw.model_name.as_deref().filter(|n| *n != model.name) {
+        return Err(RequestError::invalid(format!(
+            "the body's model_name is {named:?} but the URL names {:?}",
+            model.name
+        )));
+    }
     let binary_output = flag(
         raw.parameters
             .as_ref()
@@ -427,6 +438,20 @@ mod tests {
 
     fn dense(shape: Value, datatype: &str, data: Value) -> Value {
         serde_json::json!([{"name": "dense_x", "shape": shape, "datatype": datatype, "data": data}])
+    }
+
+    #[test]
+    fn model_name_in_the_body_must_be_the_urls() {
+        let mut v: Value = serde_json::from_slice(&body(serde_json::json!([]))).unwrap();
+        v["model_name"] = "dlrm".into();
+        v["model_version"] = "1".into();
+        assert!(parse_infer(&model(), v.to_string().as_bytes(), None).is_ok());
+        v["model_name"] = "other".into();
+        let e = parse_infer(&model(), v.to_string().as_bytes(), None).unwrap_err();
+        assert_eq!(
+            e.message,
+            "the body's model_name is \"other\" but the URL names \"dlrm\""
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod auth;
 pub mod binary_tensor;
 pub mod body;
 pub mod config;
@@ -15,6 +16,10 @@ pub mod conn;
 pub mod error;
 mod ewma;
 pub mod front_door;
+pub mod grpc;
+pub mod grpc_codec;
+pub mod grpc_front;
+pub mod grpc_tensor;
 pub mod held;
 pub mod http;
 pub mod inference;
@@ -29,6 +34,7 @@ pub mod router;
 pub mod serve;
 pub mod sparse;
 pub mod tensor;
+pub mod tls;
 pub mod validate;
 
 pub use config::{RouterConfig, ShardRoute};

@@ -44,6 +44,8 @@ pub enum Codec {
     Binary,
     /// The per-feature `rank` form.
     Rank,
+    /// KServe v2 gRPC (protobuf decoding and encoding included).
+    Grpc,
 }
 
 impl Codec {
@@ -52,6 +54,7 @@ impl Codec {
             Codec::Json => "json",
             Codec::Binary => "binary",
             Codec::Rank => "rank",
+            Codec::Grpc => "grpc",
         }
     }
 }
@@ -163,7 +166,12 @@ impl Metrics {
 
     /// Counts one parse or encode that started at thread CPU time `start` (`thread_cpu`).
     pub fn codec_cpu(&self, step: &str, protocol: Codec, start: Duration) {
-        let spent = thread_cpu().saturating_sub(start);
+        self.codec_cpu_plus(step, protocol, start, Duration::ZERO);
+    }
+
+    /// As `codec_cpu`, with `more` CPU time spent elsewhere (gRPC's protobuf codec).
+    pub fn codec_cpu_plus(&self, step: &str, protocol: Codec, start: Duration, more: Duration) {
+        let spent = thread_cpu().saturating_sub(start) + more;
         let labels = [step, protocol.as_str()];
         self.codec_cpu
             .with_label_values(&labels)

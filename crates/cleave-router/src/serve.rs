@@ -12,10 +12,12 @@ use tokio::sync::watch;
 
 use crate::admin::AdminConfig;
 use crate::admission::Admission;
+use crate::auth::{self, BearerToken};
 use crate::body::BodyLimits;
 use crate::config::{ConfigMode, RouterConfig};
 use crate::conn::Timeouts;
 use crate::front_door::{self, DoorConfig, DoorStats};
+use crate::grpc_front::GrpcFront;
 use crate::held::HeldShards;
 use crate::http::{routes, App};
 use crate::metrics::Metrics;
@@ -23,6 +25,7 @@ use crate::model::{Mode, Model};
 use crate::ranker::RankerPool;
 use crate::router::Router;
 use crate::sparse::Shards;
+use crate::tls::TlsFiles;
 use cleave_shard::ProbeReport;
 
 /// How often start-up re-probes backends that have not answered yet.
@@ -88,6 +91,24 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| format!("{where_}: {e}"))?;
 
+    let tls = TlsFiles::load(config.tls_cert.as_deref(), config.tls_key.as_deref())
+        .map_err(|e| e.to_string())?;
+    let rest_tls = match (&tls, &config.tls_cert, &config.tls_key) {
+        (Some(files), Some(cert), Some(key)) => {
+            Some(files.rest_acceptor(cert, key).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
+    let token = match &config.auth_token_file {
+        Some(path) => Some(Arc::new(BearerToken::from_file(path)?)),
+        None => None,
+    };
+    let mut rest = routes(app.clone());
+    if let Some(token) = &token {
+        let check = axum::middleware::from_fn_with_state(token.clone(), auth::require_token);
+        rest = rest.layer(check);
+    }
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let door = DoorConfig {
         timeouts: Timeouts {
@@ -98,11 +119,32 @@ pub async fn serve(
     };
     let server = tokio::spawn(front_door::serve(
         listener,
-        routes(app.clone()),
+        rest,
         door,
         app.door.clone(),
         stop_rx.clone(),
+        rest_tls,
     ));
+    let grpc = match config.grpc_port {
+        Some(port) => {
+            let (listener, grpc_addr) = crate::grpc::bind(&config.host, port).await?;
+            tracing::info!(addr = %grpc_addr, "KServe v2 gRPC listening");
+            let front = GrpcFront {
+                max_message_bytes: config.body_limit_bytes,
+                token: token.clone(),
+            };
+            let stop = wait_stop(stop_rx.clone());
+            let tls = tls.as_ref().map(|f| f.grpc_config());
+            Some(tokio::spawn(crate::grpc::serve(
+                app.clone(),
+                listener,
+                front,
+                tls,
+                stop,
+            )))
+        }
+        None => None,
+    };
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
@@ -123,6 +165,9 @@ pub async fn serve(
         }
         if Instant::now() >= deadline {
             server.abort();
+            if let Some(grpc) = &grpc {
+                grpc.abort();
+            }
             return Err(format!(
                 "backends not ready after {} ms: {}",
                 config.ready_timeout_ms,
@@ -151,8 +196,16 @@ pub async fn serve(
         });
     }
     let result = server.await;
+    let grpc = match grpc {
+        Some(task) => task
+            .await
+            .map_err(|e| format!("gRPC server stopped: {e}"))
+            .and_then(|r| r),
+        None => Ok(()),
+    };
     io.stop();
-    result.map_err(|e| format!("HTTP server on {addr} stopped: {e}"))
+    result.map_err(|e| format!("HTTP server on {addr} stopped: {e}"))?;
+    grpc
 }
 
 const ROLE: &str = "router";

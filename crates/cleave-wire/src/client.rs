@@ -12,9 +12,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::addr::{Address, Stream};
+use crate::auth::hello_payload;
 use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
 use crate::error::WireError;
-use crate::frame::{encode_hello, kind, ConnClass, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::frame::{kind, ConnClass, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
 
@@ -312,7 +313,7 @@ async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireErr
         addr: addr.clone(),
         reason,
     };
-    let hello = Frame::request(kind::HELLO, 0, encode_hello(class));
+    let hello = Frame::request(kind::HELLO, 0, hello_payload(class));
     s.write_all(&hello.to_bytes())
         .await
         .map_err(|e| handshake(e.to_string()))?;

@@ -14,6 +14,7 @@
 //! The layout, limits and timeouts are specified in docs/protocol.md.
 
 mod addr;
+pub mod auth;
 mod client;
 mod conn;
 mod error;

@@ -11,8 +11,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 
 use crate::addr::{Address, Listener, StdListener, Stream};
+use crate::auth::check_hello;
 use crate::conn::{read_header, read_payload, HeaderError};
-use crate::frame::{decode_hello, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::frame::{kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::serve_conn::serve_connection;
 
@@ -385,7 +386,7 @@ async fn read_hello(stream: &mut Stream, max_payload: u32) -> Hello {
         );
     }
     match read_payload(stream, &h).await {
-        Ok(f) => match decode_hello(&f.payload) {
+        Ok(f) => match check_hello(&f.payload) {
             Ok(class) => Hello::Class(class),
             Err(msg) => Hello::Refuse(ErrorCode::Handshake, h.request_id, msg),
         },

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,12 +113,15 @@ def _raw_bytes(tensor) -> bytes:
 
 
 def build_body(named_inputs: dict, budget_ms: float | None, protocol: str) -> bytes:
-    """A request body in `protocol`: "json" (`infer_body`) or "binary" (`binary_infer_body`)."""
+    """A request body in `protocol`: "json" (`infer_body`), "binary" (`binary_infer_body`) or
+    "grpc" (`grpc_infer_message`)."""
     if protocol == "binary":
         return binary_infer_body(named_inputs, budget_ms)
     if protocol == "json":
         return infer_body(named_inputs, budget_ms)
-    raise ValueError(f"protocol must be json or binary, got {protocol!r}")
+    if protocol == "grpc":
+        return grpc_infer_message(named_inputs, budget_ms)
+    raise ValueError(f"protocol must be json, binary or grpc, got {protocol!r}")
 
 
 _OUTPUT_DTYPES = {"FP32": "<f4", "FP16": "<f2", "INT64": "<i8", "INT32": "<i4", "UINT8": "u1"}
@@ -232,6 +236,10 @@ def open_loop_phases(
         offset += duration_s
     times = np.concatenate(pieces) if pieces else np.zeros(0)
     order = np.random.default_rng(seed + 1).integers(0, len(bodies), size=len(times))
+    if url.startswith("grpc://"):  # Python's asyncio gRPC client: the Rust one is HTTP/1.1
+        with _no_collections():
+            run = _grpc_open_loop(url, bodies, times.tolist(), order.tolist(), timeout_s, check)
+            return asyncio.run(run)
     from cleave._native import http_load
 
     rows = http_load(
@@ -256,10 +264,10 @@ def open_loop_phases(
     return samples
 
 
-def _read_reply(sample: Sample, raw: bytes, check) -> None:
+def _read_reply(sample: Sample, raw: bytes, check, parse=parse_reply) -> None:
     """Stage timings from a 200's parameters, and its scores checked when asked."""
     try:
-        reply = parse_reply(raw)
+        reply = parse(raw)
     except (ValueError, KeyError) as err:
         sample.error = f"client_{type(err).__name__}"
         return
@@ -300,8 +308,9 @@ async def _sequential(url, bodies, count, timeout_s, check) -> list[Sample]:
 def sequential(url: str, bodies: Sequence[bytes], count: int, timeout_s: float = 10.0, check=None):
     """One request at a time (the next is sent when the previous answered): single-request
     latency, with nothing else in flight."""
+    run = _grpc_sequential if url.startswith("grpc://") else _sequential
     with _no_collections():
-        return asyncio.run(_sequential(url, bodies, count, timeout_s, check))
+        return asyncio.run(run(url, bodies, count, timeout_s, check))
 
 
 def summarize(samples: list[Sample], duration_s: float, budget_ms: float) -> dict:
@@ -354,3 +363,176 @@ def codec_counters(metrics_text: str) -> dict[tuple[str, str], tuple[float, int]
             elif s.name == "cleave_router_codec_total":
                 count[key] = int(s.value)
     return {k: (cpu.get(k, 0.0), count.get(k, 0)) for k in cpu.keys() | count.keys()}
+
+
+# KServe v2 gRPC (docs/serving.md, "gRPC"): a ModelInferRequest with every tensor in
+# raw_input_contents (what tritonclient sends), encoded here by hand so that the load path
+# needs no generated code: only grpcio's channel. Field numbers are the protocol's.
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def grpc_infer_message(named_inputs: dict, budget_ms: float | None = None) -> bytes:
+    """A serialized ModelInferRequest without its model_name (`grpc_with_model` adds it)."""
+    msg = bytearray()
+    raws = []
+    for name, tensor in named_inputs.items():
+        shape = b"".join(_varint(d) for d in tensor.shape)
+        datatype = KSERVE_DTYPES[str(tensor.dtype).removeprefix("torch.")].encode()
+        msg += _field(5, _field(1, name.encode()) + _field(2, datatype) + _field(3, shape))
+        raws.append(_raw_bytes(tensor))
+    if budget_ms is not None:  # parameters["budget_ms"] = double_param
+        value = _field(2, b"\x21" + struct.pack("<d", budget_ms))
+        msg += _field(4, _field(1, b"budget_ms") + value)
+    for raw in raws:
+        msg += _field(7, raw)
+    return bytes(msg)
+
+
+def grpc_with_model(message: bytes, model: str) -> bytes:
+    """The message with model_name set: a field appended to a protobuf message is merged."""
+    return bytes(message) + _field(1, model.encode())
+
+
+def _fields(buf: bytes):
+    """(number, wire type, value) of each field: an int for varints, bytes for
+    length-delimited and fixed-width ones."""
+    at = 0
+    while at < len(buf):
+        key, at = _read_varint(buf, at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _read_varint(buf, at)
+        elif wire == 2:
+            size, at = _read_varint(buf, at)
+            value, at = buf[at : at + size], at + size
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            value, at = buf[at : at + width], at + width
+        else:
+            raise ValueError(f"gRPC reply: wire type {wire} of field {number}")
+        yield number, wire, value
+
+
+def _read_varint(buf: bytes, at: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if at >= len(buf):
+            raise ValueError("gRPC reply: truncated varint")
+        b = buf[at]
+        n |= (b & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not b & 0x80:
+            return n, at
+
+
+def parse_grpc_reply(raw: bytes) -> dict:
+    """A ModelInferResponse with raw outputs, in `parse_reply`'s form."""
+    outputs, raws, params = [], [], {}
+    for number, _, value in _fields(raw):
+        if number == 5:
+            out = {"shape": []}
+            for n, w, v in _fields(value):
+                if n == 1:
+                    out["name"] = bytes(v).decode()
+                elif n == 2:
+                    out["datatype"] = bytes(v).decode()
+                elif n == 3 and w == 2:  # packed
+                    at = 0
+                    while at < len(v):
+                        d, at = _read_varint(v, at)
+                        out["shape"].append(d)
+                elif n == 3:
+                    out["shape"].append(v)
+            outputs.append(out)
+        elif number == 6:
+            raws.append(value)
+        elif number == 4:
+            entry = dict((n, v) for n, _, v in _fields(value))
+            choice = dict((n, v) for n, _, v in _fields(entry.get(2, b"")))
+            if 2 in choice:  # int64_param
+                params[bytes(entry.get(1, b"")).decode()] = choice[2]
+    if len(raws) != len(outputs):
+        raise ValueError(f"gRPC reply: {len(outputs)} outputs but {len(raws)} raw contents")
+    for out, data in zip(outputs, raws, strict=True):
+        dtype = np.dtype(_OUTPUT_DTYPES[out["datatype"]])
+        out["data"] = np.frombuffer(data, dtype=dtype).reshape(out["shape"])
+    return {"outputs": outputs, "parameters": params}
+
+
+_GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _grpc_target(url: str) -> tuple[str, str]:
+    """`grpc://HOST:PORT/MODEL` -> (HOST:PORT, MODEL)."""
+    where, _, model = url.removeprefix("grpc://").partition("/")
+    return where, model
+
+
+async def _grpc_send(call, message, sample, start, timeout_s, check) -> None:
+    import grpc
+
+    try:
+        raw = await call(message, timeout=timeout_s)
+        sample.status = 200
+        done = time.perf_counter()
+        _read_reply(sample, raw, check, parse_grpc_reply)
+    except grpc.aio.AioRpcError as err:
+        done = time.perf_counter()
+        code = err.code()
+        sample.error = "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else code.name
+        sample.error = "grpc_" + sample.error.lower()
+    sample.latency_s = done - (start + sample.scheduled_s)
+
+
+def _grpc_channel(where: str):
+    try:
+        import grpc
+    except ImportError:  # pragma: no cover - the dev extra has it
+        raise RuntimeError("--protocol grpc needs grpcio (in cleave's dev extra)") from None
+    limit = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    return grpc.aio.insecure_channel(where, options=limit)
+
+
+async def _grpc_open_loop(url, bodies, times, order, timeout_s, check) -> list[Sample]:
+    where, model = _grpc_target(url)
+    messages = [grpc_with_model(b, model) for b in bodies]
+    async with _grpc_channel(where) as channel:
+        call = channel.unary_unary(_GRPC_INFER)
+        samples, tasks = [], []
+        start = time.perf_counter()
+        for t, i in zip(times, order, strict=True):
+            wait = start + t - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            sample = Sample(int(i), float(t), max(0.0, -wait), 0.0, 0)
+            samples.append(sample)
+            send = _grpc_send(call, messages[i], sample, start, timeout_s, check)
+            tasks.append(asyncio.ensure_future(send))
+        await asyncio.gather(*tasks)
+    return samples
+
+
+async def _grpc_sequential(url, bodies, count, timeout_s, check) -> list[Sample]:
+    where, model = _grpc_target(url)
+    messages = [grpc_with_model(b, model) for b in bodies]
+    async with _grpc_channel(where) as channel:
+        call = channel.unary_unary(_GRPC_INFER)
+        samples = []
+        for i in range(count):
+            start = time.perf_counter()
+            sample = Sample(i % len(bodies), 0.0, 0.0, 0.0, 0)
+            await _grpc_send(call, messages[sample.index], sample, start, timeout_s, check)
+            samples.append(sample)
+    return samples

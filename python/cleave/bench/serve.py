@@ -68,9 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=int, default=100, help="rows per request")
     parser.add_argument(
         "--protocol",
-        choices=("json", "binary"),
+        choices=("json", "binary", "grpc"),
         default="json",
-        help="request bodies: KServe v2 JSON tensors, or binary tensors (what tritonclient sends)",
+        help="request bodies: KServe v2 JSON tensors, binary tensors (what tritonclient sends), "
+        "or gRPC with raw tensors (from Python's asyncio gRPC client)",
     )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
     parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
@@ -355,6 +356,8 @@ class Target:
         self.model = model  # the served model's name when it is not the workload's
         self.want_model = want_model  # --check against the float32 model, not the bundle
         self.endpoints: dict[str, str] = {}  # role -> /metrics URL
+        # --protocol grpc: the port given to `cleave serve --grpc-port` (in `flags`).
+        self.grpc_port = _grpc_port(self.flags)
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
 
     @property
@@ -395,7 +398,10 @@ class Target:
         self.start()
 
     def infer_url(self, workload: Workload) -> str:
-        return f"{self.url}/v2/models/{self.model or workload.name}/infer"
+        model = self.model or workload.name
+        if self.grpc_port:  # the load generator's form for gRPC: grpc://HOST:PORT/MODEL
+            return f"grpc://127.0.0.1:{self.grpc_port}/{model}"
+        return f"{self.url}/v2/models/{model}/infer"
 
     def checker(self, workload: Workload):
         """What --check compares this deployment's responses with."""
@@ -547,6 +553,8 @@ def _search(probe, args) -> float:
 
 def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
     """The deployments to measure, by name, in order."""
+    if getattr(args, "protocol", "json") == "grpc" and (args.url or args.plan or args.shard_hosts):
+        raise UsageError("--protocol grpc: only for deployments this command starts")
     if args.plan or args.shard_hosts:
         return hosts.targets(args, workload, result, Target)
     if args.url:
@@ -571,6 +579,18 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
     return targets
 
 
+def _grpc_port(flags: list[str]) -> int | None:
+    return int(flags[flags.index("--grpc-port") + 1]) if "--grpc-port" in flags else None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _max_goodput(deployment: dict) -> float:
     return max((p["goodput_rps"] for p in deployment["rates"]), default=0.0)
 
@@ -579,6 +599,8 @@ def _serve_flags(args, mode: str) -> list[str]:
     """`cleave serve`'s flags for a deployment in `mode` (disaggregated, monolithic,
     router-held)."""
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
+    if getattr(args, "protocol", "json") == "grpc":
+        flags += ["--grpc-port", str(_free_port())]
     if args.config:
         flags += ["--config", args.config]
     if args.threads:

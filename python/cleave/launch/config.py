@@ -42,6 +42,14 @@ class RouterConfig:
     # within the budget. 0: half of what is left of the budget. A range's only replica
     # (or the retry) may always use the rest of the budget.
     shard_timeout_ms: int = 0
+    # docs/security.md. A file holding the bearer token clients must send on REST and gRPC
+    # ("": none); TLS on both client ports from a PEM certificate chain and key ("": plain).
+    auth_token_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The environment variable holding the deployment's internal secret: every shard, ranker
+    # and router connection then proves it in its HELLO (docs/security.md). Never the secret.
+    internal_secret_env: str = ""
 
 
 @dataclass
@@ -67,6 +75,7 @@ class ServeConfig:
     name: str = ""  # model name in the URLs; "" -> the bundle directory's name
     host: str = "127.0.0.1"
     http_port: int = 0  # 0: an ephemeral port (the ready line says which)
+    grpc_port: int | None = None  # KServe v2 gRPC; None: off; 0: ephemeral (the router logs it)
     shards: int = 1
     rankers: int = 1
     monolithic: bool = False
@@ -92,6 +101,8 @@ class ServeConfig:
             need(self.rankers == 1, "rankers", "1 with monolithic", self.rankers)
             need(not self.router_held, "router_held", "false with monolithic", True)
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
+        grpc = self.grpc_port
+        need(grpc is None or 0 <= grpc < 65536, "grpc_port", "a port in 0..65535", grpc)
         need(self.transport in ("unix", "tcp"), "transport", '"unix" or "tcp"', self.transport)
         need(
             self.ranker.device in ("auto", "cpu", "cuda"),

@@ -8,6 +8,10 @@ from pathlib import Path
 from cleave.launch.config import ServeConfig
 
 
+def _security(r) -> dict:
+    return {"auth_token_file": r.auth_token_file, "tls_cert": r.tls_cert, "tls_key": r.tls_key}
+
+
 def router_config(
     name: str,
     bundle: Path,
@@ -44,6 +48,10 @@ def router_config(
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
         "held_threads": config.shard.threads,
+        # Only when asked for: a router config without it serves no gRPC (the chart's too).
+        **({} if config.grpc_port is None else {"grpc_port": config.grpc_port}),
+        # Paths only, and only when set (docs/security.md): the chart's config has none.
+        **{k: str(Path(v).resolve()) for k, v in _security(r).items() if v},
     }
 
 

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", help="TOML file (docs/serving.md); flags override it")
     parser.add_argument("--http-port", type=int, help="client port; 0: ephemeral (default)")
+    parser.add_argument(
+        "--grpc-port", type=int, help="KServe v2 gRPC port (default: no gRPC); 0: ephemeral"
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: TLS on REST and gRPC")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--auth-token-file", help="file with the bearer token clients must send (REST, gRPC)"
+    )
     parser.add_argument("--host", help="client address to bind (default 127.0.0.1)")
     parser.add_argument("--name", help="model name in the URLs (default: bundle directory name)")
     parser.add_argument("--shards", type=int, help="embedding shard processes (default 1)")
@@ -87,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> None:
     top = {
         "http_port": args.http_port,
+        "grpc_port": args.grpc_port,
         "host": args.host,
         "name": args.name,
         "shards": args.shards,
@@ -110,6 +119,15 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
     for key, value in ranker.items():
         if value is not None:
             setattr(config.ranker, key, value)
+    _apply_security(config.router, args)
+
+
+def _apply_security(router: config_io.RouterConfig, args: argparse.Namespace) -> None:
+    """--tls-cert, --tls-key, --auth-token-file: with a bundle or a plan alike."""
+    for key in ("tls_cert", "tls_key", "auth_token_file"):
+        value = getattr(args, key, None)
+        if value is not None:
+            setattr(router, key, value)
 
 
 def read_manifest(bundle: Path) -> dict:
@@ -192,10 +210,12 @@ def _plan_from_args(args: argparse.Namespace):
     if given:
         raise UsageError(
             f"{', '.join(given)}: not with --plan (the plan says it); "
-            "expected only --runner, --http-port, --host (local runner), --name, "
+            "expected only --runner, --http-port, --grpc-port, --tls-cert, --tls-key, "
+            "--auth-token-file, --host (local runner), --name, "
             "--fail-stop, --url-file, --link-gbit, --ray-address"
         )
     plan = load_plan(args.plan)
+    _apply_security(plan.router, args)
     if args.name is not None:
         plan.name = args.name
     if args.fail_stop is not None:
@@ -203,6 +223,9 @@ def _plan_from_args(args: argparse.Namespace):
     if args.http_port is not None:  # one port per router: P, P+1, ... (0: each picks one)
         for i, router in enumerate(plan.routers):
             router.http_port = args.http_port + i if args.http_port else 0
+    if args.grpc_port is not None:  # the same for gRPC
+        for i, router in enumerate(plan.routers):
+            router.grpc_port = args.grpc_port + i if args.grpc_port else 0
     for warning in plan.check(read_manifest(plan.bundle_path())):
         print(f"cleave serve: warning: {warning}", file=sys.stderr, flush=True)
     return plan, args.host

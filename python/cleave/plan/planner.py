@@ -140,7 +140,8 @@ def make_plan(
         host = placement.host_of(f"router-{i}") if placement else host
         n = ports.next("routers", host, 0)
         http_port = (config.http_port or ROUTER_PORT) + n
-        plan_routers.append(Router(f"router-{i}", host, http_port))
+        grpc_port = config.grpc_port + n if config.grpc_port else config.grpc_port
+        plan_routers.append(Router(f"router-{i}", host, http_port, grpc_port))
     placed = [ranker_hosts[i % len(ranker_hosts)] for i in range(rankers)]
     if placement:
         by_name = {h.name: h for h in hosts}
@@ -233,5 +234,5 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
         hosts=[this_machine("h0")],
         shards=shards,
         rankers=rankers,
-        routers=[Router("router", "h0", config.http_port)],
+        routers=[Router("router", "h0", config.http_port, config.grpc_port)],
     )

@@ -66,6 +66,7 @@ class Router:
     name: str
     host: str
     http_port: int  # the client port; 0: the runner picks one
+    grpc_port: int | None = None  # KServe v2 gRPC port; None: no gRPC; 0: an ephemeral one
 
 
 @dataclass

@@ -52,9 +52,9 @@ def probe_base(listen: str, port: int) -> str:
     return f"http://{_url_host(host)}:{port}"
 
 
-def client_url(host: str, port: int) -> str:
-    """A router's client URL."""
-    return f"http://{_url_host(host)}:{port}"
+def client_url(host: str, port: int, tls: bool = False) -> str:
+    """A router's client URL (https when it serves TLS: docs/security.md)."""
+    return f"{'https' if tls else 'http'}://{_url_host(host)}:{port}"
 
 
 def _before_start(address: str):
@@ -181,7 +181,7 @@ class RoleSpecs:
 
     def url(self, router: Router) -> str:
         """The router's client URL (its probes are there too)."""
-        return client_url(*self.binding.http(router))
+        return client_url(*self.binding.http(router), tls=bool(self.plan.router.tls_cert))
 
     def _router_config(self, router: Router, routes: list[dict], rankers: list[str]) -> Path:
         from cleave.launch.router import router_config
@@ -192,6 +192,7 @@ class RoleSpecs:
             name=self.plan.name,
             host=host,
             http_port=port,
+            grpc_port=router.grpc_port,
             monolithic=self.plan.mode == "monolithic",
             router_held=self.plan.mode == "router-held",
             ready_timeout_s=s.ready_timeout_s,

@@ -3,16 +3,36 @@ start them in order under one Supervisor, each gated on its `/ready` probe; watc
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cleave.errors import UsageError
 from cleave.launch.supervisor import Child, Supervisor
 from cleave.runners.base import Runner
 from cleave.runners.roles import Binding, RoleSpecs
 
 if TYPE_CHECKING:
     from cleave.plan import Plan
+
+
+# What every role reads its internal secret from (crates/cleave-wire/src/auth.rs).
+INTERNAL_SECRET = "CLEAVE_INTERNAL_SECRET"
+
+
+def share_internal_secret(name: str) -> None:
+    """Copies the secret in the variable the plan names into the one every role reads; the
+    children inherit it. Nothing when the plan names none."""
+    if not name:
+        return
+    value = os.environ.get(name, "")
+    if not value:
+        raise UsageError(
+            f"router.internal_secret_env names {name!r}, but that environment variable is "
+            "unset or empty: set it to the deployment's internal secret"
+        )
+    os.environ[INTERNAL_SECRET] = value
 
 
 class SupervisedRunner(Runner):
@@ -43,6 +63,7 @@ class SupervisedRunner(Runner):
             raise
 
     def _start(self, plan: Plan, plan_dir: Path) -> list[str]:
+        share_internal_secret(plan.router.internal_secret_env)
         specs = RoleSpecs(plan, self.bind(plan, plan_dir), plan_dir)
         timeout = plan.supervision.ready_timeout_s
         if plan.mode == "monolithic":
