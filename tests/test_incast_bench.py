@@ -49,3 +49,22 @@ def test_quick_bench_writes_the_schema(tmp_path):
         assert case["slo_attainment"] == 0.0 or case["goodput_mib_s"] > 0.0, case
         assert case["p99_ms"] is not None and case["p99_ms"] > 0.0, case
     assert (tmp_path / "incast.png").stat().st_size > 0
+
+
+def test_prioritize_port_adds_the_class_and_filters():
+    from cleave.testbed import Testbed
+    from cleave.testbed.commands import tc
+
+    with Testbed(2, link_gbit=0.5) as tb:
+        tb.prioritize_port(7400)
+        tb.prioritize_port(7500)  # a second port adds only its filters
+        for h in tb.hosts:
+            for where, dev in ((["-n", h.netns], h.veth), ([], h.bridge_port)):
+                classes = tc(*where, "class", "show", "dev", dev)
+                assert classes.count("htb 1:5 ") == 1, classes
+                assert "prio 0" in classes.split("htb 1:5 ")[1].splitlines()[0], classes
+                assert "prio 1" in classes.split("htb 1:10 ")[1].splitlines()[0], classes
+                filters = tc(*where, "filter", "show", "dev", dev)
+                assert filters.count("flowid 1:5") == 4, filters  # dport and sport, 2 ports
+        with pytest.raises(ValueError, match="port must be 1..65535"):
+            tb.prioritize_port(0)

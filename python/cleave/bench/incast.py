@@ -37,7 +37,7 @@ from pathlib import Path
 from cleave.errors import CleaveError, UsageError
 
 MIB = 1 << 20
-MIX = "40:0.35,150:0.65"  # k of SLO = k·M/B: 35% tight, 65% loose
+MIX = "50:0.4,150:0.6"  # k of SLO = k·M/B: 40% tight, 60% loose (docs/traffic.md: why)
 LOAD = 0.8
 CONTROL_PORT = 7400  # the priority class matches it; data ports follow it
 PORT_SPAN = 40  # cases use CONTROL_PORT + 1 + 2i (data) so no TIME_WAIT is ever in the way
@@ -250,7 +250,9 @@ def run_bench(s: dict) -> tuple[dict, dict]:
             results.append(row)
             details["window_traces"].append(report["window_trace"])
             details["messages"].append(len(report["messages"]))
-            print(_row_text(row, len(report["messages"])), file=sys.stderr, flush=True)
+            trace = [w for _, w in report["window_trace"]]
+            span = f" window {min(trace) / MIB:g}-{max(trace) / MIB:g}M" if trace else ""
+            print(_row_text(row, len(report["messages"])) + span, file=sys.stderr, flush=True)
         load_case = {"incast": 20, "control": "none", "order": "fcfs", "window_msgs": None}
         port = CONTROL_PORT + 1 + 2 * PORT_SPAN
         report = _run(tb, binary, s, load_case, port, continuous=True)

@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long)]
     start_ns: u64,
     /// SLO = k·M/B with k drawn from "k:weight,k:weight".
-    #[arg(long, default_value = "40:0.35,150:0.65")]
+    #[arg(long, default_value = "50:0.4,150:0.6")]
     mix: String,
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -58,7 +58,7 @@ pub struct Args {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SenderError {
-    #[error("--mix: expected k:weight pairs like 40:0.35,150:0.65, got {0:?}")]
+    #[error("--mix: expected k:weight pairs like 50:0.4,150:0.6, got {0:?}")]
     Mix(String),
     #[error("sender {index}: cannot connect to {addr}: {err}")]
     Connect {
