@@ -1,7 +1,8 @@
 """The incast control channel of a real `cleave-incast ranker` process on loopback
 (crates/cleave-flow, docs/traffic.md): a request-to-send is granted and, once its data has
 arrived, done; malformed and oversized control frames are answered with an error frame and
-the connection closed, and the ranker goes on serving other senders."""
+the connection closed, and the ranker goes on serving other senders; with --drop-expired a
+request that can no longer make its SLO is answered "expired" instead of granted."""
 
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def ranker():
+def start_ranker(*extra: str):
     control, data = free_port(), free_port()
     argv = [find_incast_binary(), "ranker", "--listen", "127.0.0.1"]
     # The ranker reports once 6 control connections have closed: the first test opens 6.
     argv += ["--control-port", str(control), "--data-port", str(data), "--senders", "6"]
     argv += ["--window", "1000", "--order", "edf", "--message-bytes", "1000", "--max-s", "60"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         yield proc, control, data
@@ -64,6 +66,16 @@ def ranker():
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ranker():
+    yield from start_ranker()
+
+
+@pytest.fixture
+def expiring_ranker():
+    yield from start_ranker("--drop-expired")
 
 
 def connect(port: int) -> socket.socket:
@@ -124,4 +136,15 @@ def test_data_for_an_unknown_message_closes_that_connection(ranker):
     with connect(control) as c:
         c.sendall(rts(1, 10))
         assert read_frame(c) == (2, struct.pack("<Q", 1))
+    assert proc.poll() is None
+
+
+def test_a_request_that_cannot_make_its_slo_expires(expiring_ranker):
+    proc, control, _ = expiring_ranker
+    with connect(control) as c:
+        # 1 MB at 1 Gbit/s takes 8 ms: with 1 ms of SLO left it cannot arrive in time.
+        c.sendall(rts(1, 1_000_000, slo_us=1_000))
+        assert read_frame(c) == (6, struct.pack("<Q", 1))
+        c.sendall(rts(2, 1000, slo_us=10_000_000))  # this one can: granted
+        assert read_frame(c) == (2, struct.pack("<Q", 2))
     assert proc.poll() is None

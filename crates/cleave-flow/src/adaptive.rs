@@ -19,8 +19,8 @@ pub struct Thresholds {
 impl Default for Thresholds {
     fn default() -> Thresholds {
         Thresholds {
-            high: 4.0,
-            low: 0.5,
+            high: 2.0,
+            low: 0.25,
             target_utilization: 0.9,
         }
     }
@@ -92,7 +92,7 @@ mod tests {
         assert_eq!(a.observe(clear), 16);
         assert_eq!(a.observe(clear), 24);
         let between = Sample {
-            congestion: 2.0,
+            congestion: 1.0,
             utilization: 0.5,
             backlog: true,
         };

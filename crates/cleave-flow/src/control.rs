@@ -56,6 +56,9 @@ pub enum ControlMessage {
     },
     /// Either way: the peer's last frame was rejected; the connection closes after this.
     Error { code: ErrorCode, message: String },
+    /// Ranker → sender: message `id` waited past the latest time it could start and still
+    /// meet its SLO; it will not be granted (the sender gives up on it).
+    Expired { id: u64 },
 }
 
 const KIND_RTS: u8 = 1;
@@ -63,6 +66,7 @@ const KIND_GRANT: u8 = 2;
 const KIND_DONE: u8 = 3;
 const KIND_CREDIT: u8 = 4;
 const KIND_ERROR: u8 = 5;
+const KIND_EXPIRED: u8 = 6;
 
 impl ControlMessage {
     fn kind(&self) -> u8 {
@@ -72,6 +76,7 @@ impl ControlMessage {
             ControlMessage::Done { .. } => KIND_DONE,
             ControlMessage::Credit { .. } => KIND_CREDIT,
             ControlMessage::Error { .. } => KIND_ERROR,
+            ControlMessage::Expired { .. } => KIND_EXPIRED,
         }
     }
 
@@ -89,9 +94,9 @@ impl ControlMessage {
                     body.extend_from_slice(&v.to_le_bytes());
                 }
             }
-            ControlMessage::Grant { id } | ControlMessage::Done { id } => {
-                body.extend_from_slice(&id.to_le_bytes())
-            }
+            ControlMessage::Grant { id }
+            | ControlMessage::Done { id }
+            | ControlMessage::Expired { id } => body.extend_from_slice(&id.to_le_bytes()),
             ControlMessage::Credit {
                 conn,
                 bytes,
@@ -133,7 +138,7 @@ pub fn decode_header(h: &[u8; HEADER]) -> Result<(u8, u32), ControlError> {
         });
     }
     let kind = h[3];
-    if !(KIND_RTS..=KIND_ERROR).contains(&kind) {
+    if !(KIND_RTS..=KIND_EXPIRED).contains(&kind) {
         return Err(ControlError::UnknownKind { kind });
     }
     let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
@@ -193,6 +198,12 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<ControlMessage, ControlError
                 conn: u32::from_le_bytes([body[0], body[1], body[2], body[3]]),
                 bytes: u64_at(body, 4),
                 stamp_ns: u64_at(body, 12),
+            }
+        }
+        KIND_EXPIRED => {
+            fixed("expired", 8, body)?;
+            ControlMessage::Expired {
+                id: u64_at(body, 0),
             }
         }
         KIND_ERROR => {
@@ -274,6 +285,7 @@ mod tests {
             },
             ControlMessage::Grant { id: u64::MAX },
             ControlMessage::Done { id: 0 },
+            ControlMessage::Expired { id: 5 },
             ControlMessage::Credit {
                 conn: 3,
                 bytes: 4096,

@@ -8,7 +8,7 @@ pub enum ControlError {
     BadMagic { got: u16 },
     #[error("control frame: expected version {expected}, got {got}")]
     BadVersion { expected: u8, got: u8 },
-    #[error("control frame: unknown message kind {kind} (expected 1..=5)")]
+    #[error("control frame: unknown message kind {kind} (expected 1..=6)")]
     UnknownKind { kind: u8 },
     #[error("control frame: body of {got} bytes exceeds the limit of {limit}")]
     Oversized { got: u32, limit: u32 },

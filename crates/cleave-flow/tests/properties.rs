@@ -18,6 +18,7 @@ fn message() -> impl Strategy<Value = ControlMessage> {
         }),
         any::<u64>().prop_map(|id| ControlMessage::Grant { id }),
         any::<u64>().prop_map(|id| ControlMessage::Done { id }),
+        any::<u64>().prop_map(|id| ControlMessage::Expired { id }),
         (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(conn, bytes, stamp_ns)| {
             ControlMessage::Credit {
                 conn,

@@ -170,6 +170,8 @@ def _run(tb, binary: str, s: dict, case: dict, port: int, continuous: bool = Fal
     ranker_argv += ["--max-s", str(offered_s + drain_s + 30)]
     if case["control"] == "adaptive":
         ranker_argv.append("--adaptive")
+    if case["control"] != "none":
+        ranker_argv.append("--drop-expired")
     with tempfile.TemporaryFile("w+") as ranker_err:
         ranker = tb.popen(0, ranker_argv, stdout=subprocess.PIPE, stderr=ranker_err, text=True)
         try:
@@ -252,6 +254,7 @@ def run_bench(s: dict) -> tuple[dict, dict]:
             details["messages"].append(len(report["messages"]))
             trace = [w for _, w in report["window_trace"]]
             span = f" window {min(trace) / MIB:g}-{max(trace) / MIB:g}M" if trace else ""
+            span += f" expired {report.get('expired', 0)}"
             print(_row_text(row, len(report["messages"])) + span, file=sys.stderr, flush=True)
         load_case = {"incast": 20, "control": "none", "order": "fcfs", "window_msgs": None}
         port = CONTROL_PORT + 1 + 2 * PORT_SPAN

@@ -42,15 +42,18 @@ pub struct Args {
     link_gbit: f64,
     #[arg(long)]
     message_bytes: u64,
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 50)]
     interval_ms: u64,
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 2.0)]
     high: f64,
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.25)]
     low: f64,
     /// Report and exit after this long even if senders remain.
     #[arg(long, default_value_t = 600.0)]
     max_s: f64,
+    /// Drop a waiting request once it can no longer meet its SLO (it is answered "expired").
+    #[arg(long)]
+    drop_expired: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +85,7 @@ struct State {
     closed: usize,
     window_trace: Vec<(u64, u64)>,
     queue_peak: usize,
+    expired: usize,
 }
 
 type Shared = Arc<Mutex<State>>;
@@ -90,10 +94,21 @@ fn lock(s: &Shared) -> std::sync::MutexGuard<'_, State> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn dispatch(state: &State, grants: Vec<Grant>) {
+fn dispatch(state: &mut State, grants: Vec<Grant>) {
     for g in grants {
         if let Some(tx) = state.control.get(&g.sender) {
             let _ = tx.send(ControlMessage::Grant { id: g.id });
+        }
+    }
+    let expired = state
+        .scheduler
+        .as_mut()
+        .map(|q| q.take_expired())
+        .unwrap_or_default();
+    for p in expired {
+        state.expired += 1;
+        if let Some(tx) = state.control.get(&p.sender) {
+            let _ = tx.send(ControlMessage::Expired { id: p.id });
         }
     }
 }
@@ -106,6 +121,7 @@ struct Report {
     credits_piggyback_us: Vec<f64>,
     window_trace: Vec<(u64, u64)>,
     queue_peak: usize,
+    expired: usize,
 }
 
 pub async fn run(args: Args) -> Result<(), RankerError> {
@@ -140,7 +156,11 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
     });
     let start = adaptive.as_ref().map_or(window, |a| a.limit());
     let state: Shared = Arc::new(Mutex::new(State {
-        scheduler: Some(IncastScheduler::new(start, args.order, link_bps)),
+        scheduler: Some(if args.drop_expired {
+            IncastScheduler::new(start, args.order, link_bps).with_expiry(mono_ns)
+        } else {
+            IncastScheduler::new(start, args.order, link_bps)
+        }),
         ..State::default()
     }));
     let all_closed = Arc::new(Notify::new());
@@ -172,8 +192,9 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
         let st = state.clone();
         let interval = Duration::from_millis(args.interval_ms.max(1));
         let mut ticker = tokio::time::interval(interval);
-        let mut last_ooo: HashMap<RawFd, u32> = HashMap::new();
-        let mut last_bytes = 0u64;
+        // Per socket: (out-of-order segments, bytes received) at the last sample, from the
+        // kernel's counters, so the rate does not depend on when this process got the CPU.
+        let mut last: HashMap<RawFd, (u32, u64)> = HashMap::new();
         let t0 = mono_ns();
         let stop = tokio::time::sleep(Duration::from_secs_f64(args.max_s));
         tokio::pin!(stop);
@@ -186,19 +207,18 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
                 _ = ticker.tick() => {}
             }
             let mut s = lock(&st);
-            let mut ooo = 0u64;
+            let (mut ooo, mut bytes) = (0u64, 0u64);
             let fds: Vec<RawFd> = s.data_fds.keys().copied().collect();
-            last_ooo.retain(|fd, _| s.data_fds.contains_key(fd));
+            last.retain(|fd, _| s.data_fds.contains_key(fd));
             for fd in fds {
                 if let Ok(info) = receiver_stats(fd) {
-                    let prev = last_ooo
-                        .insert(fd, info.rcv_ooopack)
-                        .unwrap_or(info.rcv_ooopack);
-                    ooo += u64::from(info.rcv_ooopack.wrapping_sub(prev));
+                    let now = (info.rcv_ooopack, info.bytes_received);
+                    let prev = last.insert(fd, now).unwrap_or(now);
+                    // Smaller counts are a new connection that reuses the fd number.
+                    ooo += u64::from(now.0.checked_sub(prev.0).unwrap_or(now.0));
+                    bytes += now.1.checked_sub(prev.1).unwrap_or(now.1);
                 }
             }
-            let bytes = s.bytes_received - last_bytes;
-            last_bytes = s.bytes_received;
             let mib = (bytes as f64 / (1 << 20) as f64).max(0.25);
             let backlog = s.scheduler.as_ref().is_some_and(|q| q.queued() > 0);
             let sample = Sample {
@@ -215,7 +235,7 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
                     .as_mut()
                     .map(|q| q.set_limit(limit))
                     .unwrap_or_default();
-                dispatch(&s, grants);
+                dispatch(&mut s, grants);
             }
         }
     } else {
@@ -234,6 +254,7 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
         credits_piggyback_us: us(&s.credits_piggyback_ns),
         window_trace: s.window_trace.clone(),
         queue_peak: s.queue_peak,
+        expired: s.expired,
     };
     let line = serde_json::to_string(&report).map_err(|e| RankerError::Report(e.into()))?;
     let mut out = std::io::stdout().lock();
@@ -301,7 +322,7 @@ async fn serve_control(
                     .unwrap_or_default();
                 let queued = s.scheduler.as_ref().map_or(0, |q| q.queued());
                 s.queue_peak = s.queue_peak.max(queued);
-                dispatch(&s, grants);
+                dispatch(&mut s, grants);
             }
             ControlMessage::Credit { stamp_ns, .. } => {
                 s.credits_priority_ns.push(now.saturating_sub(stamp_ns))
@@ -325,7 +346,7 @@ async fn serve_control(
             .as_mut()
             .map(|q| q.sender_gone(conn))
             .unwrap_or_default();
-        dispatch(&s, grants);
+        dispatch(&mut s, grants);
         s.closed += 1;
         if s.closed >= expected {
             all_closed.notify_one();
@@ -364,7 +385,7 @@ async fn serve_data(mut sock: TcpStream, st: Shared) {
                         if let Some(tx) = s.control.get(&sender) {
                             let _ = tx.send(ControlMessage::Done { id: a });
                         }
-                        dispatch(&s, grants);
+                        dispatch(&mut s, grants);
                     }
                 }
                 data::KIND_CREDIT => {

@@ -204,7 +204,7 @@ async fn one_sender(
                 Ok(Some(ControlMessage::Grant { id })) => {
                     let _ = gtx.send(id);
                 }
-                Ok(Some(ControlMessage::Done { .. })) => {
+                Ok(Some(ControlMessage::Done { .. } | ControlMessage::Expired { .. })) => {
                     let mut o = o2.lock().unwrap_or_else(|p| p.into_inner());
                     *o = o.saturating_sub(1);
                     n2.notify_one();
