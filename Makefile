@@ -10,14 +10,16 @@ export PYO3_PYTHON := $(abspath $(PY))
 setup: $(STAMP)
 
 # One pip install builds the native module (maturin, release) and installs every dependency;
-# then the standalone executables (cleave-shard, cleave-router: no Python in them) are built
-# in release and installed next to the `cleave` script, where the launcher looks first.
+# then the standalone executables (cleave-shard, cleave-router, cleave-incast: no Python in
+# them) are built in release and installed next to the `cleave` script, where the launcher
+# looks first.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,ray]'
-	cargo build --release --bins -p cleave-shard -p cleave-router
-	install -m 755 target/release/cleave-shard target/release/cleave-router $(VENV)/bin/
+	cargo build --release --bins -p cleave-shard -p cleave-router -p cleave-flow
+	install -m 755 target/release/cleave-shard target/release/cleave-router target/release/cleave-incast \
+		$(VENV)/bin/
 	touch $@
 
 # Tools the chart checks need (tests/test_helm.py), built project-locally into .tools/bin from

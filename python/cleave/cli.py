@@ -26,6 +26,7 @@ BENCHMARKS = {
     "shard": ("cleave.bench.shard", "shard latency and throughput over loopback"),
     "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
     "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
+    "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
 }
 
 

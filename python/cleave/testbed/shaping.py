@@ -62,3 +62,92 @@ def apply(dev: str, shape: Shape, netns: str | None = None) -> None:
         "limit",
         shape.limit,
     )
+
+
+PRIORITY_CLASS = "1:5"
+PRIORITY_SHARE = 0.01  # of the link rate, guaranteed to control traffic (at least 1 Mbit/s)
+
+
+def add_priority_port(dev: str, shape: Shape, port: int, netns: str | None = None) -> None:
+    """Put TCP/UDP traffic to or from ``port`` on ``dev`` in a priority class beside the default
+    leaf, as RDMA QoS gives control traffic its own service level: class 1:5 (prio 0, a small
+    guaranteed rate, ceil the link) with its own short pfifo, so control packets never wait in
+    the data queue; the default leaf 1:10 moves to prio 1. Idempotent per port: adding a second
+    port adds only its filters."""
+    if not (isinstance(port, int) and 0 < port < 65536):
+        raise ValueError(f"port must be 1..65535, got {port!r}")
+    where = ["-n", netns] if netns else []
+    guaranteed = f"{max(round(shape.gbit * 1e9 * PRIORITY_SHARE), 1_000_000)}bit"
+    link = ["ceil", shape.rate, "burst", shape.burst, "cburst", shape.burst]
+    classes = tc(*where, "class", "show", "dev", dev)
+    if f"htb {PRIORITY_CLASS} " not in classes:
+        tc(
+            *where,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "classid",
+            PRIORITY_CLASS,
+            "htb",
+            "rate",
+            guaranteed,
+            *link,
+            "prio",
+            "0",
+        )
+        tc(
+            *where,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            PRIORITY_CLASS,
+            "handle",
+            "5:",
+            "pfifo",
+            "limit",
+            "1000",
+        )
+        tc(
+            *where,
+            "class",
+            "change",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            shape.rate,
+            *link,
+            "prio",
+            "1",
+        )
+    for field in ("dport", "sport"):
+        tc(
+            *where,
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            field,
+            str(port),
+            "0xffff",
+            "flowid",
+            PRIORITY_CLASS,
+        )

@@ -293,6 +293,14 @@ class Testbed:
         kw.setdefault("timeout", RUN_TIMEOUT_S)
         return subprocess.run(self.exec_argv(host, argv), **kw)
 
+    def prioritize_port(self, port: int) -> None:
+        """Traffic to or from TCP/UDP ``port`` goes in a higher-priority htb class on every host
+        link, both directions (docs/testbed.md, "Priority for control traffic"): what
+        RDMA QoS does for a control channel."""
+        for h in self.hosts:
+            shaping.add_priority_port(h.veth, self.shape, port, netns=h.netns)
+            shaping.add_priority_port(h.bridge_port, self.shape, port)
+
     def set_link(self, host: Host | int | str, up: bool) -> None:
         """Take the host's link down (both veth ends) or bring it back; its address, routes
         and shaping survive."""
