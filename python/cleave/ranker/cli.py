@@ -189,8 +189,8 @@ def _report(batcher) -> None:
     s = batcher.stats
     print(
         f"ranker stopped: {s.requests} requests in {s.batches} batches, "
-        f"{s.dropped_deadline} past deadline, {s.dropped_late} unable to make it, "
-        f"{s.cancelled} cancelled, {s.overloaded} refused "
-        f"(queue full), {s.bad_requests} malformed, {s.failed} failed",
+        f"{s.dropped_deadline} past deadline, {s.cancelled} cancelled, {s.overloaded} refused "
+        f"(queue full), {s.bad_requests} malformed, {s.failed} failed, "
+        f"{s.dropped_late} dropped as unable to make their deadline",
         file=sys.stderr,
     )
