@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::addr::Stream;
 use crate::conn::{FrameReader, FrameWriter};
-use crate::frame::{kind, ErrorCode, Frame, VERSION};
+use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
 use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
 
@@ -26,6 +26,7 @@ enum Event {
     Shutdown,
     Read(io::Result<usize>),
     Start,
+    Woken,
     Deadline,
 }
 
@@ -51,8 +52,12 @@ pub(crate) async fn serve_connection(
     mut stream: Stream,
     shared: Arc<Shared>,
     conn_id: u64,
+    class: ConnClass,
     _token: Token,
 ) {
+    // Data connections' tasks are woken to start others' queued work; the control thread
+    // stays free for probes.
+    let helps = class == ConnClass::Data;
     let cfg = &shared.config;
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let mut reader = FrameReader::new(cfg.max_payload);
@@ -96,6 +101,7 @@ pub(crate) async fn serve_connection(
             r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
             // After reading: what has arrived competes in the queue before the next start.
             _ = std::future::ready(()), if queued => Event::Start,
+            _ = shared.queue_ready.notified(), if helps && !queued => Event::Woken,
             _ = wait_shutdown(&mut shutdown), if !draining => Event::Shutdown,
             _ = sleep_until(deadline), if deadline.is_some() => Event::Deadline,
         };
@@ -120,6 +126,7 @@ pub(crate) async fn serve_connection(
                 // Let this thread's other connections read and write between two starts.
                 tokio::task::yield_now().await;
             }
+            Event::Woken => {} // the next turn sees the queue
             Event::Wrote(Err(_)) => return,
             Event::Wrote(Ok(n)) => {
                 owed -= n;
@@ -306,6 +313,7 @@ fn dispatch(
             let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
             queue.push(waiting);
             shared.stats.queued.fetch_add(1, Ordering::Relaxed);
+            shared.queue_ready.notify_one();
         }
     }
 }

@@ -253,6 +253,9 @@ pub(crate) struct Shared {
     /// Requests of every connection waiting to start, in the configured policy's order: the
     /// first I/O thread free starts the next one, whichever connection it came on.
     pub(crate) queue: Mutex<Box<dyn RequestQueue<Waiting>>>,
+    /// Wakes one idle connection task when a request is queued, so that an I/O thread with
+    /// nothing to do starts work that a busy thread's connections received.
+    pub(crate) queue_ready: tokio::sync::Notify,
 }
 
 impl Server {
@@ -280,6 +283,7 @@ impl Server {
             data_io: data_io.clone(),
             stats: stats.clone(),
             queue,
+            queue_ready: tokio::sync::Notify::new(),
         });
         let token = live.enter();
         control_io.spawn(async move {
@@ -460,7 +464,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
     let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     match class {
         // Control connections stay on this (control) thread, away from bulk data.
-        ConnClass::Control => serve_connection(stream, shared, conn_id, token).await,
+        ConnClass::Control => serve_connection(stream, shared, conn_id, class, token).await,
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
                 return;
@@ -468,7 +472,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
             let io = shared.data_io.clone();
             io.spawn(async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
-                    serve_connection(stream, shared, conn_id, token).await;
+                    serve_connection(stream, shared, conn_id, class, token).await;
                 }
             });
         }

@@ -119,3 +119,77 @@ fn edf_starts_the_earlier_deadline_first_and_fifo_the_earlier_arrival() {
     // Near, middle, far; no deadline last.
     assert_eq!(order_under(QueuePolicy::Edf), [2, 4, 1, 3]);
 }
+
+/// Blocks its I/O thread on HELD requests until the test releases them; echoes the rest,
+/// telling the test.
+struct Blocking {
+    release: Mutex<std::sync::mpsc::Receiver<()>>,
+    echoed: Mutex<std::sync::mpsc::Sender<u64>>,
+}
+
+const HELD: u16 = 0x0103;
+
+impl Handler for Blocking {
+    fn handle(&self, request: Request, responder: Responder) {
+        if request.kind == HELD {
+            // Longer than the test waits for request 2, so that waiting for this one fails it.
+            let _ = self.release.lock().unwrap().recv_timeout(T * 3);
+        } else {
+            let _ = self.echoed.lock().unwrap().send(request.request_id);
+        }
+        responder.reply(request.payload);
+    }
+}
+
+#[test]
+fn an_idle_io_thread_starts_work_a_busy_threads_connection_received() {
+    let (release_tx, release_rx) = std::sync::mpsc::channel();
+    let (echoed_tx, echoed_rx) = std::sync::mpsc::channel();
+    let h = Arc::new(Blocking {
+        release: Mutex::new(release_rx),
+        echoed: Mutex::new(echoed_tx),
+    });
+    let config = ServerConfig {
+        io_threads: 2,
+        ..ServerConfig::default()
+    };
+    let s = Server::bind(&"127.0.0.1:0".parse().unwrap(), h, config).unwrap();
+    let Address::Tcp(a) = s.local_addr() else {
+        unreachable!()
+    };
+    let hello = Frame::request(kind::HELLO, 0, encode_hello(ConnClass::Data)).to_bytes();
+    // Two connections: round robin puts them on the two I/O threads.
+    let mut conns: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut c = TcpStream::connect(a).unwrap();
+            c.set_read_timeout(Some(T)).unwrap();
+            c.write_all(&hello).unwrap();
+            assert!(read_frame(&mut c).is_response());
+            c
+        })
+        .collect();
+    // A round trip on the second connection parks its task, idle, on the other thread.
+    conns[1]
+        .write_all(&Frame::request(ECHO, 9, Bytes::from_static(b"p")).to_bytes())
+        .unwrap();
+    assert_eq!(read_frame(&mut conns[1]).request_id, 9);
+    assert_eq!(echoed_rx.recv_timeout(T), Ok(9));
+    // A request that blocks its thread, and one behind it on the same connection, in one
+    // write: both are queued before the first starts.
+    let mut burst = BytesMut::new();
+    burst.extend_from_slice(&Frame::request(HELD, 1, Bytes::from_static(b"h")).to_bytes());
+    burst.extend_from_slice(&Frame::request(ECHO, 2, Bytes::from_static(b"e")).to_bytes());
+    conns[0].write_all(&burst).unwrap();
+    // The other thread starts request 2 while request 1 still holds the first thread.
+    assert_eq!(
+        echoed_rx.recv_timeout(T),
+        Ok(2),
+        "request 2 waited for request 1"
+    );
+    release_tx.send(()).unwrap();
+    let mut answered: Vec<u64> = (0..2)
+        .map(|_| read_frame(&mut conns[0]).request_id)
+        .collect();
+    answered.sort_unstable();
+    assert_eq!(answered, [1, 2]);
+}
