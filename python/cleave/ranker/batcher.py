@@ -130,9 +130,10 @@ class Batcher:
         self._receive(self._wait_s())
         if not self.queue:
             return 0
-        oldest = self.queue.oldest_arrival_ns()
-        if self.queued_rows < self.max_batch and self.clock() - oldest < self.max_wait_ns:
-            return 0
+        # (Under EDF finding the oldest is a scan: only when waiting for company is on.)
+        if self.max_wait_ns and self.queued_rows < self.max_batch:
+            if self.clock() - self.queue.oldest_arrival_ns() < self.max_wait_ns:
+                return 0
         return self._run(self._take())
 
     def _wait_s(self) -> float:
