@@ -178,6 +178,24 @@ def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed()
         assert (s.dropped_late, s.dropped_deadline, s.requests) == (1, 0, 2)
 
 
+def test_drops_pull_the_estimate_down_so_one_slow_batch_does_not_shut_the_ranker():
+    queue, batcher, runs = make_batcher("edf", batch_ns=50_000_000)  # one batch of 50 ms
+    first = submit(queue, 2, 0)
+    while not first.done():
+        batcher.step()
+    dropped = 0
+    for attempt in range(40):  # each drop pulls the 50 ms estimate below the ~20 ms left
+        f = submit(queue, 1, attempt, deadline_us=int(time.time() * 1e6) + 20_000)
+        while not f.done():
+            batcher.step()
+        if f.exception() is None:
+            break
+        dropped += 1
+    else:
+        pytest.fail("every request was dropped: the estimate never came down")
+    assert dropped >= 1 and runs[-1] == 1 and batcher.stats.dropped_late == dropped
+
+
 def test_without_a_measured_batch_nothing_is_dropped_early():
     queue, batcher, runs = make_batcher("edf")
     now_us = int(time.time() * 1e6)

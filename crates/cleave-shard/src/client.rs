@@ -360,6 +360,10 @@ impl ShardClient {
             }
             let expected = r.ewma_us();
             if (left.as_secs_f64() * 1e6) < expected {
+                // Only replies refresh the estimate: without this a replica once slow would
+                // never be sent another lookup. Each drop pulls it below what was left (half
+                // of it as a sample), so after a few drops a lookup goes out and measures.
+                r.record(left.as_secs_f64() * 1e6 / 2.0);
                 return Err(ClientError::Late {
                     addr: r.addr().clone(),
                     holds: holds(),

@@ -255,6 +255,14 @@ impl Handler for ShardService {
         self.is_ready()
     }
 
+    fn dropped_late(&self, kind: u16, left_us: u64) {
+        if kind == LOOKUP {
+            // Only served lookups refresh the estimate: each drop pulls it below what was
+            // left (half of it as a sample), so after a slow spell lookups are served again.
+            self.service_us.update(left_us as f64 / 2.0);
+        }
+    }
+
     fn expected_service_us(&self, kind: u16) -> u64 {
         if kind == LOOKUP {
             self.service_us.get() as u64

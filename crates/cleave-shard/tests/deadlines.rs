@@ -73,6 +73,10 @@ fn a_lookup_with_less_time_left_than_the_replica_takes_is_not_sent() {
         "{err}"
     );
     assert!(err.to_string().contains("not sent to shard"), "{err}");
+    // The drop pulled the estimate down (a sample of half the 50 ms left; only replies refresh
+    // it otherwise: a replica once slow would never be sent a lookup again).
+    let ewma_ms = c.members()[0].ewma_ms;
+    assert!(ewma_ms < 199.0 && ewma_ms > 25.0, "{ewma_ms}");
     // With time enough it is sent (and times out again). Had the late one been sent, it would
     // have arrived before this one on the same connection.
     let err = rt

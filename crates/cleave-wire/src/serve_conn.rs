@@ -360,6 +360,7 @@ fn start_next(shared: &Shared) {
         }
         if deadline - now < expected {
             shared.stats.dropped_late.fetch_add(1, Ordering::Relaxed);
+            shared.handler.dropped_late(k, deadline - now);
             let msg = format!(
                 "deadline cannot be met: {} us left when the request's turn came, the server \
                  expects {expected} us of service; dropped before starting",

@@ -184,6 +184,12 @@ pub trait Handler: Send + Sync + 'static {
     fn expected_service_us(&self, _kind: u16) -> u64 {
         0
     }
+
+    /// Called when a request of `kind` was dropped because only `left_us` were left, less
+    /// than [`expected_service_us`](Self::expected_service_us). A handler whose estimate only
+    /// served requests refresh should pull it below `left_us` here, or one slow spell would
+    /// make it drop every later request.
+    fn dropped_late(&self, _kind: u16, _left_us: u64) {}
 }
 
 /// Live counts of a server, for metrics.

@@ -199,6 +199,11 @@ class Batcher:
             self.queued_rows -= head.rows
             if head.deadline_us and head.deadline_us - now_us < needs_us:
                 self._drop_late(head, now_us, needs_us)
+                if head.deadline_us >= now_us:
+                    # Only batches run refresh the average: each drop pulls it below the time
+                    # that was left (half of it as a sample), so one slow batch cannot make
+                    # the ranker drop every later request.
+                    self._record_compute((head.deadline_us - now_us) // 2)
                 continue
             batch.append(head)
             rows += head.rows
