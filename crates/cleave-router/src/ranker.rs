@@ -30,6 +30,9 @@ pub struct Ranker {
     /// f64 bits of the moving average of compute_us / batch_requests: the ranker's time per
     /// request when busy, for admission control (`RankerPool::expected_wait`).
     service_us: Ewma,
+    /// f64 bits of the moving average of compute_us: the least a request sent now takes once
+    /// the ranker starts it. A request with less time left is not sent (`RankerPool::rank`).
+    compute_us: Ewma,
     outstanding: AtomicU64,
     healthy: AtomicBool,
     /// Asked to leave (admin API): no new requests, those in flight finish.
@@ -45,6 +48,7 @@ impl Ranker {
             addr: addr.to_owned(),
             ewma_us: Ewma::default(),
             service_us: Ewma::default(),
+            compute_us: Ewma::default(),
             outstanding: AtomicU64::new(0),
             healthy: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -87,11 +91,16 @@ impl Ranker {
         self.service_us.get()
     }
 
+    pub fn compute_us(&self) -> f64 {
+        self.compute_us.get()
+    }
+
     fn record(&self, response: &RankResponse) {
         let latency_us = response.queue_us as f64 + response.compute_us as f64;
         let service_us = response.compute_us as f64 / response.batch_requests.max(1) as f64;
         self.ewma_us.update(latency_us);
         self.service_us.update(service_us);
+        self.compute_us.update(response.compute_us as f64);
     }
 
     fn mark(&self, healthy: bool, error: Option<String>) {
@@ -238,7 +247,10 @@ impl RankerPool {
     /// budget; it is also the deadline on the wire), with the request's trace id. A ranker
     /// that could not take the request ([`retry_elsewhere`]) passes it to the next in order of
     /// preference, each ranker at most once: requests are pure, so running one twice is
-    /// harmless. When every ranker failed that way the request is `Unavailable` (503).
+    /// harmless. When every ranker failed that way the request is `Unavailable` (503). A
+    /// ranker whose compute (moving average) takes longer than what is left is not sent the
+    /// payload; when no ranker could make it the request fails `deadline` in stage `ranker`
+    /// (504) without using the link or a ranker's core.
     pub async fn rank(
         &self,
         kind: u16,
@@ -248,8 +260,21 @@ impl RankerPool {
     ) -> Result<Ranked, RequestError> {
         let started = Instant::now();
         let mut failures: Vec<String> = Vec::new();
+        let mut late: Vec<String> = Vec::new();
         for ranker in self.order() {
             let left = timeout.saturating_sub(started.elapsed());
+            let needs_us = ranker.compute_us();
+            if !left.is_zero() && (left.as_secs_f64() * 1e6) < needs_us {
+                // Only replies refresh the estimate: each skip pulls it below what was left
+                // (half of it as a sample), so a ranker once slow is tried again after a few.
+                ranker.compute_us.update(left.as_secs_f64() * 1e6 / 2.0);
+                late.push(format!(
+                    "ranker {} computes in {needs_us:.0} us, {} us were left",
+                    ranker.addr,
+                    left.as_micros()
+                ));
+                continue;
+            }
             if left.is_zero() {
                 return Err(RequestError {
                     kind: ErrorKind::Deadline,
@@ -294,6 +319,17 @@ impl RankerPool {
                 },
             }
         }
+        if failures.is_empty() && !late.is_empty() {
+            return Err(RequestError {
+                kind: ErrorKind::Deadline,
+                message: format!(
+                    "deadline cannot be met, not sent to a ranker: {}",
+                    late.join("; ")
+                ),
+                stage: Some(Stage::Ranker),
+            });
+        }
+        failures.extend(late);
         let what = if failures.is_empty() {
             "this router has no rankers".to_owned()
         } else {
@@ -524,6 +560,7 @@ mod tests {
                 average
             },
             service_us: Ewma::default(),
+            compute_us: Ewma::default(),
             outstanding: AtomicU64::new(outstanding),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
@@ -558,6 +595,43 @@ mod tests {
         r.record(&reply(1000, 1000, 1));
         assert!((r.ewma_us() - 1200.0).abs() < 1e-9);
         assert!((r.service_us() - 440.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_payload_no_ranker_can_compute_in_time_is_not_sent() {
+        let slow = ranker(0.0, 0);
+        slow.record(&reply(0, 1_000_000, 4)); // a batch takes 1 s
+        assert_eq!(slow.compute_us(), 1_000_000.0);
+        let pool = RankerPool::with_rankers(
+            vec![Arc::new(slow)],
+            IoThreads::new("test", 1).unwrap(),
+            ClientConfig::default(),
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let rank = pool.rank(
+            crate::payload::RANK,
+            Bytes::new(),
+            Duration::from_millis(50),
+            1,
+        );
+        let err = rt.block_on(rank).unwrap_err();
+        // Sent, it would have failed to connect (port 1) and been `unavailable`.
+        assert_eq!(
+            (err.kind, err.stage),
+            (ErrorKind::Deadline, Some(Stage::Ranker)),
+            "{err}"
+        );
+        assert!(
+            err.message.contains("not sent") && err.message.contains("computes in 1000000 us"),
+            "{err}"
+        );
+        // The skip pulled the estimate down (a sample of half the 50 ms left): a few more
+        // skips and the ranker is tried again, so one slow batch does not shut it out.
+        let after = pool.rankers()[0].compute_us();
+        assert!(after < 1_000_000.0 && after > 25_000.0, "{after}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cleave_shard::{ClientError, Lookup as ShardLookup, Op, Route, RoutingTable};
 use cleave_shard::{Member, MembershipError, ProbeReport, ShardClient, ShardClientConfig};
-use cleave_wire::{Address, IoThreads, WireError};
+use cleave_wire::{Address, ErrorCode, IoThreads, WireError};
 
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -229,9 +229,17 @@ fn to_shard_lookup(
 
 fn shard_error(e: ClientError) -> RequestError {
     let kind = match (&e, e.wire()) {
-        (_, Some(WireError::Timeout { .. })) => {
-            return RequestError::new(ErrorKind::Deadline, format!("{e}")).at(Stage::Lookup)
-        }
+        // Out of time: waiting for a shard, dropped by one before it started, or not sent
+        // because less time was left than the shard's lookups take.
+        (ClientError::Late { .. }, _)
+        | (_, Some(WireError::Timeout { .. }))
+        | (
+            _,
+            Some(WireError::Remote {
+                code: ErrorCode::Deadline,
+                ..
+            }),
+        ) => return RequestError::new(ErrorKind::Deadline, format!("{e}")).at(Stage::Lookup),
         (ClientError::Unavailable { .. }, _)
         | (_, Some(WireError::Connect { .. } | WireError::Handshake { .. })) => {
             ErrorKind::Unavailable

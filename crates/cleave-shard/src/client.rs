@@ -66,6 +66,18 @@ pub enum ClientError {
     /// A shard answered something that does not fit the request.
     #[error("shard {addr}: unexpected response: {reason}")]
     BadResponse { addr: Address, reason: String },
+    /// Less time was left before the deadline than the replica's lookups take (its moving
+    /// average): not sent, so that it uses neither the link nor the shard's cores.
+    #[error(
+        "lookup of {holds} not sent to shard {addr}: {left_us} us left before the deadline, \
+         its lookups take {expected_us} us"
+    )]
+    Late {
+        addr: Address,
+        holds: String,
+        left_us: u64,
+        expected_us: u64,
+    },
 }
 
 impl ClientError {
@@ -344,6 +356,19 @@ impl ShardClient {
                 return Err(ClientError::Replica {
                     source,
                     holds: holds(),
+                });
+            }
+            let expected = r.ewma_us();
+            if (left.as_secs_f64() * 1e6) < expected {
+                // Only replies refresh the estimate: without this a replica once slow would
+                // never be sent another lookup. Each drop pulls it below what was left (half
+                // of it as a sample), so after a few drops a lookup goes out and measures.
+                r.record(left.as_secs_f64() * 1e6 / 2.0);
+                return Err(ClientError::Late {
+                    addr: r.addr().clone(),
+                    holds: holds(),
+                    left_us: left.as_micros() as u64,
+                    expected_us: expected as u64,
                 });
             }
             // Cutting a call short only pays when another replica can take the retry.

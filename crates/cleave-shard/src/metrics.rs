@@ -50,6 +50,12 @@ pub struct Gauges {
     pub connections: u64,
     pub frames_receiving: u64,
     pub tables: Vec<(String, u64, u64)>, // name, row_start, row_end
+    /// Lookups received and waiting to start.
+    pub queued: u64,
+    /// Lookups answered `deadline` without being computed: already late when their turn
+    /// came, and with less time left than a lookup takes (the server's counts).
+    pub dropped_expired: u64,
+    pub dropped_late: u64,
 }
 
 impl Default for Metrics {
@@ -170,9 +176,28 @@ impl Metrics {
                 "1 once the tables are mapped; 0 before and while stopping.",
                 g.ready as u64,
             ),
+            (
+                "cleave_shard_queued",
+                "Lookups received and waiting to start.",
+                g.queued,
+            ),
         ] {
             families.push(gauges(name, help, [(vec![], v as f64)]));
         }
+        let mut dropped = gauges(
+            "cleave_shard_dropped_total",
+            "Lookups answered `deadline` and never computed: `expired` when already late at \
+             their turn, `late` when less time was left than a lookup takes.",
+            [
+                (
+                    vec![("reason", "expired".to_owned())],
+                    g.dropped_expired as f64,
+                ),
+                (vec![("reason", "late".to_owned())], g.dropped_late as f64),
+            ],
+        );
+        as_counters(&mut dropped);
+        families.push(dropped);
         let tables = g.tables.iter().map(|(t, a, b)| {
             let labels = vec![
                 ("table", t.clone()),
@@ -231,6 +256,19 @@ fn gauges(
     family
 }
 
+/// Turns a family made by [`gauges`] into counters (values the server counts up).
+fn as_counters(family: &mut MetricFamily) {
+    family.set_field_type(MetricType::COUNTER);
+    for metric in family.mut_metric().iter_mut() {
+        let mut counter = prometheus::proto::Counter::default();
+        counter.set_value(metric.get_gauge().get_value());
+        let mut m = Metric::default();
+        m.set_label(metric.take_label());
+        m.set_counter(counter);
+        *metric = m;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,6 +286,9 @@ mod tests {
             connections: 2,
             frames_receiving: 0,
             tables: vec![("t\"0".into(), 5, 10)],
+            queued: 3,
+            dropped_expired: 4,
+            dropped_late: 5,
         });
         for line in [
             "cleave_shard_requests_total{status=\"ok\"} 1",
@@ -262,6 +303,10 @@ mod tests {
             "cleave_shard_connections 2",
             "cleave_shard_frames_receiving 0",
             "cleave_shard_ready 1",
+            "cleave_shard_queued 3",
+            "cleave_shard_dropped_total{reason=\"expired\"} 4",
+            "cleave_shard_dropped_total{reason=\"late\"} 5",
+            "# TYPE cleave_shard_dropped_total counter",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00005\"} 1",
@@ -287,6 +332,9 @@ mod tests {
             connections: 0,
             frames_receiving: 0,
             tables: vec![],
+            queued: 0,
+            dropped_expired: 0,
+            dropped_late: 0,
         });
         assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
         assert!(!text.contains("cleave_shard_table_rows"), "{text}");

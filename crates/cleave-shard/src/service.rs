@@ -4,13 +4,14 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
 use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
-use cleave_wire::{ErrorCode, Handler, Request, Responder};
+use cleave_wire::{ErrorCode, Handler, Request, Responder, ServerStats};
 
+use crate::ewma::Ewma;
 use crate::message::{decode_request, Op, ResponseBuilder, LOOKUP};
 use crate::metrics::{Gauges, Metrics};
 
@@ -20,6 +21,11 @@ pub struct ShardService {
     stopping: AtomicBool,
     metrics: Metrics,
     max_response: usize,
+    /// Moving average of a served lookup's time (µs): a lookup with less time left before
+    /// its deadline is dropped before it starts (Handler::expected_service_us).
+    service_us: Ewma,
+    /// The server's counts (queue, dropped requests), once a server serves this.
+    server: OnceLock<Arc<ServerStats>>,
 }
 
 struct Loaded {
@@ -47,6 +53,8 @@ impl ShardService {
             stopping: AtomicBool::new(false),
             metrics: Metrics::default(),
             max_response,
+            service_us: Ewma::default(),
+            server: OnceLock::new(),
         }
     }
 
@@ -97,6 +105,12 @@ impl ShardService {
             .unwrap_or_default()
     }
 
+    /// Reports the counts of the server that serves this (its queue and dropped requests)
+    /// in the metrics. Only the first call has an effect.
+    pub fn attach_server(&self, stats: Arc<ServerStats>) {
+        let _ = self.server.set(stats);
+    }
+
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }
@@ -109,11 +123,16 @@ impl ShardService {
             .into_iter()
             .map(|(n, r)| (n, r.start, r.end))
             .collect();
+        let server = self.server.get();
+        let count = |f: fn(&ServerStats) -> u64| server.map_or(0, |s| f(s));
         self.metrics.render(&Gauges {
             ready: self.is_ready(),
             connections,
             frames_receiving: receiving,
             tables,
+            queued: count(ServerStats::queued),
+            dropped_expired: count(ServerStats::expired),
+            dropped_late: count(ServerStats::dropped_late),
         })
     }
 
@@ -205,6 +224,8 @@ impl Handler for ShardService {
             Ok((payload, served)) => {
                 let n = payload.len();
                 responder.reply(payload);
+                self.service_us
+                    .update(started.elapsed().as_secs_f64() * 1e6);
                 tracing::debug!(
                     trace_id = %cleave_wire::log::trace_id(request.trace_id),
                     lookups = served.lookups,
@@ -232,5 +253,21 @@ impl Handler for ShardService {
 
     fn ready(&self) -> bool {
         self.is_ready()
+    }
+
+    fn dropped_late(&self, kind: u16, left_us: u64) {
+        if kind == LOOKUP {
+            // Only served lookups refresh the estimate: each drop pulls it below what was
+            // left (half of it as a sample), so after a slow spell lookups are served again.
+            self.service_us.update(left_us as f64 / 2.0);
+        }
+    }
+
+    fn expected_service_us(&self, kind: u16) -> u64 {
+        if kind == LOOKUP {
+            self.service_us.get() as u64
+        } else {
+            0
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cleave_embed::{Engine, Manifest, OpenOptions, Table};
-use cleave_wire::{Address, Server, ServerConfig};
+use cleave_wire::{Address, QueuePolicy, Server, ServerConfig};
 
 use crate::http::HttpServer;
 use crate::service::ShardService;
@@ -84,6 +84,8 @@ pub struct ShardConfig {
     pub max_payload: u32,
     /// Copy tables into memory instead of mapping the files (see cleave_embed::Residency).
     pub resident: bool,
+    /// The order in which received lookups start (docs/serving.md, "Queue policies").
+    pub queue: QueuePolicy,
 }
 
 impl ShardConfig {
@@ -99,6 +101,7 @@ impl ShardConfig {
             frame_timeout: Duration::from_secs(10),
             max_payload: cleave_wire::frame::DEFAULT_MAX_PAYLOAD,
             resident: false,
+            queue: QueuePolicy::Fifo,
         }
     }
 }
@@ -155,10 +158,12 @@ impl Shard {
             io_threads: config.io_threads.max(1),
             max_payload: config.max_payload,
             frame_timeout: config.frame_timeout,
+            queue: config.queue,
             ..ServerConfig::default()
         };
         let server = Server::bind(&config.listen, service.clone(), server_config)
             .map_err(|e| StartError(format!("cannot listen on {}: {e}", config.listen)))?;
+        service.attach_server(server.stats());
         let http = match config.metrics_port {
             None => None,
             Some(port) => {

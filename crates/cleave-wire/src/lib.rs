@@ -8,6 +8,7 @@
 //! * [`Client`]: pipelined calls to one peer over a few data connections and one control
 //!   connection, responses matched by request id.
 //!
+//! * [`queue`]: the order requests start in (FIFO, EDF), one file per policy.
 //! * [`health`]: the readiness schema every role serves.
 //! * [`log`]: the one log set-up of the executables (`tracing`, text or JSON lines).
 //!
@@ -22,6 +23,7 @@ pub mod frame;
 pub mod health;
 mod io;
 pub mod log;
+pub mod queue;
 mod serve_conn;
 mod server;
 
@@ -30,4 +32,5 @@ pub use client::{Client, ClientConfig, ClientStats};
 pub use error::WireError;
 pub use frame::{ConnClass, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
+pub use queue::QueuePolicy;
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};

@@ -1,6 +1,7 @@
 //! One server connection on its I/O thread: reads frames, dispatches requests (control kinds
-//! answered here, late ones with `deadline`, the rest to the handler), applies CANCEL frames,
-//! and writes the replies, reads and writes progressing side by side.
+//! answered here, late ones with `deadline`, the rest into the server's queue), starts queued
+//! requests (of any connection) in the queue policy's order, applies CANCEL frames, and writes
+//! the replies, reads and writes progressing side by side.
 
 use std::collections::HashMap;
 use std::io;
@@ -15,7 +16,8 @@ use tokio::time::Instant;
 
 use crate::addr::Stream;
 use crate::conn::{FrameReader, FrameWriter};
-use crate::frame::{kind, ErrorCode, Frame, VERSION};
+use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
+use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
 
 enum Event {
@@ -23,7 +25,23 @@ enum Event {
     Wrote(io::Result<usize>),
     Shutdown,
     Read(io::Result<usize>),
+    Start,
+    Woken,
     Deadline,
+}
+
+/// An application request received and not started yet, with what answering it needs.
+pub(crate) struct Waiting {
+    frame: Frame,
+    conn_id: u64,
+    tx: mpsc::UnboundedSender<Frame>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Queued for Waiting {
+    fn deadline_unix_us(&self) -> u64 {
+        self.frame.deadline_unix_us
+    }
 }
 
 /// Serves one connection until the peer closes it, a framing error or timeout, idleness, or
@@ -34,8 +52,12 @@ pub(crate) async fn serve_connection(
     mut stream: Stream,
     shared: Arc<Shared>,
     conn_id: u64,
+    class: ConnClass,
     _token: Token,
 ) {
+    // Data connections' tasks are woken to start others' queued work; the control thread
+    // stays free for probes.
+    let helps = class == ConnClass::Data;
     let cfg = &shared.config;
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let mut reader = FrameReader::new(cfg.max_payload);
@@ -60,6 +82,7 @@ pub(crate) async fn serve_connection(
             break;
         }
         let paused = owed >= cfg.max_in_flight; // back-pressure: not reading for now
+        let queued = shared.stats.queued.load(Ordering::Relaxed) > 0;
         let deadline = if !reading || paused {
             None
         } else if reader.in_frame() {
@@ -76,6 +99,9 @@ pub(crate) async fn serve_connection(
             Some(f) = rx.recv() => Event::Reply(f),
             w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
             r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
+            // After reading: what has arrived competes in the queue before the next start.
+            _ = std::future::ready(()), if queued => Event::Start,
+            _ = shared.queue_ready.notified(), if helps && !queued => Event::Woken,
             _ = wait_shutdown(&mut shutdown), if !draining => Event::Shutdown,
             _ = sleep_until(deadline), if deadline.is_some() => Event::Deadline,
         };
@@ -95,6 +121,12 @@ pub(crate) async fn serve_connection(
                     next = rx.try_recv().ok();
                 }
             }
+            Event::Start => {
+                start_next(&shared);
+                // Let this thread's other connections read and write between two starts.
+                tokio::task::yield_now().await;
+            }
+            Event::Woken => {} // the next turn sees the queue
             Event::Wrote(Err(_)) => return,
             Event::Wrote(Ok(n)) => {
                 owed -= n;
@@ -272,21 +304,83 @@ fn dispatch(
             }
             let cancelled = Arc::new(AtomicBool::new(false));
             in_flight.insert(id, cancelled.clone());
-            let request = Request {
+            let waiting = Waiting {
+                frame,
                 conn_id,
-                request_id: id,
-                kind: k,
-                payload: frame.payload,
-                deadline_unix_us: deadline,
-                trace_id: frame.trace_id,
+                tx: tx.clone(),
                 cancelled,
             };
-            let responder = Responder::new(tx.clone(), k, id, deadline, frame.trace_id);
-            // A panicking handler must not take the connection (or thread) down; the dropped
-            // responder answers `internal`.
-            let handler = &shared.handler;
-            let _ =
-                std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(request, responder)));
+            let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.push(waiting);
+            shared.stats.queued.fetch_add(1, Ordering::Relaxed);
+            shared.queue_ready.notify_one();
         }
     }
+}
+
+/// Starts the request the queue policy picks (if another thread has not emptied the queue):
+/// skips it if its caller cancelled it or its connection is gone, answers `deadline` if less
+/// time is left than the handler expects it to take, else hands it to the handler.
+fn start_next(shared: &Shared) {
+    let next = {
+        let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        queue.pop()
+    };
+    let Some(w) = next else {
+        return;
+    };
+    shared.stats.queued.fetch_sub(1, Ordering::Relaxed);
+    let frame = w.frame;
+    let (k, id) = (frame.kind, frame.request_id);
+    let (deadline, trace_id) = (frame.deadline_unix_us, frame.trace_id);
+    let error = |code, msg: &str| {
+        let f = Frame::error(k, id, code, msg).with_context(deadline, trace_id);
+        let _ = w.tx.send(f);
+    };
+    if w.tx.is_closed() {
+        return; // nobody to answer
+    }
+    if w.cancelled.load(Ordering::Relaxed) {
+        // Its connection discards this; sending it settles the connection's count of replies.
+        return error(
+            ErrorCode::Cancelled,
+            "cancelled by the caller before it started",
+        );
+    }
+    if deadline != 0 {
+        let now = unix_now_us();
+        let expected = shared.handler.expected_service_us(k);
+        if now > deadline {
+            shared.stats.expired.fetch_add(1, Ordering::Relaxed);
+            let msg = format!(
+                "deadline passed {} us before the server could start the request",
+                now - deadline
+            );
+            return error(ErrorCode::Deadline, &msg);
+        }
+        if deadline - now < expected {
+            shared.stats.dropped_late.fetch_add(1, Ordering::Relaxed);
+            shared.handler.dropped_late(k, deadline - now);
+            let msg = format!(
+                "deadline cannot be met: {} us left when the request's turn came, the server \
+                 expects {expected} us of service; dropped before starting",
+                deadline - now
+            );
+            return error(ErrorCode::Deadline, &msg);
+        }
+    }
+    let request = Request {
+        conn_id: w.conn_id,
+        request_id: id,
+        kind: k,
+        payload: frame.payload,
+        deadline_unix_us: deadline,
+        trace_id,
+        cancelled: w.cancelled,
+    };
+    let responder = Responder::new(w.tx, k, id, deadline, trace_id);
+    // A panicking handler must not take the connection (or thread) down; the dropped
+    // responder answers `internal`.
+    let handler = &shared.handler;
+    let _ = std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(request, responder)));
 }

@@ -15,7 +15,8 @@ use crate::auth::check_hello;
 use crate::conn::{read_header, read_payload, HeaderError};
 use crate::frame::{kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
-use crate::serve_conn::serve_connection;
+use crate::queue::{QueuePolicy, RequestQueue};
+use crate::serve_conn::{serve_connection, Waiting};
 
 /// Limits and timeouts of a server.
 #[derive(Clone, Debug)]
@@ -32,6 +33,8 @@ pub struct ServerConfig {
     pub max_in_flight: usize,
     /// On shutdown, the longest wait for in-flight requests before connections are dropped.
     pub drain_timeout: Duration,
+    /// The order in which requests that arrived start (docs/serving.md, "Queue policies").
+    pub queue: QueuePolicy,
 }
 
 impl Default for ServerConfig {
@@ -43,6 +46,7 @@ impl Default for ServerConfig {
             idle_timeout: Some(Duration::from_secs(300)),
             max_in_flight: 1024,
             drain_timeout: Duration::from_secs(30),
+            queue: QueuePolicy::default(),
         }
     }
 }
@@ -173,6 +177,20 @@ pub trait Handler: Send + Sync + 'static {
     /// that has not been answered yet (its `Request::is_cancelled` is already true). A handler
     /// that queues requests drops it here; its reply, if any, is discarded.
     fn cancelled(&self, _conn_id: u64, _request_id: u64) {}
+
+    /// How long a request of `kind` is expected to take once started (µs), e.g. a moving
+    /// average of past ones. A request with less time than this left before its deadline is
+    /// answered `deadline` without reaching [`handle`](Self::handle). 0 (the default): only
+    /// requests already late are dropped.
+    fn expected_service_us(&self, _kind: u16) -> u64 {
+        0
+    }
+
+    /// Called when a request of `kind` was dropped because only `left_us` were left, less
+    /// than [`expected_service_us`](Self::expected_service_us). A handler whose estimate only
+    /// served requests refresh should pull it below `left_us` here, or one slow spell would
+    /// make it drop every later request.
+    fn dropped_late(&self, _kind: u16, _left_us: u64) {}
 }
 
 /// Live counts of a server, for metrics.
@@ -182,6 +200,8 @@ pub struct ServerStats {
     pub(crate) frames_receiving: AtomicU64,
     pub(crate) cancelled: AtomicU64,
     pub(crate) expired: AtomicU64,
+    pub(crate) dropped_late: AtomicU64,
+    pub(crate) queued: AtomicU64,
 }
 
 impl ServerStats {
@@ -203,6 +223,17 @@ impl ServerStats {
     /// Requests answered `deadline` without reaching the handler.
     pub fn expired(&self) -> u64 {
         self.expired.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered `deadline` without reaching the handler because, when their turn
+    /// came, less time was left than the handler expects them to take.
+    pub fn dropped_late(&self) -> u64 {
+        self.dropped_late.load(Ordering::Relaxed)
+    }
+
+    /// Requests received and waiting in the queue to start.
+    pub fn queued(&self) -> u64 {
+        self.queued.load(Ordering::Relaxed)
     }
 }
 
@@ -226,6 +257,12 @@ pub(crate) struct Shared {
     live: Tracker,
     data_io: IoThreads,
     pub(crate) stats: Arc<ServerStats>,
+    /// Requests of every connection waiting to start, in the configured policy's order: the
+    /// first I/O thread free starts the next one, whichever connection it came on.
+    pub(crate) queue: Mutex<Box<dyn RequestQueue<Waiting>>>,
+    /// Wakes one idle connection task when a request is queued, so that an I/O thread with
+    /// nothing to do starts work that a busy thread's connections received.
+    pub(crate) queue_ready: tokio::sync::Notify,
 }
 
 impl Server {
@@ -243,6 +280,7 @@ impl Server {
         let live = Tracker::default();
         let drain_timeout = config.drain_timeout;
         let stats = Arc::new(ServerStats::default());
+        let queue = Mutex::new(config.queue.queue());
         let shared = Arc::new(Shared {
             handler,
             config,
@@ -251,6 +289,8 @@ impl Server {
             live: live.clone(),
             data_io: data_io.clone(),
             stats: stats.clone(),
+            queue,
+            queue_ready: tokio::sync::Notify::new(),
         });
         let token = live.enter();
         control_io.spawn(async move {
@@ -431,7 +471,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
     let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     match class {
         // Control connections stay on this (control) thread, away from bulk data.
-        ConnClass::Control => serve_connection(stream, shared, conn_id, token).await,
+        ConnClass::Control => serve_connection(stream, shared, conn_id, class, token).await,
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
                 return;
@@ -439,7 +479,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
             let io = shared.data_io.clone();
             io.spawn(async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
-                    serve_connection(stream, shared, conn_id, token).await;
+                    serve_connection(stream, shared, conn_id, class, token).await;
                 }
             });
         }

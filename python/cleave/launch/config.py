@@ -18,6 +18,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
+# Queue policies of shards and rankers (cleave_wire::queue, cleave/ranker/queues/).
+QUEUE_POLICIES = ("fifo", "edf")
+
+
 @dataclass
 class RouterConfig:
     budget_ms: float = 1000.0  # latency budget of a request that names none
@@ -55,6 +59,7 @@ class RouterConfig:
 @dataclass
 class ShardConfig:
     threads: int = 1  # lookup threads per shard
+    queue: str = "fifo"  # order received lookups start in: fifo | edf (docs/serving.md)
 
 
 @dataclass
@@ -64,6 +69,7 @@ class RankerConfig:
     max_batch: int = 256  # rows per batch at most
     max_wait_ms: float = 0.0  # how long a request may wait for company; 0: work-conserving
     max_queue: int = 1024  # requests waiting at most; more are refused `overloaded` at once
+    queue: str = "fifo"  # order waiting requests start in: fifo | edf (docs/serving.md)
     cuda_graphs: bool = True
     compile: bool = False  # compile the dense program with TorchInductor before ready (CPU)
     compile_cache: str = ""  # compiled programs kept here; "": $XDG_CACHE_HOME/cleave/inductor
@@ -114,6 +120,9 @@ class ServeConfig:
         need(self.ranker.max_wait_ms >= 0, "ranker.max_wait_ms", ">= 0", self.ranker.max_wait_ms)
         need(self.ranker.max_queue >= 1, "ranker.max_queue", "at least 1", self.ranker.max_queue)
         need(self.ranker.threads >= 0, "ranker.threads", ">= 0", self.ranker.threads)
+        for role in ("shard", "ranker"):
+            policy = getattr(self, role).queue
+            need(policy in QUEUE_POLICIES, f"{role}.queue", '"fifo" or "edf"', policy)
         need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
         r = self.router
         need(

@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=int, help="ranker batch rows at most")
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
+    parser.add_argument(
+        "--queue",
+        choices=["fifo", "edf"],
+        help="order waiting requests start in at shards and rankers (default fifo; "
+        "docs/serving.md, Queue policies)",
+    )
     parser.add_argument("--transport", choices=["unix", "tcp"], help="internal sockets")
     parser.add_argument(
         "--fail-stop",
@@ -119,6 +125,8 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
     for key, value in ranker.items():
         if value is not None:
             setattr(config.ranker, key, value)
+    if args.queue is not None:
+        config.shard.queue = config.ranker.queue = args.queue
     _apply_security(config.router, args)
 
 
@@ -180,6 +188,7 @@ _LAYOUT_FLAGS = (
     "shared_batching",
     "max_batch",
     "max_wait_ms",
+    "queue",
     "transport",
     "monolithic",
     "router_held",

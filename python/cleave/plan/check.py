@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from cleave.errors import UsageError
-from cleave.launch.config import ServeConfig
+from cleave.launch.config import QUEUE_POLICIES, ServeConfig
 from cleave.plan.schema import Host, Plan
 
 # A shard's own memory beside the rows it maps (process, runtime, lookup buffers).
@@ -112,6 +112,10 @@ def _settings(plan: Plan, errors: list[str]) -> None:
     for i, s in enumerate(plan.shards):
         if s.threads < 1:
             errors.append(f"shards[{i}].threads: expected at least 1, got {s.threads}")
+    for what, roles in (("shards", plan.shards), ("rankers", plan.rankers)):
+        for i, role in enumerate(roles):
+            if role.queue not in QUEUE_POLICIES:
+                errors.append(f'{what}[{i}].queue: expected "fifo" or "edf", got {role.queue!r}')
     for i, r in enumerate(plan.rankers):
         f = f"rankers[{i}]"
         if r.device not in DEVICES:

@@ -65,6 +65,7 @@ def _ranker_settings(config: ServeConfig) -> dict:
         "compile": c.compile,
         "compile_cache": c.compile_cache,
         "shared_batching": c.shared_batching,
+        "queue": c.queue,
     }
 
 
@@ -132,7 +133,16 @@ def make_plan(
             host = placement.host_of(name) if placement else host
             port = ports.next("shards", host, SHARD_PORT)
             plan_shards.append(
-                Shard(name, g, host, port, port + METRICS_OFFSET, config.shard.threads, ranges)
+                Shard(
+                    name,
+                    g,
+                    host,
+                    port,
+                    port + METRICS_OFFSET,
+                    config.shard.threads,
+                    ranges,
+                    config.shard.queue,
+                )
             )
     plan_routers = []
     for i in range(routers):
@@ -214,7 +224,8 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     held = config.monolithic or config.router_held  # no shard processes
     ranges = [] if held else [r for r in table_ranges(manifest, config.shards) if r]
     shards = [
-        Shard(f"shard-{i}", i, "h0", 0, 0, config.shard.threads, r) for i, r in enumerate(ranges)
+        Shard(f"shard-{i}", i, "h0", 0, 0, config.shard.threads, r, config.shard.queue)
+        for i, r in enumerate(ranges)
     ]
     rankers = [
         Ranker(

@@ -38,6 +38,7 @@ class Shard:
     metrics_port: int  # /metrics, /ready, /live; 0: the runner picks one
     threads: int  # lookup threads
     ranges: dict[str, tuple[int, int]]  # table -> [row_start, row_end)
+    queue: str = "fifo"  # order received lookups start in: fifo | edf
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Ranker:
     compile: bool = False  # TorchInductor-compile the dense program before ready (CPU)
     compile_cache: str = ""  # where compiled code is kept; "": the user's cache directory
     shared_batching: bool = True  # join a shared-input model's requests (bundle permitting)
+    queue: str = "fifo"  # order waiting requests start in: fifo | edf
 
 
 @dataclass

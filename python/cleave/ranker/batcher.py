@@ -11,11 +11,13 @@ The loop only needs a *source* with two calls, so it does not care where request
 * `reply(conn_id, request_id, kind, payload)` and
   `reply_error(conn_id, request_id, code: int, message)`.
 
-Policy: requests are served in arrival order. A batch starts when the queued rows reach
-`max_batch`, or when the oldest request has waited `max_wait_s`; with `max_wait_s = 0` the loop
-is work-conserving (it runs whatever arrived while the previous batch computed). A batch is
-one call of the dense program: requests are never interleaved. A request whose deadline has
-passed when its batch starts is answered with error `deadline` and not computed; one whose
+Policy: requests start in the order of the queue policy (`queue`: "fifo", arrival order, the
+default; or "edf", earliest deadline first; cleave/ranker/queues/). A batch starts when the
+queued rows reach `max_batch`, or when the longest-waiting request has waited `max_wait_s`;
+with `max_wait_s = 0` the loop is work-conserving (it runs whatever arrived while the previous
+batch computed). A batch is one call of the dense program: requests are never interleaved. A
+request that cannot make its deadline when its batch is formed (less time left than a batch's
+compute takes, a moving average) is answered with error `deadline` and not computed; one whose
 caller cancelled it is dropped from the queue. The queue holds at most `max_queue` requests:
 one more is answered `overloaded` at once (not executed, so the router retries it on another
 ranker).
@@ -29,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from cleave._native import (
 from cleave.ranker import DEFAULT_MAX_QUEUE
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import PayloadError, decode_request, encode_response
+from cleave.ranker.queues import DEFAULT_POLICY, make_queue
 from cleave.ranker.signature import Signature
 
 log = logging.getLogger("cleave.ranker")
@@ -61,6 +63,7 @@ __all__ = [
 ]
 
 _IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
+_EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time average (as the router's)
 
 
 @dataclass
@@ -78,7 +81,8 @@ class Pending:
 class BatchStats:
     requests: int = 0
     batches: int = 0
-    dropped_deadline: int = 0
+    dropped_deadline: int = 0  # already late when their batch was formed
+    dropped_late: int = 0  # less time left than a batch's compute takes
     cancelled: int = 0
     overloaded: int = 0
     bad_requests: int = 0
@@ -97,6 +101,7 @@ class Batcher:
         max_queue: int = DEFAULT_MAX_QUEUE,
         wall_clock=time.time,
         clock=time.monotonic_ns,
+        queue: str = DEFAULT_POLICY,
     ):
         self.source = source
         self.executor = executor
@@ -108,9 +113,12 @@ class Batcher:
         self.max_queue = max(1, max_queue)
         self.wall_clock = wall_clock  # for deadlines (Unix time, seconds)
         self.clock = clock  # for queueing time and max_wait (nanoseconds)
-        self.queue: deque[Pending] = deque()
+        self.queue = make_queue(queue)
         self.queued_rows = 0
         self.stats = BatchStats()
+        # Moving average of a batch's compute (µs): a request with less time left than this
+        # cannot make its deadline. 0 until the first batch (nothing is dropped as late).
+        self.compute_ewma_us = 0.0
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -122,9 +130,10 @@ class Batcher:
         self._receive(self._wait_s())
         if not self.queue:
             return 0
-        oldest = self.queue[0].arrived_ns
-        if self.queued_rows < self.max_batch and self.clock() - oldest < self.max_wait_ns:
-            return 0
+        # (Under EDF finding the oldest is a scan: only when waiting for company is on.)
+        if self.max_wait_ns and self.queued_rows < self.max_batch:
+            if self.clock() - self.queue.oldest_arrival_ns() < self.max_wait_ns:
+                return 0
         return self._run(self._take())
 
     def _wait_s(self) -> float:
@@ -132,7 +141,9 @@ class Batcher:
             return _IDLE_POLL_S
         if self.queued_rows >= self.max_batch:
             return 0.0
-        left_ns = self.queue[0].arrived_ns + self.max_wait_ns - self.clock()
+        if not self.max_wait_ns:
+            return 0.0
+        left_ns = self.queue.oldest_arrival_ns() + self.max_wait_ns - self.clock()
         return max(0.0, left_ns / 1e9)
 
     def _receive(self, timeout_s: float) -> None:
@@ -156,7 +167,7 @@ class Batcher:
                 log.warning("trace=%016x bad request: %s", trace_id, err)
                 self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
                 continue
-            self.queue.append(
+            self.queue.push(
                 Pending(conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id)
             )
             self.queued_rows += rows
@@ -168,41 +179,52 @@ class Batcher:
         gone = set(self.source.cancelled())
         if not gone:
             return
-        kept: deque[Pending] = deque()
-        for p in self.queue:
-            if (p.conn_id, p.request_id) in gone:
-                self.stats.cancelled += 1
-                self.queued_rows -= p.rows
-                self._error(p.conn_id, p.request_id, ERR_CANCELLED, "cancelled by the caller")
-            else:
-                kept.append(p)
-        self.queue = kept
+        for p in self.queue.remove_if(lambda p: (p.conn_id, p.request_id) in gone):
+            self.stats.cancelled += 1
+            self.queued_rows -= p.rows
+            self._error(p.conn_id, p.request_id, ERR_CANCELLED, "cancelled by the caller")
 
     def _take(self) -> list[Pending]:
-        """Oldest first, up to max_batch rows (at least one request); drops expired ones."""
+        """In the queue policy's order, up to max_batch rows (at least one request); drops
+        those that cannot make their deadline."""
         batch: list[Pending] = []
         rows = 0
         now_us = int(self.wall_clock() * 1e6)
+        needs_us = int(self.compute_ewma_us)
         while self.queue:
-            head = self.queue[0]
+            head = self.queue.peek()
             if batch and (not self.signature.batchable or rows + head.rows > self.max_batch):
                 break
-            self.queue.popleft()
+            self.queue.pop()
             self.queued_rows -= head.rows
-            if head.deadline_us and head.deadline_us < now_us:
-                self.stats.dropped_deadline += 1
-                late_us = now_us - head.deadline_us
-                log.warning("trace=%016x past its deadline by %d us", head.trace_id, late_us)
-                self._error(
-                    head.conn_id,
-                    head.request_id,
-                    ERR_DEADLINE,
-                    f"deadline passed {late_us} us before the ranker could start it",
-                )
+            if head.deadline_us and head.deadline_us - now_us < needs_us:
+                self._drop_late(head, now_us, needs_us)
+                if head.deadline_us >= now_us:
+                    # Only batches run refresh the average: each drop pulls it below the time
+                    # that was left (half of it as a sample), so one slow batch cannot make
+                    # the ranker drop every later request.
+                    self._record_compute((head.deadline_us - now_us) // 2)
                 continue
             batch.append(head)
             rows += head.rows
         return batch
+
+    def _drop_late(self, p: Pending, now_us: int, needs_us: int) -> None:
+        """Answers `deadline` for a request that would finish after its caller stops waiting."""
+        if p.deadline_us < now_us:
+            self.stats.dropped_deadline += 1
+            late_us = now_us - p.deadline_us
+            log.warning("trace=%016x past its deadline by %d us", p.trace_id, late_us)
+            message = f"deadline passed {late_us} us before the ranker could start it"
+        else:
+            self.stats.dropped_late += 1
+            left_us = p.deadline_us - now_us
+            log.warning("trace=%016x cannot make its deadline (%d us left)", p.trace_id, left_us)
+            message = (
+                f"deadline cannot be met: {left_us} us left when its batch formed, a batch "
+                f"computes in {needs_us} us; dropped before starting"
+            )
+        self._error(p.conn_id, p.request_id, ERR_DEADLINE, message)
 
     def _run(self, batch: list[Pending]) -> int:
         if not batch:
@@ -220,6 +242,7 @@ class Batcher:
             self._error(p.conn_id, p.request_id, ERR_INTERNAL, f"dense program failed: {err}")
             return 0
         compute_us = (self.clock() - start) // 1000
+        self._record_compute(compute_us)
         depth = len(self.queue)
         if log.isEnabledFor(logging.DEBUG):  # the hot path: format nothing unless asked
             traces = ",".join(f"{p.trace_id:016x}" for p in batch)
@@ -231,6 +254,10 @@ class Batcher:
         self.stats.requests += len(batch)
         self.stats.batches += 1
         return len(batch)
+
+    def _record_compute(self, compute_us: int) -> None:
+        old = self.compute_ewma_us
+        self.compute_ewma_us = compute_us if old == 0 else old + _EWMA_ALPHA * (compute_us - old)
 
     # A reply that cannot be delivered (the source forgot the request, e.g. while closing) is
     # logged: it must never stop the loop that serves everyone else.

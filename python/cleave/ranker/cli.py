@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 from cleave.ranker import DEFAULT_MAX_QUEUE
+from cleave.ranker.queues import DEFAULT_POLICY, POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_QUEUE,
         help="requests waiting for a batch at most; one more is answered `overloaded` at once "
         f"(the router retries it on another ranker); default {DEFAULT_MAX_QUEUE}",
+    )
+    parser.add_argument(
+        "--queue",
+        choices=sorted(POLICIES),
+        default=DEFAULT_POLICY,
+        help="order waiting requests start in: fifo (arrival) or edf (earliest deadline "
+        f"first); default {DEFAULT_POLICY}",
     )
     parser.add_argument(
         "--metrics-port",
@@ -108,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         max_wait_s=args.max_wait_ms / 1000,
         cuda_graphs=not args.no_cuda_graphs,
         max_queue=args.max_queue,
+        queue=args.queue,
         compile=args.compile,
         compile_cache=args.compile_cache,
         shared_batching=not args.no_shared_batching,
@@ -188,6 +197,7 @@ def _report(batcher) -> None:
     print(
         f"ranker stopped: {s.requests} requests in {s.batches} batches, "
         f"{s.dropped_deadline} past deadline, {s.cancelled} cancelled, {s.overloaded} refused "
-        f"(queue full), {s.bad_requests} malformed, {s.failed} failed",
+        f"(queue full), {s.bad_requests} malformed, {s.failed} failed, "
+        f"{s.dropped_late} dropped as unable to make their deadline",
         file=sys.stderr,
     )

@@ -26,6 +26,7 @@ class _BatcherCollector:
         for outcome, value in (
             ("ok", s.requests),
             ("deadline", s.dropped_deadline),
+            ("late", s.dropped_late),
             ("cancelled", s.cancelled),
             ("overloaded", s.overloaded),
             ("bad_request", s.bad_requests),

@@ -90,6 +90,7 @@ def load_ranker(
     max_wait_s: float = 0.0,
     cuda_graphs: bool = True,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    queue: str = "fifo",
     compile: bool = False,
     compile_cache: str | None = None,
     shared_batching: bool = True,
@@ -146,4 +147,5 @@ def load_ranker(
         max_batch=max_batch,
         max_wait_s=max_wait_s,
         max_queue=max_queue,
+        queue=queue,
     )

@@ -101,6 +101,8 @@ class RoleSpecs:
                 rows,
                 "--metrics-port",
                 str(metrics_port),
+                "--queue",
+                shard.queue,
             ]
             specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
@@ -126,6 +128,8 @@ class RoleSpecs:
                 str(r.max_wait_ms),
                 "--max-queue",
                 str(r.max_queue),
+                "--queue",
+                r.queue,
                 "--metrics-port",
                 str(metrics_port),
             )

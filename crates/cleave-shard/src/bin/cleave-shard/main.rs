@@ -23,7 +23,7 @@ use clap::Parser;
 use cleave_embed::Manifest;
 use cleave_shard::{RowSpec, Shard, ShardConfig};
 use cleave_wire::log::{self, LogFormat};
-use cleave_wire::Address;
+use cleave_wire::{Address, QueuePolicy};
 
 #[derive(Debug, Parser)]
 #[command(name = "cleave-shard", version, about = "A Cleave embedding shard")]
@@ -64,6 +64,9 @@ struct Args {
     /// Copy tables into memory instead of mapping the files.
     #[arg(long)]
     resident: bool,
+    /// The order received lookups start in: "fifo" (arrival) or "edf" (earliest deadline).
+    #[arg(long, default_value = "fifo")]
+    queue: QueuePolicy,
     /// Log lines as "text" or "json" (one object per line); the level is CLEAVE_LOG's.
     #[arg(long, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -151,6 +154,7 @@ fn main() -> ExitCode {
     config.io_threads = args.io_threads.get();
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
+    config.queue = args.queue;
     if let Err(e) = check_input(&config) {
         tracing::error!(error = %e, "bad input");
         return ExitCode::from(2);

@@ -1,0 +1,255 @@
+"""The ranker's queue policies (cleave/ranker/queues/) and deadline drops in its batching loop:
+FIFO keeps arrival order, EDF starts the earliest deadline first and starves nobody when the
+load allows; a request with less time left than a batch's compute takes is answered
+`deadline` and never computed. Unit tests on an in-process source; the real processes are in
+test_queues_e2e.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+from cleave.errors import UsageError
+from cleave.launch import serve
+from cleave.launch.config import ServeConfig
+from cleave.plan import local_plan, plan_from_dict, plan_to_dict
+from cleave.ranker.batcher import ERR_DEADLINE, Batcher
+from cleave.ranker.executor import DenseExecutor
+from cleave.ranker.local import LocalQueue, RankerError
+from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
+from cleave.ranker.queues import POLICIES, EdfQueue, FifoQueue, make_queue
+from cleave.ranker.signature import signature
+from cleave.runners.roles import Binding, RoleSpecs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ranker import DENSE_MANIFEST, Dense, dense_request
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+@dataclass
+class Item:
+    request_id: int
+    deadline_us: int
+    arrived_ns: int = 0
+    conn_id: int = 0
+
+
+def drain(q) -> list[int]:
+    return [q.pop().request_id for _ in range(len(q))]
+
+
+def test_fifo_keeps_arrival_order_and_edf_serves_the_earlier_deadline_first():
+    deadlines = [30, 10, 0, 20, 10]
+    fifo, edf = FifoQueue(), EdfQueue()
+    for i, d in enumerate(deadlines):
+        fifo.push(Item(i, d, arrived_ns=100 + i))
+        edf.push(Item(i, d, arrived_ns=100 + i))
+    assert edf.peek().request_id == 1
+    assert edf.oldest_arrival_ns() == fifo.oldest_arrival_ns() == 100
+    assert drain(fifo) == [0, 1, 2, 3, 4]
+    # Equal deadlines keep arrival order; no deadline (0) goes last.
+    assert drain(edf) == [1, 4, 3, 0, 2]
+
+
+def test_removing_keeps_the_rest_in_order():
+    for policy in POLICIES:
+        q = make_queue(policy)
+        for i, d in enumerate([5, 1, 3, 2]):
+            q.push(Item(i, d))
+        assert [p.request_id for p in q.remove_if(lambda p: p.request_id in (1, 2))] == [1, 2]
+        assert drain(q) == [0, 3] if policy == "fifo" else [3, 0]
+
+
+def test_an_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"'lifo': expected one of \['edf', 'fifo'\]"):
+        make_queue("lifo")
+
+
+MAX_SLACK = 40
+
+bursts = st.lists(
+    st.tuples(st.integers(0, 7), st.lists(st.integers(0, MAX_SLACK), max_size=7)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bursts)
+def test_edf_starves_no_request_when_load_allows(raw):
+    """Each burst of b requests (deadline = arrival + slack) is followed by at least b steps,
+    one start per step: then every request starts within the longest slack plus two bursts,
+    however loose its own deadline."""
+    q = EdfQueue()
+    t, n, started = 0, 0, []
+    longest = max(len(s) for _, s in raw)
+    for extra, slacks in raw:
+        for s in slacks:
+            q.push(Item(n, 1 + t + s, arrived_ns=t))
+            n += 1
+        for _ in range(len(slacks) + extra):
+            if q:
+                started.append(t - q.pop().arrived_ns)
+            t += 1
+    while q:
+        started.append(t - q.pop().arrived_ns)
+        t += 1
+    assert len(started) == n
+    assert max(started, default=0) <= MAX_SLACK + 2 * longest + 1
+
+
+# -- the batching loop -------------------------------------------------------------------------
+
+
+class FakeClock:
+    """Monotonic nanoseconds that only move when told: a batch 'computes' for `batch_ns`."""
+
+    def __init__(self):
+        self.now = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def make_batcher(policy: str, batch_ns: int = 0, **kw):
+    sig = signature(DENSE_MANIFEST, False)
+    executor = DenseExecutor(Dense(), sig, "cpu", threads=1)
+    clock = FakeClock()
+    runs = []
+    real_run = executor.run
+
+    def run(inputs):
+        runs.append(inputs[0].shape[0])
+        clock.now += batch_ns
+        return real_run(inputs)
+
+    executor.run = run
+    queue = LocalQueue()
+    batcher = Batcher(queue, executor, sig, KIND_RANK, clock=clock, queue=policy, **kw)
+    return queue, batcher, runs
+
+
+def submit(queue, rows: int, seed: int, deadline_us: int = 0):
+    return queue.submit(KIND_RANK, encode_request(dense_request(rows, seed)), deadline_us)
+
+
+def test_edf_batcher_starts_the_earliest_deadline_first():
+    now_us = int(time.time() * 1e6)
+    order = {}
+    for policy in POLICIES:
+        queue, batcher, _ = make_batcher(policy, max_batch=2)
+        # Three requests of 2 rows (one per batch) arrive together: far, near, middle.
+        futures = [
+            submit(queue, 2, s, now_us + d)
+            for s, d in enumerate([60_000_000, 20_000_000, 40_000_000])
+        ]
+        batcher._receive(0.0)
+        while not all(f.done() for f in futures):
+            batcher.step()
+        # What was left in the queue when each ran tells the order: 2 left = first.
+        depths = [decode_response(f.result()).queue_depth for f in futures]
+        order[policy] = sorted(range(3), key=lambda i: -depths[i])
+    assert order == {"fifo": [0, 1, 2], "edf": [1, 2, 0]}
+
+
+def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed():
+    for policy in POLICIES:
+        queue, batcher, runs = make_batcher(policy, batch_ns=50_000_000)  # batches take 50 ms
+        first = submit(queue, 2, 0)
+        while not first.done():
+            batcher.step()
+        assert batcher.compute_ewma_us == 50_000 and runs == [2]
+        now_us = int(time.time() * 1e6)
+        doomed = submit(queue, 3, 1, deadline_us=now_us + 10_000)  # 10 ms left
+        fine = submit(queue, 4, 2, deadline_us=now_us + 60_000_000)
+        while not (doomed.done() and fine.done()):
+            batcher.step()
+        with pytest.raises(RankerError) as err:
+            doomed.result()
+        assert err.value.code == ERR_DEADLINE, policy
+        assert "cannot be met" in err.value.message and "50000 us" in err.value.message
+        assert decode_response(fine.result()).batch_requests == 1
+        assert runs == [2, 4], f"{policy}: the doomed request's 3 rows were computed"
+        s = batcher.stats
+        assert (s.dropped_late, s.dropped_deadline, s.requests) == (1, 0, 2)
+
+
+def test_drops_pull_the_estimate_down_so_one_slow_batch_does_not_shut_the_ranker():
+    queue, batcher, runs = make_batcher("edf", batch_ns=50_000_000)  # one batch of 50 ms
+    first = submit(queue, 2, 0)
+    while not first.done():
+        batcher.step()
+    dropped = 0
+    for attempt in range(40):  # each drop pulls the 50 ms estimate below the ~20 ms left
+        f = submit(queue, 1, attempt, deadline_us=int(time.time() * 1e6) + 20_000)
+        while not f.done():
+            batcher.step()
+        if f.exception() is None:
+            break
+        dropped += 1
+    else:
+        pytest.fail("every request was dropped: the estimate never came down")
+    assert dropped >= 1 and runs[-1] == 1 and batcher.stats.dropped_late == dropped
+
+
+def test_without_a_measured_batch_nothing_is_dropped_early():
+    queue, batcher, runs = make_batcher("edf")
+    now_us = int(time.time() * 1e6)
+    f = submit(queue, 2, 0, deadline_us=now_us + 60_000_000)
+    while not f.done():
+        batcher.step()
+    assert decode_response(f.result()).batch_requests == 1 and runs == [2]
+    assert batcher.stats.dropped_late == 0
+
+
+# -- the policy as configuration: cleave serve's config, plans, the roles' flags --------------
+
+
+def test_the_policy_travels_from_the_config_through_the_plan_to_the_roles_flags(tmp_path):
+    bundle = tmp_path / "model"
+    bundle.mkdir()
+    table = {"name": "t0", "rows": 10, "dim": 4, "dtype": "float32", "row_bytes": 16}
+    manifest = {"format": "cleave-bundle", "version": 1, "tables": [table]}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+    config = ServeConfig(shards=2)
+    plan = local_plan(bundle, config)
+    assert {r.queue for _, r in plan.roles() if hasattr(r, "queue")} == {"fifo"}, "the default"
+    config.shard.queue = config.ranker.queue = "edf"
+    plan = local_plan(bundle, config)
+    assert [s.queue for s in plan.shards] == ["edf", "edf"] and plan.rankers[0].queue == "edf"
+    # A plan file without the key (written before policies existed) reads as fifo.
+    data = plan_to_dict(plan)
+    assert plan_from_dict(data).shards[0].queue == "edf"
+    del data["shards"][0]["queue"]
+    assert plan_from_dict(data).shards[0].queue == "fifo"
+
+    class Loopback(Binding):
+        def listen(self, role):
+            return "127.0.0.1:7000"
+
+    specs = RoleSpecs(plan, Loopback(), tmp_path)
+    for spec in specs.shard_specs() + specs.ranker_specs():
+        i = spec.argv.index("--queue")
+        assert spec.argv[i + 1] == "edf", spec.argv
+
+    # `cleave serve --queue edf` sets both roles.
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    flagged = ServeConfig()
+    serve._apply_flags(flagged, parser.parse_args([str(bundle), "--queue", "edf"]))
+    assert (flagged.shard.queue, flagged.ranker.queue) == ("edf", "edf")
+
+    plan.rankers[0].queue = "lifo"
+    with pytest.raises(
+        UsageError, match=r"rankers\[0\]\.queue: expected \"fifo\" or \"edf\", got 'lifo'"
+    ):
+        plan.check(manifest)
+    config.shard.queue = "lifo"
+    with pytest.raises(UsageError, match=r"shard\.queue: expected \"fifo\" or \"edf\", got 'lifo'"):
+        config.check()
