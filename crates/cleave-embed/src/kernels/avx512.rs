@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::{prefetch_row_as, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::bundle::TableDtype;
-use crate::lookup::Pooling;
+use crate::pooling::Pooling;
 
 // Const-generic switches, so that each (dtype, mode, prefetch shape) compiles to its own loop.
 const F32: u8 = 0;

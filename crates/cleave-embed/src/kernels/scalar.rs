@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::{f16_to_f32, prefetch_row, RowsView};
 use crate::bundle::TableDtype;
-use crate::lookup::Pooling;
+use crate::pooling::Pooling;
 
 /// See `kernels::pool_bags`.
 ///
