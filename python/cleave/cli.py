@@ -26,6 +26,7 @@ BENCHMARKS = {
     "shard": ("cleave.bench.shard", "shard latency and throughput over loopback"),
     "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
     "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
+    "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
 }
 
 

@@ -357,12 +357,18 @@ impl TableSet {
 }
 
 /// Hit rate of Belady's optimal offline policy with `capacity` rows on `trace` (row keys in
-/// access order).
+/// access order), counted from position `start` on.
 #[pyfunction]
-fn belady_hit_rate(py: Python<'_>, trace: &Bound<'_, PyAny>, capacity: usize) -> PyResult<f64> {
+#[pyo3(signature = (trace, capacity, start=0))]
+fn belady_hit_rate(
+    py: Python<'_>,
+    trace: &Bound<'_, PyAny>,
+    capacity: usize,
+    start: usize,
+) -> PyResult<f64> {
     let trace = Ints::<i64>::extract(trace, "trace")?;
     let keys: Vec<u64> = trace.as_slice().iter().map(|&k| k as u64).collect();
-    Ok(py.detach(|| engine::cache::belady::belady_hit_rate(&keys, capacity)))
+    Ok(py.detach(|| engine::cache::belady::belady_hit_rate(&keys, capacity, start)))
 }
 
 /// Random O_DIRECT reads of `read_bytes` (block-aligned) at aligned offsets of the file at

@@ -84,6 +84,8 @@ pub struct ShardConfig {
     pub max_payload: u32,
     /// Copy tables into memory instead of mapping the files (see cleave_embed::Residency).
     pub resident: bool,
+    /// Serve the tables from SSD behind this tier's DRAM caches (docs/tiers.md).
+    pub tier: Option<std::sync::Arc<cleave_embed::Tier>>,
 }
 
 impl ShardConfig {
@@ -99,6 +101,7 @@ impl ShardConfig {
             frame_timeout: Duration::from_secs(10),
             max_payload: cleave_wire::frame::DEFAULT_MAX_PAYLOAD,
             resident: false,
+            tier: None,
         }
     }
 }
@@ -274,6 +277,7 @@ fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
         } else {
             cleave_embed::Residency::Mapped
         },
+        tier: config.tier.clone(),
         ..OpenOptions::default()
     };
     let mut tables = Vec::with_capacity(names.len());

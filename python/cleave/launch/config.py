@@ -47,6 +47,9 @@ class RouterConfig:
 @dataclass
 class ShardConfig:
     threads: int = 1  # lookup threads per shard
+    # Bytes of DRAM per shard for its rows; tables larger than it are served from SSD behind
+    # DRAM caches of this size (docs/tiers.md). 0: all in DRAM.
+    dram_budget: int = 0
 
 
 @dataclass
@@ -99,6 +102,12 @@ class ServeConfig:
         need(self.ranker.max_queue >= 1, "ranker.max_queue", "at least 1", self.ranker.max_queue)
         need(self.ranker.threads >= 0, "ranker.threads", ">= 0", self.ranker.threads)
         need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
+        need(
+            self.shard.dram_budget == 0 or self.shard.dram_budget >= 1 << 20,
+            "shard.dram_budget",
+            "0 (all in DRAM) or at least 1048576 bytes (1 MiB)",
+            self.shard.dram_budget,
+        )
         r = self.router
         need(
             0 < r.budget_ms <= r.max_budget_ms,

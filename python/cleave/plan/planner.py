@@ -130,7 +130,16 @@ def make_plan(
             host = placement.host_of(name) if placement else host
             port = ports.next("shards", host, SHARD_PORT)
             plan_shards.append(
-                Shard(name, g, host, port, port + METRICS_OFFSET, config.shard.threads, ranges)
+                Shard(
+                    name,
+                    g,
+                    host,
+                    port,
+                    port + METRICS_OFFSET,
+                    config.shard.threads,
+                    ranges,
+                    dram_budget=config.shard.dram_budget,
+                )
             )
     plan_routers = []
     for i in range(routers):
@@ -210,7 +219,17 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     manifest = read_manifest(bundle)
     ranges = [] if config.monolithic else [r for r in table_ranges(manifest, config.shards) if r]
     shards = [
-        Shard(f"shard-{i}", i, "h0", 0, 0, config.shard.threads, r) for i, r in enumerate(ranges)
+        Shard(
+            f"shard-{i}",
+            i,
+            "h0",
+            0,
+            0,
+            config.shard.threads,
+            r,
+            dram_budget=config.shard.dram_budget,
+        )
+        for i, r in enumerate(ranges)
     ]
     rankers = [
         Ranker(

@@ -38,6 +38,9 @@ class Shard:
     metrics_port: int  # /metrics, /ready, /live; 0: the runner picks one
     threads: int  # lookup threads
     ranges: dict[str, tuple[int, int]]  # table -> [row_start, row_end)
+    # Bytes of DRAM for the rows; tables larger than it are read from SSD behind DRAM caches
+    # of this size (docs/tiers.md). 0: all in DRAM.
+    dram_budget: int = 0
 
 
 @dataclass

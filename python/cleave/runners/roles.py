@@ -102,6 +102,8 @@ class RoleSpecs:
                 "--metrics-port",
                 str(metrics_port),
             ]
+            if shard.dram_budget:  # docs/tiers.md
+                argv += ["--dram-budget", str(shard.dram_budget)]
             specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
 

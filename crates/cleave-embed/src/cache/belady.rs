@@ -6,9 +6,10 @@ use std::collections::BinaryHeap;
 
 use super::IdMap;
 
-/// Hit rate of Belady's policy with `capacity` rows on `trace` (row keys in access order).
-pub fn belady_hit_rate(trace: &[u64], capacity: usize) -> f64 {
-    if trace.is_empty() || capacity == 0 {
+/// Hit rate of Belady's policy with `capacity` rows on `trace` (row keys in access order),
+/// counted over the accesses from position `start` on (the earlier ones warm the cache).
+pub fn belady_hit_rate(trace: &[u64], capacity: usize, start: usize) -> f64 {
+    if trace.len() <= start || capacity == 0 {
         return 0.0;
     }
     // next[i]: position of the next access to trace[i] (usize::MAX if none).
@@ -27,7 +28,7 @@ pub fn belady_hit_rate(trace: &[u64], capacity: usize) -> f64 {
     let mut hits = 0usize;
     for (i, &key) in trace.iter().enumerate() {
         if let Some(n) = cached.get_mut(&key) {
-            hits += 1;
+            hits += usize::from(i >= start);
             *n = next[i];
             heap.push((next[i], key));
             continue;
@@ -58,7 +59,7 @@ pub fn belady_hit_rate(trace: &[u64], capacity: usize) -> f64 {
         cached.insert(key, next[i]);
         heap.push((next[i], key));
     }
-    hits as f64 / trace.len() as f64
+    hits as f64 / (trace.len() - start) as f64
 }
 
 #[cfg(test)]
@@ -68,10 +69,12 @@ mod tests {
     #[test]
     fn belady_matches_hand_computed_cases() {
         // Capacity 2 on a b c a b: a, b cached; c bypassed (used never again); a, b hit.
-        assert_eq!(belady_hit_rate(&[1, 2, 3, 1, 2], 2), 2.0 / 5.0);
+        assert_eq!(belady_hit_rate(&[1, 2, 3, 1, 2], 2, 0), 2.0 / 5.0);
+        // The same, counted from position 3 on: both remaining accesses hit.
+        assert_eq!(belady_hit_rate(&[1, 2, 3, 1, 2], 2, 3), 1.0);
         // Capacity 1 on a b a b: keep a, bypass b (b's next use is later): one hit.
-        assert_eq!(belady_hit_rate(&[1, 2, 1, 2], 1), 1.0 / 4.0);
-        assert_eq!(belady_hit_rate(&[7; 10], 1), 0.9);
-        assert_eq!(belady_hit_rate(&[], 4), 0.0);
+        assert_eq!(belady_hit_rate(&[1, 2, 1, 2], 1, 0), 1.0 / 4.0);
+        assert_eq!(belady_hit_rate(&[7; 10], 1, 0), 0.9);
+        assert_eq!(belady_hit_rate(&[], 4, 0), 0.0);
     }
 }
