@@ -33,8 +33,9 @@ fn table(name: &str, rows: u64, dim: usize, dtype: TableDtype, seed: u64) -> Tab
                 let h = (next() as u16) & !0x4000; // finite
                 bytes.extend_from_slice(&h.to_le_bytes());
             }),
-            TableDtype::Int8Rowwise => {
-                (0..dim).for_each(|_| bytes.push(next() as u8));
+            TableDtype::Int8Rowwise | TableDtype::Int4Rowwise => {
+                let codes = dtype.row_bytes(dim) - 8;
+                (0..codes).for_each(|_| bytes.push(next() as u8));
                 let scale = 1e-3 + (next() % 1000) as f32 * 1e-4;
                 let bias = (next() % 2000) as f32 / 1000.0 - 1.0;
                 bytes.extend_from_slice(&scale.to_le_bytes());
@@ -56,6 +57,7 @@ fn bundle(dir: &Path) -> Vec<TableData> {
         table("f32", 6000, 48, TableDtype::Float32, 1),
         table("f16", 9000, 40, TableDtype::Float16, 2),
         table("i8", 12000, 64, TableDtype::Int8Rowwise, 3),
+        table("i4", 20000, 37, TableDtype::Int4Rowwise, 4),
     ];
     write_bundle(dir, &tables);
     tables

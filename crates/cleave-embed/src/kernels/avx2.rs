@@ -63,6 +63,10 @@ pub(super) unsafe fn pool_bags(
             (TableDtype::Int8Rowwise, _) => {
                 bags_any_shape::<I8, MAX>(rows, ids, offsets, weights, out)
             }
+            // Nibbles are unpacked by the portable kernel (no SIMD path yet).
+            (TableDtype::Int4Rowwise, _) => {
+                scalar::pool_bags(rows, ids, offsets, weights, pooling, out)
+            }
         }
     }
 }

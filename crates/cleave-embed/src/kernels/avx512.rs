@@ -49,6 +49,10 @@ pub(super) unsafe fn pool_bags(
                 bags_any_shape::<I8, WSUM>(rows, ids, offsets, w, out)
             }
             (TableDtype::Int8Rowwise, _) => bags_any_shape::<I8, MAX>(rows, ids, offsets, w, out),
+            // Nibbles are unpacked by the portable kernel (no SIMD path yet).
+            (TableDtype::Int4Rowwise, _) => {
+                super::scalar::pool_bags(rows, ids, offsets, weights, pooling, out)
+            }
         }
     }
 }
