@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--workdir", help="where the table is written (default: a temporary dir)")
     parser.add_argument("--threads", type=int, default=2, help="lookup threads")
-    parser.add_argument("--warm-seconds", type=float, help="warm-up limit (default 90; quick 3)")
+    parser.add_argument("--warm-seconds", type=float, help="warm-up limit (default 240; quick 3)")
     parser.add_argument("--seconds", type=float, help="measured window limit (default 15)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the capped mmap run
@@ -132,18 +132,19 @@ def distinct_ranks(rng: np.random.Generator, alpha: float, n: int, k: int) -> np
 
 
 def meta_counts(rng: np.random.Generator, total: int) -> np.ndarray:
-    """Multiplicities of a batch's distinct ids, drawn from Meta's histogram, summing to total."""
-    shares = np.array(META_SHARES) / sum(META_SHARES)
-    counts = []
-    left = total
-    for _ in range(total):  # at least one id per draw
-        lo, hi = META_BUCKETS[rng.choice(len(shares), p=shares)]
-        c = min(int(rng.integers(lo + 1, hi + 1)), left)
-        counts.append(c)
-        left -= c
-        if left == 0:
-            break
-    return np.array(counts, dtype=np.int64)
+    """Multiplicities of a batch's distinct ids, drawn from Meta's histogram, summing to total
+    (the last one cut to fit)."""
+    cumulative = np.cumsum(META_SHARES) / sum(META_SHARES)
+    # A bucket per draw by its share; `total` draws of at least 1 each always reach `total`.
+    buckets = np.minimum(np.searchsorted(cumulative, rng.random(total)), len(META_SHARES) - 1)
+    lo = np.array([lo for lo, _ in META_BUCKETS])[buckets]
+    hi = np.array([hi for _, hi in META_BUCKETS])[buckets]
+    counts = lo + 1 + (rng.random(total) * (hi - lo)).astype(np.int64)  # uniform in (lo, hi]
+    csum = np.cumsum(counts)
+    k = int(np.searchsorted(csum, total))
+    counts = counts[: k + 1].copy()
+    counts[-1] -= csum[k] - total
+    return counts
 
 
 def scatter(ranks: np.ndarray, rows: int) -> np.ndarray:
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--cases: unknown {unknown}; known: {list(CASES)}")
     if args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
-    warm_s = args.warm_seconds if args.warm_seconds is not None else (3 if args.quick else 90)
+    warm_s = args.warm_seconds if args.warm_seconds is not None else (3 if args.quick else 240)
     window_s = args.seconds if args.seconds is not None else (1.5 if args.quick else 15)
     tmp = None
     workdir = Path(args.workdir) if args.workdir else None
