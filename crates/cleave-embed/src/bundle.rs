@@ -66,6 +66,10 @@ pub enum TableDtype {
     Float16,
     /// `dim` × u8 `q`, then f32 `scale`, then f32 `bias`; value = `q * scale + bias`.
     Int8Rowwise,
+    /// `ceil(dim / 2)` bytes of 4-bit `q` (element `2k` in the low nibble of byte `k`, `2k + 1`
+    /// in the high one), then f32 `scale`, then f32 `bias`; value = `q * scale + bias`. Half
+    /// the bytes of int8 per row: the cheapest bandwidth there is for the SSD tier.
+    Int4Rowwise,
 }
 
 impl TableDtype {
@@ -75,6 +79,7 @@ impl TableDtype {
             TableDtype::Float32 => 4 * dim,
             TableDtype::Float16 => 2 * dim,
             TableDtype::Int8Rowwise => dim + 8,
+            TableDtype::Int4Rowwise => dim.div_ceil(2) + 8,
         }
     }
 
@@ -84,6 +89,7 @@ impl TableDtype {
             TableDtype::Float32 => "float32",
             TableDtype::Float16 => "float16",
             TableDtype::Int8Rowwise => "int8_rowwise",
+            TableDtype::Int4Rowwise => "int4_rowwise",
         }
     }
 }

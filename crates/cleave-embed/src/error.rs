@@ -50,6 +50,12 @@ pub enum EmbedError {
     },
     /// Malformed offsets, weights or output buffers; the message names the argument.
     BadBags { table: String, reason: String },
+    /// A table file that cannot be opened for direct (O_DIRECT) reads: its file system or
+    /// device does not support them, so the SSD tier cannot serve it.
+    NoDirectIo {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A request this build or CPU cannot serve (e.g. a kernel the CPU lacks).
     Unsupported(String),
 }
@@ -112,6 +118,13 @@ impl fmt::Display for EmbedError {
                 range.start, range.end
             ),
             EmbedError::BadBags { table, reason } => write!(f, "table {table:?}: {reason}"),
+            EmbedError::NoDirectIo { path, source } => write!(
+                f,
+                "{}: cannot read with O_DIRECT ({source}); the SSD tier needs a file system \
+                 and device that support direct I/O (not tmpfs): move the bundle or raise the \
+                 DRAM budget above the tables' size",
+                path.display()
+            ),
             EmbedError::Unsupported(reason) => write!(f, "unsupported: {reason}"),
         }
     }
@@ -120,7 +133,7 @@ impl fmt::Display for EmbedError {
 impl std::error::Error for EmbedError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            EmbedError::Io { source, .. } => Some(source),
+            EmbedError::Io { source, .. } | EmbedError::NoDirectIo { source, .. } => Some(source),
             _ => None,
         }
     }

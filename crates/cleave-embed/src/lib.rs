@@ -34,16 +34,24 @@
 //! engine with.
 
 pub mod bundle;
+pub mod cache;
 pub mod error;
 pub mod kernels;
 pub mod limit;
 pub mod lookup;
 pub mod pool;
+pub mod pooling;
+pub mod store;
 pub mod table;
+pub mod tier;
+mod tiered;
 
 pub use bundle::{Manifest, TableDtype, TableMeta};
+pub use cache::PolicyKind;
 pub use error::EmbedError;
 pub use kernels::Kernel;
 pub use lookup::{finish, gather, gather_with, merge, pool, pool_with, Bags, Pooling};
 pub use pool::{Engine, PoolJob};
 pub use table::{OpenOptions, Residency, Table, TableSet};
+pub use tier::io::IoMode;
+pub use tier::{Tier, TierConfig, TierStats};

@@ -17,7 +17,12 @@ pub fn gather_sum_prefetch(
     distance: Option<usize>,
 ) -> Result<u64, EmbedError> {
     check_ids(table, ids, 0)?;
-    let mut rows = RowsView::of(table);
+    let mut rows = table.view().ok_or_else(|| {
+        EmbedError::Unsupported(format!(
+            "table {:?} is on the SSD tier; the memory-limit loop needs rows in memory",
+            table.name()
+        ))
+    })?;
     rows.distance = distance.unwrap_or(rows.distance).max(1);
     let threads = threads.clamp(1, ids.len().max(1));
     let per_thread = ids.len().div_ceil(threads).max(1);

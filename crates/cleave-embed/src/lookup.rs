@@ -5,56 +5,11 @@
 //! On error, `out` and `counts` hold unspecified values.
 
 use std::ops::Range;
-use std::str::FromStr;
 
 use crate::error::EmbedError;
-use crate::kernels::{self, Kernel, RowsView};
+use crate::kernels::{self, Kernel};
+pub use crate::pooling::Pooling;
 use crate::table::Table;
-
-/// How the rows of a bag are combined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Pooling {
-    /// Sum of the rows, each times its per-sample weight if there are weights.
-    Sum,
-    /// Sum divided by the number of ids of the bag.
-    Mean,
-    /// Element-wise maximum.
-    Max,
-}
-
-impl Pooling {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Pooling::Sum => "sum",
-            Pooling::Mean => "mean",
-            Pooling::Max => "max",
-        }
-    }
-
-    /// The pooling a shard runs when its result is merged with other shards' ([`merge`]):
-    /// a mean is merged from partial sums.
-    pub fn partial(self) -> Pooling {
-        match self {
-            Pooling::Mean => Pooling::Sum,
-            other => other,
-        }
-    }
-}
-
-impl FromStr for Pooling {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Pooling, String> {
-        match s {
-            "sum" => Ok(Pooling::Sum),
-            "mean" => Ok(Pooling::Mean),
-            "max" => Ok(Pooling::Max),
-            other => Err(format!(
-                "pooling must be \"sum\", \"mean\" or \"max\", found {other:?}"
-            )),
-        }
-    }
-}
 
 /// One table's bags, PyTorch `embedding_bag` style.
 ///
@@ -132,8 +87,11 @@ pub fn gather_with(
         ));
     }
     check_ids(table, ids, 0)?;
-    // SAFETY: every id was checked against the table's row range just above.
-    unsafe { kernels::gather_rows(kernel, &RowsView::of(table), ids, out) };
+    match table.view() {
+        // SAFETY: every id was checked against the table's row range just above.
+        Some(rows) => unsafe { kernels::gather_rows(kernel, &rows, ids, out) },
+        None => crate::tiered::gather(kernel, table, ids, out)?,
+    }
     Ok(())
 }
 
@@ -298,19 +256,30 @@ pub(crate) fn pool_bag_range(
     } else {
         Pooling::Sum
     };
-    // SAFETY: the ids these offsets cover were checked just above; offsets, weights and the
-    // output size were checked by check_bags.
-    unsafe {
-        kernels::pool_bags(
+    match table.view() {
+        // SAFETY: the ids these offsets cover were checked just above; offsets, weights and
+        // the output size were checked by check_bags.
+        Some(rows) => unsafe {
+            kernels::pool_bags(
+                kernel,
+                &rows,
+                bags.ids,
+                offsets,
+                bags.weights,
+                kernel_pooling,
+                out,
+            )
+        },
+        None => crate::tiered::pool_bags(
             kernel,
-            &RowsView::of(table),
+            table,
             bags.ids,
             offsets,
             bags.weights,
             kernel_pooling,
             out,
-        )
-    };
+        )?,
+    }
     if pooling == Pooling::Mean {
         divide_by_counts(table.dim(), out, counts);
     }

@@ -1,16 +1,21 @@
-//! Embedding tables: one table file of a bundle, or a row range of it, memory-mapped (or copied
-//! into huge-page-backed memory), and the set of tables a shard holds.
+//! Embedding tables: one table file of a bundle, or a row range of it, and the set of tables a
+//! shard holds. A table is its metadata plus a row store ([`crate::store`]): memory-mapped,
+//! copied into huge-page-backed memory, or on SSD behind the DRAM caches of a [`Tier`].
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
 use crate::bundle::{Manifest, TableDtype, TableMeta};
 use crate::error::EmbedError;
+use crate::kernels::RowsView;
+use crate::store::{MemoryStore, RowStore, SsdStore};
+use crate::tier::Tier;
 
 /// Where a table's rows live once opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,6 +38,8 @@ pub struct OpenOptions {
     /// ahead, or 16 ids for tables that fit in the cache; see docs/engine.md). A tuning knob
     /// for unusual memory systems.
     pub prefetch_distance: Option<usize>,
+    /// Serve the rows from SSD behind this tier's DRAM caches (overrides `residency`).
+    pub tier: Option<Arc<Tier>>,
 }
 
 /// One table, restricted to a range of its global row ids.
@@ -40,8 +47,8 @@ pub struct Table {
     meta: TableMeta,
     path: PathBuf,
     rows: Range<u64>,
-    /// The rows `rows`, file-backed or anonymous (read-only either way).
-    data: Mmap,
+    /// Where the rows `rows` live.
+    store: Box<dyn RowStore>,
     prefetch_distance: usize,
 }
 
@@ -53,6 +60,7 @@ impl std::fmt::Debug for Table {
             .field("rows", &self.rows)
             .field("dim", &self.meta.dim)
             .field("dtype", &self.meta.dtype)
+            .field("store", &self.store.kind())
             .finish()
     }
 }
@@ -101,18 +109,26 @@ impl Table {
         let offset = rows.start * meta.row_bytes as u64;
         let len = usize::try_from((rows.end - rows.start) * meta.row_bytes as u64)
             .map_err(|_| EmbedError::io(&path, std::io::Error::other("row range too large")))?;
-        let data = match options.residency {
-            Residency::Mapped => {
+        let store: Box<dyn RowStore> = match (&options.tier, options.residency) {
+            (Some(tier), _) => Box::new(SsdStore::open(tier, &path, meta, rows.clone())?),
+            (None, Residency::Mapped) => {
                 // SAFETY: bundles are immutable once written (docs/bundle.md: written to a
                 // temporary directory and renamed), so the mapped bytes do not change under us.
                 let map = unsafe { MmapOptions::new().offset(offset).len(len).map(&file) }
                     .map_err(|e| EmbedError::io(&path, e))?;
                 // Lookups are random: read-ahead would only evict useful pages.
                 let _ = map.advise(Advice::Random);
-                map
+                Box::new(MemoryStore::new("mapped", map, rows.start, meta.row_bytes))
             }
-            Residency::Resident => {
-                read_resident(&file, offset, len).map_err(|e| EmbedError::io(&path, e))?
+            (None, Residency::Resident) => {
+                let data =
+                    read_resident(&file, offset, len).map_err(|e| EmbedError::io(&path, e))?;
+                Box::new(MemoryStore::new(
+                    "resident",
+                    data,
+                    rows.start,
+                    meta.row_bytes,
+                ))
             }
         };
         let prefetch_distance = options
@@ -123,7 +139,7 @@ impl Table {
             meta: meta.clone(),
             path,
             rows,
-            data,
+            store,
             prefetch_distance,
         })
     }
@@ -165,18 +181,42 @@ impl Table {
         &self.path
     }
 
-    /// The stored bytes of the rows in [`Table::row_range`], back to back.
-    pub fn bytes(&self) -> &[u8] {
-        &self.data
+    /// The stored bytes of the rows in [`Table::row_range`], back to back, if the table's
+    /// store holds them in memory (None for a table on SSD).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        self.store.contiguous()
     }
 
-    /// The stored bytes of global row `id`, if this table holds it.
+    /// The stored bytes of global row `id`, if this table holds it in memory.
     pub fn row(&self, id: u64) -> Option<&[u8]> {
         if !self.rows.contains(&id) {
             return None;
         }
         let start = (id - self.rows.start) as usize * self.meta.row_bytes;
-        Some(&self.bytes()[start..start + self.meta.row_bytes])
+        Some(&self.bytes()?[start..start + self.meta.row_bytes])
+    }
+
+    /// Where the rows live: "mapped", "resident" or "ssd".
+    pub fn store_kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    /// The row store (the tiered lookup path reads rows through it).
+    pub(crate) fn store(&self) -> &dyn RowStore {
+        self.store.as_ref()
+    }
+
+    /// The kernels' view of the rows, if they are in memory back to back.
+    pub(crate) fn view(&self) -> Option<RowsView<'_>> {
+        let bytes = self.store.contiguous()?;
+        Some(RowsView::new(
+            bytes,
+            self.rows.start,
+            self.meta.row_bytes,
+            self.meta.dim,
+            self.meta.dtype,
+            self.prefetch_distance,
+        ))
     }
 }
 

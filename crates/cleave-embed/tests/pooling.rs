@@ -53,7 +53,8 @@ fn case() -> impl Strategy<Value = Case> {
     let dtype = prop_oneof![
         Just(TableDtype::Float32),
         Just(TableDtype::Float16),
-        Just(TableDtype::Int8Rowwise)
+        Just(TableDtype::Int8Rowwise),
+        Just(TableDtype::Int4Rowwise)
     ];
     // Dims around the 8-, 16- and 64-float blocks of the kernels, and one of three blocks.
     let dim = prop_oneof![4 => 1usize..=80, 1 => Just(64usize), 1 => Just(130usize)];

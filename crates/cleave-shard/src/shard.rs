@@ -86,6 +86,8 @@ pub struct ShardConfig {
     pub resident: bool,
     /// The order in which received lookups start (docs/serving.md, "Queue policies").
     pub queue: QueuePolicy,
+    /// Serve the tables from SSD behind this tier's DRAM caches (docs/tiers.md).
+    pub tier: Option<std::sync::Arc<cleave_embed::Tier>>,
 }
 
 impl ShardConfig {
@@ -102,6 +104,7 @@ impl ShardConfig {
             max_payload: cleave_wire::frame::DEFAULT_MAX_PAYLOAD,
             resident: false,
             queue: QueuePolicy::Fifo,
+            tier: None,
         }
     }
 }
@@ -288,6 +291,7 @@ fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
         } else {
             cleave_embed::Residency::Mapped
         },
+        tier: config.tier.clone(),
         ..OpenOptions::default()
     };
     let mut tables = Vec::with_capacity(names.len());

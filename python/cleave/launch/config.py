@@ -60,6 +60,9 @@ class RouterConfig:
 class ShardConfig:
     threads: int = 1  # lookup threads per shard
     queue: str = "fifo"  # order received lookups start in: fifo | edf (docs/serving.md)
+    # Bytes of DRAM per shard for its rows; tables larger than it are served from SSD behind
+    # DRAM caches of this size (docs/tiers.md). 0: all in DRAM.
+    dram_budget: int = 0
 
 
 @dataclass
@@ -124,6 +127,12 @@ class ServeConfig:
             policy = getattr(self, role).queue
             need(policy in QUEUE_POLICIES, f"{role}.queue", '"fifo" or "edf"', policy)
         need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
+        need(
+            self.shard.dram_budget == 0 or self.shard.dram_budget >= 1 << 20,
+            "shard.dram_budget",
+            "0 (all in DRAM) or at least 1048576 bytes (1 MiB)",
+            self.shard.dram_budget,
+        )
         r = self.router
         need(
             0 < r.budget_ms <= r.max_budget_ms,

@@ -142,6 +142,7 @@ def make_plan(
                     config.shard.threads,
                     ranges,
                     config.shard.queue,
+                    dram_budget=config.shard.dram_budget,
                 )
             )
     plan_routers = []
@@ -224,7 +225,17 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     held = config.monolithic or config.router_held  # no shard processes
     ranges = [] if held else [r for r in table_ranges(manifest, config.shards) if r]
     shards = [
-        Shard(f"shard-{i}", i, "h0", 0, 0, config.shard.threads, r, config.shard.queue)
+        Shard(
+            f"shard-{i}",
+            i,
+            "h0",
+            0,
+            0,
+            config.shard.threads,
+            r,
+            config.shard.queue,
+            dram_budget=config.shard.dram_budget,
+        )
         for i, r in enumerate(ranges)
     ]
     rankers = [

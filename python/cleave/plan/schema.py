@@ -39,6 +39,9 @@ class Shard:
     threads: int  # lookup threads
     ranges: dict[str, tuple[int, int]]  # table -> [row_start, row_end)
     queue: str = "fifo"  # order received lookups start in: fifo | edf
+    # Bytes of DRAM for the rows; tables larger than it are read from SSD behind DRAM caches
+    # of this size (docs/tiers.md). 0: all in DRAM.
+    dram_budget: int = 0
 
 
 @dataclass

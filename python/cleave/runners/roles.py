@@ -104,6 +104,8 @@ class RoleSpecs:
                 "--queue",
                 shard.queue,
             ]
+            if shard.dram_budget:  # docs/tiers.md
+                argv += ["--dram-budget", str(shard.dram_budget)]
             specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
 

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::{prefetch_row_as, scalar, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::bundle::TableDtype;
-use crate::lookup::Pooling;
+use crate::pooling::Pooling;
 
 const F32: u8 = 0;
 const F16: u8 = 1;
@@ -62,6 +62,10 @@ pub(super) unsafe fn pool_bags(
             }
             (TableDtype::Int8Rowwise, _) => {
                 bags_any_shape::<I8, MAX>(rows, ids, offsets, weights, out)
+            }
+            // Nibbles are unpacked by the portable kernel (no SIMD path yet).
+            (TableDtype::Int4Rowwise, _) => {
+                scalar::pool_bags(rows, ids, offsets, weights, pooling, out)
             }
         }
     }

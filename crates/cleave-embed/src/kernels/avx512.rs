@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::{prefetch_row_as, RowsView, PF_FOUR, PF_MANY, PF_THREE, PF_TWO};
 use crate::bundle::TableDtype;
-use crate::lookup::Pooling;
+use crate::pooling::Pooling;
 
 // Const-generic switches, so that each (dtype, mode, prefetch shape) compiles to its own loop.
 const F32: u8 = 0;
@@ -49,6 +49,10 @@ pub(super) unsafe fn pool_bags(
                 bags_any_shape::<I8, WSUM>(rows, ids, offsets, w, out)
             }
             (TableDtype::Int8Rowwise, _) => bags_any_shape::<I8, MAX>(rows, ids, offsets, w, out),
+            // Nibbles are unpacked by the portable kernel (no SIMD path yet).
+            (TableDtype::Int4Rowwise, _) => {
+                super::scalar::pool_bags(rows, ids, offsets, weights, pooling, out)
+            }
         }
     }
 }

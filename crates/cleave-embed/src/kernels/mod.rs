@@ -8,8 +8,7 @@ use std::sync::OnceLock;
 
 use crate::bundle::TableDtype;
 use crate::error::EmbedError;
-use crate::lookup::Pooling;
-use crate::table::Table;
+use crate::pooling::Pooling;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -129,18 +128,27 @@ unsafe impl Send for RowsView<'_> {}
 unsafe impl Sync for RowsView<'_> {}
 
 impl<'a> RowsView<'a> {
-    pub fn of(table: &'a Table) -> RowsView<'a> {
+    /// A view of `bytes`, the rows `row_start..` of a table back to back. Any row store
+    /// that can present rows contiguously (a mapping, a copy, a request's staging buffer of
+    /// rows read from SSD or the row cache) runs the same kernels through one of these.
+    pub fn new(
+        bytes: &'a [u8],
+        row_start: u64,
+        row_bytes: usize,
+        dim: usize,
+        dtype: TableDtype,
+        distance: usize,
+    ) -> RowsView<'a> {
         RowsView {
             bytes: std::marker::PhantomData,
-            origin: table
-                .bytes()
+            origin: bytes
                 .as_ptr()
-                .wrapping_sub((table.row_range().start as usize).wrapping_mul(table.row_bytes())),
-            row_bytes: table.row_bytes(),
-            dim: table.dim(),
-            dtype: table.dtype(),
-            distance: table.prefetch_distance(),
-            lines: RowLines::of(table.row_bytes()),
+                .wrapping_sub((row_start as usize).wrapping_mul(row_bytes)),
+            row_bytes,
+            dim,
+            dtype,
+            distance: distance.max(1),
+            lines: RowLines::of(row_bytes),
         }
     }
 

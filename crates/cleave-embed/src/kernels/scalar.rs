@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::{f16_to_f32, prefetch_row, RowsView};
 use crate::bundle::TableDtype;
-use crate::lookup::Pooling;
+use crate::pooling::Pooling;
 
 /// See `kernels::pool_bags`.
 ///
@@ -98,6 +98,15 @@ pub(super) unsafe fn pool_columns(
                 let bias = f32::from_le_bytes([tail[4], tail[5], tail[6], tail[7]]);
                 for (o, &q) in out.iter_mut().zip(&q[cols.clone()]) {
                     combine(o, q as f32 * scale + bias, w);
+                }
+            }
+            TableDtype::Int4Rowwise => {
+                let (q, tail) = row.split_at(rows.dim.div_ceil(2));
+                let scale = f32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]);
+                let bias = f32::from_le_bytes([tail[4], tail[5], tail[6], tail[7]]);
+                for (o, c) in out.iter_mut().zip(cols.clone()) {
+                    let nibble = (q[c / 2] >> (4 * (c % 2))) & 0x0f;
+                    combine(o, nibble as f32 * scale + bias, w);
                 }
             }
         }

@@ -36,6 +36,20 @@ impl TableData {
                 let bias = f32::from_le_bytes(r[self.dim + 4..self.dim + 8].try_into().unwrap());
                 (r[col] as f32 * scale + bias) as f64
             }
+            TableDtype::Int4Rowwise => {
+                let at = self.dim.div_ceil(2);
+                let scale = f32::from_le_bytes(r[at..at + 4].try_into().unwrap());
+                let bias = f32::from_le_bytes(r[at + 4..at + 8].try_into().unwrap());
+                (self.code(r, col) as f32 * scale + bias) as f64
+            }
+        }
+    }
+
+    /// The quantised code of element `col` of row bytes `r` (int8 and int4 tables).
+    fn code(&self, r: &[u8], col: usize) -> u8 {
+        match self.dtype {
+            TableDtype::Int4Rowwise => (r[col / 2] >> (4 * (col % 2))) & 0x0f,
+            _ => r[col],
         }
     }
 }
@@ -44,13 +58,15 @@ impl TableData {
     /// The size the rounding error of a pooled element scales with: `|x|`, or for int8
     /// `|q * scale| + |bias|` (kernels fold the biases separately, so they may cancel late).
     pub fn magnitude(&self, row: u64, col: usize) -> f64 {
-        if self.dtype != TableDtype::Int8Rowwise {
-            return self.value(row, col).abs();
-        }
+        let at = match self.dtype {
+            TableDtype::Int8Rowwise => self.dim,
+            TableDtype::Int4Rowwise => self.dim.div_ceil(2),
+            _ => return self.value(row, col).abs(),
+        };
         let r = &self.bytes[row as usize * self.row_bytes()..][..self.row_bytes()];
-        let scale = f32::from_le_bytes(r[self.dim..self.dim + 4].try_into().unwrap()) as f64;
-        let bias = f32::from_le_bytes(r[self.dim + 4..self.dim + 8].try_into().unwrap()) as f64;
-        (r[col] as f64 * scale).abs() + bias.abs()
+        let scale = f32::from_le_bytes(r[at..at + 4].try_into().unwrap()) as f64;
+        let bias = f32::from_le_bytes(r[at + 4..at + 8].try_into().unwrap()) as f64;
+        (self.code(r, col) as f64 * scale).abs() + bias.abs()
     }
 }
 
@@ -91,9 +107,10 @@ pub fn table_data(
                     .collect()
             })
             .boxed(),
-        TableDtype::Int8Rowwise => proptest::collection::vec(
+        TableDtype::Int8Rowwise | TableDtype::Int4Rowwise => proptest::collection::vec(
             (
-                proptest::collection::vec(any::<u8>(), dim),
+                // Every byte is a code (int8) or two (int4, with dim odd a spare high nibble).
+                proptest::collection::vec(any::<u8>(), row_bytes - 8),
                 1e-3f32..0.1,
                 -1.0f32..1.0,
             ),
@@ -217,6 +234,6 @@ pub fn assert_close(got: &[f32], want: &Reference, rel: f64, what: &str) {
 pub fn tolerance(dtype: TableDtype) -> f64 {
     match dtype {
         TableDtype::Float32 | TableDtype::Float16 => 1e-6,
-        TableDtype::Int8Rowwise => 2e-6,
+        TableDtype::Int8Rowwise | TableDtype::Int4Rowwise => 2e-6,
     }
 }

@@ -67,6 +67,20 @@ struct Args {
     /// The order received lookups start in: "fifo" (arrival) or "edf" (earliest deadline).
     #[arg(long, default_value = "fifo")]
     queue: QueuePolicy,
+    /// Bytes of DRAM this shard may use for its tables (suffixes K, M, G: powers of 1024).
+    /// Tables larger than it are read from SSD behind DRAM caches of this size
+    /// (docs/tiers.md); tables that fit stay in DRAM. Default: the plan's, else no limit.
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    dram_budget: Option<u64>,
+    /// Eviction policy of the SSD tier's row cache: sieve (scan-resistant) or lru.
+    #[arg(long, default_value = "sieve")]
+    cache_policy: cleave_embed::PolicyKind,
+    /// SSD tier reads: auto (io_uring where the kernel allows, else pread), uring, pread.
+    #[arg(long, default_value = "auto")]
+    io: cleave_embed::IoMode,
+    /// Share of the DRAM budget for the pooled-embedding cache, in [0, 0.5].
+    #[arg(long, default_value = "0")]
+    pooled_cache_fraction: f64,
     /// Log lines as "text" or "json" (one object per line); the level is CLEAVE_LOG's.
     #[arg(long, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -77,6 +91,73 @@ fn at_least_one(s: &str) -> Result<NonZeroUsize, String> {
         .parse()
         .map_err(|_| format!("expected a whole number, got {s:?}"))?;
     NonZeroUsize::new(n).ok_or_else(|| format!("expected at least 1, got {s}"))
+}
+
+/// A byte count: digits with an optional K, M or G (powers of 1024).
+fn bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 10),
+        Some('M') => (&t[..t.len() - 1], 20),
+        Some('G') => (&t[..t.len() - 1], 30),
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("expected bytes (digits, optionally K, M or G), got {s:?}"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too many bytes"))
+}
+
+/// Bytes of the rows this shard will hold (every table it names, clipped to each table).
+fn held_bytes(config: &ShardConfig) -> Result<u64, String> {
+    let manifest = Manifest::load(&config.bundle).map_err(|e| e.to_string())?;
+    let mut total = 0u64;
+    for t in &manifest.tables {
+        let named = match (&config.tables, &config.rows) {
+            (Some(names), _) => names.contains(&t.name),
+            (None, RowSpec::PerTable(per)) => per.iter().any(|(n, _)| *n == t.name),
+            (None, _) => true,
+        };
+        if !named {
+            continue;
+        }
+        let range = match &config.rows {
+            RowSpec::All => 0..t.rows,
+            RowSpec::Global(r) => r.clone(),
+            RowSpec::PerTable(per) => per
+                .iter()
+                .find(|(n, _)| *n == t.name)
+                .map_or(0..t.rows, |(_, r)| r.clone()),
+        };
+        let rows = range
+            .end
+            .min(t.rows)
+            .saturating_sub(range.start.min(t.rows));
+        total += rows * t.row_bytes as u64;
+    }
+    Ok(total)
+}
+
+/// The SSD tier for `budget`, if the held tables exceed it (None: they fit in DRAM).
+fn tier_for(
+    config: &ShardConfig,
+    budget: u64,
+    args: &Args,
+) -> Result<Option<std::sync::Arc<cleave_embed::Tier>>, String> {
+    let held = held_bytes(config)?;
+    if held <= budget {
+        tracing::info!(held, budget, "tables fit in the DRAM budget: all in DRAM");
+        return Ok(None);
+    }
+    let mut tier = cleave_embed::TierConfig::new(budget);
+    tier.policy = args.cache_policy;
+    tier.io = args.io;
+    tier.pooled_fraction = args.pooled_cache_fraction;
+    tracing::info!(held, budget, "tables exceed the DRAM budget: SSD tier");
+    cleave_embed::Tier::new(tier)
+        .map(Some)
+        .map_err(|e| format!("--dram-budget: {e}"))
 }
 
 fn seconds(s: &str) -> Result<Duration, String> {
@@ -125,21 +206,23 @@ fn main() -> ExitCode {
         eprintln!("cleave-shard: {e}");
         return ExitCode::from(2);
     }
-    let mut config = ShardConfig::new(args.bundle, args.listen);
-    config.tables = args.tables.map(|t| {
+    let mut config = ShardConfig::new(args.bundle.clone(), args.listen.clone());
+    config.tables = args.tables.clone().map(|t| {
         t.into_iter()
             .map(|n| n.trim().to_string())
             .filter(|n| !n.is_empty())
             .collect()
     });
-    config.rows = args.rows.unwrap_or_default();
+    config.rows = args.rows.clone().unwrap_or_default();
     config.threads = 1;
+    let mut planned_budget = None;
     if let (Some(path), Some(index)) = (&args.plan, args.shard_index) {
         match plan::planned_shard(path, index) {
             Ok(planned) => {
                 tracing::info!(shard = %planned.name, index, "rows and threads from the plan");
                 config.rows = planned.rows;
                 config.threads = planned.threads;
+                planned_budget = Some(planned.dram_budget).filter(|&b| b > 0);
             }
             Err(e) => {
                 tracing::error!(error = %e, "bad input");
@@ -158,6 +241,15 @@ fn main() -> ExitCode {
     if let Err(e) = check_input(&config) {
         tracing::error!(error = %e, "bad input");
         return ExitCode::from(2);
+    }
+    if let Some(budget) = args.dram_budget.or(planned_budget) {
+        match tier_for(&config, budget, &args) {
+            Ok(tier) => config.tier = tier,
+            Err(e) => {
+                tracing::error!(error = %e, "bad input");
+                return ExitCode::from(2);
+            }
+        }
     }
     let result = Shard::run_until_signal(&config, |info| {
         tracing::info!(address = %info.listen, "ready");

@@ -45,6 +45,9 @@ struct PlanShard {
     name: String,
     threads: usize,
     ranges: BTreeMap<String, (u64, u64)>,
+    /// Bytes of DRAM for the SSD tier's caches (docs/tiers.md); 0 or absent: all in DRAM.
+    #[serde(default)]
+    dram_budget: u64,
 }
 
 /// What a shard of the plan holds and runs with.
@@ -53,6 +56,7 @@ pub struct PlannedShard {
     pub name: String,
     pub rows: RowSpec,
     pub threads: usize,
+    pub dram_budget: u64,
 }
 
 /// Entry `index` of the plan's `shards`.
@@ -91,6 +95,7 @@ pub fn planned_shard(path: &Path, index: usize) -> Result<PlannedShard, PlanErro
         name: shard.name,
         rows: RowSpec::PerTable(rows),
         threads: shard.threads.max(1),
+        dram_budget: shard.dram_budget,
     })
 }
 
@@ -118,7 +123,8 @@ mod tests {
             PlannedShard {
                 name: "shard-1".into(),
                 rows: RowSpec::PerTable(rows),
-                threads: 1
+                threads: 1,
+                dram_budget: 0,
             }
         );
     }
