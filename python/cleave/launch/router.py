@@ -47,7 +47,8 @@ def router_config(
         # The variable's name only: the router reads the token from its environment.
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
-        "held_threads": config.shard.threads,
+        # Router-held mode only (the chart renders no such deployment).
+        **({"held_threads": config.shard.threads} if config.router_held else {}),
         # Only when asked for: a router config without it serves no gRPC (the chart's too).
         **({} if config.grpc_port is None else {"grpc_port": config.grpc_port}),
         # Paths only, and only when set (docs/security.md): the chart's config has none.
