@@ -31,6 +31,7 @@ from cleave.plan.tiers import (
     parse_profile,
     place_tables,
 )
+from cleave.runners.roles import Binding, RoleSpecs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,6 +196,26 @@ def test_cleave_plan_records_the_placement(two_tables, tmp_path):
     assert (out.parent / shard.profile).resolve() == profile.resolve()
     assert "SSD ['big']" in out.read_text()  # the choice, explained in the header
     assert cleave_plan("--check", str(out)).returncode == 0
+    # The local runner's command line carries the placement, and the shard it starts honours it.
+    sock = f"unix:{tmp_path / 's.sock'}"
+
+    class Local(Binding):
+        def listen(self, role):
+            return sock
+
+        def metrics_port(self, role):
+            return 0
+
+    (spec,) = RoleSpecs(plan, Local(), tmp_path).shard_specs()
+    argv = spec.argv
+    assert argv[argv.index("--ssd-tables") + 1] == "big", argv
+    assert Path(argv[argv.index("--profile") + 1]).resolve() == profile.resolve(), argv
+    proc, line = start_shard(*argv[1:], log=tmp_path / "shard.log")
+    try:
+        assert line.startswith("ready"), (tmp_path / "shard.log").read_text()
+    finally:
+        stop(proc)
+    assert "row cache warmed" in (tmp_path / "shard.log").read_text()
     # A plan naming a table its shard does not hold is refused by --check.
     data = yaml.safe_load(out.read_text())
     data["shards"][0]["ssd_tables"] = ["nope"]
