@@ -28,6 +28,7 @@ from cleave.plan.tiers import (
     check_profile,
     load_profile,
     need_per_byte,
+    parse_bytes,
     parse_profile,
     place_tables,
 )
@@ -86,6 +87,13 @@ def test_placement_fits_the_budget_and_respects_need(tables, budget):
     for on_ssd in placed.ssd:
         for in_dram in placed.dram:
             assert need[in_dram] >= need[on_ssd], (in_dram, on_ssd, need)
+
+
+def test_byte_counts_read_like_cleave_shards():
+    assert parse_bytes("4M", "--dram-budget") == 4 * MIB
+    assert parse_bytes("2g", "--dram-budget") == 2 << 30 and parse_bytes("512", "f") == 512
+    with pytest.raises(UsageError, match=r"--dram-budget: expected bytes .* got 'lots'"):
+        parse_bytes("lots", "--dram-budget")
 
 
 def test_a_budget_below_the_cache_minimum_is_refused():

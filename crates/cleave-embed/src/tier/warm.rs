@@ -27,6 +27,9 @@ pub struct WarmReport {
 /// start cold (logged).
 pub fn warm_up(tier: &Tier, tables: &[Table]) -> Result<WarmReport, EmbedError> {
     let mut report = WarmReport::default();
+    if tier.config().warm_rows.is_empty() {
+        return Ok(report); // no profile: the caller has said the cache starts cold
+    }
     let shape = tier.row_cache_shape();
     // Capacity left per row size, shared by the tables of that size in the order given.
     let mut room: BTreeMap<usize, usize> = shape.iter().map(|&(rb, cap, _)| (rb, cap)).collect();
