@@ -110,8 +110,10 @@ impl Table {
         let len = usize::try_from((rows.end - rows.start) * meta.row_bytes as u64)
             .map_err(|_| EmbedError::io(&path, std::io::Error::other("row range too large")))?;
         let store: Box<dyn RowStore> = match (&options.tier, options.residency) {
-            (Some(tier), _) => Box::new(SsdStore::open(tier, &path, meta, rows.clone())?),
-            (None, Residency::Mapped) => {
+            (Some(tier), _) if tier.on_ssd(&meta.name) => {
+                Box::new(SsdStore::open(tier, &path, meta, rows.clone())?)
+            }
+            (_, Residency::Mapped) => {
                 // SAFETY: bundles are immutable once written (docs/bundle.md: written to a
                 // temporary directory and renamed), so the mapped bytes do not change under us.
                 let map = unsafe { MmapOptions::new().offset(offset).len(len).map(&file) }
@@ -120,7 +122,7 @@ impl Table {
                 let _ = map.advise(Advice::Random);
                 Box::new(MemoryStore::new("mapped", map, rows.start, meta.row_bytes))
             }
-            (None, Residency::Resident) => {
+            (_, Residency::Resident) => {
                 let data =
                     read_resident(&file, offset, len).map_err(|e| EmbedError::io(&path, e))?;
                 Box::new(MemoryStore::new(

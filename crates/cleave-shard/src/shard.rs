@@ -314,6 +314,10 @@ fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
             .map_err(|e| StartError(e.to_string()))?;
         tables.push(table);
     }
+    if let Some(tier) = &config.tier {
+        // Before ready: the first requests should hit the row cache (docs/tiers.md).
+        cleave_embed::tier::warm_up(tier, &tables).map_err(|e| StartError(e.to_string()))?;
+    }
     Ok(tables)
 }
 

@@ -190,6 +190,14 @@ def _ranges(plan: Plan, tables: dict, errors: list[str], warnings: list[str]) ->
         valid[i] = {}
         if not s.ranges:
             errors.append(f"shards[{i}].ranges: expected at least one table range, got none")
+        for t in s.ssd_tables:  # placement across tiers (docs/tiers.md)
+            if t not in s.ranges:
+                errors.append(
+                    f"shards[{i}].ssd_tables: expected tables the shard holds "
+                    f"({', '.join(s.ranges)}), got {t!r}"
+                )
+        if (s.ssd_tables or s.profile) and not s.dram_budget:
+            errors.append(f"shards[{i}]: ssd_tables and profile need a dram_budget, got 0")
         for t, (a, b) in s.ranges.items():
             f = f"shards[{i}].ranges.{t}"
             if t not in tables:

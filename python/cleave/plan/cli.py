@@ -17,6 +17,7 @@ from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
 from cleave.plan.schema import Plan
+from cleave.plan.tiers import load_profile, parse_bytes, place_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cleave serve's TOML file: the roles' settings")
     parser.add_argument("-o", "--output", help="the plan file to write")
     parser.add_argument("--check", metavar="PLAN", help="validate PLAN against its bundle")
+    parser.add_argument(
+        "--dram-budget",
+        metavar="BYTES",
+        help="DRAM per shard for rows and caches (suffix K, M, G); tables over it go to SSD",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="access profile (JSON, docs/tiers.md): places tables by bandwidth need per byte",
+    )
 
 
 def _count(items, noun: str) -> str:
@@ -69,7 +80,8 @@ def _check(path: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.check:
-        extra = [f for f in ("bundle", "cluster", "hosts", "output") if getattr(args, f)]
+        fields = ("bundle", "cluster", "hosts", "output", "dram_budget", "profile")
+        extra = [f for f in fields if getattr(args, f)]
         if extra:
             raise UsageError(f"--check takes only the plan file, got also {', '.join(extra)}")
         return _check(args.check)
@@ -85,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.is_dir():
         raise UsageError(f"-o {output}: is a directory; expected a file name")
+    if args.profile and not args.dram_budget:
+        raise UsageError("--profile needs --dram-budget BYTES: the DRAM each shard may use")
+    budget = parse_bytes(args.dram_budget, "--dram-budget") if args.dram_budget else None
+    profile = load_profile(args.profile) if args.profile else None
     config = config_io.load(args.config)
     cluster = load_cluster_file(args.cluster) if args.cluster else None
     hosts = cluster.hosts if cluster else emulated_hosts(args.hosts)
@@ -98,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
     # The bundle is named relative to the plan, so the two move together.
     plan.bundle = os.path.relpath(bundle.resolve(), output.parent.resolve())
     plan.source = output
+    if budget is not None:
+        manifest = read_manifest(bundle)
+        ref = ""
+        if args.profile:  # named relative to the plan, as the bundle is
+            ref = os.path.relpath(Path(args.profile).resolve(), output.parent.resolve())
+        plan.placement += place_plan(plan, manifest, budget, profile, ref)
     try:
         warnings = plan.check(read_manifest(bundle))
     except UsageError as err:

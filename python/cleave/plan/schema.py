@@ -42,6 +42,11 @@ class Shard:
     # Bytes of DRAM for the rows; tables larger than it are read from SSD behind DRAM caches
     # of this size (docs/tiers.md). 0: all in DRAM.
     dram_budget: int = 0
+    # Placement across tiers (docs/tiers.md, `cleave plan --profile`): the tables read from
+    # SSD; the rest stay in DRAM within dram_budget. Empty: every table on SSD if they exceed it.
+    ssd_tables: list[str] = field(default_factory=list)
+    # The access profile whose hottest rows warm the row cache; relative to the plan file.
+    profile: str = ""
 
 
 @dataclass

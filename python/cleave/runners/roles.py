@@ -106,6 +106,12 @@ class RoleSpecs:
             ]
             if shard.dram_budget:  # docs/tiers.md
                 argv += ["--dram-budget", str(shard.dram_budget)]
+            if shard.ssd_tables:  # the plan's placement across tiers
+                argv += ["--ssd-tables", ",".join(shard.ssd_tables)]
+            if shard.profile:  # relative to the plan file, as the bundle is
+                source = self.plan.source
+                base = source.parent if source is not None else Path(".")
+                argv += ["--profile", str(base / shard.profile)]
             specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
 

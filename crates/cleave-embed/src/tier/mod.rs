@@ -3,7 +3,11 @@
 //! and a pooled-embedding cache, all under one byte budget (docs/tiers.md).
 
 pub mod io;
+mod warm;
 
+pub use warm::{warm_up, WarmReport};
+
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -27,6 +31,12 @@ pub struct TierConfig {
     pub pooled_fraction: f64,
     /// Threads of the positioned-read fallback.
     pub io_threads: usize,
+    /// The tables read from SSD (a plan's placement, docs/tiers.md); None: every table of a
+    /// shard that has a tier. The others stay in DRAM (mapped or resident).
+    pub ssd_tables: Option<Vec<String>>,
+    /// Hottest rows per table, hottest first, read into the row cache before the shard
+    /// reports ready ([`warm_up`]).
+    pub warm_rows: HashMap<String, Vec<u64>>,
 }
 
 impl TierConfig {
@@ -37,6 +47,8 @@ impl TierConfig {
             io: IoMode::Auto,
             pooled_fraction: 0.0,
             io_threads: 8,
+            ssd_tables: None,
+            warm_rows: HashMap::new(),
         }
     }
 }
@@ -154,6 +166,14 @@ impl Tier {
 
     pub fn config(&self) -> &TierConfig {
         &self.config
+    }
+
+    /// Whether table `name` is read from SSD (else it stays in DRAM).
+    pub fn on_ssd(&self, name: &str) -> bool {
+        self.config
+            .ssd_tables
+            .as_ref()
+            .is_none_or(|names| names.iter().any(|n| n == name))
     }
 
     /// "io_uring" or "pread".

@@ -18,6 +18,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 mod plan;
+mod profile;
 
 use clap::Parser;
 use cleave_embed::Manifest;
@@ -78,6 +79,15 @@ struct Args {
     /// SSD tier reads: auto (io_uring where the kernel allows, else pread), uring, pread.
     #[arg(long, default_value = "auto")]
     io: cleave_embed::IoMode,
+    /// Tables read from SSD (the plan's placement, docs/tiers.md); the others stay in DRAM and
+    /// their bytes come out of --dram-budget. Default: the plan's, else every table when they
+    /// exceed the budget.
+    #[arg(long, value_delimiter = ',')]
+    ssd_tables: Option<Vec<String>>,
+    /// An access profile (JSON, docs/tiers.md): its tables' hot_rows are read into the row
+    /// cache before the shard reports ready. Default: the plan's, else the cache starts cold.
+    #[arg(long)]
+    profile: Option<PathBuf>,
     /// Share of the DRAM budget for the pooled-embedding cache, in [0, 0.5].
     #[arg(long, default_value = "0")]
     pooled_cache_fraction: f64,
@@ -109,10 +119,10 @@ fn bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too many bytes"))
 }
 
-/// Bytes of the rows this shard will hold (every table it names, clipped to each table).
-fn held_bytes(config: &ShardConfig) -> Result<u64, String> {
+/// Bytes of the rows this shard will hold, per table (every table it names, clipped).
+fn held_bytes(config: &ShardConfig) -> Result<Vec<(String, u64)>, String> {
     let manifest = Manifest::load(&config.bundle).map_err(|e| e.to_string())?;
-    let mut total = 0u64;
+    let mut held = Vec::new();
     for t in &manifest.tables {
         let named = match (&config.tables, &config.rows) {
             (Some(names), _) => names.contains(&t.name),
@@ -134,27 +144,67 @@ fn held_bytes(config: &ShardConfig) -> Result<u64, String> {
             .end
             .min(t.rows)
             .saturating_sub(range.start.min(t.rows));
-        total += rows * t.row_bytes as u64;
+        held.push((t.name.clone(), rows * t.row_bytes as u64));
     }
-    Ok(total)
+    Ok(held)
 }
 
-/// The SSD tier for `budget`, if the held tables exceed it (None: they fit in DRAM).
+/// Where the tier's settings come from: the flags, else the plan.
+struct TierInput {
+    budget: u64,
+    ssd_tables: Option<Vec<String>>,
+    profile: Option<PathBuf>,
+}
+
+/// The SSD tier for `input`'s budget (None: the held tables fit in DRAM). With a placement
+/// (`ssd_tables`), only those tables go to SSD and the rest's bytes come out of the budget.
 fn tier_for(
     config: &ShardConfig,
-    budget: u64,
+    input: &TierInput,
     args: &Args,
 ) -> Result<Option<std::sync::Arc<cleave_embed::Tier>>, String> {
-    let held = held_bytes(config)?;
-    if held <= budget {
-        tracing::info!(held, budget, "tables fit in the DRAM budget: all in DRAM");
-        return Ok(None);
+    let per_table = held_bytes(config)?;
+    let held: u64 = per_table.iter().map(|(_, b)| b).sum();
+    let budget = input.budget;
+    let mut cache_budget = budget;
+    match &input.ssd_tables {
+        None if held <= budget => {
+            tracing::info!(held, budget, "tables fit in the DRAM budget: all in DRAM");
+            return Ok(None);
+        }
+        None => tracing::info!(held, budget, "tables exceed the DRAM budget: SSD tier"),
+        Some(ssd) => {
+            let in_dram: u64 = per_table
+                .iter()
+                .filter(|(n, _)| !ssd.contains(n))
+                .map(|(_, b)| b)
+                .sum();
+            cache_budget = budget.saturating_sub(in_dram);
+            if cache_budget < cleave_embed::tier::MIN_BUDGET {
+                return Err(format!(
+                    "--dram-budget {budget}: the tables kept in DRAM hold {in_dram} bytes, \
+                     leaving {cache_budget} bytes for the SSD tier's caches; expected at least \
+                     {} (raise the budget or put more tables in --ssd-tables)",
+                    cleave_embed::tier::MIN_BUDGET
+                ));
+            }
+            tracing::info!(
+                ?ssd,
+                in_dram,
+                cache_budget,
+                "placement: these tables on SSD"
+            );
+        }
     }
-    let mut tier = cleave_embed::TierConfig::new(budget);
+    let mut tier = cleave_embed::TierConfig::new(cache_budget);
     tier.policy = args.cache_policy;
     tier.io = args.io;
     tier.pooled_fraction = args.pooled_cache_fraction;
-    tracing::info!(held, budget, "tables exceed the DRAM budget: SSD tier");
+    tier.ssd_tables = input.ssd_tables.clone();
+    match &input.profile {
+        Some(path) => tier.warm_rows = profile::hot_rows(path).map_err(|e| e.to_string())?,
+        None => tracing::info!("no access profile (--profile): the row cache starts cold"),
+    }
     cleave_embed::Tier::new(tier)
         .map(Some)
         .map_err(|e| format!("--dram-budget: {e}"))
@@ -173,7 +223,7 @@ fn seconds(s: &str) -> Result<Duration, String> {
 /// The operator's input, checked before anything starts so that it exits 2 like a bad flag:
 /// the bundle's manifest opens and holds every table named. (Shard::start checks the same
 /// again; what only it finds, such as a port in use, exits 1.)
-fn check_input(config: &ShardConfig) -> Result<(), String> {
+fn check_input(config: &ShardConfig, ssd_tables: Option<&[String]>) -> Result<(), String> {
     let manifest = Manifest::load(&config.bundle).map_err(|e| e.to_string())?;
     let known: Vec<&str> = manifest.tables.iter().map(|t| t.name.as_str()).collect();
     let per_table: Vec<&str> = match &config.rows {
@@ -186,6 +236,13 @@ fn check_input(config: &ShardConfig) -> Result<(), String> {
                 "--rows names table {n:?}, which is not among --tables {names:?}"
             ));
         }
+    }
+    let ssd = ssd_tables.unwrap_or_default();
+    if let Some(n) = ssd.iter().find(|n| !known.contains(&n.as_str())) {
+        return Err(format!(
+            "--ssd-tables names table {n:?}, which is not in {}; the bundle has {known:?}",
+            config.bundle.join("manifest.json").display()
+        ));
     }
     let named = config.tables.iter().flatten().map(String::as_str);
     if let Some(n) = named
@@ -216,6 +273,7 @@ fn main() -> ExitCode {
     config.rows = args.rows.clone().unwrap_or_default();
     config.threads = 1;
     let mut planned_budget = None;
+    let (mut planned_ssd, mut planned_profile) = (None, None);
     if let (Some(path), Some(index)) = (&args.plan, args.shard_index) {
         match plan::planned_shard(path, index) {
             Ok(planned) => {
@@ -223,6 +281,7 @@ fn main() -> ExitCode {
                 config.rows = planned.rows;
                 config.threads = planned.threads;
                 planned_budget = Some(planned.dram_budget).filter(|&b| b > 0);
+                (planned_ssd, planned_profile) = (planned.ssd_tables, planned.profile);
             }
             Err(e) => {
                 tracing::error!(error = %e, "bad input");
@@ -238,12 +297,22 @@ fn main() -> ExitCode {
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
     config.queue = args.queue;
-    if let Err(e) = check_input(&config) {
+    let ssd_tables = args.ssd_tables.clone().or(planned_ssd);
+    if let Err(e) = check_input(&config, ssd_tables.as_deref()) {
         tracing::error!(error = %e, "bad input");
         return ExitCode::from(2);
     }
-    if let Some(budget) = args.dram_budget.or(planned_budget) {
-        match tier_for(&config, budget, &args) {
+    let input = args.dram_budget.or(planned_budget).map(|budget| TierInput {
+        budget,
+        ssd_tables,
+        profile: args.profile.clone().or(planned_profile),
+    });
+    if input.is_none() && (args.ssd_tables.is_some() || args.profile.is_some()) {
+        tracing::error!("--ssd-tables and --profile need --dram-budget (or a plan's)");
+        return ExitCode::from(2);
+    }
+    if let Some(input) = input {
+        match tier_for(&config, &input, &args) {
             Ok(tier) => config.tier = tier,
             Err(e) => {
                 tracing::error!(error = %e, "bad input");

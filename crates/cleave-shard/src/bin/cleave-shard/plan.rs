@@ -48,6 +48,12 @@ struct PlanShard {
     /// Bytes of DRAM for the SSD tier's caches (docs/tiers.md); 0 or absent: all in DRAM.
     #[serde(default)]
     dram_budget: u64,
+    /// The plan's placement: tables read from SSD, the rest kept in DRAM (docs/tiers.md).
+    #[serde(default)]
+    ssd_tables: Vec<String>,
+    /// The access profile whose hottest rows warm the row cache; relative to the plan.
+    #[serde(default)]
+    profile: String,
 }
 
 /// What a shard of the plan holds and runs with.
@@ -57,6 +63,9 @@ pub struct PlannedShard {
     pub rows: RowSpec,
     pub threads: usize,
     pub dram_budget: u64,
+    /// None: not placed (every table on SSD when they exceed the budget).
+    pub ssd_tables: Option<Vec<String>>,
+    pub profile: Option<PathBuf>,
 }
 
 /// Entry `index` of the plan's `shards`.
@@ -96,6 +105,11 @@ pub fn planned_shard(path: &Path, index: usize) -> Result<PlannedShard, PlanErro
         rows: RowSpec::PerTable(rows),
         threads: shard.threads.max(1),
         dram_budget: shard.dram_budget,
+        ssd_tables: Some(shard.ssd_tables).filter(|t| !t.is_empty()),
+        profile: Some(shard.profile).filter(|p| !p.is_empty()).map(|p| {
+            // Relative to the plan file, as its bundle is.
+            path.parent().unwrap_or(Path::new("")).join(p)
+        }),
     })
 }
 
@@ -125,7 +139,23 @@ mod tests {
                 rows: RowSpec::PerTable(rows),
                 threads: 1,
                 dram_budget: 0,
+                ssd_tables: None,
+                profile: None,
             }
+        );
+    }
+
+    #[test]
+    fn reads_the_placement_and_resolves_the_profile_against_the_plan() {
+        let file = plan_file(
+            r#"{"shards": [{"name": "s", "threads": 1, "ranges": {"a": [0, 4], "b": [0, 2]},
+                "dram_budget": 4096, "ssd_tables": ["b"], "profile": "p.json"}]}"#,
+        );
+        let got = planned_shard(file.path(), 0).unwrap();
+        assert_eq!(got.ssd_tables, Some(vec!["b".to_string()]));
+        assert_eq!(
+            got.profile,
+            Some(file.path().parent().unwrap().join("p.json"))
         );
     }
 
