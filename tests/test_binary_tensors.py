@@ -234,11 +234,11 @@ def test_malformed_binary_bodies_are_400s_naming_what_is_wrong(served):
     assert counters[("parse", "binary")][0] > 0.0
 
 
-def test_bench_serve_drives_binary_bodies_and_checks_their_scores(tmp_path):
+def test_bench_serve_drives_every_protocol_in_one_run_and_checks_their_scores(tmp_path):
     out = tmp_path / "serve.json"
     result = subprocess.run(
         [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
-        + ["--protocol", "binary", "--model", "dlrm", "--scale", "0.002"]
+        + ["--protocol", "binary,grpc,json", "--model", "dlrm", "--scale", "0.002"]
         + ["--candidates", "16", "--requests", "8"]
         + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True,
@@ -247,9 +247,33 @@ def test_bench_serve_drives_binary_bodies_and_checks_their_scores(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    (deployment,) = report["deployments"].values()
-    for point in [deployment["single"], *deployment["rates"]]:
-        assert point["ok"] > 0, point
-    # Stage timings come from the binary replies' JSON headers; scores from their bytes.
-    assert "compute_us" in deployment["rates"][0]["stages_us"]
+    # One deployment per protocol; the first keeps its name.
+    deps = report["deployments"]
+    assert list(deps) == ["disaggregated", "disaggregated/grpc", "disaggregated/json"]
+    for deployment in deps.values():
+        for point in [deployment["single"], *deployment["rates"]]:
+            assert point["ok"] > 0 and not point["errors"], point
+        # Stage timings come from the replies (binary's JSON header, gRPC's parameters).
+        assert "compute_us" in deployment["rates"][0]["stages_us"]
+    # Each router counted the CPU of its own protocol's parsing.
+    for name, protocol in (("disaggregated", "binary"), ("disaggregated/grpc", "grpc")):
+        codec = deps[name]["rates"][0]["metrics"]["codec_cpu_us"]
+        assert codec.get(f"parse_{protocol}", 0) > 0, codec
+    ratios = report["ratios"]
+    for key in ("max_rate", "max_goodput", "single_p50", "codec_cpu"):
+        for protocol in ("grpc", "json"):
+            assert f"{key}_{protocol}_over_binary" in ratios, ratios
+    assert ratios["codec_cpu_json_over_binary"] > 0
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= TOLERANCE
+
+
+def test_bench_serve_refuses_a_bad_protocol_list(tmp_path):
+    for bad in ("json,xml", "json,json", ","):
+        result = subprocess.run(
+            [sys.executable, "-m", "cleave.cli", "bench", "serve", "--protocol", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "--protocol: expected distinct names of json, binary, grpc" in result.stderr

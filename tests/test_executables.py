@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cleave.launch.process import ServeProcess
+from cleave.launch.process import ServeProcess, terminate
 from cleave.launch.supervisor import find_executable
 from cleave.runners.local import free_ports
 from test_serve import Served, child_processes
@@ -93,15 +93,9 @@ class Process:
         raise AssertionError(f"{self.argv[0]} not ready at {url} ({answer}):\n{output}")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc, timeout_s)
         self._reader.join(5)
-        return self.proc.returncode
+        return code
 
     def json_lines(self) -> list[dict]:
         """Every line that looks like an object must be one (the "ready" line is for people)."""

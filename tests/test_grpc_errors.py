@@ -7,26 +7,19 @@ answers a good request afterwards.
 
 from __future__ import annotations
 
-import socket
-
 import cleave
 import grpc
 import numpy as np
 import pytest
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
+from cleave.runners.local import free_ports
 
 # tritonclient's generated messages: the published definition, not ours.
 from tritonclient.grpc import service_pb2 as pb
 
 SCALE = 0.002
 LIMIT_MB = 0.25  # the router's body limit in this test: also its largest gRPC message
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def deployment(tmp_path_factory):
     }
     config = tmp / "serve.toml"
     config.write_text(f"[router]\nbody_limit_mb = {LIMIT_MB}\n")
-    port = free_port()
+    port = free_ports("127.0.0.1", 1)[0]
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
     with ServeProcess(bundle_dir, "--config", str(config), *flags):
         channel = grpc.insecure_channel(

@@ -137,10 +137,34 @@ FETCH = (
 )
 
 
-@pytest.mark.parametrize("case", ["default", "3x2", "fetch"])
-def test_rendered_manifests_are_valid_kubernetes(helm, small_plan, big_plan, big_values, case):
+@pytest.fixture(scope="module")
+def secure_plan(small_plan: Path) -> Path:
+    """The small plan with gRPC, an internal secret and EDF queues."""
+    text = yaml.safe_load(small_plan.read_text())
+    for router in text["routers"]:
+        router["grpc_port"] = 8001
+    text["router"]["internal_secret_env"] = "CLEAVE_SECRET"
+    for role in [*text["shards"], *text["rankers"]]:
+        role["queue"] = "edf"
+    path = small_plan.with_name("secure.yaml")
+    path.write_text(yaml.safe_dump(text))
+    return path
+
+
+SECURE = (
+    *("--set", "router.tlsSecret=cleave-tls", "--set", "router.authTokenSecret.name=cleave-tokens"),
+    *("--set", "internalSecret.name=cleave-internal"),
+)
+
+
+@pytest.mark.parametrize("case", ["default", "3x2", "fetch", "secure"])
+def test_rendered_manifests_are_valid_kubernetes(
+    helm, small_plan, big_plan, big_values, secure_plan, case
+):
     if case == "default":
         docs = rendered(helm, small_plan)
+    elif case == "secure":
+        docs = rendered(helm, secure_plan, *SECURE)
     elif case == "3x2":
         docs = rendered(helm, big_plan, "--values", str(big_values))
     else:  # the bundle fetched by an init container into an emptyDir
@@ -277,6 +301,53 @@ def test_the_admin_token_comes_from_the_named_secret(helm, small_plan, tmp_path)
     assert {"name": "ADMIN_TOKEN_ENV", "value": "CLEAVE_ADMIN_TOKEN"} in sidecar_env
     config = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
     assert config["admin_token_env"] == "CLEAVE_ADMIN_TOKEN"  # the name only, never the token
+
+
+def test_grpc_tls_tokens_internal_secret_and_queues_come_from_the_plan_and_values(
+    helm, secure_plan
+):
+    docs = rendered(helm, secure_plan, *SECURE)
+    config = json.loads(docs[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
+    assert config["grpc_port"] == 8001
+    assert (config["tls_cert"], config["tls_key"]) == (
+        "/etc/cleave-tls/tls.crt",
+        "/etc/cleave-tls/tls.key",
+    )
+    assert config["auth_token_file"] == "/etc/cleave-auth/tokens"
+    service = docs[("Service", f"{RELEASE}-router")]["spec"]["ports"]
+    assert {"name": "grpc", "port": 8001, "targetPort": "grpc"} in service
+    pod = docs[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]
+    router = next(c for c in pod["containers"] if c["name"] == "router")
+    assert {"name": "grpc", "containerPort": 8001} in router["ports"]
+    assert router["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    mounts = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
+    assert (mounts["tls"], mounts["auth"]) == ("/etc/cleave-tls", "/etc/cleave-auth")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "cleave-tls"}
+    assert volumes["auth"]["secret"] == {"secretName": "cleave-tokens"}
+    secret = {
+        "name": "CLEAVE_INTERNAL_SECRET",
+        "valueFrom": {"secretKeyRef": {"name": "cleave-internal", "key": "secret"}},
+    }
+    for kind, role in (
+        ("Deployment", "router"),
+        ("StatefulSet", "shard"),
+        ("StatefulSet", "ranker"),
+    ):
+        spec = docs[(kind, f"{RELEASE}-{role}")]["spec"]["template"]["spec"]
+        container = next(c for c in spec["containers"] if c["name"] == role)
+        assert secret in container["env"], role
+        if role != "router":
+            assert "--queue=edf" in container["args"], role
+    # Without them, none of it: no gRPC port, no secret, plain probes, FIFO.
+    plain = rendered(helm, secure_plan.with_name("small.yaml"))
+    config = json.loads(plain[("ConfigMap", f"{RELEASE}-config")]["data"]["router.json"])
+    assert not {"grpc_port", "tls_cert", "tls_key", "auth_token_file"} & set(config)
+    pod = plain[("Deployment", f"{RELEASE}-router")]["spec"]["template"]["spec"]
+    assert "scheme" not in pod["containers"][0]["readinessProbe"]["httpGet"]
+    shard = plain[("StatefulSet", f"{RELEASE}-shard")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--queue=fifo" in shard["args"]
+    assert all(e["name"] != "CLEAVE_INTERNAL_SECRET" for e in shard["env"])
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda", "cpu"])
@@ -484,5 +555,15 @@ def test_bad_values_fail_the_render_saying_what_to_change(helm, small_plan, tmp_
     token = tmp_path / "token.yaml"
     token.write_text(yaml.safe_dump(text))
     fails(token, says="set router.adminTokenSecret.name")
+    text = yaml.safe_load(small_plan.read_text())
+    text["router"]["internal_secret_env"] = "CLEAVE_SECRET"
+    secret = tmp_path / "secret.yaml"
+    secret.write_text(yaml.safe_dump(text))
+    fails(secret, says="set internalSecret.name to a Secret")
+    text = yaml.safe_load(small_plan.read_text())
+    text["shards"].append({**text["shards"][0], "name": "shard-1", "queue": "edf"})
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(yaml.safe_dump(text))
+    fails(queues, says="shards[1].queue is edf but shards[0].queue is fifo")
     fails(small_plan, "--set", "bundle.pvc=", says="set bundle.pvc")
     fails(small_plan, "--set", "replicas=3", says="replicas")  # not a value of this chart

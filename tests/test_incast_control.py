@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 from cleave.bench.incast import find_incast_binary
+from cleave.runners.local import free_ports
 
 IO_TIMEOUT_S = 10.0
 MAGIC = b"CF"[::-1]  # 0x4346 little-endian: 'F', 'C'
@@ -44,14 +45,8 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ranker(*extra: str):
-    control, data = free_port(), free_port()
+    control, data = free_ports("127.0.0.1", 1)[0], free_ports("127.0.0.1", 1)[0]
     argv = [find_incast_binary(), "ranker", "--listen", "127.0.0.1"]
     # The ranker reports once 6 control connections have closed: the first test opens 6.
     argv += ["--control-port", str(control), "--data-port", str(data), "--senders", "6"]

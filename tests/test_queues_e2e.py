@@ -7,11 +7,6 @@ computes it (their metrics say so)."""
 from __future__ import annotations
 
 import json
-import re
-import signal
-import subprocess
-import threading
-import time
 import urllib.request
 
 import cleave
@@ -19,57 +14,18 @@ import pytest
 import torch
 from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS
-from test_router_http import MODEL, SCALE, TOLERANCE, cli, good_request, post, request
+from test_router_http import (
+    MODEL,
+    SCALE,
+    TOLERANCE,
+    Child,
+    cli,
+    good_request,
+    post,
+    request,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-
-class Child:
-    """A child process whose stdout's first "ready ..." line gives its address (and its
-    metrics URL, where it has one)."""
-
-    def __init__(self, name: str, argv: list[str], timeout_s: float = 120.0):
-        self.name, self.address, self.ready_line = name, "", ""
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("ready ") and not ready.is_set():
-                    self.ready_line, self.address = line.strip(), line.split()[1]
-                    ready.set()
-                else:
-                    self.log.append(line.rstrip("\n"))
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{name} did not become ready:\n" + "\n".join(self.log))
-
-    @property
-    def metrics_url(self) -> str:
-        m = re.search(r"metrics=(\S+)", self.ready_line)
-        assert m, f"{self.name}: no metrics URL on its ready line {self.ready_line!r}"
-        return m.group(1)
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 class Deployment:

@@ -17,13 +17,17 @@ import re
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
+import grpc
 import pytest
+import yaml
 from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import Host, make_plan, save_plan
 from cleave.runners import membership
+from cleave.runners.local import free_ports
 from test_replicas import failures, under_load
 from test_serve import SCALES, TOLERANCE, Served, check_scores, wait_until
 
@@ -197,19 +201,55 @@ def test_dlrm_on_three_nodes_then_scaled_under_load(cluster, models, tmp_path):
 
 
 def test_dcn_and_din_score_like_their_models_with_shards_and_rankers_apart(
-    cluster, models, tmp_path
+    cluster, models, tmp_path, monkeypatch
 ):
     # The rest of the correctness suite (dlrm and shared are scored above), one after the other.
+    # din's plan also names an internal secret and serves gRPC: every role gets the secret
+    # from its node's role host, and the router answers on the plan's gRPC port.
     node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
+    monkeypatch.setenv("CLEAVE_TEST_SECRET", "s3cret-for-ray")
     for name in ("dcn", "din"):
         served = models[name]
         plan = ray_plan(served, tmp_path / f"{name}.yaml", rankers=1, replicas=1)
+        grpc_port = free_ports("127.0.0.1", 1)[0]
+        if name == "din":
+            text = yaml.safe_load(plan.read_text())
+            text["router"]["internal_secret_env"] = "CLEAVE_TEST_SECRET"
+            text["routers"][0]["grpc_port"] = grpc_port
+            plan.write_text(yaml.safe_dump(text))
         with serve(cluster, plan) as server:
             check_scores(server, served)
             where = placement(server)
             assert where["shard-0"] == where["shard-1"] == node["h1"], where
             assert where["ranker-0"] == node["h2"] and where["router-0"] == node["h0"], where
+            if name == "din":
+                secrets = role_secrets(served)
+                assert len(secrets) == 4 and set(secrets) == {"s3cret-for-ray"}, secrets
+                host = urllib.parse.urlsplit(server.url).hostname
+                with grpc.insecure_channel(f"{host}:{grpc_port}") as channel:
+                    ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady")
+                    assert ready(b"", timeout=30) == b"\x08\x01"  # ServerReadyResponse{ready}
             stopped_cleanly(server, served)
+
+
+def role_secrets(served: Served) -> list[str | None]:
+    """CLEAVE_INTERNAL_SECRET of each process serving `served` (None where unset)."""
+    marks = (str(served.dir), f"cleave-ray-{served.dir.name}-")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and any(m in cmdline for m in marks):
+            values = [
+                e.split(b"=", 1)[1].decode()
+                for e in environ
+                if e.startswith(b"CLEAVE_INTERNAL_SECRET=")
+            ]
+            found.append(values[0] if values else None)
+    return found
 
 
 def test_bench_scale_reports_the_second_rankers_goodput_without_failures(cluster, models, tmp_path):

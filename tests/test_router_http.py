@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +26,7 @@ import cleave
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from cleave.launch.process import terminate
 from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS, RequestGenerator
 
@@ -45,10 +46,11 @@ KSERVE = {
 
 
 class Child:
-    """A child process whose stdout's first "ready ..." line gives its address."""
+    """A child process whose stdout's first "ready ..." line gives its address (and its
+    metrics URL, where it has one)."""
 
     def __init__(self, name: str, argv: list[str], timeout_s: float = 120.0):
-        self.name = name
+        self.name, self.address, self.ready_line = name, "", ""
         self.log: list[str] = []
         self.proc = subprocess.Popen(
             argv,
@@ -59,13 +61,12 @@ class Child:
             bufsize=1,
         )
         ready = threading.Event()
-        self.address = ""
 
         def read():
             for line in self.proc.stdout:
                 line = line.rstrip("\n")
                 if line.startswith("ready ") and not ready.is_set():
-                    self.address = line.split()[1]
+                    self.ready_line, self.address = line, line.split()[1]
                     ready.set()
                 else:
                     self.log.append(line)
@@ -78,15 +79,14 @@ class Child:
                 log = "\n".join(self.log)
                 raise RuntimeError(f"{name} did not become ready:\n{log}")
 
+    @property
+    def metrics_url(self) -> str:
+        m = re.search(r"metrics=(\S+)", self.ready_line)
+        assert m, f"{self.name}: no metrics URL on its ready line {self.ready_line!r}"
+        return m.group(1)
+
     def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout_s)
 
 
 def cli(*args: str) -> list[str]:

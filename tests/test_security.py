@@ -20,16 +20,11 @@ import pytest
 import trustme
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
+from cleave.runners.local import free_ports
 from tritonclient.grpc import service_pb2 as pb
 
 SCALE = 0.002
 TOKEN = "t0ken-that-must-not-leak-7f3a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +92,7 @@ def test_bearer_tokens_on_rest_and_grpc(bundle_and_arrays):
     bundle_dir, arrays, tmp = bundle_and_arrays
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    port = free_port()
+    port = free_ports("127.0.0.1", 1)[0]
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
     with ServeProcess(bundle_dir, *flags, "--auth-token-file", str(token_file)) as server:
         url = f"{server.url}/v2/models/dlrm/infer"
@@ -139,7 +134,7 @@ def test_tls_on_rest_and_grpc(bundle_and_arrays):
     for extra in cert.cert_chain_pems[1:]:
         extra.write_to_path(str(cert_file), append=True)
     cert.private_key_pem.write_to_path(str(key_file))
-    port = free_port()
+    port = free_ports("127.0.0.1", 1)[0]
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
     tls = ["--tls-cert", str(cert_file), "--tls-key", str(key_file)]
     # The launcher's readiness probe is plain HTTP: serve's own URL is checked below instead.

@@ -60,51 +60,64 @@ def check(result, output_names: list[str], want: list[np.ndarray], what: str) ->
         assert np.abs(got.astype(np.float64) - w).max() <= TOLERANCE, what
 
 
-@pytest.mark.parametrize("name", sorted(SCALES))
-def test_tritonclient_http_sync_and_async_get_the_models_scores(tmp_path, name):
+def served_model(tmp_path, name: str):
+    """A reference model, its saved bundle and three requests (batches 1, 13, 64) with the
+    model's own scores."""
     model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
     model.eval()
     bundle = cleave.partition(model, example)
     bundle_dir = bundle.save(tmp_path / name)
     generator = RequestGenerator(name, scale=SCALES[name], seed=5, min_pooling=0)
     requests = [inputs_and_scores(model, bundle, generator, b) for b in (1, 13, 64)]
+    return bundle_dir, requests
+
+
+def triton_round_trips(sync_module, async_module, url, model_name, outputs, requests, what):
+    """What a tritonclient user does, sync then asyncio, each score checked: every request,
+    one with its outputs named, then all of them at once."""
+    client = sync_module.InferenceServerClient(url=url)
+    try:
+        assert client.is_server_live()
+        assert client.is_model_ready(model_name)
+        for arrays, want in requests:
+            result = client.infer(model_name, triton_inputs(sync_module, arrays))
+            check(result, outputs, want, f"{what} sync")
+        # Outputs named explicitly (binary on HTTP: the client's default for them too).
+        arrays, want = requests[1]
+        asked = [sync_module.InferRequestedOutput(o) for o in outputs]
+        result = client.infer(model_name, triton_inputs(sync_module, arrays), outputs=asked)
+        check(result, outputs, want, f"{what} sync, outputs named")
+    finally:
+        client.close()
+
+    async def run_async():
+        aclient = async_module.InferenceServerClient(url=url)
+        try:
+            assert await aclient.is_server_live()
+            results = await asyncio.gather(
+                *(
+                    aclient.infer(model_name, triton_inputs(async_module, arrays))
+                    for arrays, _ in requests
+                )
+            )
+        finally:
+            await aclient.close()
+        for result, (_, want) in zip(results, requests, strict=True):
+            check(result, outputs, want, f"{what} async")
+
+    asyncio.run(run_async())
+
+
+@pytest.mark.parametrize("name", sorted(SCALES))
+def test_tritonclient_http_sync_and_async_get_the_models_scores(tmp_path, name):
+    bundle_dir, requests = served_model(tmp_path, name)
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1"]
     with ServeProcess(bundle_dir, *flags) as server:
         url = server.url.removeprefix("http://")
         model_name = bundle_dir.name
-
-        client = httpclient.InferenceServerClient(url=url)
-        try:
-            assert client.is_server_live()
-            assert client.is_model_ready(model_name)
+        with httpclient.InferenceServerClient(url=url) as client:
             outputs = [o["name"] for o in client.get_model_metadata(model_name)["outputs"]]
-            for arrays, want in requests:
-                result = client.infer(model_name, triton_inputs(httpclient, arrays))
-                check(result, outputs, want, f"{name} sync")
-            # Outputs named explicitly, as binary (the client's default for them too).
-            arrays, want = requests[1]
-            asked = [httpclient.InferRequestedOutput(o) for o in outputs]
-            result = client.infer(model_name, triton_inputs(httpclient, arrays), outputs=asked)
-            check(result, outputs, want, f"{name} sync, outputs named")
-        finally:
-            client.close()
-
-        async def run_async():
-            aclient = aioclient.InferenceServerClient(url=url)
-            try:
-                assert await aclient.is_server_live()
-                results = await asyncio.gather(
-                    *(
-                        aclient.infer(model_name, triton_inputs(aioclient, arrays))
-                        for arrays, _ in requests
-                    )
-                )
-            finally:
-                await aclient.close()
-            for result, (_, want) in zip(results, requests, strict=True):
-                check(result, outputs, want, f"{name} async")
-
-        asyncio.run(run_async())
+        triton_round_trips(httpclient, aioclient, url, model_name, outputs, requests, name)
 
         # Every request went through the binary path, both ways: the client's defaults.
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:

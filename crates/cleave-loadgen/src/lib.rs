@@ -1,10 +1,17 @@
-//! An open-loop HTTP load generator (`cleave bench serve`'s client).
+//! An open-loop HTTP and gRPC load generator (`cleave bench serve`'s client).
 //!
 //! Send times are given up front and a request goes out at its time whether or not earlier
 //! ones have answered; latency counts from the *scheduled* time, so a client that falls behind
 //! shows up as latency (no coordinated omission). It runs on one thread of its own: a Python
 //! client spent most of a core at a few thousand requests per second, on the same cores as the
 //! deployment it measured. Responses are kept whole (when asked) and parsed after the run.
+//!
+//! A `grpc://HOST:PORT/package.Service/Method` URL sends each body as one unary gRPC call
+//! (HTTP/2 with prior knowledge, one multiplexed connection, as gRPC clients do): the bodies are
+//! serialized request messages, the replies the serialized response messages. Python's asyncio
+//! gRPC client spent more CPU per call than the router it measured.
+
+mod grpc;
 
 use std::time::Duration;
 
@@ -27,13 +34,15 @@ pub struct Outcome {
     pub latency_s: f64,
     /// HTTP status; 0 when there was none.
     pub status: u16,
-    /// "" when a response arrived, else "timeout" or "connection: ...".
+    /// "" when a response arrived, else "timeout", "connection: ..." or, for gRPC, the call's
+    /// non-OK status as `grpc_` and its lower-case name (`grpc_resource_exhausted`).
     pub error: String,
-    /// The response body, for 200s when asked for.
+    /// The response body (for gRPC, the response message), for successes when asked for.
     pub reply: Option<Bytes>,
 }
 
 /// One run: POST `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start.
+/// `url` is `http://...` (HTTP/1.1) or `grpc://HOST:PORT/package.Service/Method`.
 pub struct Run {
     pub url: String,
     pub bodies: Vec<Bytes>,
@@ -49,14 +58,8 @@ pub struct Run {
 
 impl Run {
     /// Runs the schedule to the end (every request answered or timed out).
-    pub fn execute(self) -> Result<Vec<Outcome>, String> {
-        let uri: Uri = self
-            .url
-            .parse()
-            .map_err(|e| format!("url {:?}: {e}", self.url))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(format!("url {:?}: expected http://HOST:PORT/...", self.url));
-        }
+    pub fn execute(mut self) -> Result<Vec<Outcome>, String> {
+        let (uri, grpc) = parse_url(&self.url)?;
         if self.times_s.len() != self.order.len() {
             return Err(format!(
                 "{} send times but {} body indices",
@@ -83,14 +86,24 @@ impl Run {
             .enable_all()
             .build()
             .map_err(|e| format!("cannot start the load generator's runtime: {e}"))?;
-        Ok(runtime.block_on(self.drive(uri)))
+        if grpc {
+            // Framed once here, not per call: the 5-byte gRPC prefix (uncompressed, length).
+            for body in &mut self.bodies {
+                *body = grpc::frame(body)?;
+            }
+        }
+        Ok(runtime.block_on(self.drive(uri, grpc)))
     }
 
     /// The POST of body `body`, with its headers (checked valid by `execute`).
-    fn request(&self, uri: &Uri, body: usize) -> hyper::Request<Full<Bytes>> {
+    fn request(&self, uri: &Uri, body: usize, grpc: bool) -> hyper::Request<Full<Bytes>> {
         let extra = self.headers.get(body).map_or(&[][..], |h| h.as_slice());
         let mut builder = hyper::Request::post(uri.clone());
-        if !extra
+        if grpc {
+            builder = builder
+                .header("content-type", "application/grpc")
+                .header("te", "trailers");
+        } else if !extra
             .iter()
             .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
         {
@@ -104,15 +117,17 @@ impl Run {
             .expect("a POST of a parsed URI with checked headers is a valid request")
     }
 
-    async fn drive(self, uri: Uri) -> Vec<Outcome> {
-        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    async fn drive(self, uri: Uri, grpc: bool) -> Vec<Outcome> {
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.http2_only(grpc);
+        let client: Client<_, Full<Bytes>> = builder.build_http();
         let start = tokio::time::Instant::now() + Duration::from_millis(50);
         let mut tasks = Vec::with_capacity(self.times_s.len());
         for (&at, &body) in self.times_s.iter().zip(&self.order) {
             let scheduled = start + Duration::from_secs_f64(at);
             tokio::time::sleep_until(scheduled).await;
             let lag_s = scheduled.elapsed().as_secs_f64();
-            let request = self.request(&uri, body);
+            let request = self.request(&uri, body, grpc);
             let client = client.clone();
             let (timeout, keep) = (self.timeout, self.keep_replies);
             tasks.push(tokio::spawn(async move {
@@ -128,20 +143,23 @@ impl Run {
                 let exchange = async {
                     let response = client.request(request).await.map_err(|e| e.to_string())?;
                     let status = response.status().as_u16();
-                    let bytes = response
-                        .into_body()
-                        .collect()
-                        .await
-                        .map_err(|e| e.to_string())?
-                        .to_bytes();
-                    Ok::<_, String>((status, bytes))
+                    let (head, body) = response.into_parts();
+                    let collected = body.collect().await.map_err(|e| e.to_string())?;
+                    if !grpc {
+                        return Ok::<_, String>((status, String::new(), collected.to_bytes()));
+                    }
+                    let trailers = collected.trailers().cloned();
+                    let message = grpc::message(collected.to_bytes());
+                    let failure = grpc::failure(&head.headers, trailers.as_ref());
+                    Ok((status, failure, message))
                 };
                 match tokio::time::timeout(timeout, exchange).await {
-                    Ok(Ok((status, bytes))) => {
+                    Ok(Ok((status, failure, bytes))) => {
                         outcome.status = status;
-                        if keep && status == 200 {
+                        if keep && status == 200 && failure.is_empty() {
                             outcome.reply = Some(bytes);
                         }
+                        outcome.error = failure;
                     }
                     Ok(Err(e)) => outcome.error = format!("connection: {e}"),
                     Err(_) => outcome.error = "timeout".into(),
@@ -158,4 +176,24 @@ impl Run {
         }
         outcomes
     }
+}
+
+/// The URI to send to and whether the run speaks gRPC.
+fn parse_url(url: &str) -> Result<(Uri, bool), String> {
+    let (grpc, http_url) = match url.strip_prefix("grpc://") {
+        Some(rest) => (true, format!("http://{rest}")),
+        None => (false, url.to_string()),
+    };
+    let uri: Uri = http_url.parse().map_err(|e| format!("url {url:?}: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!(
+            "url {url:?}: expected http://HOST:PORT/... or grpc://HOST:PORT/package.Service/Method"
+        ));
+    }
+    if grpc && uri.path().trim_matches('/').split('/').count() != 2 {
+        return Err(format!(
+            "url {url:?}: a gRPC url names the method, grpc://HOST:PORT/package.Service/Method"
+        ));
+    }
+    Ok((uri, grpc))
 }

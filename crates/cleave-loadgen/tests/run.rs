@@ -6,9 +6,13 @@ use bytes::Bytes;
 use cleave_loadgen::Run;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A server that answers every request on a connection with `reply`, or never answers when
-/// `reply` is empty. Returns its port.
-fn server(reply: &'static str) -> u16 {
+/// Serves loopback on a thread of its own, handing each accepted connection to `serve`.
+/// Returns the port.
+fn spawn_server<F, Fut>(serve: F) -> u16
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -20,23 +24,29 @@ fn server(reply: &'static str) -> u16 {
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
             loop {
-                let (mut s, _) = listener.accept().await.unwrap();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 1 << 16];
-                    // One read takes a small request whole on loopback.
-                    while let Ok(n) = s.read(&mut buf).await {
-                        if n == 0 {
-                            return;
-                        }
-                        if !reply.is_empty() && s.write_all(reply.as_bytes()).await.is_err() {
-                            return;
-                        }
-                    }
-                });
+                let (s, _) = listener.accept().await.unwrap();
+                tokio::spawn(serve(s));
             }
         });
     });
     port
+}
+
+/// A server that answers every request on a connection with `reply`, or never answers when
+/// `reply` is empty. Returns its port.
+fn server(reply: &'static str) -> u16 {
+    spawn_server(move |mut s| async move {
+        let mut buf = vec![0u8; 1 << 16];
+        // One read takes a small request whole on loopback.
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                return;
+            }
+            if !reply.is_empty() && s.write_all(reply.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    })
 }
 
 fn run(
@@ -90,8 +100,66 @@ fn silence_is_a_timeout_and_a_closed_port_a_connection_error() {
     );
 }
 
+/// A gRPC server on HTTP/2 that answers each call with its own request message, or with
+/// RESOURCE_EXHAUSTED (a trailers-only response) when the message is "busy". Returns its port.
+fn grpc_echo_server() -> u16 {
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Incoming;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    spawn_server(|s| async move {
+        let echo = hyper::service::service_fn(|req: hyper::Request<Incoming>| async move {
+            assert_eq!(req.uri().path(), "/pkg.Svc/Call");
+            assert_eq!(req.headers()["content-type"], "application/grpc");
+            let body = req.into_body().collect().await?.to_bytes();
+            let mut reply = hyper::Response::builder();
+            if &body[5..] == b"busy" {
+                reply = reply.header("grpc-status", "8");
+                return Ok::<_, hyper::Error>(reply.body(Full::new(Bytes::new()).boxed()).unwrap());
+            }
+            let mut trailers = hyper::HeaderMap::new();
+            trailers.insert("grpc-status", "0".parse().unwrap());
+            let body = Full::new(body).with_trailers(async { Some(Ok(trailers)) });
+            Ok(reply.body(body.boxed()).unwrap())
+        });
+        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(s), echo)
+            .await;
+    })
+}
+
+#[test]
+fn grpc_calls_carry_messages_and_statuses() {
+    let port = grpc_echo_server();
+    let out = Run {
+        url: format!("grpc://127.0.0.1:{port}/pkg.Svc/Call"),
+        bodies: vec![Bytes::from_static(b"hello"), Bytes::from_static(b"busy")],
+        headers: vec![],
+        times_s: vec![0.0, 0.01, 0.02],
+        order: vec![0, 1, 0],
+        timeout: Duration::from_secs(5),
+        keep_replies: true,
+    }
+    .execute()
+    .unwrap();
+    let got: Vec<_> = out
+        .iter()
+        .map(|o| (o.status, o.error.as_str(), o.reply.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (200, "", Some(&b"hello"[..])),
+            (200, "grpc_resource_exhausted", None),
+            (200, "", Some(&b"hello"[..])),
+        ]
+    );
+}
+
 #[test]
 fn bad_input_is_refused_before_anything_is_sent() {
+    let e = run("grpc://127.0.0.1:1/NoMethod".into(), vec![0.0], 10).unwrap_err();
+    assert!(e.contains("names the method"), "{e}");
     let e = run("ftp://h/x".into(), vec![0.0], 10).unwrap_err();
     assert!(e.contains("expected http://"), "{e}");
     let e = run("http://127.0.0.1:1/x".into(), vec![-1.0], 10).unwrap_err();

@@ -12,7 +12,7 @@ use crate::grpc::pb::infer_parameter::ParameterChoice;
 use crate::grpc::pb::model_infer_request::InferInputTensor;
 use crate::grpc::pb::model_infer_response::InferOutputTensor;
 use crate::grpc::pb::{InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse};
-use crate::kserve::{unknown_input, InferRequest};
+use crate::kserve::{input_shape, input_slot, output_index, InferRequest};
 use crate::model::{Model, TensorSpec};
 use crate::tensor::{DType, Tensor};
 use crate::validate::check_declared;
@@ -38,12 +38,7 @@ pub fn parse_grpc(model: &Model, req: ModelInferRequest) -> Result<GrpcRequest, 
     let mut inputs: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
     let mut raws = req.raw_input_contents.into_iter();
     for input in req.inputs {
-        let index = model
-            .input_index(&input.name)
-            .ok_or_else(|| unknown_input(model, &input.name))?;
-        if inputs[index].is_some() {
-            return Err(RequestError::input(&input.name, "given twice"));
-        }
+        let index = input_slot(model, &inputs, &input.name)?;
         let spec = &model.inputs[index];
         let tensor = convert_input(spec, input, raws.next())?;
         inputs[index] = Some(tensor);
@@ -54,19 +49,7 @@ pub fn parse_grpc(model: &Model, req: ModelInferRequest) -> Result<GrpcRequest, 
         let picked = req
             .outputs
             .iter()
-            .map(|o| {
-                model
-                    .outputs
-                    .iter()
-                    .position(|s| s.name == o.name)
-                    .ok_or_else(|| {
-                        RequestError::invalid(format!(
-                            "unknown output {:?}; the model returns {}",
-                            o.name,
-                            names(&model.outputs)
-                        ))
-                    })
-            })
+            .map(|o| output_index(model, &o.name))
             .collect::<Result<Vec<usize>, _>>()?;
         Some(picked)
     };
@@ -81,11 +64,6 @@ pub fn parse_grpc(model: &Model, req: ModelInferRequest) -> Result<GrpcRequest, 
         },
         raw,
     })
-}
-
-fn names(specs: &[TensorSpec]) -> String {
-    let q: Vec<String> = specs.iter().map(|s| format!("{:?}", s.name)).collect();
-    q.join(", ")
 }
 
 /// The request parameter `budget_ms`: a positive number (double or integer) of milliseconds.
@@ -125,12 +103,7 @@ fn convert_input(
     raw: Option<Bytes>,
 ) -> Result<Tensor, RequestError> {
     let fail = |e: String| RequestError::input(&spec.name, e);
-    let shape = input
-        .shape
-        .iter()
-        .map(|&d| usize::try_from(d))
-        .collect::<Result<Vec<usize>, _>>()
-        .map_err(|_| fail(format!("shape {:?} has a negative size", input.shape)))?;
+    let shape = input_shape(spec, &input.shape)?;
     check_declared(spec, &input.datatype, &shape)?;
     let numel = crate::tensor::numel(&shape)
         .filter(|n| n.checked_mul(spec.dtype.itemsize()).is_some())

@@ -146,12 +146,7 @@ pub fn parse_infer(
     let budget_ms = budget_param(raw.parameters.as_ref().and_then(|p| p.get("budget_ms")))?;
     let mut inputs: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
     for input in raw.inputs {
-        let index = model
-            .input_index(&input.name)
-            .ok_or_else(|| unknown_input(model, &input.name))?;
-        if inputs[index].is_some() {
-            return Err(RequestError::input(&input.name, "given twice"));
-        }
+        let index = input_slot(model, &inputs, &input.name)?;
         let spec = &model.inputs[index];
         let tensor = convert_input(spec, input, header.is_some(), &mut sections)?;
         inputs[index] = Some(tensor);
@@ -187,17 +182,7 @@ fn select_outputs(
     requested
         .iter()
         .map(|o| {
-            let index = model
-                .outputs
-                .iter()
-                .position(|s| s.name == o.name)
-                .ok_or_else(|| {
-                    RequestError::invalid(format!(
-                        "unknown output {:?}; the model returns {}",
-                        o.name,
-                        names(&model.outputs)
-                    ))
-                })?;
+            let index = output_index(model, &o.name)?;
             let asked = flag(
                 o.parameters.as_ref().and_then(|p| p.binary_data.as_ref()),
                 "binary_data",
@@ -211,6 +196,23 @@ fn select_outputs(
         .collect()
 }
 
+/// Where input `name` goes among `inputs` (one slot per model input, in the model's order):
+/// an error for a name the model does not take or one already given. Every front door
+/// (REST, gRPC) fills its slots through here.
+pub fn input_slot(
+    model: &Model,
+    inputs: &[Option<Tensor>],
+    name: &str,
+) -> Result<usize, RequestError> {
+    let index = model
+        .input_index(name)
+        .ok_or_else(|| unknown_input(model, name))?;
+    if inputs[index].is_some() {
+        return Err(RequestError::input(name, "given twice"));
+    }
+    Ok(index)
+}
+
 pub fn unknown_input(model: &Model, name: &str) -> RequestError {
     RequestError::invalid(format!(
         "unknown input {name:?}; the model takes {}",
@@ -218,7 +220,30 @@ pub fn unknown_input(model: &Model, name: &str) -> RequestError {
     ))
 }
 
-fn names(specs: &[TensorSpec]) -> String {
+/// An input's shape as sizes: an error for a negative one.
+pub fn input_shape(spec: &TensorSpec, dims: &[i64]) -> Result<Vec<usize>, RequestError> {
+    dims.iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<Vec<usize>, _>>()
+        .map_err(|_| RequestError::input(&spec.name, format!("shape {dims:?} has a negative size")))
+}
+
+/// The index of output `name`, or an error listing the model's outputs.
+pub fn output_index(model: &Model, name: &str) -> Result<usize, RequestError> {
+    model
+        .outputs
+        .iter()
+        .position(|s| s.name == name)
+        .ok_or_else(|| {
+            RequestError::invalid(format!(
+                "unknown output {name:?}; the model returns {}",
+                names(&model.outputs)
+            ))
+        })
+}
+
+/// The tensors' names, quoted, for error messages.
+pub fn names(specs: &[TensorSpec]) -> String {
     let q: Vec<String> = specs.iter().map(|s| format!("{:?}", s.name)).collect();
     q.join(", ")
 }
@@ -230,12 +255,7 @@ fn convert_input(
     sections: &mut Sections,
 ) -> Result<Tensor, RequestError> {
     let fail = |e: String| RequestError::input(&spec.name, e);
-    let shape = input
-        .shape
-        .iter()
-        .map(|&d| usize::try_from(d))
-        .collect::<Result<Vec<usize>, _>>()
-        .map_err(|_| fail(format!("shape {:?} has a negative size", input.shape)))?;
+    let shape = input_shape(spec, &input.shape)?;
     let params = input.parameters.as_ref();
     let size = binary_size(params.and_then(|p| p.binary_data_size.as_ref())).map_err(fail)?;
     let flagged = flag(params.and_then(|p| p.binary_data.as_ref()), "binary_data").map_err(fail)?;

@@ -300,10 +300,9 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: str | Path) -> Path:
     """Per incast size: failed fraction and goodput of every case, side by side."""
-    import matplotlib
+    from cleave.bench.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = sorted({r["incast"] for r in result["cases"]})
     fig, axes = plt.subplots(2, len(sizes), figsize=(5 * len(sizes), 7), squeeze=False)
@@ -328,12 +327,7 @@ def plot(result: dict, path: str | Path) -> Path:
         "cleave bench incast (red FCFS, blue EDF); credit p99: priority "
         f"{c['priority_p99_us']:.0f} µs vs piggybacked {c['piggyback_p99_us']:.0f} µs"
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,12 +1,13 @@
-"""HTTP load for the KServe v2 API: open loop and one request at a time.
+"""HTTP and gRPC load for the KServe v2 API: open loop and one request at a time.
 
 Open loop: send times are drawn up front (Poisson arrivals: exponential gaps at the offered
 rate) and a request is sent at its time whether or not earlier ones have answered; latency is
 measured from the *scheduled* time, so a client that falls behind shows up as latency, never
 as a lower offered rate (no coordinated omission). `lag` says how late the client itself was.
-The sending is Rust (`cleave._native.http_load`, one thread, the GIL released): an aiohttp
-client needed most of a core at a thousand requests per second, on the cores it measured.
-Replies are parsed after the run. One request at a time (`sequential`) stays on aiohttp.
+The sending is Rust (`cleave._native.http_load`, one thread, the GIL released, gRPC too): an
+aiohttp client needed most of a core at a thousand requests per second, on the cores it
+measured, and Python's asyncio gRPC client more than the router it measured. Replies are parsed
+after the run. One request at a time (`sequential`) stays on aiohttp and grpcio.
 """
 
 from __future__ import annotations
@@ -236,12 +237,13 @@ def open_loop_phases(
         offset += duration_s
     times = np.concatenate(pieces) if pieces else np.zeros(0)
     order = np.random.default_rng(seed + 1).integers(0, len(bodies), size=len(times))
-    if url.startswith("grpc://"):  # Python's asyncio gRPC client: the Rust one is HTTP/1.1
-        with _no_collections():
-            run = _grpc_open_loop(url, bodies, times.tolist(), order.tolist(), timeout_s, check)
-            return asyncio.run(run)
     from cleave._native import http_load
 
+    parse = parse_reply
+    if url.startswith("grpc://"):  # one unary call per body: the messages name the model
+        where, model = _grpc_target(url)
+        url, parse = f"grpc://{where}{_GRPC_INFER}", parse_grpc_reply
+        bodies = [grpc_with_model(b, model) for b in bodies]
     rows = http_load(
         url,
         [bytes(b) for b in bodies],
@@ -254,12 +256,14 @@ def open_loop_phases(
     samples = []
     for index, scheduled, lag, latency, status, error, reply in rows:
         sample = Sample(index, scheduled, lag, latency, status)
-        if error:
-            sample.error = "timeout" if error == "timeout" else "connection"
+        if error == "timeout":  # the client's; a router's expired deadline is grpc_deadline_...
+            sample.error = "timeout"
+        elif error:
+            sample.error = error if error.startswith("grpc_") else "connection"
         elif status != 200:
             sample.error = f"http_{status}"
         elif reply is not None:
-            _read_reply(sample, reply, check)
+            _read_reply(sample, reply, check, parse)
         samples.append(sample)
     return samples
 
@@ -503,25 +507,6 @@ def _grpc_channel(where: str):
         raise RuntimeError("--protocol grpc needs grpcio (in cleave's dev extra)") from None
     limit = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     return grpc.aio.insecure_channel(where, options=limit)
-
-
-async def _grpc_open_loop(url, bodies, times, order, timeout_s, check) -> list[Sample]:
-    where, model = _grpc_target(url)
-    messages = [grpc_with_model(b, model) for b in bodies]
-    async with _grpc_channel(where) as channel:
-        call = channel.unary_unary(_GRPC_INFER)
-        samples, tasks = [], []
-        start = time.perf_counter()
-        for t, i in zip(times, order, strict=True):
-            wait = start + t - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            sample = Sample(int(i), float(t), max(0.0, -wait), 0.0, 0)
-            samples.append(sample)
-            send = _grpc_send(call, messages[i], sample, start, timeout_s, check)
-            tasks.append(asyncio.ensure_future(send))
-        await asyncio.gather(*tasks)
-    return samples
 
 
 async def _grpc_sequential(url, bodies, count, timeout_s, check) -> list[Sample]:

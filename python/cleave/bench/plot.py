@@ -9,6 +9,28 @@ STAGE_ORDER = ["parse_us", "lookup_us", "transfer_us", "queue_us", "compute_us"]
 _SHORT = {"disaggregated": "disagg", "monolithic": "mono"}
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 100) -> Path:
+    """Lays `fig` out, writes it to `path` (making its folder) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _stages(points: list[dict]) -> list[str]:
     seen = {k for p in points for k in p.get("stages_us", {}) if k != "total_us"}
     return [s for s in STAGE_ORDER if s in seen] + sorted(seen - set(STAGE_ORDER))
@@ -17,10 +39,7 @@ def _stages(points: list[dict]) -> list[str]:
 def plot_results(result: dict, path: str | Path) -> Path:
     """Left: p50 and p99 latency against offered rate per deployment, with the budget.
     Right: mean time per stage at each rate, stacked, per deployment."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     deployments = result["deployments"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
@@ -79,21 +98,13 @@ def plot_results(result: dict, path: str | Path) -> Path:
     right.set_title("stage breakdown (router-measured) by deployment and rate")
     if stages:
         right.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_stress(result: dict, path: str | Path) -> Path:
     """--overload: answers per second by status (stacked) and the 200s' p99, over time.
     --soak: each process's resident memory over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ((name, report),) = result["deployments"].items()
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -120,22 +131,14 @@ def plot_stress(result: dict, path: str | Path) -> Path:
         ax.set_ylabel("RSS (MiB)")
         ax.set_title(f"{name}: soak at {report['rate']:.0f} requests/s")
     ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_hosts(result: dict, path: str | Path) -> Path:
     """The shard-host sweep: p99 against offered rate per deployment, goodput within the
     budget per deployment, and the /metrics stage breakdown at each one's reference rate (its
     highest within budget), network stages hatched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from cleave.bench.hosts import STAGES, reference_point, stage_means
 
@@ -177,9 +180,4 @@ def plot_hosts(result: dict, path: str | Path) -> Path:
     stages.set_ylabel("mean ms per request (from /metrics)")
     stages.set_title("stages at each one's highest rate within budget")
     stages.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

@@ -68,10 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=int, default=100, help="rows per request")
     parser.add_argument(
         "--protocol",
-        choices=("json", "binary", "grpc"),
         default="json",
-        help="request bodies: KServe v2 JSON tensors, binary tensors (what tritonclient sends), "
-        "or gRPC with raw tensors (from Python's asyncio gRPC client)",
+        metavar="P[,P...]",
+        help="request bodies: json (KServe v2 JSON tensors), binary (binary tensors, what "
+        "tritonclient sends) or grpc (raw tensors); several, comma-separated, measure each in "
+        "the same run on its own deployment, with ratios against the first",
     )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
     parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
@@ -204,13 +205,15 @@ class Workload:
         # Overload and soak runs send no budget: the router's default is what they test.
         stress = getattr(args, "overload", False) or getattr(args, "soak", None)
         body_budget = None if stress else args.budget_ms
-        protocol = getattr(args, "protocol", "json")
-        self.bodies, self.expected, self.model_expected = [], [], []
+        protocols = getattr(args, "protocols", ["json"])
+        self.bodies_for: dict[str, list] = {p: [] for p in protocols}
+        self.expected, self.model_expected = [], []
         self.float32_distance = 0.0
         with torch.inference_mode():
             for inputs in self.inputs:
                 named = bundle.named_inputs(*inputs)
-                self.bodies.append(build_body(named, body_budget, protocol))
+                for protocol, bodies in self.bodies_for.items():
+                    bodies.append(build_body(named, body_budget, protocol))
                 flat = [t.double().numpy() for t in pytree.tree_leaves(model(*inputs))]
                 self.model_expected.append(flat)
                 if bundle.dense_dtype == "float32":
@@ -223,6 +226,8 @@ class Workload:
                 for o, f in zip(own, flat, strict=True):
                     if f.size:
                         self.float32_distance = max(self.float32_distance, float(abs(o - f).max()))
+        # The first protocol's bodies: what a single-protocol command sends.
+        self.bodies = self.bodies_for[protocols[0]]
         self.name = self.bundle_dir.name
         self.scale = scale
 
@@ -310,6 +315,7 @@ def new_result(args, workload: Workload) -> dict:
         "shards": args.shards,
         "rankers": args.rankers,
         "realtime": bool(getattr(args, "realtime", False)),
+        "protocols": getattr(args, "protocols", ["json"]),
         "bundle": read_bundle_summary(workload.bundle_dir),
         "roofline": workload.roofline,
         "deployments": {},
@@ -349,12 +355,14 @@ class Target:
         plan=None,
         model: str | None = None,
         want_model: bool = False,
+        protocol: str = "json",
     ):
         # plan: `cleave serve --plan PLAN *flags` (flags name the runner) instead of BUNDLE.
         self.bundle, self.plan, self.flags, self.server = bundle, plan, flags or [], None
         self.url = url.rstrip("/") if url else ""
         self.model = model  # the served model's name when it is not the workload's
         self.want_model = want_model  # --check against the float32 model, not the bundle
+        self.protocol = protocol  # what its requests are: json, binary or grpc
         self.endpoints: dict[str, str] = {}  # role -> /metrics URL
         # --protocol grpc: the port given to `cleave serve --grpc-port` (in `flags`).
         self.grpc_port = _grpc_port(self.flags)
@@ -397,9 +405,13 @@ class Target:
         self.stop()
         self.start()
 
+    def bodies(self, workload: Workload) -> list:
+        """The workload's requests in this target's protocol."""
+        return workload.bodies_for.get(self.protocol, workload.bodies)
+
     def infer_url(self, workload: Workload) -> str:
         model = self.model or workload.name
-        if self.grpc_port:  # the load generator's form for gRPC: grpc://HOST:PORT/MODEL
+        if self.protocol == "grpc":  # the load generator's form for gRPC: grpc://HOST:PORT/MODEL
             return f"grpc://127.0.0.1:{self.grpc_port}/{model}"
         return f"{self.url}/v2/models/{model}/infer"
 
@@ -427,11 +439,12 @@ def paired_single(targets: dict[str, Target], workload: Workload, args, log) -> 
     samples: dict[str, list] = {name: [] for name in targets}
     p50s: dict[str, list] = {name: [] for name in targets}
     for target in targets.values():  # warm-up
-        sequential(target.infer_url(workload), workload.bodies, min(20, args.single))
+        sequential(target.infer_url(workload), target.bodies(workload), min(20, args.single))
     for _ in range(rounds):
         for name, target in targets.items():
             check = target.checker(workload) if args.check else None
-            got = sequential(target.infer_url(workload), workload.bodies, per_round, check=check)
+            bodies = target.bodies(workload)
+            got = sequential(target.infer_url(workload), bodies, per_round, check=check)
             samples[name].extend(got)
             ok = [s.latency_s * 1e3 for s in got if not s.error]
             p50s[name].append(float(np.median(ok)) if ok else None)
@@ -454,11 +467,12 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
     def infer() -> str:
         return target.infer_url(workload)
 
+    bodies = target.bodies(workload)
     check = target.checker(workload) if args.check else None
-    sequential(infer(), workload.bodies, min(20, args.single), check=None)  # warm-up
+    sequential(infer(), bodies, min(20, args.single), check=None)  # warm-up
     result: dict = {"rates": []}
     if single:
-        samples = sequential(infer(), workload.bodies, args.single, check=check)
+        samples = sequential(infer(), bodies, args.single, check=check)
         result["single"] = summarize(samples, 1.0, args.budget_ms)
         s = result["single"]
         log(f"  single request: p50 {_ms(s['p50_ms'])} ms  p99 {_ms(s['p99_ms'])} ms")
@@ -468,9 +482,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
             if point["rate"] == rate:
                 return point
         before = scrape(target.endpoints, target.links)
-        samples = open_loop(
-            infer(), workload.bodies, rate, args.duration, seed=int(rate), check=check
-        )
+        samples = open_loop(infer(), bodies, rate, args.duration, seed=int(rate), check=check)
         metrics = breakdown(before, scrape(target.endpoints, target.links))
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
         point["metrics"] = metrics
@@ -482,7 +494,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         )
         if not point["within_budget"] and target.restartable:
             target.restart()
-            sequential(infer(), workload.bodies, min(20, args.single), check=None)
+            sequential(infer(), bodies, min(20, args.single), check=None)
         return point
 
     for rate in args.rate_list:
@@ -553,54 +565,110 @@ def _search(probe, args) -> float:
 
 def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
     """The deployments to measure, by name, in order."""
-    if getattr(args, "protocol", "json") == "grpc" and (args.url or args.plan or args.shard_hosts):
-        raise UsageError("--protocol grpc: only for deployments this command starts")
+    first, *others = args.protocols
+    started_here = not (args.url or args.plan or args.shard_hosts)
+    if not started_here and ("grpc" in args.protocols or others):
+        raise UsageError(
+            "--protocol grpc or several protocols: only for deployments this "
+            "command starts (not --url, --plan or --shard-hosts)"
+        )
     if args.plan or args.shard_hosts:
         return hosts.targets(args, workload, result, Target)
     if args.url:
-        return {"given": Target(url=args.url)}
+        return {"given": Target(url=args.url, protocol=first)}
     if args.compare:  # the baseline, then shards as processes, then shards in the router
         names = ["monolithic", "disaggregated", "router-held"]
     else:
         names = ["monolithic"] if args.monolithic else ["disaggregated"]
-    targets = {name: Target(workload.bundle_dir, _serve_flags(args, name)) for name in names}
+    bundle = workload.bundle_dir
+    targets = {}
+    for protocol in args.protocols:  # the first's keep their names; others' are NAME/PROTOCOL
+        for name in names:
+            flags = _serve_flags(args, name, protocol)
+            key = name if protocol == first else f"{name}/{protocol}"
+            targets[key] = Target(bundle, flags, protocol=protocol)
     if not args.monolithic and workload.bundle.per_request_inputs:
         # The same ranker running the model one request per batch, as before batched programs.
         targets["disaggregated-per-request"] = Target(
-            workload.bundle_dir, [*_serve_flags(args, "disaggregated"), "--no-shared-batching"]
+            bundle,
+            [*_serve_flags(args, "disaggregated", first), "--no-shared-batching"],
+            protocol=first,
         )
     if workload.float32_dir is not None and not args.monolithic:
         targets["disaggregated-float32"] = Target(
             workload.float32_dir,
-            _serve_flags(args, "disaggregated"),
+            _serve_flags(args, "disaggregated", first),
             model=workload.float32_dir.name,
             want_model=True,
+            protocol=first,
         )
     return targets
+
+
+PROTOCOLS = ("json", "binary", "grpc")
+
+
+def _protocols(text: str) -> list[str]:
+    """--protocol's comma-separated list, checked."""
+    protocols = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in protocols if p not in PROTOCOLS]
+    if not protocols or bad or len(set(protocols)) != len(protocols):
+        raise UsageError(
+            f"--protocol: expected distinct names of {', '.join(PROTOCOLS)} separated by "
+            f"commas, got {text!r}"
+        )
+    return protocols
+
+
+def _codec_cpu_us(deployment: dict, protocol: str) -> float | None:
+    """The router's CPU per request in parsing and encoding `protocol`, µs: the mean over the
+    probes within budget (over every probe when none was)."""
+    points = [p for p in deployment["rates"] if p["within_budget"]] or deployment["rates"]
+    per_probe = [
+        sum(v for k, v in p["metrics"].get("codec_cpu_us", {}).items() if k.endswith(protocol))
+        for p in points
+    ]
+    per_probe = [v for v in per_probe if v > 0]
+    return sum(per_probe) / len(per_probe) if per_probe else None
+
+
+def _protocol_ratios(deps: dict, args) -> dict:
+    """Each further protocol against the first, on the main deployment of the same run."""
+    first, *others = args.protocols
+    base = "monolithic" if args.monolithic else "disaggregated"
+    ratios = {}
+    for protocol in others:
+        other, ref = deps.get(f"{base}/{protocol}"), deps.get(base)
+        if not other or not ref:
+            continue
+        key = f"{protocol}_over_{first}"
+        ratios[f"max_rate_{key}"] = _ratio(
+            other["max_rate_within_budget"], ref["max_rate_within_budget"]
+        )
+        ratios[f"max_goodput_{key}"] = _ratio(_max_goodput(other), _max_goodput(ref))
+        ratios[f"single_p50_{key}"] = _ratio(other["single"]["p50_ms"], ref["single"]["p50_ms"])
+        ratios[f"codec_cpu_{key}"] = _ratio(
+            _codec_cpu_us(other, protocol), _codec_cpu_us(ref, first)
+        )
+    return ratios
 
 
 def _grpc_port(flags: list[str]) -> int | None:
     return int(flags[flags.index("--grpc-port") + 1]) if "--grpc-port" in flags else None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _max_goodput(deployment: dict) -> float:
     return max((p["goodput_rps"] for p in deployment["rates"]), default=0.0)
 
 
-def _serve_flags(args, mode: str) -> list[str]:
+def _serve_flags(args, mode: str, protocol: str = "json") -> list[str]:
     """`cleave serve`'s flags for a deployment in `mode` (disaggregated, monolithic,
-    router-held)."""
+    router-held) that gets requests in `protocol`."""
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
-    if getattr(args, "protocol", "json") == "grpc":
-        flags += ["--grpc-port", str(_free_port())]
+    if protocol == "grpc":
+        from cleave.runners.local import free_ports
+
+        flags += ["--grpc-port", str(free_ports("127.0.0.1", 1)[0])]
     if args.config:
         flags += ["--config", args.config]
     if args.threads:
@@ -614,23 +682,23 @@ def _serve_flags(args, mode: str) -> list[str]:
 
 def print_table(result: dict) -> None:
     print(
-        f"{'deployment':<14} {'rate/s':>8} {'tput/s':>8} {'good/s':>8} {'p50 ms':>8} "
+        f"{'deployment':<22} {'rate/s':>8} {'tput/s':>8} {'good/s':>8} {'p50 ms':>8} "
         f"{'p95 ms':>8} {'p99 ms':>8}  errors"
     )
     for name, dep in result["deployments"].items():
         s = dep["single"]
         print(
-            f"{name:<14} {'single':>8} {'':>8} {'':>8} {_ms(s['p50_ms'], 8)} "
+            f"{name:<22} {'single':>8} {'':>8} {'':>8} {_ms(s['p50_ms'], 8)} "
             f"{_ms(s['p95_ms'], 8)} {_ms(s['p99_ms'], 8)}  {s['errors'] or ''}"
         )
         for p in sorted(dep["rates"], key=lambda p: p["rate"]):
             fmt = [_ms(p[k], 8) for k in ("p50_ms", "p95_ms", "p99_ms")]
             print(
-                f"{name:<14} {p['rate']:8.1f} {p['throughput_rps']:8.1f} {p['goodput_rps']:8.1f} "
+                f"{name:<22} {p['rate']:8.1f} {p['throughput_rps']:8.1f} {p['goodput_rps']:8.1f} "
                 f"{' '.join(fmt)}  {p['errors'] or ''}"
             )
         print(
-            f"{name:<14} max rate with p99 <= {result['budget_ms']:g} ms: "
+            f"{name:<22} max rate with p99 <= {result['budget_ms']:g} ms: "
             f"{dep['max_rate_within_budget']:g}/s"
         )
     for key, value in result.get("ratios", {}).items():
@@ -657,6 +725,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--overload and --soak measure one deployment: drop --compare")
     if args.idle_connections < 0 or args.capacity is not None and args.capacity <= 0:
         raise UsageError("--idle-connections must be >= 0 and --capacity > 0")
+    args.protocols = _protocols(args.protocol)
+    if len(args.protocols) > 1 and (args.overload or args.soak):
+        raise UsageError("--overload and --soak measure one deployment: give one --protocol")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -752,6 +823,8 @@ def run(args: argparse.Namespace) -> int:
                 ),
             }
         )
+    if len(args.protocols) > 1:
+        result.setdefault("ratios", {}).update(_protocol_ratios(deps, args))
     if workload.float32_dir is not None:
         result["float32_distance"] = workload.float32_distance
     if args.shard_hosts:

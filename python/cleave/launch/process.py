@@ -67,19 +67,22 @@ class ServeProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then wait; returns the exit code (SIGKILL after `timeout_s`)."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return 0 if self.proc is None else terminate(self.proc, timeout_s)
 
     def __enter__(self) -> ServeProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM `proc` if it runs, then wait; SIGKILL after `timeout_s`. Its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -20,6 +20,7 @@ from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, probe_ready
 from cleave.runners.base import Runner
 from cleave.runners.ray_actors import CONTROLLER, Controller, live_nodes, role_needs
+from cleave.runners.supervised import read_internal_secret
 
 if TYPE_CHECKING:
     from cleave.plan import Plan
@@ -202,6 +203,8 @@ class RayRunner(Runner):
             )
         env = plan.router.admin_token_env
         token = os.environ.get(env) if env else None
+        # Every role's host gets it in its environment: Ray's workers do not see this one's.
+        secret = read_internal_secret(plan.router.internal_secret_env)
         # The controller shares the first router's node: a deployment that loses that node
         # is over anyway (its clients' URL is gone), so no other node's death can take it.
         home = mapping[plan.routers[0].host]
@@ -214,7 +217,7 @@ class RayRunner(Runner):
                 max_concurrency=8,  # status and scale answer while it heals
                 scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=False),
             )
-            .remote(plan, mapping, nodes, token)
+            .remote(plan, mapping, nodes, token, secret)
         )
         self._say(
             "Ray nodes: "

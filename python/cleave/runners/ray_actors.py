@@ -24,6 +24,7 @@ from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, probe_ready
 from cleave.runners import membership
 from cleave.runners.roles import Binding, RoleSpecs
+from cleave.runners.supervised import INTERNAL_SECRET
 
 log = logging.getLogger("cleave.ray")
 
@@ -136,14 +137,18 @@ def _unwrap(err: BaseException) -> str:
 
 class Controller:
     """A deployment's state on the cluster. `nodes`: node id -> {"ip", "cpus", "gpus"};
-    `mapping`: plan host -> node id; `token`: the routers' admin token (or None)."""
+    `mapping`: plan host -> node id; `token`: the routers' admin token (or None); `secret`:
+    the internal secret every role proves (or None; docs/security.md)."""
 
-    def __init__(self, plan, mapping: dict[str, str], nodes: dict[str, dict], token=None):
+    def __init__(
+        self, plan, mapping: dict[str, str], nodes: dict[str, dict], token=None, secret=None
+    ):
         logging.basicConfig(level=logging.INFO, format="cleave ray: %(message)s")
         self.plan = plan
         self.mapping = mapping
         self.nodes = nodes
         self.token = token
+        self.secret = secret
         self.runtime = Path(tempfile.mkdtemp(prefix=f"cleave-ray-{plan.name}-"))
         self.binding = RayBinding()
         self.placed: dict[str, Placed] = {}
@@ -204,6 +209,8 @@ class Controller:
         env = {}
         if kind == "router" and self.token and self.plan.router.admin_token_env:
             env[self.plan.router.admin_token_env] = self.token
+        if self.secret:
+            env[INTERNAL_SECRET] = self.secret
         needs = role_needs(kind, role, self.nodes[node]["gpus"])
         actor = (
             ray.remote(RoleHost)

@@ -21,18 +21,26 @@ if TYPE_CHECKING:
 INTERNAL_SECRET = "CLEAVE_INTERNAL_SECRET"
 
 
-def share_internal_secret(name: str) -> None:
-    """Copies the secret in the variable the plan names into the one every role reads; the
-    children inherit it. Nothing when the plan names none."""
+def read_internal_secret(name: str) -> str | None:
+    """The secret in the variable the plan names (`router.internal_secret_env`); None when the
+    plan names none."""
     if not name:
-        return
+        return None
     value = os.environ.get(name, "")
     if not value:
         raise UsageError(
             f"router.internal_secret_env names {name!r}, but that environment variable is "
             "unset or empty: set it to the deployment's internal secret"
         )
-    os.environ[INTERNAL_SECRET] = value
+    return value
+
+
+def share_internal_secret(name: str) -> None:
+    """Copies the secret in the variable the plan names into the one every role reads; the
+    children inherit it. Nothing when the plan names none."""
+    value = read_internal_secret(name)
+    if value is not None:
+        os.environ[INTERNAL_SECRET] = value
 
 
 class SupervisedRunner(Runner):

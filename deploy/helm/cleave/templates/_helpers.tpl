@@ -31,7 +31,7 @@ fails the render with what was expected and what arrived. */}}
 {{- end -}}
 {{- $first := index $plan.rankers 0 -}}
 {{- range $i, $r := $plan.rankers -}}
-{{- range $key := list "device" "threads" "max_batch" "max_wait_ms" "max_queue" "cuda_graphs" "compile" "compile_cache" -}}
+{{- range $key := list "device" "threads" "max_batch" "max_wait_ms" "max_queue" "queue" "cuda_graphs" "compile" "compile_cache" -}}
 {{- if ne (toString (index $r $key)) (toString (index $first $key)) -}}
 {{- fail (printf "plan: rankers[%d].%s is %v but rankers[0].%s is %v: every ranker pod runs one template, so the plan's rankers must share their settings" $i $key (index $r $key) $key (index $first $key)) -}}
 {{- end -}}
@@ -56,7 +56,29 @@ fails the render with what was expected and what arrived. */}}
 {{- if and $token (not .Values.router.adminTokenSecret.name) -}}
 {{- fail (printf "the plan's router.admin_token_env is %q: set router.adminTokenSecret.name to a Secret holding the token" $token) -}}
 {{- end -}}
+{{- $secret := dig "internal_secret_env" "" ($plan.router | default dict) -}}
+{{- if and $secret (not .Values.internalSecret.name) -}}
+{{- fail (printf "the plan's router.internal_secret_env is %q: set internalSecret.name to a Secret holding the deployment's internal secret" $secret) -}}
+{{- end -}}
+{{- $queue := (index $plan.shards 0).queue | default "fifo" -}}
+{{- range $i, $s := $plan.shards -}}
+{{- if ne ($s.queue | default "fifo") $queue -}}
+{{- fail (printf "plan: shards[%d].queue is %v but shards[0].queue is %v: every shard pod runs one template, so the plan's shards must share their queue policy" $i ($s.queue | default "fifo") $queue) -}}
+{{- end -}}
+{{- end -}}
 {{- toJson $plan -}}
+{{- end -}}
+
+{{/* CLEAVE_INTERNAL_SECRET from internalSecret, when the plan names an internal secret: the
+variable every role reads (docs/security.md). (dict "ctx" $ "plan" $plan) */}}
+{{- define "cleave.internalSecretEnv" -}}
+{{- if dig "internal_secret_env" "" (.plan.router | default dict) }}
+- name: CLEAVE_INTERNAL_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ .ctx.Values.internalSecret.name }}
+      key: {{ .ctx.Values.internalSecret.key }}
+{{- end }}
 {{- end -}}
 
 {{- define "cleave.labels" -}}
