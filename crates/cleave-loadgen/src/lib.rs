@@ -18,6 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Uri;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
@@ -120,7 +121,11 @@ impl Run {
     async fn drive(self, uri: Uri, grpc: bool) -> Vec<Outcome> {
         let mut builder = Client::builder(TokioExecutor::new());
         builder.http2_only(grpc);
-        let client: Client<_, Full<Bytes>> = builder.build_http();
+        // As gRPC's own clients do: an HTTP/2 request is several frames, and Nagle's
+        // algorithm held the last one back until the server's delayed ACK (milliseconds).
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client: Client<_, Full<Bytes>> = builder.build(connector);
         let start = tokio::time::Instant::now() + Duration::from_millis(50);
         let mut tasks = Vec::with_capacity(self.times_s.len());
         for (&at, &body) in self.times_s.iter().zip(&self.order) {
