@@ -4,7 +4,9 @@
 //! rate. Congestion above `high` halves the window: more bytes in flight than the link and its
 //! queue hold only add queueing delay and drops. Congestion at or below `low` with requests
 //! waiting and the link under-used grows it by one step: the window, not the network, is what
-//! holds them back. Between the thresholds it holds, so it does not flap.
+//! holds them back — but only after `grow_after` such intervals in a row: one message can fill
+//! the link, so a short dip (the ranker off its core for a few ms) is no reason to add a
+//! flow. Between the thresholds it holds, so it does not flap.
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Thresholds {
@@ -14,6 +16,8 @@ pub struct Thresholds {
     pub low: f64,
     /// Utilization (achieved / link rate) under which a backlog means the window is too small.
     pub target_utilization: f64,
+    /// Consecutive intervals that must call for growth before the window grows.
+    pub grow_after: u32,
 }
 
 impl Default for Thresholds {
@@ -22,6 +26,7 @@ impl Default for Thresholds {
             high: 2.0,
             low: 0.25,
             target_utilization: 0.9,
+            grow_after: 3,
         }
     }
 }
@@ -42,6 +47,8 @@ pub struct AdaptiveWindow {
     max: u64,
     step: u64,
     thresholds: Thresholds,
+    /// Intervals in a row that called for growth.
+    wanting: u32,
 }
 
 impl AdaptiveWindow {
@@ -54,6 +61,7 @@ impl AdaptiveWindow {
             max: max.max(min),
             step: step.max(1),
             thresholds,
+            wanting: 0,
         }
     }
 
@@ -64,10 +72,13 @@ impl AdaptiveWindow {
     /// The window after one interval's sample.
     pub fn observe(&mut self, s: Sample) -> u64 {
         let t = self.thresholds;
+        let wants_more = s.congestion <= t.low && s.backlog && s.utilization < t.target_utilization;
+        self.wanting = if wants_more { self.wanting + 1 } else { 0 };
         if s.congestion >= t.high {
             self.limit = (self.limit / 2).max(self.min);
-        } else if s.congestion <= t.low && s.backlog && s.utilization < t.target_utilization {
+        } else if self.wanting >= t.grow_after.max(1) {
             self.limit = self.limit.saturating_add(self.step).min(self.max);
+            self.wanting = 0;
         }
         self.limit
     }
@@ -78,7 +89,32 @@ mod tests {
     use super::*;
 
     fn w() -> AdaptiveWindow {
-        AdaptiveWindow::new(8, 64, 8, Thresholds::default())
+        let grow_at_once = Thresholds {
+            grow_after: 1,
+            ..Thresholds::default()
+        };
+        AdaptiveWindow::new(8, 64, 8, grow_at_once)
+    }
+
+    #[test]
+    fn grows_only_after_enough_intervals_in_a_row_call_for_it() {
+        let mut a = AdaptiveWindow::new(8, 64, 8, Thresholds::default());
+        let clear = Sample {
+            congestion: 0.0,
+            utilization: 0.5,
+            backlog: true,
+        };
+        let busy_link = Sample {
+            utilization: 0.95,
+            ..clear
+        };
+        assert_eq!(a.observe(clear), 8);
+        assert_eq!(a.observe(clear), 8);
+        assert_eq!(a.observe(busy_link), 8); // the run is broken: count again
+        assert_eq!(a.observe(clear), 8);
+        assert_eq!(a.observe(clear), 8);
+        assert_eq!(a.observe(clear), 16);
+        assert_eq!(a.observe(clear), 16);
     }
 
     #[test]
