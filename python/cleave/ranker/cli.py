@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         from cleave.ranker.control import ControlledSource
 
         batcher.source = ControlledSource(server, control)
+        control.source = batcher.source
     if args.with_router:
         return _serve_with_router(batcher, server, args.with_router)
 
@@ -187,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         metrics += f" control={control.address}"
     print(f"ready {server.address} device={device} mode={mode}{metrics}", flush=True)
     batcher.serve_forever(stop)
+    if control is not None:
+        control.source.close()  # its thread reads the server: stop it first
     server.close()
     if control is not None:
         control.close()

@@ -8,15 +8,17 @@ One thread serves every control connection (a selector; frames are tiny). Each c
 one sender to the scheduler; when it goes, its queued requests and in-flight bytes go with it.
 A malformed frame is answered with an error frame naming what was expected and what arrived,
 and that connection is closed; the others go on. `ControlledSource` wraps the data source
-(the FrameServer): a payload handed to the batching loop has been read off its connection,
-so its window space is released (`complete`)."""
+(the FrameServer): a payload read off its connection releases its window space
+(`complete`) at once, not when the batching loop next asks for work."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import selectors
 import socket
 import threading
+import time
 
 from cleave._native import IncastScheduler, decode_control, encode_control
 
@@ -179,20 +181,52 @@ class ControlServer:
 
 
 class ControlledSource:
-    """A batching loop's source whose received payloads free their incast window space:
-    `recv` is the wrapped source's, then `complete` per item (keyed by its trace id, the id the
-    router asked under). The rest is the wrapped source's."""
+    """A batching loop's source whose received payloads free their incast window space as
+    soon as they are read off their connections, not when the loop next asks (that waits for
+    the batch being computed): a thread takes them from the wrapped source (the FrameServer)
+    as they come, calls `complete` per item (keyed by its trace id, the id the router asked
+    under) and queues them for `recv`. The rest is the wrapped source's. `close()` stops the
+    thread."""
+
+    _BATCH = 256  # items taken from the wrapped source at a time
 
     def __init__(self, source, control: ControlServer):
         self._source = source
         self._control = control
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="incast-receive", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                items = self._source.recv(self._BATCH, _POLL_S)
+            except Exception as err:  # the server closed under us: nothing more comes
+                log.warning("incast receive thread stops: %s", err)
+                return
+            for item in items:
+                if item[5]:
+                    self._control.complete(item[5])
+            if items:
+                with self._cond:
+                    self._items.extend(items)
+                    self._cond.notify()
 
     def recv(self, max_items: int, timeout_s: float) -> list:
-        items = self._source.recv(max_items, timeout_s)
-        for item in items:
-            if item[5]:
-                self._control.complete(item[5])
-        return items
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cond.wait(left)
+            return [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def __getattr__(self, name):
         return getattr(self._source, name)
