@@ -115,6 +115,7 @@ def measure(urls: list[str], bodies, rate: float, args) -> dict:
         # A failed request counts as infinitely late ("higher": no interpolation with inf).
         "p50_ms": float(np.percentile(lat, 50, method="higher")) if len(lat) else None,
         "p99_ms": float(np.percentile(lat, 99, method="higher")) if len(lat) else None,
+        "p99_answered_ms": float(np.percentile(lat[np.isfinite(lat)], 99)) if ok else None,
         "errors": dict(errors),
     }
 
@@ -147,6 +148,24 @@ def summary(points: list[dict], budget_ms: float) -> dict:
         "max_rate_within_budget": max((p["rate"] for p in within), default=0.0),
         "max_goodput_rps": max((p["goodput_rps"] for p in points), default=0.0),
         "http_502": sum(p["errors"].get("http_502", 0) for p in points),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None  # None: the baseline has none (strict JSON has no infinity)
+
+
+def ratios(off: dict, on: dict) -> dict:
+    """Control on over off: best goodput, highest rate within budget, goodput per rate."""
+    return {
+        "max_goodput_on_over_off": _ratio(on["max_goodput_rps"], off["max_goodput_rps"]),
+        "max_rate_within_budget_on_over_off": _ratio(
+            on["max_rate_within_budget"], off["max_rate_within_budget"]
+        ),
+        "goodput_on_over_off_by_rate": {
+            str(a["rate"]): _ratio(b["goodput_rps"], a["goodput_rps"])
+            for a, b in zip(off["rates"], on["rates"], strict=True)
+        },
     }
 
 
@@ -183,15 +202,7 @@ def main(argv=None) -> int:
         points = run_deployment(plan, args, bodies, log)
         result["deployments"][name] = {"rates": points, **summary(points, args.budget_ms)}
     off, on = result["deployments"]["control-off"], result["deployments"]["control-on"]
-    result["ratios"] = {
-        "max_goodput_on_over_off": on["max_goodput_rps"] / off["max_goodput_rps"]
-        if off["max_goodput_rps"]
-        else float("nan"),
-        "max_rate_within_budget_on_over_off": on["max_rate_within_budget"]
-        / off["max_rate_within_budget"]
-        if off["max_rate_within_budget"]
-        else float("nan"),
-    }
+    result["ratios"] = ratios(off, on)
     log(json.dumps(result["ratios"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

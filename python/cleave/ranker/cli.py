@@ -160,12 +160,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, WireError) as err:
         raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
     batcher.source = server
-    control = _control(args, server.address) if args.control_port else None
+    # The one-process baseline has no network between router and ranker: nothing to control.
+    use_control = args.control_port and not args.with_router
+    control = _control(args, server.address) if use_control else None
     if control is not None:
         from cleave.ranker.control import ControlledSource
 
         batcher.source = ControlledSource(server, control)
-        control.source = batcher.source
     if args.with_router:
         return _serve_with_router(batcher, server, args.with_router)
 
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ready {server.address} device={device} mode={mode}{metrics}", flush=True)
     batcher.serve_forever(stop)
     if control is not None:
-        control.source.close()  # its thread reads the server: stop it first
+        batcher.source.close()  # its thread reads the server: stop it first
     server.close()
     if control is not None:
         control.close()
