@@ -243,6 +243,75 @@ async fn keep_connected(control: String, shared: Weak<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::TcpListener;
+
+    /// Waits (bounded) until the link's task has connected.
+    async fn connected(link: &IncastLink) {
+        for _ in 0..500 {
+            if link.is_connected() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the control connection never came up");
+    }
+
+    #[tokio::test]
+    async fn granted_expired_withdrawn_and_fallback_when_the_connection_goes() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap().to_string();
+        let link = IncastLink::start("r:1", &at, 100);
+        // Small payloads skip the exchange.
+        assert_eq!(link.permit(1, 99, Duration::from_secs(5)).await, Ok(false));
+        let (stream, _) = listener.accept().await.unwrap();
+        drop(listener); // no reconnection once this connection goes
+        let (mut read, mut write) = stream.into_split();
+        connected(&link).await;
+        let ranker = tokio::spawn(async move {
+            // Grant id 2, expire id 3, never answer id 4 and expect its withdrawal (done).
+            let mut seen = Vec::new();
+            while let Ok(Some(m)) = read_message(&mut read).await {
+                let reply = match m {
+                    ControlMessage::RequestToSend { id: 2, .. } => ControlMessage::Grant { id: 2 },
+                    ControlMessage::RequestToSend { id: 3, .. } => {
+                        ControlMessage::Expired { id: 3 }
+                    }
+                    ControlMessage::Done { id: 4 } => break,
+                    _ => {
+                        seen.push(m);
+                        continue;
+                    }
+                };
+                write.write_all(&reply.encode()).await.unwrap();
+            }
+            seen
+        });
+        assert_eq!(link.permit(2, 100, Duration::from_secs(30)).await, Ok(true));
+        assert!(matches!(
+            link.permit(3, 100, Duration::from_secs(30)).await,
+            Err(IncastError::Expired { .. })
+        ));
+        assert!(matches!(
+            link.permit(4, 100, Duration::from_millis(50)).await,
+            Err(IncastError::NoGrant { .. })
+        ));
+        let seen = ranker.await.unwrap(); // it saw id 4's withdrawal, then closed
+        assert!(
+            matches!(
+                seen.as_slice(),
+                [ControlMessage::RequestToSend { id: 4, .. }]
+            ),
+            "{seen:?}"
+        );
+        // The ranker side closed: requests go without control (logged once).
+        for _ in 0..500 {
+            if !link.is_connected() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(link.permit(5, 100, Duration::from_secs(5)).await, Ok(false));
+    }
 
     #[test]
     fn no_grant_is_a_504_in_the_incast_queue_stage() {
