@@ -100,6 +100,18 @@ impl IncastScheduler {
         self.pump()
     }
 
+    /// The sender will not send message `id` after all (its request gave up waiting, or the
+    /// payload went elsewhere): a queued request leaves the queue, a granted one frees its
+    /// space. An unknown (sender, id) changes nothing.
+    pub fn withdraw(&mut self, sender: u32, id: u64) -> Vec<Grant> {
+        if !self.queue.remove(id, sender) {
+            if let Some(bytes) = self.in_flight.remove(&(sender, id)) {
+                self.window.release(bytes);
+            }
+        }
+        self.pump()
+    }
+
     /// A sender went away: its queued requests go, its in-flight bytes free.
     pub fn sender_gone(&mut self, sender: u32) -> Vec<Grant> {
         let mine: Vec<(u32, u64)> = self
@@ -207,6 +219,19 @@ mod tests {
         assert!(s.complete(2, 3).is_empty());
         assert_eq!(s.window().in_flight(), 0);
         assert!(s.complete(9, 9).is_empty()); // unknown: nothing changes
+    }
+
+    #[test]
+    fn a_withdrawn_request_leaves_the_queue_or_frees_its_space() {
+        let mut s = IncastScheduler::new(10, Order::Fcfs, 1e9);
+        assert_eq!(ids(&s.request(1, 1, 10, 1_000, 0)), vec![1]);
+        assert!(s.request(2, 2, 10, 1_000, 0).is_empty());
+        assert!(s.request(3, 3, 10, 1_000, 0).is_empty());
+        assert!(s.withdraw(2, 2).is_empty()); // queued: it leaves, 3 still waits for space
+        assert_eq!(s.queued(), 1);
+        assert_eq!(ids(&s.withdraw(1, 1)), vec![3]); // granted: its space goes to 3
+        assert!(s.withdraw(7, 7).is_empty()); // unknown: nothing changes
+        assert_eq!(s.window().in_flight(), 10);
     }
 
     fn at_one_second() -> u64 {

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 mod embed;
 mod health;
+mod incast;
 mod loadgen;
 mod router;
 mod shard;
@@ -17,6 +18,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     embed::register(m)?;
     health::register(m)?;
+    incast::register(m)?;
     loadgen::register(m)?;
     router::register(m)?;
     wire::register(m)?;

@@ -100,6 +100,15 @@ pub struct RouterConfig {
     /// Lookup threads of the tables a router-held deployment opens in-process.
     #[serde(default = "default_held_threads")]
     pub held_threads: usize,
+    /// Incast control (docs/traffic.md): ask a ranker's control port for a grant before
+    /// sending it a fused payload of at least `incast_threshold_bytes`.
+    #[serde(default)]
+    pub incast_control: bool,
+    #[serde(default = "default_incast_threshold")]
+    pub incast_threshold_bytes: u64,
+    /// Each ranker's control address (`host:port`), keyed by its data address in `rankers`.
+    #[serde(default)]
+    pub ranker_control: std::collections::HashMap<String, String>,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -132,6 +141,9 @@ impl From<ConfigMode> for Mode {
     }
 }
 
+fn default_incast_threshold() -> u64 {
+    crate::incast::DEFAULT_THRESHOLD
+}
 fn default_held_threads() -> usize {
     1
 }
@@ -243,6 +255,18 @@ impl RouterConfig {
                 return bad(format!("{key} is 0, expected at least 1"));
             }
         }
+        if self.incast_control {
+            if let Some(r) = self
+                .rankers
+                .iter()
+                .find(|r| !self.ranker_control.contains_key(*r))
+            {
+                return bad(format!(
+                    "incast_control is on but ranker {r} has no control address in \
+                     \"ranker_control\" (expected {{\"{r}\": \"HOST:PORT\"}})"
+                ));
+            }
+        }
         for r in &self.shards {
             if r.row_start >= r.row_end {
                 return bad(format!(
@@ -335,5 +359,26 @@ mod tests {
         assert!(e.unwrap_err().contains("expected usize"));
         let c = RouterConfig::from_json(&format!("{{{base}, \"body_grace_ms\": 0}}")).unwrap();
         assert_eq!(c.body_grace_ms, 0);
+    }
+
+    #[test]
+    fn incast_control_needs_every_rankers_control_address() {
+        let base = r#""model": "m", "bundle": "b", "rankers": ["a:1", "b:1"]"#;
+        let c = RouterConfig::from_json(&format!("{{{base}}}")).unwrap();
+        assert_eq!(
+            (c.incast_control, c.incast_threshold_bytes),
+            (false, 65_536)
+        );
+        let e = RouterConfig::from_json(&format!(
+            "{{{base}, \"incast_control\": true, \"ranker_control\": {{\"a:1\": \"a:2\"}}}}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("ranker b:1 has no control address"), "{e}");
+        let c = RouterConfig::from_json(&format!(
+            "{{{base}, \"incast_control\": true, \"incast_threshold_bytes\": 1, \
+             \"ranker_control\": {{\"a:1\": \"a:2\", \"b:1\": \"b:2\"}}}}"
+        ))
+        .unwrap();
+        assert_eq!(c.ranker_control["b:1"], "b:2");
     }
 }

@@ -26,6 +26,9 @@ pub enum Stage {
     Ranker,
     /// Admission control, before the body is read (shed requests only; no histogram).
     Admission,
+    /// Waiting for a ranker's grant to send a large payload (incast control; deadline errors
+    /// only; no histogram).
+    IncastQueue,
 }
 
 impl Stage {
@@ -48,6 +51,7 @@ impl Stage {
             Stage::Total => "total",
             Stage::Ranker => "ranker",
             Stage::Admission => "admission",
+            Stage::IncastQueue => "ranker incast queue",
         }
     }
 }

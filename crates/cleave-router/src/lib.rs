@@ -22,6 +22,7 @@ pub mod grpc_front;
 pub mod grpc_tensor;
 pub mod held;
 pub mod http;
+pub mod incast;
 pub mod inference;
 pub mod json_tensor;
 pub mod kserve;

@@ -6,6 +6,7 @@
 //! Rankers join, drain and leave while the router serves (the admin API): each request works
 //! on the snapshot of the pool it started with.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -16,6 +17,7 @@ use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError
 
 use crate::error::{ErrorKind, RequestError, Stage};
 use crate::ewma::Ewma;
+use crate::incast::IncastLink;
 use crate::payload::{decode_response, RankResponse};
 
 /// The latency assumed for a ranker not measured yet (µs); small, so new rankers get tried.
@@ -163,6 +165,9 @@ pub struct RankerPool {
     next: AtomicUsize,
     io: IoThreads,
     config: ClientConfig,
+    /// Incast control links by ranker data address (docs/traffic.md); empty: off. A ranker
+    /// added later through the admin API has none and is sent payloads without control.
+    incast: RwLock<HashMap<String, Arc<IncastLink>>>,
 }
 
 impl RankerPool {
@@ -184,7 +189,33 @@ impl RankerPool {
             next: AtomicUsize::new(0),
             io,
             config,
+            incast: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// Turns incast control on: one control connection per ranker, to `control[data addr]`
+    /// (the config checked that every ranker has one). Call on the router's runtime.
+    pub fn start_incast(&self, control: &HashMap<String, String>, threshold: u64) {
+        let links = self
+            .rankers()
+            .iter()
+            .filter_map(|r| {
+                let at = control.get(&r.addr)?;
+                Some((
+                    r.addr.clone(),
+                    Arc::new(IncastLink::start(&r.addr, at, threshold)),
+                ))
+            })
+            .collect();
+        *self.incast.write().unwrap_or_else(|p| p.into_inner()) = links;
+    }
+
+    fn incast_link(&self, addr: &str) -> Option<Arc<IncastLink>> {
+        self.incast
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(addr)
+            .cloned()
     }
 
     /// The rankers now (a snapshot: membership may change after).
@@ -288,13 +319,30 @@ impl RankerPool {
             let ranker = &*ranker;
             ranker.outstanding.fetch_add(1, Ordering::Relaxed);
             let guard = Outstanding(ranker);
+            // Incast control: a large payload waits for the ranker's grant, within the budget.
+            let link = self.incast_link(&ranker.addr);
+            let mut granted = false;
+            if let Some(link) = &link {
+                granted = link.permit(trace_id, payload.len() as u64, left).await?;
+            }
+            let left = timeout.saturating_sub(started.elapsed());
             let sent = Instant::now();
-            let result = ranker
-                .client
-                .call_traced(kind, payload.clone(), left, trace_id)
-                .await;
+            let result = if left.is_zero() {
+                Err(WireError::Timeout {
+                    addr: ranker.client.addr().clone(),
+                    after: Duration::ZERO,
+                })
+            } else {
+                ranker
+                    .client
+                    .call_traced(kind, payload.clone(), left, trace_id)
+                    .await
+            };
             let round_trip = sent.elapsed();
             drop(guard);
+            if let (true, Err(_), Some(link)) = (granted, &result, &link) {
+                link.withdraw(trace_id).await; // its window space back at the ranker
+            }
             match result {
                 Ok(reply) => {
                     let response = decode_response(&reply).map_err(|e| {

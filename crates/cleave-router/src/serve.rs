@@ -61,6 +61,9 @@ pub async fn serve(
         ..ClientConfig::default()
     };
     let rankers = RankerPool::new(&config.rankers, &io, client)?;
+    if config.incast_control {
+        rankers.start_incast(&config.ranker_control, config.incast_threshold_bytes);
+    }
     let app = Arc::new(App {
         router: Router {
             model,

@@ -95,6 +95,8 @@ def _roles(plan: Plan, errors: list[str]) -> None:
                 f"got {role.host!r}"
             )
         keys = ("http_port",) if f.startswith("routers") else ("port", "metrics_port")
+        if f.startswith("rankers"):
+            keys = (*keys, "control_port")
         for key in keys:
             port = getattr(role, key)
             if not 0 <= port <= 65535:
@@ -123,6 +125,16 @@ def _settings(plan: Plan, errors: list[str]) -> None:
         for key, low in (("threads", 1), ("max_batch", 1), ("max_queue", 1), ("max_wait_ms", 0)):
             if getattr(r, key) < low:
                 errors.append(f"{f}.{key}: expected at least {low}, got {getattr(r, key)}")
+        if r.incast_order not in ("fcfs", "edf"):
+            errors.append(f'{f}.incast_order: expected "fcfs" or "edf", got {r.incast_order!r}')
+        if r.incast_window_bytes < 1:
+            errors.append(
+                f"{f}.incast_window_bytes: expected at least 1, got {r.incast_window_bytes}"
+            )
+        if not r.link_gbit > 0:
+            errors.append(f"{f}.link_gbit: expected > 0, got {r.link_gbit}")
+    if plan.incast_threshold_bytes < 0:
+        errors.append(f"incast_threshold_bytes: expected >= 0, got {plan.incast_threshold_bytes}")
     # The router's rules live with its config; a ServeConfig around the plan's section
     # reuses them (its messages say `config router.KEY`).
     config = ServeConfig(

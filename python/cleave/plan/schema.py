@@ -67,6 +67,12 @@ class Ranker:
     compile_cache: str = ""  # where compiled code is kept; "": the user's cache directory
     shared_batching: bool = True  # join a shared-input model's requests (bundle permitting)
     queue: str = "fifo"  # order waiting requests start in: fifo | edf
+    # Incast control (docs/traffic.md): the control port routers ask before sending a large
+    # payload, on the ranker's host; 0: none. Used when the plan's `incast_control` is on.
+    control_port: int = 0
+    incast_window_bytes: int = 1 << 20  # bytes granted and not yet received at most
+    incast_order: str = "edf"  # order delayed requests-to-send are granted in: fcfs | edf
+    link_gbit: float = 1.0  # the host's link rate: B in EDF's start-by deadline
 
 
 @dataclass
@@ -102,6 +108,11 @@ class Plan:
     # key needs no change here. Keys left out of a file take RouterConfig's defaults.
     router: RouterConfig
     supervision: Supervision
+    # Incast control (docs/traffic.md): routers ask each ranker's control port for a grant
+    # before sending a fused payload of at least `incast_threshold_bytes`. Needs every
+    # ranker's `control_port` (a runner picks one where it is 0).
+    incast_control: bool = False
+    incast_threshold_bytes: int = 64 << 10
     # The file this plan was read from: names it in errors, anchors a relative bundle path.
     source: Path | None = field(default=None, compare=False, metadata={"serialise": False})
     # Why each role is where it is, and the placement's cost (topology-aware plans only);

@@ -44,6 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP port for /live, /ready, /metrics on the listen host (0 picks one)",
     )
     parser.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="incast control port on the listen host (docs/traffic.md): routers ask it before "
+        "sending a large payload; 0 (default): no incast control",
+    )
+    parser.add_argument(
+        "--incast-window-bytes",
+        type=int,
+        default=1 << 20,
+        help="bytes granted and not yet received at most (one payload alone always goes); "
+        "default 1 MiB",
+    )
+    parser.add_argument(
+        "--incast-order",
+        choices=["fcfs", "edf"],
+        default="edf",
+        help="order delayed requests-to-send are granted in; default edf",
+    )
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        default=1.0,
+        help="this host's link rate, B in EDF's start-by deadline now + SLO - M/B; default 1",
+    )
+    parser.add_argument(
         "--monolithic",
         action="store_true",
         help="run the whole model on RANK_FULL requests (the baseline)",
@@ -102,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if not 0 <= args.control_port <= 65535:
+        raise UsageError(f"--control-port must be 0..65535, got {args.control_port}")
+    if args.incast_window_bytes < 1:
+        raise UsageError(
+            f"--incast-window-bytes must be at least 1, got {args.incast_window_bytes}"
+        )
+    if not args.link_gbit > 0:
+        raise UsageError(f"--link-gbit must be > 0, got {args.link_gbit}")
 
     from cleave._native import FrameServer, WireError
     from cleave.ranker.program import load_ranker
@@ -126,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, WireError) as err:
         raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
     batcher.source = server
+    # The one-process baseline has no network between router and ranker: nothing to control.
+    use_control = args.control_port and not args.with_router
+    control = _control(args, server.address) if use_control else None
+    if control is not None:
+        from cleave.ranker.control import ControlledSource
+
+        batcher.source = ControlledSource(server, control)
     if args.with_router:
         return _serve_with_router(batcher, server, args.with_router)
 
@@ -144,9 +185,15 @@ def run(args: argparse.Namespace) -> int:
     if not batcher.signature.batchable:
         print(f"one request per batch: {batcher.signature.why_not}", file=sys.stderr, flush=True)
     metrics = f" metrics={probes.address}" if probes else ""
+    if control is not None:
+        metrics += f" control={control.address}"
     print(f"ready {server.address} device={device} mode={mode}{metrics}", flush=True)
     batcher.serve_forever(stop)
+    if control is not None:
+        batcher.source.close()  # its thread reads the server: stop it first
     server.close()
+    if control is not None:
+        control.close()
     if probes:
         probes.close()
     _report(batcher)
@@ -164,6 +211,23 @@ def _probes(batcher, address: str, port: int | None):
         return Probes(batcher, host.strip("[]"), port)
     except OSError as err:
         raise UsageError(f"--metrics-port {port}: cannot listen on {host}: {err}") from None
+
+
+def _control(args: argparse.Namespace, address: str):
+    """The incast control port on the listen address's host (loopback for Unix sockets)."""
+    from cleave._native import IncastScheduler
+    from cleave.ranker.control import ControlServer
+
+    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0].strip("[]")
+    scheduler = IncastScheduler(
+        args.incast_window_bytes, args.incast_order, args.link_gbit * 1e9 / 8, True
+    )
+    try:
+        return ControlServer(host, args.control_port, scheduler)
+    except OSError as err:
+        raise UsageError(
+            f"--control-port {args.control_port}: cannot listen on {host}: {err}"
+        ) from None
 
 
 def _serve_with_router(batcher, server, config_path: str) -> int:

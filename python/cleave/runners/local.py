@@ -20,6 +20,8 @@ LOOPBACK = "127.0.0.1"
 def _ports(plan: Plan) -> list[int]:
     """Every non-zero port the plan names, all hosts together."""
     ports = [p for r in [*plan.shards, *plan.rankers] for p in (r.port, r.metrics_port)]
+    if plan.incast_control:
+        ports += [r.control_port for r in plan.rankers]
     return [p for p in ports + [r.http_port for r in plan.routers] if p]
 
 
@@ -55,6 +57,9 @@ class LocalBinding(Binding):
             if self.transport == "tcp":
                 wanted[(role.name, "port")] = role.port if logical else 0
             wanted[(role.name, "metrics")] = role.metrics_port if logical else 0
+        if plan.incast_control:
+            for r in plan.rankers:
+                wanted[(r.name, "control")] = r.control_port if logical else 0
         for router in plan.routers:
             wanted[(router.name, "http")] = router.http_port
         # Routers bind the client host; the rest loopback (`cleave serve --host` is for clients).
@@ -78,6 +83,9 @@ class LocalBinding(Binding):
 
     def http(self, router: Router) -> tuple[str, int]:
         return self.host, self.ports[(router.name, "http")]
+
+    def control_port(self, role: Ranker) -> int:
+        return self.ports[(role.name, "control")]
 
 
 class LocalRunner(SupervisedRunner):

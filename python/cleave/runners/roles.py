@@ -32,6 +32,11 @@ class Binding:
         """The router's client address and port (never 0); /ready and /live are there too."""
         raise NotImplementedError
 
+    def control_port(self, role: Ranker) -> int:
+        """Its incast control port on the listen address's host (docs/traffic.md): the
+        plan's here; a runner that picks ports for 0 overrides it."""
+        return role.control_port
+
     def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
         """The command that runs `argv` where the role's host is (a namespace, say)."""
         return argv
@@ -57,6 +62,13 @@ def client_url(host: str, port: int, tls: bool = False) -> str:
     return f"{'https' if tls else 'http'}://{_url_host(host)}:{port}"
 
 
+def control_address(listen: str, port: int) -> str:
+    """A ranker's control address: its control port on its listen host (loopback for a Unix
+    socket; control is always TCP)."""
+    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
 def _before_start(address: str):
     if not address.startswith("unix:"):
         return None
@@ -73,6 +85,7 @@ class RoleSpecs:
         self.binding = binding
         self.runtime = runtime
         self.bundle = plan.bundle_path().resolve()
+        self.control: dict[str, str] = {}  # ranker name -> control address (incast control)
 
     def _spec(self, role, argv: list[str], address: str, metrics_port: int) -> ChildSpec:
         return ChildSpec(
@@ -151,6 +164,19 @@ class RoleSpecs:
                 argv += ["--compile-cache", r.compile_cache]
             if not r.shared_batching:
                 argv.append("--no-shared-batching")
+            if self.plan.incast_control and self.plan.mode != "monolithic":
+                port = self.binding.control_port(r)
+                self.control[r.name] = control_address(address, port)
+                argv += [
+                    "--control-port",
+                    str(port),
+                    "--incast-window-bytes",
+                    str(r.incast_window_bytes),
+                    "--incast-order",
+                    r.incast_order,
+                    "--link-gbit",
+                    str(r.link_gbit),
+                ]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
@@ -168,7 +194,16 @@ class RoleSpecs:
             ]
         specs = []
         for router in self.plan.routers:
-            path = self._router_config(router, routes, [spec.address for spec in rankers])
+            path = self._router_config(
+                router,
+                routes,
+                [spec.address for spec in rankers],
+                {
+                    spec.address: self.control[spec.name]
+                    for spec in rankers
+                    if spec.name in self.control
+                },
+            )
             argv = [find_executable("cleave-router"), str(path)]
             specs.append(
                 ChildSpec(
@@ -195,7 +230,13 @@ class RoleSpecs:
         """The router's client URL (its probes are there too)."""
         return client_url(*self.binding.http(router), tls=bool(self.plan.router.tls_cert))
 
-    def _router_config(self, router: Router, routes: list[dict], rankers: list[str]) -> Path:
+    def _router_config(
+        self,
+        router: Router,
+        routes: list[dict],
+        rankers: list[str],
+        ranker_control: dict[str, str] | None = None,
+    ) -> Path:
         from cleave.launch.router import router_config
 
         host, port = self.binding.http(router)
@@ -212,11 +253,12 @@ class RoleSpecs:
             router=self.plan.router,
         )
         path = self.config_path(router.name)
-        path.write_text(
-            json.dumps(
-                router_config(self.plan.name, self.bundle, config, routes, rankers), indent=1
-            )
-        )
+        values = router_config(self.plan.name, self.bundle, config, routes, rankers)
+        if ranker_control:  # incast control (docs/traffic.md): a grant before large payloads
+            values["incast_control"] = True
+            values["incast_threshold_bytes"] = self.plan.incast_threshold_bytes
+            values["ranker_control"] = ranker_control
+        path.write_text(json.dumps(values, indent=1))
         return path
 
     def config_path(self, router: str) -> Path:

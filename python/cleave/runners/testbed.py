@@ -37,6 +37,8 @@ class TestbedBinding(Binding):
             metrics = r.metrics_port or (r.port + METRICS_FROM_PORT if r.port else 0)
             wanted[(r.name, "metrics")] = (r.host, metrics)
         wanted.update({(r.name, "http"): (r.host, r.http_port) for r in plan.routers})
+        if plan.incast_control:
+            wanted.update({(r.name, "control"): (r.host, r.control_port) for r in plan.rankers})
         used = {hp for hp in wanted.values() if hp[1]}
         self.ports = {}
         for key, (host, port) in wanted.items():
@@ -58,6 +60,9 @@ class TestbedBinding(Binding):
 
     def http(self, router: Router) -> tuple[str, int]:
         return self.address(router), self.ports[(router.name, "http")]
+
+    def control_port(self, role: Ranker) -> int:
+        return self.ports[(role.name, "control")]
 
     def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
         return self.testbed.exec_argv(self.index[role.host], argv)
@@ -98,7 +103,12 @@ class TestbedRunner(SupervisedRunner):
                 f"{p.name}={h.address}" for p, h in zip(plan.hosts, testbed.hosts, strict=True)
             )
         )
-        return TestbedBinding(plan, testbed, plan_dir)
+        binding = TestbedBinding(plan, testbed, plan_dir)
+        if plan.incast_control:
+            # Grants never wait behind payloads on a shaped link (docs/traffic.md).
+            for port in sorted({binding.control_port(r) for r in plan.rankers}):
+                testbed.prioritize_port(port)
+        return binding
 
     def release(self) -> None:
         testbed, self.testbed = self.testbed, None

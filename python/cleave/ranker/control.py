@@ -1,0 +1,232 @@
+"""The ranker's incast control port (docs/traffic.md, "Wiring it into the router → ranker
+path"): routers ask here before sending a large fused payload (request-to-send {trace id,
+bytes, budget left}) and are granted within the incast window. The window and the queue
+policies are crate cleave-flow's, through `cleave._native.IncastScheduler`; the codec is its
+too (`encode_control` / `decode_control`).
+
+One thread serves every control connection (a selector; frames are tiny). Each connection is
+one sender to the scheduler; when it goes, its queued requests and in-flight bytes go with it.
+A malformed frame is answered with an error frame naming what was expected and what arrived,
+and that connection is closed; the others go on. `ControlledSource` wraps the data source
+(the FrameServer): a payload read off its connection releases its window space
+(`complete`) at once, not when the batching loop next asks for work."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+
+from cleave._native import IncastScheduler, decode_control, encode_control
+
+log = logging.getLogger("cleave.ranker.control")
+
+_POLL_S = 0.1  # how often the control thread looks at its stop flag
+_READ = 4096
+_MAX_BUFFER = 64 << 10  # a sender this far ahead of us is not speaking the protocol
+_SEND_TIMEOUT_S = 1.0  # a control frame that cannot leave in this long: the peer is stuck
+
+
+class _Sender:
+    def __init__(self, sock: socket.socket, number: int):
+        self.sock = sock
+        self.number = number
+        self.buffer = b""
+
+
+class ControlServer:
+    """Listens on `host:port` (0 picks one; `address` says which) and grants through
+    `scheduler`. `close()` stops the thread and every connection."""
+
+    def __init__(self, host: str, port: int, scheduler: IncastScheduler):
+        self.scheduler = scheduler
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        bound = self._listener.getsockname()
+        self.address = f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
+        self._lock = threading.Lock()  # the scheduler's decisions and the writes they cause
+        self._senders: dict[int, _Sender] = {}
+        self._granted: dict[int, int] = {}  # message id (the router's trace id) -> sender
+        self._next = 0
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self.malformed = 0
+        self._thread = threading.Thread(target=self._run, name="incast-control", daemon=True)
+        self._thread.start()
+
+    def complete(self, message_id: int) -> None:
+        """Every byte of message `message_id` arrived (the batching loop received it)."""
+        with self._lock:
+            sender = self._granted.pop(message_id, None)
+            if sender is not None:
+                self._apply(self.scheduler.complete(sender, message_id))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for s in list(self._senders.values()):
+                s.sock.close()
+            self._senders.clear()
+        self._listener.close()
+        self._selector.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=_POLL_S):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self._listener.accept()
+        except OSError:
+            return
+        sock.setblocking(True)
+        sock.settimeout(_SEND_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._next = (self._next + 1) % (1 << 32)
+            sender = _Sender(sock, self._next)
+            self._senders[sender.number] = sender
+        self._selector.register(sock, selectors.EVENT_READ, sender)
+        log.info("control connection %d from %s", sender.number, peer)
+
+    def _read(self, sender: _Sender) -> None:
+        try:
+            data = sender.sock.recv(_READ)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sender, "closed by the peer")
+            return
+        sender.buffer += data
+        # Bounded: each pass takes one frame off the buffer, or stops.
+        while sender.buffer:
+            try:
+                decoded = decode_control(sender.buffer)
+            except ValueError as err:
+                self.malformed += 1
+                log.warning("control connection %d: %s; closing it", sender.number, err)
+                self._send(
+                    sender, encode_control({"kind": "error", "code": 1, "message": str(err)})
+                )
+                self._drop(sender, "malformed frame")
+                return
+            if decoded is None:
+                if len(sender.buffer) > _MAX_BUFFER:
+                    self._drop(sender, "too much unread data")
+                return
+            message, used = decoded
+            sender.buffer = sender.buffer[used:]
+            if not self._handle(sender, message):
+                return
+
+    def _handle(self, sender: _Sender, m: dict) -> bool:
+        kind = m["kind"]
+        with self._lock:
+            if kind == "request-to-send":
+                self._apply(
+                    self.scheduler.request(sender.number, m["id"], m["bytes"], m["slo_left_us"])
+                )
+                return True
+            if kind == "done":  # from a sender: it will not send this message after all
+                if self._granted.get(m["id"]) == sender.number:
+                    del self._granted[m["id"]]
+                self._apply(self.scheduler.withdraw(sender.number, m["id"]))
+                return True
+        text = f"control frame: a ranker takes request-to-send or done from a sender, got {kind}"
+        self.malformed += 1
+        log.warning("control connection %d: %s; closing it", sender.number, text)
+        self._send(sender, encode_control({"kind": "error", "code": 3, "message": text}))
+        self._drop(sender, "unexpected frame")
+        return False
+
+    def _apply(self, decisions) -> None:
+        """Sends grants and expiries; holds the lock (called from the scheduler's calls)."""
+        for what, number, message_id in decisions:
+            sender = self._senders.get(number)
+            if what == "grant":
+                self._granted[message_id] = number
+            if sender is not None:
+                self._send(sender, encode_control({"kind": what, "id": message_id}))
+
+    def _send(self, sender: _Sender, frame: bytes) -> None:
+        try:
+            sender.sock.sendall(frame)
+        except OSError as err:
+            log.warning("control connection %d: cannot send: %s", sender.number, err)
+
+    def _drop(self, sender: _Sender, why: str) -> None:
+        try:
+            self._selector.unregister(sender.sock)
+        except (KeyError, ValueError):
+            pass
+        with self._lock:
+            sender.sock.close()
+            self._senders.pop(sender.number, None)
+            self._granted = {i: n for i, n in self._granted.items() if n != sender.number}
+            self._apply(self.scheduler.sender_gone(sender.number))
+        log.info("control connection %d: %s", sender.number, why)
+
+
+class ControlledSource:
+    """A batching loop's source whose received payloads free their incast window space as
+    soon as they are read off their connections, not when the loop next asks (that waits for
+    the batch being computed): a thread takes them from the wrapped source (the FrameServer)
+    as they come, calls `complete` per item (keyed by its trace id, the id the router asked
+    under) and queues them for `recv`. The rest is the wrapped source's. `close()` stops the
+    thread."""
+
+    _BATCH = 256  # items taken from the wrapped source at a time
+
+    def __init__(self, source, control: ControlServer):
+        self._source = source
+        self._control = control
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="incast-receive", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                items = self._source.recv(self._BATCH, _POLL_S)
+            except Exception as err:  # the server closed under us: nothing more comes
+                log.warning("incast receive thread stops: %s", err)
+                return
+            for item in items:
+                if item[5]:
+                    self._control.complete(item[5])
+            if items:
+                with self._cond:
+                    self._items.extend(items)
+                    self._cond.notify()
+
+    def recv(self, max_items: int, timeout_s: float) -> list:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cond.wait(left)
+            return [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
