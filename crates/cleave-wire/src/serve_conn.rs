@@ -1,13 +1,15 @@
 //! One server connection on its I/O thread: reads frames, dispatches requests (control kinds
 //! answered here, late ones with `deadline`, the rest into the server's queue), starts queued
 //! requests (of any connection) in the queue policy's order, applies CANCEL frames, and writes
-//! the replies, reads and writes progressing side by side.
+//! the replies, reads and writes progressing side by side. On a connection with response
+//! credits, replies the credit does not cover wait in `HeldReplies` (credit.rs).
 
 use std::collections::HashMap;
 use std::io;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
@@ -16,6 +18,7 @@ use tokio::time::Instant;
 
 use crate::addr::Stream;
 use crate::conn::{FrameReader, FrameWriter};
+use crate::credit::{HeldReplies, Registration};
 use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
 use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
@@ -28,6 +31,8 @@ enum Event {
     Start,
     Woken,
     Deadline,
+    Credit,
+    HeldDeadline,
 }
 
 /// An application request received and not started yet, with what answering it needs.
@@ -53,6 +58,7 @@ pub(crate) async fn serve_connection(
     shared: Arc<Shared>,
     conn_id: u64,
     class: ConnClass,
+    credit: Option<Registration>,
     _token: Token,
 ) {
     // Data connections' tasks are woken to start others' queued work; the control thread
@@ -71,9 +77,11 @@ pub(crate) async fn serve_connection(
     let mut last_activity = Instant::now();
     // Application requests not answered yet, with their cancel flags.
     let mut in_flight: HashMap<u64, Arc<AtomicBool>> = HashMap::new();
+    let mut held = credit.as_ref().map(|r| HeldReplies::new(r.credit.clone()));
     let mut gauges = Gauges {
         stats: &shared.stats,
         receiving: false,
+        held: 0,
     };
     gauges.stats.connections.fetch_add(1, Ordering::Relaxed);
 
@@ -94,10 +102,17 @@ pub(crate) async fn serve_connection(
         };
         // Bytes that arrived before a shutdown are read first, so a frame already started
         // is finished rather than cut.
+        let holding = held.as_ref().is_some_and(|h| h.len() > 0);
+        let held_deadline = held
+            .as_ref()
+            .and_then(|h| h.next_deadline())
+            .map(|d| Instant::now() + Duration::from_micros(d.saturating_sub(unix_now_us())));
         let event = tokio::select! {
             biased;
             Some(f) = rx.recv() => Event::Reply(f),
             w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
+            _ = granted(&credit), if holding => Event::Credit,
+            _ = sleep_until(held_deadline), if held_deadline.is_some() => Event::HeldDeadline,
             r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
             // After reading: what has arrived competes in the queue before the next start.
             _ = std::future::ready(()), if queued => Event::Start,
@@ -116,9 +131,28 @@ pub(crate) async fn serve_connection(
                     if cancelled {
                         owed -= 1; // the caller forgot the id: nothing goes out
                     } else {
-                        writer.push(f);
+                        let out = match held.as_mut() {
+                            Some(h) => h.offer(f),
+                            None => Some(f),
+                        };
+                        writer.extend(out);
                     }
                     next = rx.try_recv().ok();
+                }
+            }
+            Event::Credit => {
+                if let Some(h) = held.as_mut() {
+                    writer.extend(h.release());
+                }
+            }
+            Event::HeldDeadline => {
+                if let Some(h) = held.as_mut() {
+                    for f in h.expire(unix_now_us()) {
+                        if f.is_error() {
+                            shared.stats.credit_expired.fetch_add(1, Ordering::Relaxed);
+                        }
+                        writer.push(f);
+                    }
                 }
             }
             Event::Start => {
@@ -149,9 +183,14 @@ pub(crate) async fn serve_connection(
                             completed = true;
                             if frame.is_cancel() {
                                 cancel(&frame, &shared, conn_id, &in_flight);
+                                // A reply held for credit: the caller forgot the id.
+                                if held.as_mut().is_some_and(|h| h.remove(frame.request_id)) {
+                                    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                                    owed -= 1;
+                                }
                             } else {
                                 owed += 1;
-                                dispatch(frame, &shared, conn_id, &tx, &mut in_flight);
+                                dispatch(frame, &shared, conn_id, class, &tx, &mut in_flight);
                             }
                         }
                         Ok(None) => break,
@@ -200,6 +239,7 @@ pub(crate) async fn serve_connection(
                 }
             }
         }
+        gauges.set_held(held.as_ref().map_or(0, |h| h.len()));
     }
     let _ = stream.shutdown().await;
 }
@@ -208,9 +248,20 @@ pub(crate) async fn serve_connection(
 struct Gauges<'a> {
     stats: &'a ServerStats,
     receiving: bool,
+    /// Replies this connection holds for credit.
+    held: usize,
 }
 
 impl Gauges<'_> {
+    fn set_held(&mut self, now: usize) {
+        if now != self.held {
+            let held = &self.stats.responses_held;
+            held.fetch_add(now as u64, Ordering::Relaxed);
+            held.fetch_sub(self.held as u64, Ordering::Relaxed);
+            self.held = now;
+        }
+    }
+
     fn set_receiving(&mut self, now: bool) {
         if now != self.receiving {
             self.receiving = now;
@@ -226,7 +277,16 @@ impl Gauges<'_> {
 impl Drop for Gauges<'_> {
     fn drop(&mut self) {
         self.set_receiving(false);
+        self.set_held(0);
         self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Resolves when a grant arrives for this connection (never without credits).
+async fn granted(credit: &Option<Registration>) {
+    match credit {
+        Some(r) => r.credit.granted.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -254,6 +314,7 @@ fn dispatch(
     frame: Frame,
     shared: &Shared,
     conn_id: u64,
+    class: ConnClass,
     tx: &mpsc::UnboundedSender<Frame>,
     in_flight: &mut HashMap<u64, Arc<AtomicBool>>,
 ) {
@@ -285,6 +346,18 @@ fn dispatch(
             let ready = Bytes::copy_from_slice(&[shared.handler.ready() as u8]);
             let _ = tx.send(Frame::response(k, id, ready).with_context(context.0, context.1));
         }
+        // On the control connection only, so that grants never queue behind bulk data.
+        kind::CREDIT if class == ConnClass::Control => match shared.credits.apply(&frame.payload) {
+            Ok(()) => {
+                let f = Frame::response(k, id, Bytes::new()).with_context(context.0, context.1);
+                let _ = tx.send(f);
+            }
+            Err((code, msg)) => error(code, msg),
+        },
+        kind::CREDIT => error(
+            ErrorCode::BadRequest,
+            "CREDIT is only valid on a control connection, got it on a data connection".to_owned(),
+        ),
         k if kind::is_control(k) => error(
             ErrorCode::UnknownKind,
             format!("control kind {k:#06x} is not defined in protocol version {VERSION}"),

@@ -11,9 +11,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 
 use crate::addr::{Address, Listener, StdListener, Stream};
-use crate::auth::check_hello;
+use crate::auth::check_hello_with;
 use crate::conn::{read_header, read_payload, HeaderError};
-use crate::frame::{kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::credit::CreditTable;
+use crate::frame::{hello_options, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::queue::{QueuePolicy, RequestQueue};
 use crate::serve_conn::{serve_connection, Waiting};
@@ -202,6 +203,8 @@ pub struct ServerStats {
     pub(crate) expired: AtomicU64,
     pub(crate) dropped_late: AtomicU64,
     pub(crate) queued: AtomicU64,
+    pub(crate) responses_held: AtomicU64,
+    pub(crate) credit_expired: AtomicU64,
 }
 
 impl ServerStats {
@@ -235,6 +238,17 @@ impl ServerStats {
     pub fn queued(&self) -> u64 {
         self.queued.load(Ordering::Relaxed)
     }
+
+    /// Responses ready but held on credit-controlled connections until their caller grants
+    /// credit for them.
+    pub fn responses_held(&self) -> u64 {
+        self.responses_held.load(Ordering::Relaxed)
+    }
+
+    /// Held responses whose deadline passed before credit came; each was answered `deadline`.
+    pub fn credit_expired(&self) -> u64 {
+        self.credit_expired.load(Ordering::Relaxed)
+    }
 }
 
 /// A running server. `shutdown` starts draining; `join` waits for it.
@@ -263,6 +277,8 @@ pub(crate) struct Shared {
     /// Wakes one idle connection task when a request is queued, so that an I/O thread with
     /// nothing to do starts work that a busy thread's connections received.
     pub(crate) queue_ready: tokio::sync::Notify,
+    /// Response credit of the data connections that asked for credits.
+    pub(crate) credits: Arc<CreditTable>,
 }
 
 impl Server {
@@ -291,6 +307,7 @@ impl Server {
             stats: stats.clone(),
             queue,
             queue_ready: tokio::sync::Notify::new(),
+            credits: Arc::default(),
         });
         let token = live.enter();
         control_io.spawn(async move {
@@ -399,7 +416,8 @@ async fn accept_loop(listener: Listener, shared: Arc<Shared>, _token: Token) {
 
 /// Result of reading a connection's first frame.
 enum Hello {
-    Class(ConnClass),
+    /// The class and option bits.
+    Class(ConnClass, u8),
     /// Answer with this error frame, then close.
     Refuse(ErrorCode, u64, String),
     /// The peer went away.
@@ -426,8 +444,8 @@ async fn read_hello(stream: &mut Stream, max_payload: u32) -> Hello {
         );
     }
     match read_payload(stream, &h).await {
-        Ok(f) => match check_hello(&f.payload) {
-            Ok(class) => Hello::Class(class),
+        Ok(f) => match check_hello_with(&f.payload) {
+            Ok((class, options)) => Hello::Class(class, options),
             Err(msg) => Hello::Refuse(ErrorCode::Handshake, h.request_id, msg),
         },
         Err(_) => Hello::Gone,
@@ -450,8 +468,8 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
                 ),
             ),
         };
-    let class = match hello {
-        Hello::Class(c) => c,
+    let (class, options) = match hello {
+        Hello::Class(c, o) => (c, o),
         Hello::Refuse(code, id, msg) => {
             let f = Frame::error(kind::HELLO, id, code, &msg);
             let _ = stream.write_all(&f.to_bytes()).await;
@@ -460,18 +478,21 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
         }
         Hello::Gone => return,
     };
-    let reply = Frame::response(
-        kind::HELLO,
-        0,
-        Bytes::copy_from_slice(&cfg.max_payload.to_le_bytes()),
-    );
+    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    // With credits, the reply also names the connection, for the client's CREDIT frames; it
+    // is registered first, so that a CREDIT sent as soon as the reply arrives finds it.
+    let mut reply = cfg.max_payload.to_le_bytes().to_vec();
+    let credit = (options & hello_options::CREDITS != 0).then(|| {
+        reply.extend_from_slice(&conn_id.to_le_bytes());
+        shared.credits.register(conn_id)
+    });
+    let reply = Frame::response(kind::HELLO, 0, Bytes::from(reply));
     if stream.write_all(&reply.to_bytes()).await.is_err() {
         return;
     }
-    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     match class {
         // Control connections stay on this (control) thread, away from bulk data.
-        ConnClass::Control => serve_connection(stream, shared, conn_id, class, token).await,
+        ConnClass::Control => serve_connection(stream, shared, conn_id, class, credit, token).await,
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
                 return;
@@ -479,7 +500,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
             let io = shared.data_io.clone();
             io.spawn(async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
-                    serve_connection(stream, shared, conn_id, class, token).await;
+                    serve_connection(stream, shared, conn_id, class, credit, token).await;
                 }
             });
         }
