@@ -316,7 +316,8 @@ impl FrameServer {
     }
 
     /// Counts of the server: `{"connections", "cancelled", "expired", "responses_held",
-    /// "credit_expired"}` (the last two: docs/protocol.md, "Response credits"; cancelled: CANCEL
+    /// "credit_expired", "migrations"}` (held and credit_expired: docs/protocol.md, "Response
+    /// credits"; migrations: docs/serving.md, "I/O threads"; cancelled: CANCEL
     /// frames that found their request unanswered; expired: requests answered `deadline`
     /// on arrival, never returned by `recv`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -329,6 +330,7 @@ impl FrameServer {
             d.set_item("expired", s.expired())?;
             d.set_item("responses_held", s.responses_held())?;
             d.set_item("credit_expired", s.credit_expired())?;
+            d.set_item("migrations", s.migrations())?;
         }
         Ok(d)
     }

@@ -60,6 +60,8 @@ pub struct Gauges {
     /// credits"), and those whose deadline passed first.
     pub responses_held: u64,
     pub credit_expired: u64,
+    /// Connections moved from a busy I/O thread to a less loaded one.
+    pub connection_migrations: u64,
 }
 
 impl Default for Metrics {
@@ -215,6 +217,13 @@ impl Metrics {
         );
         as_counters(&mut expired);
         families.push(expired);
+        let mut moved = gauges(
+            "cleave_shard_connection_migrations_total",
+            "Connections moved from a busy I/O thread to the least-loaded one.",
+            [(vec![], g.connection_migrations as f64)],
+        );
+        as_counters(&mut moved);
+        families.push(moved);
         let tables = g.tables.iter().map(|(t, a, b)| {
             let labels = vec![
                 ("table", t.clone()),
@@ -308,6 +317,7 @@ mod tests {
             dropped_late: 5,
             responses_held: 6,
             credit_expired: 7,
+            connection_migrations: 8,
         });
         for line in [
             "cleave_shard_requests_total{status=\"ok\"} 1",
@@ -327,6 +337,7 @@ mod tests {
             "cleave_shard_dropped_total{reason=\"late\"} 5",
             "cleave_shard_responses_held 6",
             "cleave_shard_credit_expired_total 7",
+            "cleave_shard_connection_migrations_total 8",
             "# TYPE cleave_shard_dropped_total counter",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
@@ -358,6 +369,7 @@ mod tests {
             dropped_late: 0,
             responses_held: 0,
             credit_expired: 0,
+            connection_migrations: 0,
         });
         assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
         assert!(!text.contains("cleave_shard_table_rows"), "{text}");

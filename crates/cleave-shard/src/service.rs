@@ -135,6 +135,7 @@ impl ShardService {
             dropped_late: count(ServerStats::dropped_late),
             responses_held: count(ServerStats::responses_held),
             credit_expired: count(ServerStats::credit_expired),
+            connection_migrations: count(ServerStats::migrations),
         })
     }
 

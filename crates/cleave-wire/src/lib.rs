@@ -16,6 +16,7 @@
 
 mod addr;
 pub mod auth;
+pub mod balance;
 mod client;
 mod conn;
 mod credit;

@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::addr::{Address, Listener, StdListener, Stream};
 use crate::auth::check_hello_with;
+use crate::balance::{BalanceConfig, ThreadLoads};
 use crate::conn::{read_header, read_payload, HeaderError};
 use crate::credit::CreditTable;
 use crate::frame::{hello_options, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
@@ -36,6 +37,9 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// The order in which requests that arrived start (docs/serving.md, "Queue policies").
     pub queue: QueuePolicy,
+    /// When data connections move between I/O threads (docs/serving.md, "I/O threads");
+    /// `None`: they stay where they were accepted.
+    pub balance: Option<BalanceConfig>,
 }
 
 impl Default for ServerConfig {
@@ -48,6 +52,7 @@ impl Default for ServerConfig {
             max_in_flight: 1024,
             drain_timeout: Duration::from_secs(30),
             queue: QueuePolicy::default(),
+            balance: Some(BalanceConfig::default()),
         }
     }
 }
@@ -205,6 +210,7 @@ pub struct ServerStats {
     pub(crate) queued: AtomicU64,
     pub(crate) responses_held: AtomicU64,
     pub(crate) credit_expired: AtomicU64,
+    pub(crate) migrations: AtomicU64,
 }
 
 impl ServerStats {
@@ -249,6 +255,11 @@ impl ServerStats {
     pub fn credit_expired(&self) -> u64 {
         self.credit_expired.load(Ordering::Relaxed)
     }
+
+    /// Data connections moved from a busy I/O thread to a less loaded one.
+    pub fn migrations(&self) -> u64 {
+        self.migrations.load(Ordering::Relaxed)
+    }
 }
 
 /// A running server. `shutdown` starts draining; `join` waits for it.
@@ -269,7 +280,9 @@ pub(crate) struct Shared {
     next_conn: AtomicU64,
     pub(crate) shutdown: watch::Receiver<bool>,
     live: Tracker,
-    data_io: IoThreads,
+    pub(crate) data_io: IoThreads,
+    /// The work each data I/O thread's connections owe.
+    pub(crate) loads: ThreadLoads,
     pub(crate) stats: Arc<ServerStats>,
     /// Requests of every connection waiting to start, in the configured policy's order: the
     /// first I/O thread free starts the next one, whichever connection it came on.
@@ -297,6 +310,7 @@ impl Server {
         let drain_timeout = config.drain_timeout;
         let stats = Arc::new(ServerStats::default());
         let queue = Mutex::new(config.queue.queue());
+        let loads = ThreadLoads::new(data_io.len());
         let shared = Arc::new(Shared {
             handler,
             config,
@@ -304,6 +318,7 @@ impl Server {
             shutdown: shutdown_rx,
             live: live.clone(),
             data_io: data_io.clone(),
+            loads,
             stats: stats.clone(),
             queue,
             queue_ready: tokio::sync::Notify::new(),
@@ -492,15 +507,19 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
     }
     match class {
         // Control connections stay on this (control) thread, away from bulk data.
-        ConnClass::Control => serve_connection(stream, shared, conn_id, class, credit, token).await,
+        ConnClass::Control => {
+            serve_connection(stream, shared, conn_id, class, credit, None, token).await
+        }
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
                 return;
             };
             let io = shared.data_io.clone();
-            io.spawn(async move {
+            let thread = io.pick();
+            io.spawn_on(thread, async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
-                    serve_connection(stream, shared, conn_id, class, credit, token).await;
+                    let t = Some(thread);
+                    serve_connection(stream, shared, conn_id, class, credit, t, token).await;
                 }
             });
         }
