@@ -4,7 +4,8 @@
 //! of those handed over their callers gave up on. `FrameClient` makes calls (tests, tools).
 //! Transport failures and error frames raise `cleave._native.WireError` with a message naming
 //! the peer. The wire's error codes are module constants `ERR_<NAME>` and the dict
-//! `ERROR_CODES` (name -> code).
+//! `ERROR_CODES` (name -> code); response credits' kind, HELLO option and limit are
+//! `KIND_CREDIT`, `HELLO_CREDITS` and `MAX_CREDIT_BALANCE`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -43,6 +44,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         codes.set_item(name, code.to_u16())?;
     }
     m.add("ERROR_CODES", codes)?;
+    m.add("KIND_CREDIT", cleave_wire::frame::kind::CREDIT)?;
+    m.add("HELLO_CREDITS", cleave_wire::frame::hello_options::CREDITS)?;
+    m.add("MAX_CREDIT_BALANCE", cleave_wire::MAX_CREDIT_BALANCE)?;
     Ok(())
 }
 
@@ -311,7 +315,9 @@ impl FrameServer {
         )
     }
 
-    /// Counts of the server: `{"connections", "cancelled", "expired"}` (cancelled: CANCEL
+    /// Counts of the server: `{"connections", "cancelled", "expired", "responses_held",
+    /// "credit_expired", "migrations"}` (held and credit_expired: docs/protocol.md, "Response
+    /// credits"; migrations: docs/serving.md, "I/O threads"; cancelled: CANCEL
     /// frames that found their request unanswered; expired: requests answered `deadline`
     /// on arrival, never returned by `recv`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -322,6 +328,9 @@ impl FrameServer {
             d.set_item("connections", s.connections())?;
             d.set_item("cancelled", s.cancelled())?;
             d.set_item("expired", s.expired())?;
+            d.set_item("responses_held", s.responses_held())?;
+            d.set_item("credit_expired", s.credit_expired())?;
+            d.set_item("migrations", s.migrations())?;
         }
         Ok(d)
     }

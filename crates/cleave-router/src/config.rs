@@ -109,6 +109,10 @@ pub struct RouterConfig {
     /// Each ranker's control address (`host:port`), keyed by its data address in `rankers`.
     #[serde(default)]
     pub ranker_control: std::collections::HashMap<String, String>,
+    /// Response credits from shards (docs/protocol.md, "Response credits"): each shard data
+    /// connection's initial window in bytes, at least the largest shard response; none: off.
+    #[serde(default)]
+    pub response_credits: Option<u64>,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -239,6 +243,13 @@ impl RouterConfig {
                 "budget_ms is {}, expected > 0 and at most max_budget_ms ({})",
                 self.budget_ms, self.max_budget_ms
             ));
+        }
+        if self.response_credits == Some(0) {
+            return bad(
+                "response_credits is 0: leave it out to turn credits off, or give the initial \
+                 window in bytes (at least the largest shard response)"
+                    .into(),
+            );
         }
         if self.body_limit_bytes == 0 {
             return bad("body_limit_bytes must be at least 1".into());

@@ -51,7 +51,16 @@ pub async fn serve(
             let cap = Duration::from_secs_f64(config.max_budget_ms / 1e3);
             let attempt = (config.shard_timeout_ms > 0)
                 .then(|| Duration::from_millis(config.shard_timeout_ms));
-            Shards::new(&model, &config.shards, &io, connect_timeout, cap, attempt)?
+            let credits = config.response_credits;
+            Shards::new(
+                &model,
+                &config.shards,
+                &io,
+                connect_timeout,
+                cap,
+                attempt,
+                credits,
+            )?
         }
         (Mode::Monolithic, _) => Shards::none(),
     };

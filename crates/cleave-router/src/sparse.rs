@@ -41,6 +41,7 @@ impl Shards {
         connect_timeout: Duration,
         call_timeout: Duration,
         attempt_timeout: Option<Duration>,
+        response_credits: Option<u64>,
     ) -> Result<Shards, String> {
         check_coverage(model, routes)?;
         let table = RoutingTable::new(
@@ -60,6 +61,7 @@ impl Shards {
             // The request's own budget bounds each call; this only caps a runaway one.
             timeout: call_timeout,
             connect_timeout,
+            response_credits,
             ..ShardClientConfig::default()
         };
         Ok(Shards {

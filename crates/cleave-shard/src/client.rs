@@ -34,6 +34,9 @@ pub struct ShardClientConfig {
     pub io_threads: usize,
     /// Largest response accepted from a shard.
     pub max_payload: u32,
+    /// Response credits: each data connection's initial window in bytes (docs/protocol.md,
+    /// "Response credits"); `None`: off.
+    pub response_credits: Option<u64>,
 }
 
 impl Default for ShardClientConfig {
@@ -44,6 +47,7 @@ impl Default for ShardClientConfig {
             connections: 2,
             io_threads: 1,
             max_payload: cleave_wire::frame::DEFAULT_MAX_PAYLOAD,
+            response_credits: None,
         }
     }
 }
@@ -122,6 +126,7 @@ impl ShardClient {
             connections: config.connections,
             connect_timeout: config.connect_timeout,
             max_payload: config.max_payload,
+            response_credits: config.response_credits,
             ..ClientConfig::default()
         };
         let replicas = routes

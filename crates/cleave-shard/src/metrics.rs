@@ -56,6 +56,12 @@ pub struct Gauges {
     /// came, and with less time left than a lookup takes (the server's counts).
     pub dropped_expired: u64,
     pub dropped_late: u64,
+    /// Responses held until the router grants credit for them (docs/protocol.md, "Response
+    /// credits"), and those whose deadline passed first.
+    pub responses_held: u64,
+    pub credit_expired: u64,
+    /// Connections moved from a busy I/O thread to a less loaded one.
+    pub connection_migrations: u64,
 }
 
 impl Default for Metrics {
@@ -181,6 +187,11 @@ impl Metrics {
                 "Lookups received and waiting to start.",
                 g.queued,
             ),
+            (
+                "cleave_shard_responses_held",
+                "Responses computed and held until the router grants credit for them.",
+                g.responses_held,
+            ),
         ] {
             families.push(gauges(name, help, [(vec![], v as f64)]));
         }
@@ -198,6 +209,21 @@ impl Metrics {
         );
         as_counters(&mut dropped);
         families.push(dropped);
+        let mut expired = gauges(
+            "cleave_shard_credit_expired_total",
+            "Responses dropped (answered `deadline`) because no credit came before their \
+             deadline.",
+            [(vec![], g.credit_expired as f64)],
+        );
+        as_counters(&mut expired);
+        families.push(expired);
+        let mut moved = gauges(
+            "cleave_shard_connection_migrations_total",
+            "Connections moved from a busy I/O thread to the least-loaded one.",
+            [(vec![], g.connection_migrations as f64)],
+        );
+        as_counters(&mut moved);
+        families.push(moved);
         let tables = g.tables.iter().map(|(t, a, b)| {
             let labels = vec![
                 ("table", t.clone()),
@@ -289,6 +315,9 @@ mod tests {
             queued: 3,
             dropped_expired: 4,
             dropped_late: 5,
+            responses_held: 6,
+            credit_expired: 7,
+            connection_migrations: 8,
         });
         for line in [
             "cleave_shard_requests_total{status=\"ok\"} 1",
@@ -306,6 +335,9 @@ mod tests {
             "cleave_shard_queued 3",
             "cleave_shard_dropped_total{reason=\"expired\"} 4",
             "cleave_shard_dropped_total{reason=\"late\"} 5",
+            "cleave_shard_responses_held 6",
+            "cleave_shard_credit_expired_total 7",
+            "cleave_shard_connection_migrations_total 8",
             "# TYPE cleave_shard_dropped_total counter",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
@@ -335,6 +367,9 @@ mod tests {
             queued: 0,
             dropped_expired: 0,
             dropped_late: 0,
+            responses_held: 0,
+            credit_expired: 0,
+            connection_migrations: 0,
         });
         assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
         assert!(!text.contains("cleave_shard_table_rows"), "{text}");

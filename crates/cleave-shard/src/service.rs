@@ -133,6 +133,9 @@ impl ShardService {
             queued: count(ServerStats::queued),
             dropped_expired: count(ServerStats::expired),
             dropped_late: count(ServerStats::dropped_late),
+            responses_held: count(ServerStats::responses_held),
+            credit_expired: count(ServerStats::credit_expired),
+            connection_migrations: count(ServerStats::migrations),
         })
     }
 

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
-use crate::frame::{decode_hello, encode_hello, ConnClass};
+use crate::frame::{decode_hello_with, encode_hello_with, ConnClass};
 
 /// The environment variable holding the deployment's internal secret.
 pub const SECRET_ENV: &str = "CLEAVE_INTERNAL_SECRET";
@@ -38,15 +38,26 @@ fn process_key() -> Option<&'static hmac::Key> {
 
 /// The HELLO payload this process sends.
 pub fn hello_payload(class: ConnClass) -> Bytes {
+    hello_payload_with(class, 0)
+}
+
+/// The HELLO payload this process sends, with option bits (`frame::hello_options`); the
+/// proof covers them.
+pub fn hello_payload_with(class: ConnClass, options: u8) -> Bytes {
     match process_key() {
-        Some(key) => proven_hello(class, key, now_ms()),
-        None => encode_hello(class),
+        Some(key) => proven_hello_with(class, options, key, now_ms()),
+        None => encode_hello_with(class, options),
     }
 }
 
 /// Checks a HELLO payload as this process requires.
 pub fn check_hello(payload: &[u8]) -> Result<ConnClass, String> {
-    check(payload, process_key(), now_ms())
+    check_hello_with(payload).map(|(class, _)| class)
+}
+
+/// Checks a HELLO payload as this process requires; its class and option bits.
+pub fn check_hello_with(payload: &[u8]) -> Result<(ConnClass, u8), String> {
+    check_with(payload, process_key(), now_ms())
 }
 
 fn now_ms() -> u64 {
@@ -55,8 +66,13 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+#[cfg(test)]
 fn proven_hello(class: ConnClass, key: &hmac::Key, at_ms: u64) -> Bytes {
-    let mut out = encode_hello(class).to_vec();
+    proven_hello_with(class, 0, key, at_ms)
+}
+
+fn proven_hello_with(class: ConnClass, options: u8, key: &hmac::Key, at_ms: u64) -> Bytes {
+    let mut out = encode_hello_with(class, options).to_vec();
     out.extend_from_slice(&at_ms.to_le_bytes());
     let mut nonce = [0u8; 16];
     // The nonce only makes two proofs of one millisecond differ; a failed read leaves zeros.
@@ -67,7 +83,16 @@ fn proven_hello(class: ConnClass, key: &hmac::Key, at_ms: u64) -> Bytes {
     Bytes::from(out)
 }
 
+#[cfg(test)]
 fn check(payload: &[u8], key: Option<&hmac::Key>, now_ms: u64) -> Result<ConnClass, String> {
+    check_with(payload, key, now_ms).map(|(class, _)| class)
+}
+
+fn check_with(
+    payload: &[u8],
+    key: Option<&hmac::Key>,
+    now_ms: u64,
+) -> Result<(ConnClass, u8), String> {
     let Some(key) = key else {
         if payload.len() == PROVEN_LEN {
             return Err(format!(
@@ -75,7 +100,7 @@ fn check(payload: &[u8], key: Option<&hmac::Key>, now_ms: u64) -> Result<ConnCla
                  give every process of the deployment the same secret, or none"
             ));
         }
-        return decode_hello(payload);
+        return decode_hello_with(payload);
     };
     if payload.len() != PROVEN_LEN {
         return Err(format!(
@@ -97,12 +122,13 @@ fn check(payload: &[u8], key: Option<&hmac::Key>, now_ms: u64) -> Result<ConnCla
             MAX_SKEW.as_secs()
         ));
     }
-    decode_hello(&signed[..4])
+    decode_hello_with(&signed[..4])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frame::encode_hello;
 
     fn key(s: &str) -> hmac::Key {
         hmac::Key::new(hmac::HMAC_SHA256, s.as_bytes())

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,10 +12,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::addr::{Address, Stream};
-use crate::auth::hello_payload;
+use crate::auth::hello_payload_with;
 use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
 use crate::error::WireError;
-use crate::frame::{kind, ConnClass, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::frame::{hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
 
@@ -33,6 +33,10 @@ pub struct ClientConfig {
     /// queued on a connection the client closes are retried on a new one, whereas a request
     /// racing a server-side close would fail.
     pub idle_close: Duration,
+    /// Response credits (docs/protocol.md, "Response credits"): the initial window in bytes
+    /// each data connection grants the server, returned on the control connection as
+    /// responses arrive. `None`: no credits, the server sends as it pleases.
+    pub response_credits: Option<u64>,
 }
 
 impl Default for ClientConfig {
@@ -42,6 +46,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(1),
             max_payload: DEFAULT_MAX_PAYLOAD,
             idle_close: Duration::from_secs(60),
+            response_credits: None,
         }
     }
 }
@@ -61,6 +66,8 @@ struct Inner {
     control: Mutex<Option<ConnHandle>>,
     next: AtomicUsize,
     counters: Arc<Counters>,
+    /// Grants for the server, sent as CREDIT frames on the control connection.
+    grants: Option<mpsc::UnboundedSender<Credit>>,
 }
 
 /// What a client has seen that its callers have not: counts since it was made.
@@ -128,7 +135,14 @@ impl Client {
     /// A client of `addr` whose connections live on `io`. Connects lazily.
     pub fn new(addr: Address, io: IoThreads, config: ClientConfig) -> Client {
         let n = config.connections.max(1);
-        let inner = Inner {
+        let (grants, grants_rx) = match config.response_credits {
+            Some(_) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
+        let inner = Arc::new(Inner {
             addr,
             config,
             io,
@@ -136,10 +150,12 @@ impl Client {
             control: Mutex::new(None),
             next: AtomicUsize::new(0),
             counters: Arc::default(),
-        };
-        Client {
-            inner: Arc::new(inner),
+            grants,
+        });
+        if let Some(rx) = grants_rx {
+            inner.io.spawn(grant_loop(Arc::downgrade(&inner), rx));
         }
+        Client { inner }
     }
 
     pub fn addr(&self) -> &Address {
@@ -285,11 +301,14 @@ impl Client {
         }
         let inner = &*self.inner;
         let (tx, rx) = oneshot::channel();
+        // Only data connections take credits; CREDIT itself travels on the control one.
+        let grants = inner.grants.clone().filter(|_| class == ConnClass::Data);
         inner.io.spawn(run_connection(
             inner.addr.clone(),
             class,
             inner.config.clone(),
             inner.counters.clone(),
+            grants,
             tx,
         ));
         let handle = rx.await.map_err(|_| WireError::Closed {
@@ -301,8 +320,46 @@ impl Client {
     }
 }
 
-/// Connects and exchanges HELLO; returns the stream and the peer's frame limit.
-async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireError> {
+/// Sends the grants of every data connection of a client as CREDIT calls on its control
+/// connection, summing those that queued while the last ones went out. Ends with the client.
+async fn grant_loop(client: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Credit>) {
+    while let Some(first) = rx.recv().await {
+        let mut sums: HashMap<u64, u64> = HashMap::new();
+        let mut next = Some(first);
+        while let Some(c) = next {
+            let sum = sums.entry(c.conn_id).or_default();
+            *sum = sum.saturating_add(c.grant);
+            next = rx.try_recv().ok();
+        }
+        let Some(inner) = client.upgrade() else {
+            break;
+        };
+        let timeout = inner.config.connect_timeout;
+        for (conn_id, grant) in sums {
+            let client = Client {
+                inner: inner.clone(),
+            };
+            // Concurrently: one slow grant must not delay the next connection's.
+            tokio::spawn(async move {
+                let payload = Credit { conn_id, grant }.encode();
+                if let Err(e) = client.call(kind::CREDIT, payload, timeout).await {
+                    tracing::warn!(
+                        peer = %client.addr(), conn_id, grant, error = %e,
+                        "response credit not granted; the connection's window shrinks by it"
+                    );
+                }
+            });
+        }
+    }
+}
+
+/// Connects and exchanges HELLO; returns the stream, the peer's frame limit, and with
+/// `credits` the connection's id at the peer.
+async fn open(
+    addr: &Address,
+    class: ConnClass,
+    credits: bool,
+) -> Result<(Stream, u32, Option<u64>), WireError> {
     let mut s = Stream::connect(addr)
         .await
         .map_err(|source| WireError::Connect {
@@ -313,7 +370,8 @@ async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireErr
         addr: addr.clone(),
         reason,
     };
-    let hello = Frame::request(kind::HELLO, 0, hello_payload(class));
+    let options = if credits { hello_options::CREDITS } else { 0 };
+    let hello = Frame::request(kind::HELLO, 0, hello_payload_with(class, options));
     s.write_all(&hello.to_bytes())
         .await
         .map_err(|e| handshake(e.to_string()))?;
@@ -331,17 +389,19 @@ async fn open(addr: &Address, class: ConnClass) -> Result<(Stream, u32), WireErr
             body.code, body.message
         )));
     }
-    if !f.is_response() || f.kind != kind::HELLO || f.payload.len() != 4 {
+    let want = if credits { 12 } else { 4 };
+    if !f.is_response() || f.kind != kind::HELLO || f.payload.len() != want {
         return Err(handshake(format!(
-            "expected a HELLO response with a 4-byte payload, got kind {:#06x}, flags {:#04x}, \
-             {} bytes",
+            "expected a HELLO response with a {want}-byte payload, got kind {:#06x}, flags \
+             {:#04x}, {} bytes",
             f.kind,
             f.flags,
             f.payload.len()
         )));
     }
     let peer_max = u32::from_le_bytes(f.payload[..4].try_into().expect("length checked"));
-    Ok((s, peer_max))
+    let conn_id = credits.then(|| u64::from_le_bytes(f.payload[4..].try_into().expect("12")));
+    Ok((s, peer_max, conn_id))
 }
 
 enum Event {
@@ -359,10 +419,12 @@ async fn run_connection(
     class: ConnClass,
     config: ClientConfig,
     counters: Arc<Counters>,
+    grants: Option<mpsc::UnboundedSender<Credit>>,
     ready: oneshot::Sender<Result<ConnHandle, WireError>>,
 ) {
-    let (mut stream, peer_max) =
-        match tokio::time::timeout(config.connect_timeout, open(&addr, class)).await {
+    let opening = open(&addr, class, grants.is_some());
+    let (mut stream, peer_max, conn_id) =
+        match tokio::time::timeout(config.connect_timeout, opening).await {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
                 let _ = ready.send(Err(e));
@@ -389,6 +451,16 @@ async fn run_connection(
     if ready.send(Ok(handle)).is_err() {
         return;
     }
+    // The initial window, then the bytes of each response as it is taken off the socket.
+    let grant = |bytes: u64| {
+        if let (Some(g), Some(conn_id), true) = (&grants, conn_id, bytes > 0) {
+            let _ = g.send(Credit {
+                conn_id,
+                grant: bytes,
+            });
+        }
+    };
+    grant(config.response_credits.unwrap_or(0));
     // Calls written (or queued to be), by id, with their kinds for a CANCEL.
     let mut pending: HashMap<u64, (u16, oneshot::Sender<Outcome>)> = HashMap::new();
     let mut reader = FrameReader::new(config.max_payload);
@@ -396,6 +468,7 @@ async fn run_connection(
     let (mut rd, mut wr) = stream.split();
     let mut accepting = true;
     let mut last_activity = tokio::time::Instant::now();
+    let mut consumed = 0u64;
 
     let failure: Option<String> = 'conn: loop {
         // Nothing left to wait for (requests of callers that gave up need not go out).
@@ -443,6 +516,8 @@ async fn run_connection(
             Event::Read(Ok(_)) => loop {
                 match reader.next() {
                     Ok(Some(f)) if f.is_response() => {
+                        // Returned in one CREDIT per read; orphans used credit too.
+                        consumed += crate::credit::cost(&f).unwrap_or(0);
                         if let Some(reason) = deliver(f, &mut pending, &addr, &counters) {
                             break 'conn Some(reason);
                         }
@@ -454,7 +529,10 @@ async fn run_connection(
                             f.kind
                         ))
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        grant(std::mem::take(&mut consumed));
+                        break;
+                    }
                     Err(e) => break 'conn Some(format!("protocol error: {e}")),
                 }
             },

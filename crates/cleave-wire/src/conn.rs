@@ -84,6 +84,13 @@ impl FrameWriter {
     }
 
     /// Queues `f` after the frames already queued.
+    /// Queues every frame of `frames`, in order.
+    pub(crate) fn extend(&mut self, frames: impl IntoIterator<Item = Frame>) {
+        for f in frames {
+            self.push(f);
+        }
+    }
+
     pub(crate) fn push(&mut self, f: Frame) {
         f.header().encode(&mut self.staging);
         self.queued += (HEADER_LEN + f.payload.len()) as u64;

@@ -53,6 +53,9 @@ pub mod kind {
     pub const PING: u16 = 0x0001;
     /// Readiness probe: answered with one byte, 1 if the server's handler is ready.
     pub const READY: u16 = 0x0002;
+    /// Response credits for one data connection, sent on a control connection (payload:
+    /// data connection id u64, grant in bytes u64; answered with an empty response).
+    pub const CREDIT: u16 = 0x0003;
     /// Kinds below this are control kinds, answered by the server itself.
     pub const FIRST_APP: u16 = 0x0100;
 
@@ -562,26 +565,97 @@ pub enum ConnClass {
     Control,
 }
 
-/// HELLO payload: 4 bytes, class (0 data, 1 control) then three zero bytes.
+/// HELLO option bits (byte 1 of the HELLO payload).
+pub mod hello_options {
+    /// Data connections only: the client grants response credits (kind CREDIT); the server
+    /// sends a response only within them, and its HELLO reply names the connection's id.
+    pub const CREDITS: u8 = 1 << 0;
+    /// Every bit this version defines.
+    pub const KNOWN: u8 = CREDITS;
+}
+
+/// HELLO payload: 4 bytes, class (0 data, 1 control), options (0 without credits), then two
+/// zero bytes.
 pub fn encode_hello(class: ConnClass) -> Bytes {
+    encode_hello_with(class, 0)
+}
+
+/// HELLO payload with option bits ([`hello_options`]).
+pub fn encode_hello_with(class: ConnClass, options: u8) -> Bytes {
     let c = match class {
         ConnClass::Data => 0,
         ConnClass::Control => 1,
     };
-    Bytes::from(vec![c, 0, 0, 0])
+    Bytes::from(vec![c, options, 0, 0])
 }
 
 pub fn decode_hello(payload: &[u8]) -> Result<ConnClass, String> {
-    match payload {
-        [0, 0, 0, 0] => Ok(ConnClass::Data),
-        [1, 0, 0, 0] => Ok(ConnClass::Control),
-        [c, 0, 0, 0] => Err(format!(
-            "HELLO class {c} unknown: expected 0 (data) or 1 (control)"
-        )),
-        _ => Err(format!(
-            "HELLO payload must be 4 bytes (class, 0, 0, 0), got {} bytes {:?}",
-            payload.len(),
-            &payload[..payload.len().min(8)]
-        )),
+    decode_hello_with(payload).map(|(class, _)| class)
+}
+
+/// The class and option bits of a HELLO payload.
+pub fn decode_hello_with(payload: &[u8]) -> Result<(ConnClass, u8), String> {
+    let (class, options) = match payload {
+        [0, o, 0, 0] => (ConnClass::Data, *o),
+        [1, o, 0, 0] => (ConnClass::Control, *o),
+        [c, _, 0, 0] => {
+            return Err(format!(
+                "HELLO class {c} unknown: expected 0 (data) or 1 (control)"
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "HELLO payload must be 4 bytes (class, options, 0, 0), got {} bytes {:?}",
+                payload.len(),
+                &payload[..payload.len().min(8)]
+            ))
+        }
+    };
+    if options & !hello_options::KNOWN != 0 {
+        return Err(format!(
+            "HELLO options {options:#04x} unknown: expected only CREDITS (0x01)"
+        ));
+    }
+    if options & hello_options::CREDITS != 0 && class == ConnClass::Control {
+        return Err(
+            "HELLO option CREDITS applies to data connections only, got it on a \
+                    control connection"
+                .to_owned(),
+        );
+    }
+    Ok((class, options))
+}
+
+/// Bytes in a CREDIT payload.
+pub const CREDIT_LEN: usize = 16;
+
+/// A CREDIT request: `grant` more response bytes for data connection `conn_id`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credit {
+    pub conn_id: u64,
+    pub grant: u64,
+}
+
+impl Credit {
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(CREDIT_LEN);
+        out.put_u64_le(self.conn_id);
+        out.put_u64_le(self.grant);
+        out.freeze()
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<Credit, String> {
+        let Ok(bytes) = <&[u8; CREDIT_LEN]>::try_from(payload) else {
+            return Err(format!(
+                "CREDIT payload must be {CREDIT_LEN} bytes (connection id u64, grant u64), got \
+                 {} bytes",
+                payload.len()
+            ));
+        };
+        let mut b = &bytes[..];
+        Ok(Credit {
+            conn_id: b.get_u64_le(),
+            grant: b.get_u64_le(),
+        })
     }
 }

@@ -72,8 +72,20 @@ impl IoThreads {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.len();
-        self.inner.handles[i].spawn(fut);
+        self.spawn_on(self.pick(), fut);
+    }
+
+    /// The next thread in round-robin order.
+    pub fn pick(&self) -> usize {
+        self.inner.next.fetch_add(1, Ordering::Relaxed) % self.len()
+    }
+
+    /// Spawns `fut` on thread `i` (modulo their number).
+    pub fn spawn_on<F>(&self, i: usize, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.inner.handles[i % self.len()].spawn(fut);
     }
 
     /// Stops the threads (cancelling their tasks) and waits for them, unless called from one of

@@ -16,8 +16,10 @@
 
 mod addr;
 pub mod auth;
+pub mod balance;
 mod client;
 mod conn;
+mod credit;
 mod error;
 pub mod frame;
 pub mod health;
@@ -29,8 +31,9 @@ mod server;
 
 pub use addr::Address;
 pub use client::{Client, ClientConfig, ClientStats};
+pub use credit::MAX_CREDIT_BALANCE;
 pub use error::WireError;
-pub use frame::{ConnClass, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
+pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
 pub use queue::QueuePolicy;
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};

@@ -1,13 +1,19 @@
 //! One server connection on its I/O thread: reads frames, dispatches requests (control kinds
 //! answered here, late ones with `deadline`, the rest into the server's queue), starts queued
 //! requests (of any connection) in the queue policy's order, applies CANCEL frames, and writes
-//! the replies, reads and writes progressing side by side.
+//! the replies, reads and writes progressing side by side. On a connection with response
+//! credits, replies the credit does not cover wait in `HeldReplies` (credit.rs). A data
+//! connection whose thread is far busier than another moves there between two turns of its
+//! loop, its state with it (balance.rs).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
@@ -15,7 +21,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::addr::Stream;
+use crate::balance::migration_target;
 use crate::conn::{FrameReader, FrameWriter};
+use crate::credit::{HeldReplies, Registration};
 use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
 use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
@@ -28,6 +36,8 @@ enum Event {
     Start,
     Woken,
     Deadline,
+    Credit,
+    HeldDeadline,
 }
 
 /// An application request received and not started yet, with what answering it needs.
@@ -48,34 +58,109 @@ impl Queued for Waiting {
 /// shutdown; always after writing every reply it owes. Writes progress alongside reads: while
 /// the peer is slow to take replies, the loop still reads (unless back-pressure pauses it) and
 /// still notices timeouts and shutdown.
+/// `thread`: the data I/O thread it runs on (`None` on the control thread).
 pub(crate) async fn serve_connection(
-    mut stream: Stream,
+    stream: Stream,
     shared: Arc<Shared>,
     conn_id: u64,
     class: ConnClass,
-    _token: Token,
+    credit: Option<Registration>,
+    thread: Option<usize>,
+    token: Token,
 ) {
+    let cfg = &shared.config;
+    let (tx, rx) = mpsc::unbounded_channel::<Frame>();
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    let state = ConnState {
+        conn_id,
+        class,
+        held: credit.as_ref().map(|r| HeldReplies::new(r.credit.clone())),
+        credit,
+        tx,
+        rx,
+        reader: FrameReader::new(cfg.max_payload),
+        writer: FrameWriter::new(),
+        shutdown: shared.shutdown.clone(),
+        owed: 0,
+        reading: true,
+        draining: false,
+        frame_deadline: None,
+        last_activity: Instant::now(),
+        in_flight: HashMap::new(),
+        gauges: Gauges {
+            shared: shared.clone(),
+            receiving: false,
+            held: 0,
+            thread,
+            load: 0,
+        },
+        _token: token,
+    };
+    drive(stream, shared, state).await
+}
+
+/// What a connection carries from one I/O thread to another: everything but its socket's
+/// registration with the old thread's reactor.
+struct ConnState {
+    conn_id: u64,
+    class: ConnClass,
+    credit: Option<Registration>,
+    held: Option<HeldReplies>,
+    tx: mpsc::UnboundedSender<Frame>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    reader: FrameReader,
+    writer: FrameWriter,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    owed: usize,
+    reading: bool,
+    draining: bool,
+    frame_deadline: Option<Instant>,
+    last_activity: Instant,
+    in_flight: HashMap<u64, Arc<AtomicBool>>,
+    gauges: Gauges,
+    _token: Token,
+}
+
+/// Continues a moved connection on its new thread. Boxed: `drive` spawns it, and it runs
+/// `drive`.
+fn resume(
+    std_stream: crate::addr::StdStream,
+    shared: Arc<Shared>,
+    state: ConnState,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        if let Ok(stream) = Stream::from_std(std_stream) {
+            drive(stream, shared, state).await;
+        }
+    })
+}
+
+async fn drive(mut stream: Stream, shared: Arc<Shared>, state: ConnState) {
+    let ConnState {
+        conn_id,
+        class,
+        credit,
+        mut held,
+        tx,
+        mut rx,
+        mut reader,
+        mut writer,
+        mut shutdown,
+        mut owed,
+        mut reading,
+        mut draining,
+        mut frame_deadline,
+        mut last_activity,
+        mut in_flight,
+        mut gauges,
+        _token,
+    } = state;
     // Data connections' tasks are woken to start others' queued work; the control thread
     // stays free for probes.
     let helps = class == ConnClass::Data;
     let cfg = &shared.config;
-    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    let mut reader = FrameReader::new(cfg.max_payload);
-    let mut writer = FrameWriter::new();
     let (mut rd, mut wr) = stream.split();
-    let mut shutdown = shared.shutdown.clone();
-    let mut owed = 0usize; // frames this side has still to write in full
-    let mut reading = true;
-    let mut draining = false;
-    let mut frame_deadline: Option<Instant> = None;
-    let mut last_activity = Instant::now();
-    // Application requests not answered yet, with their cancel flags.
-    let mut in_flight: HashMap<u64, Arc<AtomicBool>> = HashMap::new();
-    let mut gauges = Gauges {
-        stats: &shared.stats,
-        receiving: false,
-    };
-    gauges.stats.connections.fetch_add(1, Ordering::Relaxed);
+    let mut move_to: Option<usize> = None;
 
     loop {
         if !reading && owed == 0 {
@@ -94,10 +179,17 @@ pub(crate) async fn serve_connection(
         };
         // Bytes that arrived before a shutdown are read first, so a frame already started
         // is finished rather than cut.
+        let holding = held.as_ref().is_some_and(|h| h.len() > 0);
+        let held_deadline = held
+            .as_ref()
+            .and_then(|h| h.next_deadline())
+            .map(|d| Instant::now() + Duration::from_micros(d.saturating_sub(unix_now_us())));
         let event = tokio::select! {
             biased;
             Some(f) = rx.recv() => Event::Reply(f),
             w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
+            _ = granted(&credit), if holding => Event::Credit,
+            _ = sleep_until(held_deadline), if held_deadline.is_some() => Event::HeldDeadline,
             r = reader.fill(&mut rd), if reading && !paused => Event::Read(r),
             // After reading: what has arrived competes in the queue before the next start.
             _ = std::future::ready(()), if queued => Event::Start,
@@ -116,9 +208,28 @@ pub(crate) async fn serve_connection(
                     if cancelled {
                         owed -= 1; // the caller forgot the id: nothing goes out
                     } else {
-                        writer.push(f);
+                        let out = match held.as_mut() {
+                            Some(h) => h.offer(f),
+                            None => Some(f),
+                        };
+                        writer.extend(out);
                     }
                     next = rx.try_recv().ok();
+                }
+            }
+            Event::Credit => {
+                if let Some(h) = held.as_mut() {
+                    writer.extend(h.release());
+                }
+            }
+            Event::HeldDeadline => {
+                if let Some(h) = held.as_mut() {
+                    for f in h.expire(unix_now_us()) {
+                        if f.is_error() {
+                            shared.stats.credit_expired.fetch_add(1, Ordering::Relaxed);
+                        }
+                        writer.push(f);
+                    }
                 }
             }
             Event::Start => {
@@ -149,9 +260,14 @@ pub(crate) async fn serve_connection(
                             completed = true;
                             if frame.is_cancel() {
                                 cancel(&frame, &shared, conn_id, &in_flight);
+                                // A reply held for credit: the caller forgot the id.
+                                if held.as_mut().is_some_and(|h| h.remove(frame.request_id)) {
+                                    shared.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                                    owed -= 1;
+                                }
                             } else {
                                 owed += 1;
-                                dispatch(frame, &shared, conn_id, &tx, &mut in_flight);
+                                dispatch(frame, &shared, conn_id, class, &tx, &mut in_flight);
                             }
                         }
                         Ok(None) => break,
@@ -182,6 +298,8 @@ pub(crate) async fn serve_connection(
                     reading = false;
                 }
                 gauges.set_receiving(reading && reader.in_frame());
+                gauges.set_load(owed);
+                move_to = gauges.migration(owed);
             }
             Event::Deadline => {
                 if reader.in_frame() {
@@ -200,33 +318,123 @@ pub(crate) async fn serve_connection(
                 }
             }
         }
+        gauges.set_held(held.as_ref().map_or(0, |h| h.len()));
+        gauges.set_load(owed);
+        if let Some(to) = move_to.take() {
+            let Ok(std_stream) = stream.into_std() else {
+                return;
+            };
+            gauges.moved_to(to, owed);
+            shared.stats.migrations.fetch_add(1, Ordering::Relaxed);
+            let state = ConnState {
+                conn_id,
+                class,
+                credit,
+                held,
+                tx,
+                rx,
+                reader,
+                writer,
+                shutdown,
+                owed,
+                reading,
+                draining,
+                frame_deadline,
+                last_activity,
+                in_flight,
+                gauges,
+                _token,
+            };
+            tracing::debug!(conn_id, to, "connection moved to a less loaded I/O thread");
+            shared
+                .data_io
+                .spawn_on(to, resume(std_stream, shared.clone(), state));
+            return;
+        }
     }
     let _ = stream.shutdown().await;
 }
 
-/// Keeps a connection's share of the server's gauges, and returns it when dropped.
-struct Gauges<'a> {
-    stats: &'a ServerStats,
+/// Keeps a connection's share of the server's gauges (and of its I/O thread's load), and
+/// returns it when dropped.
+struct Gauges {
+    shared: Arc<Shared>,
     receiving: bool,
+    /// Replies this connection holds for credit.
+    held: usize,
+    /// The data I/O thread it runs on, and the load it counts there.
+    thread: Option<usize>,
+    load: u64,
 }
 
-impl Gauges<'_> {
+impl Gauges {
+    fn stats(&self) -> &ServerStats {
+        &self.shared.stats
+    }
+
+    fn set_load(&mut self, owed: usize) {
+        if let Some(t) = self.thread {
+            if owed as u64 != self.load {
+                self.shared.loads.update(t, self.load, t, owed as u64);
+                self.load = owed as u64;
+            }
+        }
+    }
+
+    /// The thread this connection should move to, if balancing is on and it should.
+    fn migration(&self, owed: usize) -> Option<usize> {
+        let (thread, cfg) = (self.thread?, self.shared.config.balance.as_ref()?);
+        migration_target(&self.shared.loads.snapshot(), thread, owed as u64, cfg)
+    }
+
+    /// Carries this connection's load to thread `to`.
+    fn moved_to(&mut self, to: usize, owed: usize) {
+        if let Some(t) = self.thread {
+            self.shared.loads.update(t, self.load, to, owed as u64);
+            self.thread = Some(to);
+            self.load = owed as u64;
+        }
+    }
+
+    fn set_held(&mut self, now: usize) {
+        if now != self.held {
+            let held = &self.shared.stats.responses_held;
+            held.fetch_add(now as u64, Ordering::Relaxed);
+            held.fetch_sub(self.held as u64, Ordering::Relaxed);
+            self.held = now;
+        }
+    }
+
     fn set_receiving(&mut self, now: bool) {
         if now != self.receiving {
             self.receiving = now;
             if now {
-                self.stats.frames_receiving.fetch_add(1, Ordering::Relaxed);
+                self.stats()
+                    .frames_receiving
+                    .fetch_add(1, Ordering::Relaxed);
             } else {
-                self.stats.frames_receiving.fetch_sub(1, Ordering::Relaxed);
+                self.stats()
+                    .frames_receiving
+                    .fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
 }
 
-impl Drop for Gauges<'_> {
+impl Drop for Gauges {
     fn drop(&mut self) {
         self.set_receiving(false);
-        self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+        self.set_held(0);
+        self.set_load(0);
+        self.stats().connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Resolves when a grant arrives for this connection (never without credits).
+async fn granted(credit: &Option<Registration>) {
+    match credit {
+        Some(r) => r.credit.granted.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -254,6 +462,7 @@ fn dispatch(
     frame: Frame,
     shared: &Shared,
     conn_id: u64,
+    class: ConnClass,
     tx: &mpsc::UnboundedSender<Frame>,
     in_flight: &mut HashMap<u64, Arc<AtomicBool>>,
 ) {
@@ -285,6 +494,18 @@ fn dispatch(
             let ready = Bytes::copy_from_slice(&[shared.handler.ready() as u8]);
             let _ = tx.send(Frame::response(k, id, ready).with_context(context.0, context.1));
         }
+        // On the control connection only, so that grants never queue behind bulk data.
+        kind::CREDIT if class == ConnClass::Control => match shared.credits.apply(&frame.payload) {
+            Ok(()) => {
+                let f = Frame::response(k, id, Bytes::new()).with_context(context.0, context.1);
+                let _ = tx.send(f);
+            }
+            Err((code, msg)) => error(code, msg),
+        },
+        kind::CREDIT => error(
+            ErrorCode::BadRequest,
+            "CREDIT is only valid on a control connection, got it on a data connection".to_owned(),
+        ),
         k if kind::is_control(k) => error(
             ErrorCode::UnknownKind,
             format!("control kind {k:#06x} is not defined in protocol version {VERSION}"),

@@ -11,9 +11,11 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 
 use crate::addr::{Address, Listener, StdListener, Stream};
-use crate::auth::check_hello;
+use crate::auth::check_hello_with;
+use crate::balance::{BalanceConfig, ThreadLoads};
 use crate::conn::{read_header, read_payload, HeaderError};
-use crate::frame::{kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::credit::CreditTable;
+use crate::frame::{hello_options, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::queue::{QueuePolicy, RequestQueue};
 use crate::serve_conn::{serve_connection, Waiting};
@@ -35,6 +37,9 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// The order in which requests that arrived start (docs/serving.md, "Queue policies").
     pub queue: QueuePolicy,
+    /// When data connections move between I/O threads (docs/serving.md, "I/O threads");
+    /// `None`: they stay where they were accepted.
+    pub balance: Option<BalanceConfig>,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +52,7 @@ impl Default for ServerConfig {
             max_in_flight: 1024,
             drain_timeout: Duration::from_secs(30),
             queue: QueuePolicy::default(),
+            balance: Some(BalanceConfig::default()),
         }
     }
 }
@@ -202,6 +208,9 @@ pub struct ServerStats {
     pub(crate) expired: AtomicU64,
     pub(crate) dropped_late: AtomicU64,
     pub(crate) queued: AtomicU64,
+    pub(crate) responses_held: AtomicU64,
+    pub(crate) credit_expired: AtomicU64,
+    pub(crate) migrations: AtomicU64,
 }
 
 impl ServerStats {
@@ -235,6 +244,22 @@ impl ServerStats {
     pub fn queued(&self) -> u64 {
         self.queued.load(Ordering::Relaxed)
     }
+
+    /// Responses ready but held on credit-controlled connections until their caller grants
+    /// credit for them.
+    pub fn responses_held(&self) -> u64 {
+        self.responses_held.load(Ordering::Relaxed)
+    }
+
+    /// Held responses whose deadline passed before credit came; each was answered `deadline`.
+    pub fn credit_expired(&self) -> u64 {
+        self.credit_expired.load(Ordering::Relaxed)
+    }
+
+    /// Data connections moved from a busy I/O thread to a less loaded one.
+    pub fn migrations(&self) -> u64 {
+        self.migrations.load(Ordering::Relaxed)
+    }
 }
 
 /// A running server. `shutdown` starts draining; `join` waits for it.
@@ -255,7 +280,9 @@ pub(crate) struct Shared {
     next_conn: AtomicU64,
     pub(crate) shutdown: watch::Receiver<bool>,
     live: Tracker,
-    data_io: IoThreads,
+    pub(crate) data_io: IoThreads,
+    /// The work each data I/O thread's connections owe.
+    pub(crate) loads: ThreadLoads,
     pub(crate) stats: Arc<ServerStats>,
     /// Requests of every connection waiting to start, in the configured policy's order: the
     /// first I/O thread free starts the next one, whichever connection it came on.
@@ -263,6 +290,8 @@ pub(crate) struct Shared {
     /// Wakes one idle connection task when a request is queued, so that an I/O thread with
     /// nothing to do starts work that a busy thread's connections received.
     pub(crate) queue_ready: tokio::sync::Notify,
+    /// Response credit of the data connections that asked for credits.
+    pub(crate) credits: Arc<CreditTable>,
 }
 
 impl Server {
@@ -281,6 +310,7 @@ impl Server {
         let drain_timeout = config.drain_timeout;
         let stats = Arc::new(ServerStats::default());
         let queue = Mutex::new(config.queue.queue());
+        let loads = ThreadLoads::new(data_io.len());
         let shared = Arc::new(Shared {
             handler,
             config,
@@ -288,9 +318,11 @@ impl Server {
             shutdown: shutdown_rx,
             live: live.clone(),
             data_io: data_io.clone(),
+            loads,
             stats: stats.clone(),
             queue,
             queue_ready: tokio::sync::Notify::new(),
+            credits: Arc::default(),
         });
         let token = live.enter();
         control_io.spawn(async move {
@@ -399,7 +431,8 @@ async fn accept_loop(listener: Listener, shared: Arc<Shared>, _token: Token) {
 
 /// Result of reading a connection's first frame.
 enum Hello {
-    Class(ConnClass),
+    /// The class and option bits.
+    Class(ConnClass, u8),
     /// Answer with this error frame, then close.
     Refuse(ErrorCode, u64, String),
     /// The peer went away.
@@ -426,8 +459,8 @@ async fn read_hello(stream: &mut Stream, max_payload: u32) -> Hello {
         );
     }
     match read_payload(stream, &h).await {
-        Ok(f) => match check_hello(&f.payload) {
-            Ok(class) => Hello::Class(class),
+        Ok(f) => match check_hello_with(&f.payload) {
+            Ok((class, options)) => Hello::Class(class, options),
             Err(msg) => Hello::Refuse(ErrorCode::Handshake, h.request_id, msg),
         },
         Err(_) => Hello::Gone,
@@ -450,8 +483,8 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
                 ),
             ),
         };
-    let class = match hello {
-        Hello::Class(c) => c,
+    let (class, options) = match hello {
+        Hello::Class(c, o) => (c, o),
         Hello::Refuse(code, id, msg) => {
             let f = Frame::error(kind::HELLO, id, code, &msg);
             let _ = stream.write_all(&f.to_bytes()).await;
@@ -460,26 +493,33 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
         }
         Hello::Gone => return,
     };
-    let reply = Frame::response(
-        kind::HELLO,
-        0,
-        Bytes::copy_from_slice(&cfg.max_payload.to_le_bytes()),
-    );
+    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    // With credits, the reply also names the connection, for the client's CREDIT frames; it
+    // is registered first, so that a CREDIT sent as soon as the reply arrives finds it.
+    let mut reply = cfg.max_payload.to_le_bytes().to_vec();
+    let credit = (options & hello_options::CREDITS != 0).then(|| {
+        reply.extend_from_slice(&conn_id.to_le_bytes());
+        shared.credits.register(conn_id)
+    });
+    let reply = Frame::response(kind::HELLO, 0, Bytes::from(reply));
     if stream.write_all(&reply.to_bytes()).await.is_err() {
         return;
     }
-    let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     match class {
         // Control connections stay on this (control) thread, away from bulk data.
-        ConnClass::Control => serve_connection(stream, shared, conn_id, class, token).await,
+        ConnClass::Control => {
+            serve_connection(stream, shared, conn_id, class, credit, None, token).await
+        }
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
                 return;
             };
             let io = shared.data_io.clone();
-            io.spawn(async move {
+            let thread = io.pick();
+            io.spawn_on(thread, async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
-                    serve_connection(stream, shared, conn_id, class, token).await;
+                    let t = Some(thread);
+                    serve_connection(stream, shared, conn_id, class, credit, t, token).await;
                 }
             });
         }

@@ -46,6 +46,9 @@ class RouterConfig:
     # within the budget. 0: half of what is left of the budget. A range's only replica
     # (or the retry) may always use the rest of the budget.
     shard_timeout_ms: int = 0
+    # Response credits (docs/protocol.md, "Response credits"): each shard data connection's
+    # initial window in bytes, at least the largest shard response. 0: off.
+    response_credits: int = 0
     # docs/security.md. A file holding the bearer token clients must send on REST and gRPC
     # ("": none); TLS on both client ports from a PEM certificate chain and key ("": plain).
     auth_token_file: str = ""
@@ -159,6 +162,7 @@ class ServeConfig:
         need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
         need(0 < r.admit_share <= 1, "router.admit_share", "in (0, 1]", r.admit_share)
         need(r.shard_timeout_ms >= 0, "router.shard_timeout_ms", ">= 0", r.shard_timeout_ms)
+        need(r.response_credits >= 0, "router.response_credits", ">= 0 bytes", r.response_credits)
         need(
             r.admin_token_env == "" or _ENV_NAME.fullmatch(r.admin_token_env) is not None,
             "router.admin_token_env",

@@ -47,6 +47,8 @@ def router_config(
         # The variable's name only: the router reads the token from its environment.
         "admin_token_env": r.admin_token_env or None,
         "shard_timeout_ms": r.shard_timeout_ms,
+        # Only when on: the chart's config has none.
+        **({"response_credits": r.response_credits} if r.response_credits else {}),
         # Router-held mode only (the chart renders no such deployment).
         **({"held_threads": config.shard.threads} if config.router_held else {}),
         # Only when asked for: a router config without it serves no gRPC (the chart's too).
