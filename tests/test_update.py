@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from cleave import _native
 from cleave.launch.config import RouterConfig
-from cleave.plan.files import save_plan
+from cleave.plan.files import load_plan, save_plan
 from cleave.plan.schema import Host, Plan, Supervision
 from cleave.update import _Shard, apply_update, write_delta
 from test_shard import ROWS as SHARD_ROWS
@@ -267,5 +267,32 @@ def test_a_shard_without_a_state_dir_refuses_updates(bundles):
     try:
         with pytest.raises(Exception, match="has no --state-dir"):
             apply_update([shard.address], "f32", deltas["f32"], "rows")
+    finally:
+        shard.stop()
+
+
+def test_updates_prove_the_plans_internal_secret(bundles, tmp_path, monkeypatch):
+    old, _, _, deltas = bundles
+    monkeypatch.setenv("CLEAVE_INTERNAL_SECRET", "right")  # the shard's (docs/security.md)
+    shard = Shard(old, "--state-dir", str(tmp_path / "state")).wait_ready()
+    monkeypatch.delenv("CLEAVE_INTERNAL_SECRET")
+    plan = write_plan(tmp_path, old)
+    p = load_plan(plan)
+    p.router.internal_secret_env = "UPDATE_TEST_SECRET"
+    save_plan(p, plan)
+    args = ["--plan", str(plan), "--shard", shard.address, "--table", "f32"]
+    args += ["--rows", str(deltas["f32"])]
+    try:
+        monkeypatch.setenv("UPDATE_TEST_SECRET", "wrong")
+        proc = cli(*args)
+        assert proc.returncode != 0 and f"shard {shard.address}" in proc.stderr, proc.stderr
+        assert version(shard, "f32") == 0
+        monkeypatch.delenv("UPDATE_TEST_SECRET")
+        proc = cli(*args)
+        assert proc.returncode != 0 and "UPDATE_TEST_SECRET is unset" in proc.stderr
+        monkeypatch.setenv("UPDATE_TEST_SECRET", "right")
+        proc = cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert version(shard, "f32") == 1
     finally:
         shard.stop()
