@@ -253,6 +253,15 @@ def test_bad_updates_are_refused_and_the_old_version_keeps_serving(bundles, tmp_
         assert answers(shard.address, reqs) == before
         assert version(shard, "f32") == 0
         assert list(state.iterdir()) == []  # nothing staged, no partial file
+        # The shard cannot write the new version (its name is taken by a directory, as a
+        # full or failing disk would refuse it): refused naming the file, nothing left.
+        (state / "f32.v1.tbl" / "x").mkdir(parents=True)
+        proc = cli("--plan", str(plan), "--shard", shard.address, "--table", "f32",
+                   "--rows", str(deltas["f32"]))  # fmt: skip
+        assert proc.returncode != 0 and "f32.v1.tbl" in proc.stderr, proc.stderr
+        assert answers(shard.address, reqs) == before
+        assert [p.name for p in state.iterdir()] == ["f32.v1.tbl"]
+        shutil.rmtree(state / "f32.v1.tbl")
         ok = cli("--plan", str(plan), "--shard", shard.address, "--table", "f32",
                  "--rows", str(deltas["f32"]))  # fmt: skip
         assert ok.returncode == 0, ok.stderr

@@ -183,6 +183,7 @@ def apply_update(
                 shard.step({**base, "op": "abort"})
             except UpdateError as err:  # an unreachable shard drops it when it restarts
                 log(f"abort: {err}")
+        log("the update was aborted on every shard; the old version keeps serving")
         raise
     versions, failed = {}, []
     for shard in shards:
