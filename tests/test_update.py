@@ -132,6 +132,7 @@ def test_updates_equal_a_fresh_table_bit_for_bit_and_survive_restarts(bundles, t
         only = [r for r in reqs if r[0] == "f32"]
         assert answers(shard.address, only) == answers(ref.address, only)
         assert sorted(p.name for p in state.iterdir()) == [
+            ".lock",
             "f16.v1.tbl",
             "f32.v2.tbl",
             "i4.v1.tbl",
@@ -191,7 +192,11 @@ def test_a_staged_update_never_switched_is_dropped_on_restart(bundles, tmp_path)
         shard.stop()
         shard = Shard(old, "--state-dir", str(state)).wait_ready()
         assert answers(shard.address, reqs) == before and version(shard, "i8") == 0
-        assert list(state.iterdir()) == []
+        assert [p.name for p in state.iterdir()] == [".lock"]
+        # A second shard on the same directory would delete the first one's versions.
+        other = Shard(old, "--state-dir", str(state))
+        assert other.proc.wait(timeout=30) == 1
+        assert "another shard uses it" in other.proc.stderr.read()
     finally:
         shard.stop()
 
@@ -252,7 +257,7 @@ def test_bad_updates_are_refused_and_the_old_version_keeps_serving(bundles, tmp_
         assert "staged on" in proc.stderr  # the live shard had staged: it was aborted
         assert answers(shard.address, reqs) == before
         assert version(shard, "f32") == 0
-        assert list(state.iterdir()) == []  # nothing staged, no partial file
+        assert [p.name for p in state.iterdir()] == [".lock"]  # nothing staged or partial
         # The shard cannot write the new version (its name is taken by a directory, as a
         # full or failing disk would refuse it): refused naming the file, nothing left.
         (state / "f32.v1.tbl" / "x").mkdir(parents=True)
@@ -260,7 +265,7 @@ def test_bad_updates_are_refused_and_the_old_version_keeps_serving(bundles, tmp_
                    "--rows", str(deltas["f32"]))  # fmt: skip
         assert proc.returncode != 0 and "f32.v1.tbl" in proc.stderr, proc.stderr
         assert answers(shard.address, reqs) == before
-        assert [p.name for p in state.iterdir()] == ["f32.v1.tbl"]
+        assert sorted(p.name for p in state.iterdir()) == [".lock", "f32.v1.tbl"]
         shutil.rmtree(state / "f32.v1.tbl")
         ok = cli("--plan", str(plan), "--shard", shard.address, "--table", "f32",
                  "--rows", str(deltas["f32"]))  # fmt: skip

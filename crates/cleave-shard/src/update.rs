@@ -24,6 +24,9 @@ use serde::{Deserialize, Serialize};
 
 /// The state file in a shard's state directory.
 pub const STATE_FILE: &str = "state.json";
+/// Held locked (flock) by the shard that uses the directory: two shards on one directory
+/// would delete each other's versions.
+const LOCK_FILE: &str = ".lock";
 const STATE_FORMAT: &str = "cleave-shard-state";
 
 /// Why an update step failed; the message names the shard's file, table or value.
@@ -125,17 +128,41 @@ fn load_state(dir: &Path) -> Result<State, String> {
 /// returns the committed version of each table that has one.
 pub fn replay(dir: &Path) -> Result<HashMap<String, Committed>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("--state-dir {}: {e}", dir.display()))?;
+    lock(dir)?;
     let state = load_state(dir)?;
     let keep: Vec<&str> = state.tables.values().map(|c| c.file.as_str()).collect();
     let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name != STATE_FILE && !keep.contains(&name.as_str()) {
+        if name != STATE_FILE && name != LOCK_FILE && !keep.contains(&name.as_str()) {
             tracing::info!(file = %name, "discarding an update that was staged, never switched");
             let _ = std::fs::remove_file(entry.path());
         }
     }
     Ok(state.tables)
+}
+
+/// Locks `dir` for this process's lifetime, or says which directory another shard holds.
+fn lock(dir: &Path) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is shared with the call.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(format!(
+            "--state-dir {}: another shard uses it (its {LOCK_FILE} is locked); give each shard \
+             its own state directory",
+            dir.display()
+        ));
+    }
+    HELD.lock().unwrap().push(file);
+    Ok(())
 }
 
 /// The manifest entry of a table's committed version: its file in the state directory.
@@ -443,10 +470,12 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
-        assert_eq!(left, ["state.json", "t0.v2.tbl"]);
-        std::fs::write(dir.path().join(STATE_FILE), b"{").unwrap();
-        assert!(replay(dir.path())
-            .unwrap_err()
-            .contains("not a shard state file"));
+        assert_eq!(left, [".lock", "state.json", "t0.v2.tbl"]);
+        let err = replay(dir.path()).unwrap_err();
+        assert!(err.contains("another shard uses it"), "{err}");
+        let bad = tempfile::tempdir().unwrap();
+        std::fs::write(bad.path().join(STATE_FILE), b"{").unwrap();
+        let err = replay(bad.path()).unwrap_err();
+        assert!(err.contains("not a shard state file"), "{err}");
     }
 }
