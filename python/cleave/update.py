@@ -13,6 +13,7 @@ import os
 import secrets
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,14 @@ class _Shard:
             ) from None
 
 
+def _switch(shard: _Shard, base: dict) -> int | str:
+    """The version `shard` switched to, or why it could not."""
+    try:
+        return int(shard.step({**base, "op": "switch"})["version"])
+    except UpdateError as err:
+        return str(err)
+
+
 def apply_update(
     addrs: list[str], table: str, source: Path, kind: str, timeout_s: float = 60.0, log=None
 ) -> dict[str, int]:
@@ -185,12 +194,12 @@ def apply_update(
                 log(f"abort: {err}")
         log("the update was aborted on every shard; the old version keeps serving")
         raise
-    versions, failed = {}, []
-    for shard in shards:
-        try:
-            versions[shard.addr] = shard.step({**base, "op": "switch"})["version"]
-        except UpdateError as err:
-            failed.append(str(err))
+    # All at once, so that the shards of a split table change versions within one round trip
+    # of each other (docs/tiers.md, "Limits").
+    with ThreadPoolExecutor(max_workers=min(len(shards), 32)) as pool:
+        outcomes = list(pool.map(_switch, shards, [base] * len(shards)))
+    versions = {s.addr: v for s, v in zip(shards, outcomes, strict=True) if isinstance(v, int)}
+    failed = [v for v in outcomes if isinstance(v, str)]
     if failed:
         raise UpdateError(
             "switch failed on some shards after every shard had staged (they keep serving the "
