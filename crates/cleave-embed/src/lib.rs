@@ -45,6 +45,7 @@ pub mod store;
 pub mod table;
 pub mod tier;
 mod tiered;
+pub mod update;
 
 pub use bundle::{Manifest, TableDtype, TableMeta};
 pub use cache::PolicyKind;

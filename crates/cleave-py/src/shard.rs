@@ -17,6 +17,9 @@ use crate::wire::{duration, parse_address};
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_lookups, m)?)?;
     m.add_function(wrap_pyfunction!(bench_shard_load, m)?)?;
+    // Frame kinds of the shard's messages, for tools that call a shard with FrameClient.
+    m.add("KIND_LOOKUP", cleave_shard::LOOKUP)?;
+    m.add("KIND_UPDATE", cleave_shard::UPDATE)?;
     Ok(())
 }
 

@@ -22,11 +22,12 @@ mod routes;
 mod service;
 mod shard;
 mod split;
+pub mod update;
 
 pub use client::{ClientError, ProbeReport, ShardClient, ShardClientConfig};
 pub use ewma::Ewma;
 pub use membership::{Member, MembershipError};
-pub use message::{Lookup, LookupView, Op, Pooled, LOOKUP};
+pub use message::{Lookup, LookupView, Op, Pooled, LOOKUP, UPDATE};
 pub use replica::ReplicaState;
 pub use routes::{Route, RoutingTable};
 pub use service::{Served, ShardService};

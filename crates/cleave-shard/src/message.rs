@@ -32,6 +32,9 @@ const _: () = assert!(
 
 /// Frame kind of a lookup request and its response.
 pub const LOOKUP: u16 = 0x0100;
+/// Frame kind of a model update step (stage, switch, abort; docs/tiers.md, "Updates"): a u32
+/// header length, a JSON header, then the chunk's bytes. The reply is JSON.
+pub const UPDATE: u16 = 0x0101;
 
 const LOOKUP_HEADER: usize = 16;
 const RESULT_HEADER: usize = 16;

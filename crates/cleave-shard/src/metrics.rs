@@ -62,6 +62,10 @@ pub struct Gauges {
     pub credit_expired: u64,
     /// Connections moved from a busy I/O thread to a less loaded one.
     pub connection_migrations: u64,
+    /// Each table's version (0: the bundle's; docs/tiers.md, "Updates").
+    pub table_versions: Vec<(String, u64)>,
+    /// UPDATE steps (stage chunk, switch, abort) that succeeded and that failed.
+    pub update_steps: [u64; 2],
 }
 
 impl Default for Metrics {
@@ -224,6 +228,28 @@ impl Metrics {
         );
         as_counters(&mut moved);
         families.push(moved);
+        let versions = g
+            .table_versions
+            .iter()
+            .map(|(t, v)| (vec![("table", t.clone())], *v as f64));
+        families.push(gauges(
+            "cleave_shard_table_version",
+            "Version of each table served (0: the bundle's).",
+            versions,
+        ));
+        let mut steps = gauges(
+            "cleave_shard_update_steps_total",
+            "UPDATE steps (stage chunk, switch, abort), by outcome.",
+            [
+                (vec![("outcome", "ok".to_owned())], g.update_steps[0] as f64),
+                (
+                    vec![("outcome", "error".to_owned())],
+                    g.update_steps[1] as f64,
+                ),
+            ],
+        );
+        as_counters(&mut steps);
+        families.push(steps);
         let tables = g.tables.iter().map(|(t, a, b)| {
             let labels = vec![
                 ("table", t.clone()),
@@ -318,6 +344,8 @@ mod tests {
             responses_held: 6,
             credit_expired: 7,
             connection_migrations: 8,
+            table_versions: vec![("t\"0".into(), 2)],
+            update_steps: [9, 1],
         });
         for line in [
             "cleave_shard_requests_total{status=\"ok\"} 1",
@@ -338,6 +366,9 @@ mod tests {
             "cleave_shard_responses_held 6",
             "cleave_shard_credit_expired_total 7",
             "cleave_shard_connection_migrations_total 8",
+            "cleave_shard_table_version{table=\"t\\\"0\"} 2",
+            "cleave_shard_update_steps_total{outcome=\"ok\"} 9",
+            "cleave_shard_update_steps_total{outcome=\"error\"} 1",
             "# TYPE cleave_shard_dropped_total counter",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
@@ -370,6 +401,8 @@ mod tests {
             responses_held: 0,
             credit_expired: 0,
             connection_migrations: 0,
+            table_versions: vec![],
+            update_steps: [0, 0],
         });
         assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
         assert!(!text.contains("cleave_shard_table_rows"), "{text}");

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -12,8 +12,9 @@ use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
 use cleave_wire::{ErrorCode, Handler, Request, Responder, ServerStats};
 
 use crate::ewma::Ewma;
-use crate::message::{decode_request, Op, ResponseBuilder, LOOKUP};
+use crate::message::{decode_request, Op, ResponseBuilder, LOOKUP, UPDATE};
 use crate::metrics::{Gauges, Metrics};
+use crate::update::{self, StepError, Updates};
 
 /// Answers LOOKUP frames once its tables are loaded; `NotReady` before.
 pub struct ShardService {
@@ -26,10 +27,23 @@ pub struct ShardService {
     service_us: Ewma,
     /// The server's counts (queue, dropped requests), once a server serves this.
     server: OnceLock<Arc<ServerStats>>,
+    /// Model updates (docs/tiers.md, "Updates"); none accepted until set.
+    updates: OnceLock<Updates>,
+    /// Update steps that succeeded and failed, for /metrics.
+    update_counts: [std::sync::atomic::AtomicU64; 2],
 }
 
+/// A table at one version.
+pub struct Held {
+    pub table: Table,
+    pub version: u64,
+}
+
+/// The tables served, swapped whole by an update: a lookup works on the snapshot it took.
+type Snapshot = Arc<HashMap<String, Arc<Held>>>;
+
 struct Loaded {
-    tables: HashMap<String, Table>,
+    tables: RwLock<Snapshot>,
     /// (name, rows) in the order given, for listings and metrics.
     order: Vec<(String, Range<u64>)>,
     engine: Engine,
@@ -55,22 +69,111 @@ impl ShardService {
             max_response,
             service_us: Ewma::default(),
             server: OnceLock::new(),
+            updates: OnceLock::new(),
+            update_counts: Default::default(),
         }
+    }
+
+    /// Accepts UPDATE frames from now on (only the first call has an effect).
+    pub fn enable_updates(&self, updates: Updates) {
+        let _ = self.updates.set(updates);
+    }
+
+    /// The version of each table held (0: the bundle's).
+    pub fn versions(&self) -> Vec<(String, u64)> {
+        let Some(loaded) = self.loaded.get() else {
+            return Vec::new();
+        };
+        let snapshot = loaded.tables.read().unwrap().clone();
+        loaded
+            .order
+            .iter()
+            .filter_map(|(n, _)| snapshot.get(n).map(|h| (n.clone(), h.version)))
+            .collect()
+    }
+
+    /// Runs one UPDATE step (stage a chunk, switch, abort) and returns the JSON reply.
+    pub fn update(&self, payload: &[u8]) -> Result<Bytes, Refusal> {
+        let result = self.update_step(payload);
+        let i = usize::from(result.is_err());
+        self.update_counts[i].fetch_add(1, Ordering::Relaxed);
+        result.map_err(|e| {
+            let code = match e {
+                StepError::UnknownTable(_) | StepError::NotStaged(_) => ErrorCode::NotFound,
+                StepError::Open { .. } => ErrorCode::Internal,
+                _ => ErrorCode::BadRequest,
+            };
+            (code, e.to_string())
+        })
+    }
+
+    fn update_step(&self, payload: &[u8]) -> Result<Bytes, StepError> {
+        let (h, data) = update::decode(payload)?;
+        let updates = self.updates.get().ok_or(StepError::NoStateDir)?;
+        let loaded = self.loaded.get().ok_or_else(|| {
+            StepError::BadMessage("the shard is still opening its tables".to_owned())
+        })?;
+        let current = || {
+            let snapshot = loaded.tables.read().unwrap().clone();
+            snapshot
+                .get(&h.table)
+                .cloned()
+                .ok_or_else(|| StepError::UnknownTable(h.table.clone()))
+        };
+        let version = match h.op.as_str() {
+            "stage" => {
+                let held = current()?;
+                updates.stage(&h, data, (&held.table, held.version))?
+            }
+            "switch" => {
+                current()?;
+                let staged = updates.switch(h.update, &h.table)?;
+                let version = staged.version;
+                let mut tables = loaded.tables.write().unwrap();
+                let mut next = HashMap::clone(&tables);
+                next.insert(
+                    h.table.clone(),
+                    Arc::new(Held {
+                        table: staged.opened,
+                        version,
+                    }),
+                );
+                *tables = Arc::new(next);
+                tracing::info!(table = %h.table, version, "update switched in");
+                Some(version)
+            }
+            "abort" => {
+                updates.abort(h.update)?;
+                None
+            }
+            other => {
+                return Err(StepError::BadMessage(format!(
+                    "op {other:?}, expected \"stage\", \"switch\" or \"abort\""
+                )))
+            }
+        };
+        let reply = serde_json::json!({"table": h.table, "update": h.update, "version": version});
+        Ok(Bytes::from(reply.to_string()))
     }
 
     /// Installs the tables (each a row range) and the engine; the service is ready after.
     /// Only the first call has an effect.
     pub fn load(&self, tables: Vec<Table>, engine: Engine) {
+        self.load_versions(tables.into_iter().map(|t| (t, 0)).collect(), engine);
+    }
+
+    /// [`ShardService::load`] of tables at known versions (a shard replaying its updates).
+    pub fn load_versions(&self, tables: Vec<(Table, u64)>, engine: Engine) {
         let order = tables
             .iter()
-            .map(|t| (t.name().to_owned(), t.row_range()))
+            .map(|(t, _)| (t.name().to_owned(), t.row_range()))
             .collect();
         let tables = tables
             .into_iter()
-            .map(|t| (t.name().to_owned(), t))
+            .map(|(table, version)| (table.name().to_owned(), Arc::new(Held { table, version })))
             .collect();
         let _ = self.loaded.set(Loaded {
-            tables,
+            tables: RwLock::new(Arc::new(tables)),
             order,
             engine,
         });
@@ -136,6 +239,11 @@ impl ShardService {
             responses_held: count(ServerStats::responses_held),
             credit_expired: count(ServerStats::credit_expired),
             connection_migrations: count(ServerStats::migrations),
+            table_versions: self.versions(),
+            update_steps: self
+                .update_counts
+                .each_ref()
+                .map(|n| n.load(Ordering::Relaxed)),
         })
     }
 
@@ -149,9 +257,11 @@ impl ShardService {
             )
         })?;
         let lookups = decode_request(payload).map_err(|e| (ErrorCode::BadRequest, e.0))?;
+        // One version of each table for the whole request, even if an update switches now.
+        let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
         let mut tables = Vec::with_capacity(lookups.len());
         for (i, l) in lookups.iter().enumerate() {
-            let t = loaded.tables.get(&l.table).ok_or_else(|| {
+            let t = snapshot.get(&l.table).map(|h| &h.table).ok_or_else(|| {
                 let held: Vec<&str> = loaded.order.iter().map(|(n, _)| n.as_str()).collect();
                 let msg = format!(
                     "lookup {i}: table {:?} is not held here; this shard holds {held:?}",
@@ -216,6 +326,16 @@ impl Handler for ShardService {
         self.metrics.start();
         let outcome = if request.kind == LOOKUP {
             self.lookup(&request.payload)
+        } else if request.kind == UPDATE {
+            let reply = self.update(&request.payload);
+            match reply {
+                Ok(payload) => responder.reply(payload),
+                Err((code, msg)) => {
+                    tracing::warn!(code = ?code, error = %msg, "update step refused");
+                    responder.error(code, &msg);
+                }
+            }
+            return;
         } else {
             let msg = format!(
                 "frame kind {:#06x} unknown; a shard serves LOOKUP ({LOOKUP:#06x})",

@@ -13,6 +13,7 @@ use cleave_wire::{Address, QueuePolicy, Server, ServerConfig};
 
 use crate::http::HttpServer;
 use crate::service::ShardService;
+use crate::update::{self, Updates};
 
 /// Which rows of each table a shard holds.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -88,6 +89,9 @@ pub struct ShardConfig {
     pub queue: QueuePolicy,
     /// Serve the tables from SSD behind this tier's DRAM caches (docs/tiers.md).
     pub tier: Option<std::sync::Arc<cleave_embed::Tier>>,
+    /// Where this shard keeps model updates (docs/tiers.md, "Updates"); None: updates are
+    /// refused.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ShardConfig {
@@ -105,6 +109,7 @@ impl ShardConfig {
             resident: false,
             queue: QueuePolicy::Fifo,
             tier: None,
+            state_dir: None,
         }
     }
 }
@@ -182,10 +187,11 @@ impl Shard {
             metrics: http.as_ref().map(HttpServer::local_addr),
             tables: tables
                 .iter()
-                .map(|t| (t.name().to_owned(), t.row_range()))
+                .map(|(t, _)| (t.name().to_owned(), t.row_range()))
                 .collect(),
         };
-        service.load(tables, Engine::new(config.threads.max(1)));
+        service.load_versions(tables, Engine::new(config.threads.max(1)));
+        service.enable_updates(updates_for(config));
         Ok(Shard {
             server,
             service,
@@ -199,7 +205,8 @@ impl Shard {
     /// Prism's CN does). `listen`, `metrics_port` and `io_threads` are not used.
     pub fn open_in_process(config: &ShardConfig) -> Result<Arc<ShardService>, StartError> {
         let service = Arc::new(ShardService::new(config.max_payload as usize));
-        service.load(open_tables(config)?, Engine::new(config.threads.max(1)));
+        service.load_versions(open_tables(config)?, Engine::new(config.threads.max(1)));
+        service.enable_updates(updates_for(config));
         Ok(service)
     }
 
@@ -270,7 +277,30 @@ fn metrics_host(listen: &Address) -> IpAddr {
     }
 }
 
-fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
+fn open_options(config: &ShardConfig) -> OpenOptions {
+    OpenOptions {
+        residency: if config.resident {
+            cleave_embed::Residency::Resident
+        } else {
+            cleave_embed::Residency::Mapped
+        },
+        tier: config.tier.clone(),
+        ..OpenOptions::default()
+    }
+}
+
+fn updates_for(config: &ShardConfig) -> Updates {
+    Updates::new(
+        config.state_dir.clone(),
+        config.bundle.clone(),
+        Manifest::load(&config.bundle).ok(),
+        open_options(config),
+    )
+}
+
+/// The tables of `config`, each at its latest committed version (the bundle's, 0, unless
+/// the state directory holds an update).
+fn open_tables(config: &ShardConfig) -> Result<Vec<(Table, u64)>, StartError> {
     let manifest = Manifest::load(&config.bundle).map_err(|e| StartError(e.to_string()))?;
     let known: Vec<&str> = manifest.tables.iter().map(|t| t.name.as_str()).collect();
     let names: Vec<String> = match (&config.tables, &config.rows) {
@@ -285,16 +315,13 @@ fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
             )));
         }
     }
-    let options = OpenOptions {
-        residency: if config.resident {
-            cleave_embed::Residency::Resident
-        } else {
-            cleave_embed::Residency::Mapped
-        },
-        tier: config.tier.clone(),
-        ..OpenOptions::default()
+    let options = open_options(config);
+    let committed = match &config.state_dir {
+        Some(dir) => update::replay(dir).map_err(StartError)?,
+        None => Default::default(),
     };
     let mut tables = Vec::with_capacity(names.len());
+    let mut versions = Vec::with_capacity(names.len());
     for name in &names {
         let meta = manifest.table(name).ok_or_else(|| {
             StartError(format!(
@@ -310,15 +337,22 @@ fn open_tables(config: &ShardConfig) -> Result<Vec<Table>, StartError> {
                 .find(|(n, _)| n == name)
                 .map_or(0..meta.rows, |(_, r)| r.clone()),
         };
-        let table = Table::open_with(&config.bundle, meta, rows, &options)
-            .map_err(|e| StartError(e.to_string()))?;
-        tables.push(table);
+        let (table, version) = match (committed.get(name), &config.state_dir) {
+            (Some(c), Some(dir)) => {
+                let meta = update::committed_meta(meta, c);
+                tracing::info!(table = %name, version = c.version, "serving an updated version");
+                (Table::open_with(dir, &meta, rows, &options), c.version)
+            }
+            _ => (Table::open_with(&config.bundle, meta, rows, &options), 0),
+        };
+        tables.push(table.map_err(|e| StartError(e.to_string()))?);
+        versions.push(version);
     }
     if let Some(tier) = &config.tier {
         // Before ready: the first requests should hit the row cache (docs/tiers.md).
         cleave_embed::tier::warm_up(tier, &tables).map_err(|e| StartError(e.to_string()))?;
     }
-    Ok(tables)
+    Ok(tables.into_iter().zip(versions).collect())
 }
 
 #[cfg(test)]

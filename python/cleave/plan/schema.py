@@ -47,6 +47,9 @@ class Shard:
     ssd_tables: list[str] = field(default_factory=list)
     # The access profile whose hottest rows warm the row cache; relative to the plan file.
     profile: str = ""
+    # Where this shard keeps model updates (`cleave update`, docs/tiers.md "Updates"); relative
+    # to the plan file; one directory per shard. "": updates are refused.
+    state_dir: str = ""
 
 
 @dataclass

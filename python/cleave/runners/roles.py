@@ -125,6 +125,10 @@ class RoleSpecs:
                 source = self.plan.source
                 base = source.parent if source is not None else Path(".")
                 argv += ["--profile", str(base / shard.profile)]
+            if shard.state_dir:  # docs/tiers.md, "Updates"; relative to the plan file
+                source = self.plan.source
+                base = source.parent if source is not None else Path(".")
+                argv += ["--state-dir", str(base / shard.state_dir)]
             specs.append(self._spec(shard, argv, address, metrics_port))
         return specs
 

@@ -88,6 +88,11 @@ struct Args {
     /// cache before the shard reports ready. Default: the plan's, else the cache starts cold.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Directory where this shard keeps model updates (`cleave update`, docs/tiers.md
+    /// "Updates"); created if missing. A restart serves the latest committed version from it.
+    /// Default: the plan's, else updates are refused.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
     /// Share of the DRAM budget for the pooled-embedding cache, in [0, 0.5].
     #[arg(long, default_value = "0")]
     pooled_cache_fraction: f64,
@@ -274,6 +279,7 @@ fn main() -> ExitCode {
     config.threads = 1;
     let mut planned_budget = None;
     let (mut planned_ssd, mut planned_profile) = (None, None);
+    let mut planned_state = None;
     if let (Some(path), Some(index)) = (&args.plan, args.shard_index) {
         match plan::planned_shard(path, index) {
             Ok(planned) => {
@@ -282,6 +288,7 @@ fn main() -> ExitCode {
                 config.threads = planned.threads;
                 planned_budget = Some(planned.dram_budget).filter(|&b| b > 0);
                 (planned_ssd, planned_profile) = (planned.ssd_tables, planned.profile);
+                planned_state = planned.state_dir;
             }
             Err(e) => {
                 tracing::error!(error = %e, "bad input");
@@ -297,6 +304,7 @@ fn main() -> ExitCode {
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
     config.queue = args.queue;
+    config.state_dir = args.state_dir.clone().or(planned_state);
     let ssd_tables = args.ssd_tables.clone().or(planned_ssd);
     if let Err(e) = check_input(&config, ssd_tables.as_deref()) {
         tracing::error!(error = %e, "bad input");

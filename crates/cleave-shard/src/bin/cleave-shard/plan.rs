@@ -54,6 +54,9 @@ struct PlanShard {
     /// The access profile whose hottest rows warm the row cache; relative to the plan.
     #[serde(default)]
     profile: String,
+    /// Where the shard keeps model updates (docs/tiers.md, "Updates"); relative to the plan.
+    #[serde(default)]
+    state_dir: String,
 }
 
 /// What a shard of the plan holds and runs with.
@@ -66,6 +69,7 @@ pub struct PlannedShard {
     /// None: not placed (every table on SSD when they exceed the budget).
     pub ssd_tables: Option<Vec<String>>,
     pub profile: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
 }
 
 /// Entry `index` of the plan's `shards`.
@@ -110,6 +114,9 @@ pub fn planned_shard(path: &Path, index: usize) -> Result<PlannedShard, PlanErro
             // Relative to the plan file, as its bundle is.
             path.parent().unwrap_or(Path::new("")).join(p)
         }),
+        state_dir: Some(shard.state_dir)
+            .filter(|p| !p.is_empty())
+            .map(|p| path.parent().unwrap_or(Path::new("")).join(p)),
     })
 }
 
@@ -141,6 +148,7 @@ mod tests {
                 dram_budget: 0,
                 ssd_tables: None,
                 profile: None,
+                state_dir: None,
             }
         );
     }

@@ -1,0 +1,274 @@
+"""`cleave update`: apply a model update to every live shard replica holding a table, in two
+phases (docs/tiers.md, "Updates"): stage the new version on every shard, then switch each to
+it. A stage that fails anywhere aborts the update everywhere, and the old version keeps
+serving.
+
+Also the delta format's writer, `write_delta` (and `read_delta_header`, which checks one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cleave.errors import CleaveError
+
+DELTA_MAGIC = b"CLVD"
+DELTA_VERSION = 1
+# magic, version, name bytes, dtype bytes, 0, dim, row bytes, count (crates/cleave-embed update.rs)
+_HEADER = struct.Struct("<4sHHHHIIQ")
+CHUNK_BYTES = 4 << 20  # one UPDATE frame's data: far under the frame size limit
+_SECRET_ENV = "CLEAVE_INTERNAL_SECRET"  # what every role reads (docs/security.md)
+
+
+class UpdateError(CleaveError):
+    """A bad delta or table file, no shard to update, or a shard that refused a step."""
+
+
+def _stored(table: dict, rows: np.ndarray) -> np.ndarray:
+    """`rows` as the table's stored bytes: float32/float16 values for those dtypes (cast from
+    any float), else uint8 rows of exactly row_bytes (row-wise quantized layouts)."""
+    rows = np.asarray(rows)
+    dtype, dim, row_bytes = table["dtype"], int(table["dim"]), int(table["row_bytes"])
+    if dtype in ("float32", "float16") and rows.dtype.kind == "f":
+        if rows.ndim != 2 or rows.shape[1] != dim:
+            raise UpdateError(
+                f"table {table['name']!r}: rows of shape {rows.shape}, expected (n, {dim})"
+            )
+        rows = rows.astype(np.float32 if dtype == "float32" else np.float16)
+    elif rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != row_bytes:
+        raise UpdateError(
+            f"table {table['name']!r} ({dtype} x {dim}): rows must be floats of shape (n, {dim}) "
+            f"or its stored bytes, uint8 of shape (n, {row_bytes}); got {rows.dtype} {rows.shape}"
+        )
+    return np.ascontiguousarray(rows).astype("<" + rows.dtype.str[1:], copy=False)
+
+
+def write_delta(path: str | os.PathLike, table: dict, ids, rows) -> Path:
+    """Writes a delta for `table` (its manifest entry: name, dim, dtype, row_bytes, rows):
+    new rows for `ids`, to `path`. A later id wins over an earlier one."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    data = _stored(table, rows)
+    if len(data) != len(ids):
+        raise UpdateError(f"{len(ids)} ids but {len(data)} rows")
+    if len(ids) and (ids.min() < 0 or ids.max() >= int(table["rows"])):
+        raise UpdateError(f"ids must be in [0, {table['rows']}), got {ids.min()}..{ids.max()}")
+    name, dtype = table["name"].encode(), table["dtype"].encode()
+    header = _HEADER.pack(
+        DELTA_MAGIC, DELTA_VERSION, len(name), len(dtype), 0, int(table["dim"]),
+        int(table["row_bytes"]), len(ids),
+    )  # fmt: skip
+    out = Path(path)
+    out.write_bytes(header + name + dtype + ids.astype("<u8").tobytes() + data.tobytes())
+    return out
+
+
+def read_delta_header(path: Path, table: dict) -> int:
+    """Checks the delta at `path` against `table` (manifest entry) and returns its row count;
+    the shard checks it again, ids included."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(_HEADER.size + 2 * 65535)
+    where = f"delta {path} for table {table['name']!r}"
+    if len(head) < _HEADER.size:
+        raise UpdateError(
+            f"{where}: truncated: {size} bytes, shorter than the {_HEADER.size}-byte header"
+        )
+    magic, version, n_name, n_dtype, _, dim, row_bytes, count = _HEADER.unpack_from(head)
+    if magic != DELTA_MAGIC:
+        raise UpdateError(
+            f"{where}: magic {magic!r}, expected {DELTA_MAGIC!r} (not a Cleave delta)"
+        )
+    if version != DELTA_VERSION:
+        raise UpdateError(f"{where}: format version {version}, expected {DELTA_VERSION}")
+    rest = head[_HEADER.size :]
+    name = rest[:n_name].decode(errors="replace")
+    dtype = rest[n_name : n_name + n_dtype].decode(errors="replace")
+    if name != table["name"]:
+        raise UpdateError(f"{where}: the delta is for table {name!r}")
+    if (dtype, dim, row_bytes) != (table["dtype"], int(table["dim"]), int(table["row_bytes"])):
+        raise UpdateError(
+            f"{where}: shape {dtype} x {dim} ({row_bytes}-byte rows), the table is "
+            f"{table['dtype']} x {table['dim']} ({table['row_bytes']}-byte rows)"
+        )
+    expected = _HEADER.size + n_name + n_dtype + count * (8 + row_bytes)
+    if size != expected:
+        raise UpdateError(
+            f"{where}: truncated or padded: the header promises {count} rows "
+            f"({expected} bytes), the file has {size} bytes"
+        )
+    return count
+
+
+@dataclass
+class Target:
+    """A shard replica to update: its frame address and the range of the table it holds."""
+
+    addr: str
+    rows: tuple[int, int]
+
+
+def targets_from_router(url: str, table: str, token: str | None) -> list[Target]:
+    """Every live replica holding `table`, from the router's admin API (its membership)."""
+    from cleave.runners.membership import MembershipError, members
+
+    try:
+        found = members(url, token=token)
+    except MembershipError as err:
+        raise UpdateError(f"--router: {err}") from None
+    out = []
+    for shard in found.get("shards", []):
+        for r in shard.get("ranges", []):
+            if r.get("table") == table:
+                out.append(Target(shard["addr"], (int(r["row_start"]), int(r["row_end"]))))
+    return out
+
+
+def _message(header: dict, data: bytes = b"") -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<I", len(text)) + text + data
+
+
+class _Shard:
+    def __init__(self, addr: str, timeout_s: float):
+        from cleave import _native
+
+        self.addr = addr
+        self.kind = _native.KIND_UPDATE
+        self.client = _native.FrameClient(addr, timeout_s=timeout_s, connections=1)
+        self.error_type = _native.WireError
+
+    def step(self, header: dict, data: bytes = b"") -> dict:
+        try:
+            return json.loads(self.client.call(self.kind, _message(header, data)))
+        except self.error_type as err:
+            raise UpdateError(
+                f"shard {self.addr}: {header['op']} of table {header['table']!r}: {err}"
+            ) from None
+
+
+def _switch(shard: _Shard, base: dict) -> int | str:
+    """The version `shard` switched to, or why it could not."""
+    try:
+        return int(shard.step({**base, "op": "switch"})["version"])
+    except UpdateError as err:
+        return str(err)
+
+
+def apply_update(
+    addrs: list[str], table: str, source: Path, kind: str, timeout_s: float = 60.0, log=None
+) -> dict[str, int]:
+    """Stages `source` (a delta: kind "rows"; a table file: kind "file") of `table` on every
+    shard at `addrs`, then switches them all. Returns {addr: new version}. A failed stage
+    aborts the update on every shard (the old version keeps serving) and raises UpdateError."""
+    log = log or (lambda _m: None)
+    update = secrets.randbits(63)
+    shards = [_Shard(a, timeout_s) for a in addrs]
+    base = {"update": update, "table": table}
+    try:
+        for shard in shards:
+            offset = 0
+            with source.open("rb") as f:
+                while True:  # bounded: the file's size / CHUNK_BYTES chunks
+                    data = f.read(CHUNK_BYTES)
+                    last = len(data) < CHUNK_BYTES
+                    h = {**base, "op": "stage", "kind": kind, "offset": offset, "last": last}
+                    reply = shard.step(h, data)
+                    offset += len(data)
+                    if last:
+                        break
+            log(f"staged on {shard.addr}: version {reply.get('version')}")
+    except UpdateError:
+        for shard in shards:
+            try:
+                shard.step({**base, "op": "abort"})
+            except UpdateError as err:  # an unreachable shard drops it when it restarts
+                log(f"abort: {err}")
+        log("the update was aborted on every shard; the old version keeps serving")
+        raise
+    # All at once, so that the shards of a split table change versions within one round trip
+    # of each other (docs/tiers.md, "Limits").
+    with ThreadPoolExecutor(max_workers=min(len(shards), 32)) as pool:
+        outcomes = list(pool.map(_switch, shards, [base] * len(shards)))
+    versions = {s.addr: v for s, v in zip(shards, outcomes, strict=True) if isinstance(v, int)}
+    failed = [v for v in outcomes if isinstance(v, str)]
+    if failed:
+        raise UpdateError(
+            "switch failed on some shards after every shard had staged (they keep serving the "
+            "old version; run the update again): " + "; ".join(failed)
+        )
+    return versions
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--plan", required=True, help="the deployment plan (its bundle, secret)")
+    parser.add_argument("--table", required=True, help="the table to update")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--rows", metavar="DELTA", help="a delta: new rows for some ids")
+    what.add_argument("--file", metavar="NEW_TABLE", help="a whole new table file")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--router", metavar="URL", help="the router whose live shards to update")
+    where.add_argument(
+        "--shard", action="append", metavar="ADDR", help="a shard address (repeat for each)"
+    )
+    parser.add_argument(
+        "--admin-token-env", default="", help="variable holding the router's admin token"
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per step")
+
+
+def run(args) -> int:
+    from cleave.plan.files import load_plan
+
+    plan = load_plan(args.plan)
+    manifest_path = plan.bundle_path() / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise UpdateError(f"{manifest_path}: {err}") from None
+    tables = {t["name"]: t for t in manifest.get("tables", [])}
+    table = tables.get(args.table)
+    if table is None:
+        raise UpdateError(f"--table {args.table!r}: the bundle has {sorted(tables)}")
+    source = Path(args.rows or args.file)
+    if not source.is_file():
+        raise UpdateError(f"{'--rows' if args.rows else '--file'} {source}: no such file")
+    if args.rows:
+        read_delta_header(source, table)
+    else:
+        expected = int(table["rows"]) * int(table["row_bytes"])
+        size = source.stat().st_size
+        if size != expected:
+            raise UpdateError(
+                f"--file {source}: {size} bytes, expected {expected} ({table['rows']} rows of "
+                f"{table['row_bytes']} bytes, {table['dtype']} x {table['dim']})"
+            )
+    secret_env = plan.router.internal_secret_env
+    if secret_env:  # prove the deployment's secret in every HELLO (docs/security.md)
+        secret = os.environ.get(secret_env, "")
+        if not secret:
+            raise UpdateError(f"the plan's internal_secret_env {secret_env} is unset or empty")
+        os.environ[_SECRET_ENV] = secret
+    if args.shard:
+        addrs = list(dict.fromkeys(args.shard))
+    else:
+        token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
+        addrs = list(
+            dict.fromkeys(t.addr for t in targets_from_router(args.router, args.table, token))
+        )
+        if not addrs:
+            raise UpdateError(f"--router {args.router}: no live shard holds table {args.table!r}")
+    kind = "rows" if args.rows else "file"
+    versions = apply_update(
+        addrs, args.table, source, kind, args.timeout, log=lambda m: print(m, file=sys.stderr)
+    )
+    print(json.dumps({"table": args.table, "versions": versions}))
+    return 0
