@@ -68,3 +68,27 @@ def test_prioritize_port_adds_the_class_and_filters():
                 assert filters.count("flowid 1:5") == 4, filters  # dport and sport, 2 ports
         with pytest.raises(ValueError, match="port must be 1..65535"):
             tb.prioritize_port(0)
+
+
+def test_quick_end_to_end_bench_serves_both_ways_and_writes_ratios(tmp_path):
+    """`cleave bench incast-serve --quick`: routers on their own testbed hosts, control off
+    then on, every request answered with no 502; the ratios are there."""
+    out = tmp_path / "incast-serve.json"
+    argv = [sys.executable, "-m", "cleave.cli", "bench", "incast-serve", "--quick"]
+    argv += ["--workdir", str(tmp_path / "work"), "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["deployments"]) == {"control-off", "control-on"}
+    for name, dep in result["deployments"].items():
+        assert dep["http_502"] == 0, name
+        for point in dep["rates"]:
+            assert point["sent"] > 0 and point["throughput_rps"] > 0, (name, point)
+    assert "max_goodput_on_over_off" in result["ratios"]
+    assert "control-on" in proc.stdout  # the table
+
+
+def test_end_to_end_bench_refuses_bad_rates():
+    argv = [sys.executable, "-m", "cleave.cli", "bench", "incast-serve", "--rates", "0"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--rates must be > 0" in proc.stderr, proc.stderr

@@ -28,6 +28,7 @@ BENCHMARKS = {
     "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
     "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
     "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
+    "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
 }
 

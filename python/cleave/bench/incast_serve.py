@@ -4,7 +4,7 @@ incast control off and then on; open-loop load split evenly over the routers (ea
 its own Poisson stream: the routers' fused payloads meet at the ranker's link). Per rate:
 throughput, goodput (200s within the budget per second), p99 and the errors by status.
 
-    python -m cleave.bench.incast_serve --json out/incast-serve.json
+    cleave bench incast-serve --json out/incast-serve.json
 
 `cleave bench serve` sends to one router URL only; this bench spreads the same load
 generator (`cleave.bench.loadgen.open_loop`) over every router, one thread each."""
@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cleave.bench.incast_serve", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dlrm")
     p.add_argument("--candidates", type=int, default=256, help="rows per request")
     p.add_argument("--routers", type=int, default=4)
@@ -36,7 +35,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16, help="distinct request bodies")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--quick", action="store_true", help="CI: 2 routers, 16 candidates, one short rate"
+    )
+
+
+def check_args(args: argparse.Namespace) -> list[float]:
+    """The rates, after --quick; a clear error for values that cannot run."""
+    from cleave.errors import UsageError
+
+    if args.quick:
+        args.routers, args.candidates, args.rates = 2, 16, "10"
+        args.duration, args.requests = 1.5, 4
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--rates: expected numbers separated by commas, got {args.rates!r}"
+        ) from None
+    if not rates or min(rates) <= 0:
+        raise UsageError(f"--rates must be > 0, got {args.rates!r}")
+    if args.routers < 1 or args.candidates < 1 or args.duration <= 0 or args.requests < 1:
+        raise UsageError("--routers, --candidates, --duration and --requests must be positive")
+    return rates
 
 
 def build(args, root: Path):
@@ -169,8 +190,28 @@ def ratios(off: dict, on: dict) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def print_table(result: dict) -> None:
+    print(f"{'deployment':<12} {'rate/s':>8} {'tput/s':>8} {'good/s':>8} {'p99 ms':>9}  errors")
+    for name, dep in result["deployments"].items():
+        for p in dep["rates"]:
+            p99 = f"{p['p99_ms']:9.1f}" if p["p99_ms"] is not None else f"{'-':>9}"
+            print(
+                f"{name:<12} {p['rate']:8.1f} {p['throughput_rps']:8.1f} "
+                f"{p['goodput_rps']:8.1f} {p99}  {p['errors'] or ''}"
+            )
+    for key, value in result["ratios"].items():
+        if not isinstance(value, dict):
+            print(f"{key}: {'-' if value is None else f'{value:.3f}'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cleave.errors import UsageError
+    from cleave.testbed import commands
+
+    check_args(args)
+    reason = commands.unavailable()
+    if reason:
+        raise UsageError(f"cleave bench incast-serve runs on the testbed: {reason}")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -203,12 +244,8 @@ def main(argv=None) -> int:
         result["deployments"][name] = {"rates": points, **summary(points, args.budget_ms)}
     off, on = result["deployments"]["control-off"], result["deployments"]["control-on"]
     result["ratios"] = ratios(off, on)
-    log(json.dumps(result["ratios"]))
+    print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
