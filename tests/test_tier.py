@@ -140,10 +140,34 @@ def test_serve_with_tables_over_the_budget_answers_like_dram(tmp_path):
             url = f"{server.url}/v2/models/{directory.name}/infer"
             replies = [post(url, body) for body in bodies]
             log = "\n".join(server.log)
+            tier = tier_counters(server)
         assert all(status == 200 for status, _ in replies), replies
         answers.append([[o.tobytes() for o in outputs_of(r)] for _, r in replies])
     assert "SSD tier" in log, log[-3000:]
     assert answers[1] == answers[0]
+    # The shards' /metrics count what the tier did: cold caches, so rows came off the device.
+    assert tier["rows"] > 0 and tier["device_reads"] > 0, tier
+    assert tier["row_hits"] + tier["device_reads"] == tier["rows"], tier
+    assert tier["device_bytes"] >= tier["row_bytes_read"] > 0, tier
+
+
+def tier_counters(server) -> dict[str, float]:
+    """The shards' cleave_shard_tier_*_total counters, summed over the shards."""
+    from cleave.bench.stages import metrics_endpoints
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for role, url in metrics_endpoints(list(server.log), server.url).items():
+        if not role.startswith("shard"):
+            continue
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("cleave_shard_tier_"):
+                    key = sample.name.removeprefix("cleave_shard_tier_").removesuffix("_total")
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
 
 
 def test_bench_tier_quick_writes_the_issue_schema(tmp_path):

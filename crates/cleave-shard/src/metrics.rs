@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use cleave_embed::TierStats;
 use cleave_wire::ErrorCode;
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
@@ -66,6 +67,8 @@ pub struct Gauges {
     pub table_versions: Vec<(String, u64)>,
     /// UPDATE steps (stage chunk, switch, abort) that succeeded and that failed.
     pub update_steps: [u64; 2],
+    /// The SSD tier's counters, when the tables are served from it (docs/tiers.md).
+    pub tier: Option<TierStats>,
 }
 
 impl Default for Metrics {
@@ -250,6 +253,50 @@ impl Metrics {
         );
         as_counters(&mut steps);
         families.push(steps);
+        if let Some(t) = &g.tier {
+            for (name, help, v) in [
+                ("ids", "Ids looked up in the SSD tier, with repeats.", t.ids),
+                (
+                    "rows",
+                    "Distinct rows per lookup call, summed: what reaches the row cache.",
+                    t.rows,
+                ),
+                ("row_hits", "Rows found in the DRAM row cache.", t.row_hits),
+                (
+                    "device_reads",
+                    "Reads issued to the device (one per missed row).",
+                    t.device_reads,
+                ),
+                (
+                    "device_bytes",
+                    "Bytes read from the device.",
+                    t.device_bytes,
+                ),
+                (
+                    "row_bytes_read",
+                    "Bytes of rows the device reads delivered.",
+                    t.row_bytes_read,
+                ),
+                (
+                    "pooled_lookups",
+                    "Bags looked up in the pooled-embedding cache.",
+                    t.pooled_lookups,
+                ),
+                (
+                    "pooled_hits",
+                    "Bags the pooled-embedding cache answered.",
+                    t.pooled_hits,
+                ),
+            ] {
+                let mut family = gauges(
+                    &format!("cleave_shard_tier_{name}_total"),
+                    help,
+                    [(vec![], v as f64)],
+                );
+                as_counters(&mut family);
+                families.push(family);
+            }
+        }
         let tables = g.tables.iter().map(|(t, a, b)| {
             let labels = vec![
                 ("table", t.clone()),
@@ -346,6 +393,12 @@ mod tests {
             connection_migrations: 8,
             table_versions: vec![("t\"0".into(), 2)],
             update_steps: [9, 1],
+            tier: Some(TierStats {
+                rows: 10,
+                row_hits: 7,
+                device_reads: 3,
+                ..TierStats::default()
+            }),
         });
         for line in [
             "cleave_shard_requests_total{status=\"ok\"} 1",
@@ -369,6 +422,10 @@ mod tests {
             "cleave_shard_table_version{table=\"t\\\"0\"} 2",
             "cleave_shard_update_steps_total{outcome=\"ok\"} 9",
             "cleave_shard_update_steps_total{outcome=\"error\"} 1",
+            "cleave_shard_tier_rows_total 10",
+            "cleave_shard_tier_row_hits_total 7",
+            "cleave_shard_tier_device_reads_total 3",
+            "# TYPE cleave_shard_tier_device_reads_total counter",
             "# TYPE cleave_shard_dropped_total counter",
             "cleave_shard_table_rows{table=\"t\\\"0\",row_start=\"5\",row_end=\"10\"} 5",
             "cleave_shard_request_duration_seconds_bucket{le=\"0.00001\"} 0",
@@ -403,9 +460,11 @@ mod tests {
             connection_migrations: 0,
             table_versions: vec![],
             update_steps: [0, 0],
+            tier: None,
         });
         assert!(text.lines().any(|l| l == "cleave_shard_ready 0"), "{text}");
         assert!(!text.contains("cleave_shard_table_rows"), "{text}");
+        assert!(!text.contains("cleave_shard_tier"), "{text}");
         assert!(!text.contains("encoding"), "{text}");
     }
 }

@@ -31,6 +31,9 @@ pub struct ShardService {
     updates: OnceLock<Updates>,
     /// Update steps that succeeded and failed, for /metrics.
     update_counts: [std::sync::atomic::AtomicU64; 2],
+    /// The SSD tier and its caches, when the tables are served from it (its counters go to
+    /// /metrics).
+    tier: OnceLock<Arc<cleave_embed::Tier>>,
 }
 
 /// A table at one version.
@@ -71,7 +74,13 @@ impl ShardService {
             server: OnceLock::new(),
             updates: OnceLock::new(),
             update_counts: Default::default(),
+            tier: OnceLock::new(),
         }
+    }
+
+    /// Reports this tier's counters in /metrics (only the first call has an effect).
+    pub fn attach_tier(&self, tier: Arc<cleave_embed::Tier>) {
+        let _ = self.tier.set(tier);
     }
 
     /// Accepts UPDATE frames from now on (only the first call has an effect).
@@ -240,6 +249,7 @@ impl ShardService {
             credit_expired: count(ServerStats::credit_expired),
             connection_migrations: count(ServerStats::migrations),
             table_versions: self.versions(),
+            tier: self.tier.get().map(|t| t.stats()),
             update_steps: self
                 .update_counts
                 .each_ref()

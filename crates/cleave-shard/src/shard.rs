@@ -192,6 +192,9 @@ impl Shard {
         };
         service.load_versions(tables, Engine::new(config.threads.max(1)));
         service.enable_updates(updates_for(config));
+        if let Some(tier) = &config.tier {
+            service.attach_tier(tier.clone());
+        }
         Ok(Shard {
             server,
             service,
