@@ -18,9 +18,9 @@ import logging
 import selectors
 import socket
 import threading
-import time
 
 from cleave._native import IncastScheduler, decode_control, encode_control
+from cleave.ranker.local import take
 
 log = logging.getLogger("cleave.ranker.control")
 
@@ -215,14 +215,7 @@ class ControlledSource:
                     self._cond.notify()
 
     def recv(self, max_items: int, timeout_s: float) -> list:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not self._items:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self._cond.wait(left)
-            return [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
+        return take(self._cond, self._items, max_items, timeout_s)
 
     def close(self) -> None:
         self._stop.set()

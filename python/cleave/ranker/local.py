@@ -10,6 +10,19 @@ from collections import deque
 from concurrent.futures import Future
 
 
+def take(cond: threading.Condition, items: deque, max_items: int, timeout_s: float) -> list:
+    """Up to `max_items` from the front of `items`, waiting on `cond` (which guards them) up
+    to `timeout_s` for the first: what a ranker's request source's `recv` does."""
+    deadline = time.monotonic() + timeout_s
+    with cond:
+        while not items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            cond.wait(left)
+        return [items.popleft() for _ in range(min(max_items, len(items)))]
+
+
 class RankerError(Exception):
     """An error frame from a ranker: `code` and `message`."""
 
@@ -58,15 +71,7 @@ class LocalQueue:
         return out
 
     def recv(self, max_items: int, timeout_s: float) -> list:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not self._items:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self._cond.wait(left)
-            count = min(max_items, len(self._items))
-            return [self._items.popleft() for _ in range(count)]
+        return take(self._cond, self._items, max_items, timeout_s)
 
     # A reply to a cancelled request is dropped, as the FrameServer does.
     def reply(self, conn_id: int, request_id: int, kind: int, payload) -> None:
