@@ -215,7 +215,7 @@ def test_bad_arguments_fail_clearly():
     with pytest.raises(cleave.UnsupportedModelError, match="int"):
         cleave.partition(model, (example[0], 3))
     with pytest.raises(cleave.BundleError, match="table dtype"):
-        cleave.partition(model, example, table_dtype="int4")
+        cleave.partition(model, example, table_dtype="int2")
 
 
 # -- bundle files -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Embedding table files: rows back to back, no header (docs/bundle.md).
 
-Storage types: float32, float16, and int8_rowwise (u8 codes followed by an f32 scale and an f32
-bias per row, value = q * scale + bias).
+Storage types: float32, float16, int8_rowwise (u8 codes followed by an f32 scale and an f32
+bias per row, value = q * scale + bias) and int4_rowwise (the same with 4-bit codes, two per
+byte: element 2k in the low nibble of byte k, ceil(dim / 2) bytes, then scale and bias).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import numpy as np
 
 from cleave.errors import BundleError
 
-TABLE_DTYPES = ("float32", "float16", "int8_rowwise")
+TABLE_DTYPES = ("float32", "float16", "int8_rowwise", "int4_rowwise")
+# Codes per row-wise type: the largest code, and the bytes its codes take for `dim` elements.
+_ROWWISE = {"int8_rowwise": (255, lambda dim: dim), "int4_rowwise": (15, lambda dim: -(-dim // 2))}
 _CRC_CHUNK = 64 << 20
 
 
@@ -22,8 +25,8 @@ def row_bytes(dtype: str, dim: int) -> int:
         return 4 * dim
     if dtype == "float16":
         return 2 * dim
-    if dtype == "int8_rowwise":
-        return dim + 8
+    if dtype in _ROWWISE:
+        return _ROWWISE[dtype][1](dim) + 8
     raise BundleError(f"table dtype must be one of {', '.join(TABLE_DTYPES)}, got {dtype!r}")
 
 
@@ -35,17 +38,23 @@ def encode(weight: np.ndarray, dtype: str) -> np.ndarray:
         return weight.view(np.uint8).reshape(rows, 4 * dim)
     if dtype == "float16":
         return weight.astype(np.float16).view(np.uint8).reshape(rows, 2 * dim)
-    if dtype == "int8_rowwise":
+    if dtype in _ROWWISE:
+        top, code_bytes = _ROWWISE[dtype]
         low = weight.min(axis=1, initial=np.inf) if dim else np.zeros(rows, np.float32)
         high = weight.max(axis=1, initial=-np.inf) if dim else np.zeros(rows, np.float32)
-        scale = ((high - low) / 255.0).astype(np.float32)
+        scale = ((high - low) / top).astype(np.float32)
         # A constant row has scale 0: every code decodes to the bias exactly.
         safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        codes = np.rint((weight - low[:, None]) / safe[:, None]).clip(0, 255).astype(np.uint8)
-        out = np.empty((rows, dim + 8), dtype=np.uint8)
-        out[:, :dim] = codes
-        out[:, dim : dim + 4] = scale.view(np.uint8).reshape(rows, 4)
-        out[:, dim + 4 :] = low.astype(np.float32).view(np.uint8).reshape(rows, 4)
+        codes = np.rint((weight - low[:, None]) / safe[:, None]).clip(0, top).astype(np.uint8)
+        if top == 15:  # two codes a byte, the even element in the low nibble
+            padded = np.zeros((rows, 2 * code_bytes(dim)), dtype=np.uint8)
+            padded[:, :dim] = codes
+            codes = padded[:, 0::2] | (padded[:, 1::2] << 4)
+        n = code_bytes(dim)
+        out = np.empty((rows, n + 8), dtype=np.uint8)
+        out[:, :n] = codes
+        out[:, n : n + 4] = scale.view(np.uint8).reshape(rows, 4)
+        out[:, n + 4 :] = low.astype(np.float32).view(np.uint8).reshape(rows, 4)
         return out
     row_bytes(dtype, dim)  # raises the clear error
     raise AssertionError
@@ -58,11 +67,15 @@ def decode(raw: np.ndarray, dtype: str, dim: int) -> np.ndarray:
         return np.ascontiguousarray(raw).view(np.float32).reshape(rows, dim)
     if dtype == "float16":
         return np.ascontiguousarray(raw).view(np.float16).reshape(rows, dim).astype(np.float32)
-    if dtype == "int8_rowwise":
-        codes = raw[:, :dim].astype(np.float32)
-        scale = np.ascontiguousarray(raw[:, dim : dim + 4]).view(np.float32)
-        bias = np.ascontiguousarray(raw[:, dim + 4 : dim + 8]).view(np.float32)
-        return codes * scale + bias
+    if dtype in _ROWWISE:
+        top, code_bytes = _ROWWISE[dtype]
+        n = code_bytes(dim)
+        codes = raw[:, :n]
+        if top == 15:
+            codes = np.stack([codes & 0x0F, codes >> 4], axis=2).reshape(rows, 2 * n)[:, :dim]
+        scale = np.ascontiguousarray(raw[:, n : n + 4]).view(np.float32)
+        bias = np.ascontiguousarray(raw[:, n + 4 : n + 8]).view(np.float32)
+        return codes.astype(np.float32) * scale + bias
     row_bytes(dtype, dim)
     raise AssertionError
 

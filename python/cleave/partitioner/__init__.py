@@ -33,8 +33,8 @@ def partition(
 ) -> Bundle:
     """Captures `model` on `example_inputs` (a tuple of forward's positional arguments) and
     returns a Bundle that serves any batch size and bag length. `table_dtype` is one of
-    float32, float16, int8_rowwise. `dense_dtype` (float32, bfloat16, int8) is the precision
-    the dense program is served at; a reduced one needs `labelled`, a list of (forward
+    float32, float16, int8_rowwise, int4_rowwise. `dense_dtype` (float32, bfloat16, int8) is
+    the precision the dense program is served at; a reduced one needs `labelled`, a list of (forward
     arguments, labels), to measure its accuracy cost, and raises AccuracyError past `limits`.
     `typical_inputs` (forward arguments of a typical request; default: the labelled set's
     first batch, else `example_inputs`) is where the sparse and dense sides' costs per sample

@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table-dtype",
         default="float32",
-        choices=["float32", "float16", "int8_rowwise", "int8"],
-        help="storage type of the embedding tables (int8 = int8_rowwise)",
+        choices=["float32", "float16", "int8_rowwise", "int8", "int4_rowwise", "int4"],
+        help="storage type of the embedding tables (int8 = int8_rowwise, int4 = int4_rowwise)",
     )
     parser.add_argument(
         "--dense-dtype",
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from cleave.partitioner import AccuracyLimits, partition
 
     model, example = load_factory(args.model)
-    dtype = "int8_rowwise" if args.table_dtype == "int8" else args.table_dtype
+    dtype = {"int8": "int8_rowwise", "int4": "int4_rowwise"}.get(args.table_dtype, args.table_dtype)
     labelled, typical = load_labelled(args)
     bundle = partition(
         model,
