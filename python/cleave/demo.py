@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         rate_list=[float(r) for r in args.rates.split(",")],
         duration=args.duration,
         budget_ms=25.0,
+        max_error_pct=0.0,  # a rate is within budget only without errors, as in bench serve
         candidates=args.candidates,
         alpha=1.05,
         requests=64,
