@@ -203,6 +203,17 @@ mod tests {
     use bytes::Bytes;
     use proptest::prelude::*;
 
+    /// A CREDIT frame's payload of `bytes` for connection `conn_id`, applied to `table`.
+    fn grant(table: &CreditTable, conn_id: u64, bytes: u64) -> Result<(), (ErrorCode, String)> {
+        table.apply(
+            &Credit {
+                conn_id,
+                grant: bytes,
+            }
+            .encode(),
+        )
+    }
+
     fn reply(id: u64, len: usize) -> Frame {
         Frame::response(kind::FIRST_APP, id, Bytes::from(vec![0u8; len]))
     }
@@ -216,26 +227,10 @@ mod tests {
         assert!(held.offer(reply(2, 1)).is_none()); // behind the first, though it is small
         let err = Frame::error(kind::FIRST_APP, 3, ErrorCode::NotFound, "x");
         assert!(held.offer(err).is_some()); // errors need no credit
-        table
-            .apply(
-                &Credit {
-                    conn_id: 7,
-                    grant: 10,
-                }
-                .encode(),
-            )
-            .unwrap();
+        grant(&table, 7, 10).unwrap();
         let out: Vec<u64> = held.release().iter().map(|f| f.request_id).collect();
         assert_eq!(out, [1]);
-        table
-            .apply(
-                &Credit {
-                    conn_id: 7,
-                    grant: 1,
-                }
-                .encode(),
-            )
-            .unwrap();
+        grant(&table, 7, 1).unwrap();
         assert_eq!(held.release()[0].request_id, 2);
         assert_eq!(held.len(), 0);
     }
@@ -247,56 +242,16 @@ mod tests {
         let (code, msg) = table.apply(&[0; 15]).unwrap_err();
         assert_eq!(code, ErrorCode::BadRequest);
         assert!(msg.contains("16 bytes") && msg.contains("got 15"), "{msg}");
-        let (code, _) = table
-            .apply(
-                &Credit {
-                    conn_id: 2,
-                    grant: 1,
-                }
-                .encode(),
-            )
-            .unwrap_err();
+        let (code, _) = grant(&table, 2, 1).unwrap_err();
         assert_eq!(code, ErrorCode::NotFound);
-        table
-            .apply(
-                &Credit {
-                    conn_id: 1,
-                    grant: MAX_CREDIT_BALANCE,
-                }
-                .encode(),
-            )
-            .unwrap();
-        let (code, msg) = table
-            .apply(
-                &Credit {
-                    conn_id: 1,
-                    grant: 1,
-                }
-                .encode(),
-            )
-            .unwrap_err();
+        grant(&table, 1, MAX_CREDIT_BALANCE).unwrap();
+        let (code, msg) = grant(&table, 1, 1).unwrap_err();
         assert_eq!(code, ErrorCode::OutOfRange);
         assert!(msg.contains("overflows"), "{msg}");
-        let (code, _) = table
-            .apply(
-                &Credit {
-                    conn_id: 1,
-                    grant: u64::MAX,
-                }
-                .encode(),
-            )
-            .unwrap_err();
+        let (code, _) = grant(&table, 1, u64::MAX).unwrap_err();
         assert_eq!(code, ErrorCode::OutOfRange);
         drop(reg);
-        let (code, _) = table
-            .apply(
-                &Credit {
-                    conn_id: 1,
-                    grant: 1,
-                }
-                .encode(),
-            )
-            .unwrap_err();
+        let (code, _) = grant(&table, 1, 1).unwrap_err();
         assert_eq!(code, ErrorCode::NotFound); // gone with its connection
     }
 
