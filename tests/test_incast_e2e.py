@@ -12,12 +12,15 @@ import json
 import random
 import socket
 import struct
+import urllib.request
 
 import pytest
 from cleave._native import IncastScheduler, decode_control, encode_control
+from cleave.bench.stages import metrics_endpoints, printed_all_metrics
 from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
+from test_incast_adaptive import wait_for
 from test_serve import Served, check_scores, infer_url, post
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -65,7 +68,8 @@ def served(tmp_path_factory) -> Served:
 @pytest.fixture(scope="module")
 def deployment(served, tmp_path_factory):
     """One host: a shard, a ranker whose window holds one payload at a time (1 byte: one
-    message alone always goes), a router asking before every payload (threshold 1 byte)."""
+    message alone always goes; adaptive, from there up in steps of 1 byte), a router asking
+    before every payload (threshold 1 byte)."""
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
     plan = make_plan(served.dir, emulated_hosts(1), 1, 1, 1, 1, serve_config=config)
     plan.incast_control = True
@@ -73,6 +77,7 @@ def deployment(served, tmp_path_factory):
     port = free_port()
     plan.rankers[0].control_port = port
     plan.rankers[0].incast_window_bytes = 1
+    plan.rankers[0].incast_adaptive = True
     path = save_plan(plan, tmp_path_factory.mktemp("plan") / "incast.yaml")
     with ServeProcess(None, "--plan", str(path), "--http-port", "0") as server:
         yield server, port
@@ -81,6 +86,24 @@ def deployment(served, tmp_path_factory):
 def test_scores_are_exact_with_incast_control_on(served, deployment):
     server, _ = deployment
     check_scores(server, served)
+
+
+def test_the_rankers_metrics_show_its_incast_window(served, deployment):
+    server, _ = deployment
+    check_scores(server, served, batches=(3,))
+    wait_for(lambda: printed_all_metrics(list(server.log)), "cleave serve's metrics lines")
+    endpoints = metrics_endpoints(server.log, server.url)
+    (url,) = [u for role, u in endpoints.items() if "ranker" in role]
+    with urllib.request.urlopen(url, timeout=IO_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("cleave_ranker_incast_")
+    }
+    assert values["cleave_ranker_incast_window_bytes"] >= 1, text
+    assert values["cleave_ranker_incast_malformed_total"] >= 0, text
+    assert "cleave_ranker_incast_queued" in values, text
 
 
 def test_a_full_window_is_a_504_in_the_incast_queue_and_serving_goes_on(served, deployment):

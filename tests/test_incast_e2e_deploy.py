@@ -23,6 +23,7 @@ def incast_plan(bundle):  # noqa: F811
     plan.incast_threshold_bytes = 4096
     plan.rankers[0].control_port = 7200
     plan.rankers[0].incast_window_bytes = 2 << 20
+    plan.rankers[0].incast_adaptive = True
     return save_plan(plan, path)
 
 
@@ -33,6 +34,7 @@ def test_local_runner_passes_the_control_port_to_ranker_and_router(incast_plan, 
     argv = ranker.argv
     port = argv[argv.index("--control-port") + 1]
     assert argv[argv.index("--incast-window-bytes") + 1] == str(2 << 20)
+    assert "--incast-adaptive" in argv
     (router,) = specs.router_specs(specs.shard_specs(), [ranker])
     config = json.loads(specs.config_path(router.name).read_text())
     assert config["incast_control"] is True and config["incast_threshold_bytes"] == 4096
@@ -50,6 +52,7 @@ def test_the_chart_exposes_the_control_port_only_when_on(helm, incast_plan, bund
     assert {"name": "control", "containerPort": 7200} in container["ports"]
     assert "--control-port=7200" in container["args"]
     assert "--incast-window-bytes=2097152" in container["args"]
+    assert "--incast-adaptive" in container["args"]
     service = next(
         d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-ranker")
     )

@@ -6,14 +6,18 @@
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
+use cleave_flow::adaptive::Sample;
 use cleave_flow::control::{self, ControlMessage, ErrorCode};
-use cleave_flow::{Grant, IncastScheduler as Scheduler, Order};
+use cleave_flow::{
+    AdaptiveWindow as Adaptive, Grant, IncastScheduler as Scheduler, Order, Thresholds,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IncastScheduler>()?;
+    m.add_class::<AdaptiveWindow>()?;
     m.add_function(wrap_pyfunction!(encode_control, m)?)?;
     m.add_function(wrap_pyfunction!(decode_control, m)?)?;
     Ok(())
@@ -148,6 +152,75 @@ impl IncastScheduler {
             .lock()
             .map_err(|_| PyRuntimeError::new_err("incast scheduler: a call panicked earlier"))?;
         Ok(f(&guard.0))
+    }
+}
+
+/// The incast window that follows congestion (crate cleave-flow, docs/traffic.md "Which way
+/// the window moves"): starts at `min_bytes`, halves (not below `min_bytes`) when out-of-order
+/// segments per MiB received reach `high`, grows by `step_bytes` (not above `max_bytes`) after
+/// `grow_after` intervals in a row with congestion at most `low`, requests waiting and the
+/// link used below `target_utilization`.
+#[pyclass(module = "cleave._native")]
+pub struct AdaptiveWindow {
+    inner: Mutex<Adaptive>,
+}
+
+#[pymethods]
+impl AdaptiveWindow {
+    #[new]
+    #[pyo3(signature = (min_bytes, max_bytes, step_bytes, *, high=None, low=None, target_utilization=None, grow_after=None))]
+    fn new(
+        min_bytes: u64,
+        max_bytes: u64,
+        step_bytes: u64,
+        high: Option<f64>,
+        low: Option<f64>,
+        target_utilization: Option<f64>,
+        grow_after: Option<u32>,
+    ) -> PyResult<AdaptiveWindow> {
+        let d = Thresholds::default();
+        let t = Thresholds {
+            high: high.unwrap_or(d.high),
+            low: low.unwrap_or(d.low),
+            target_utilization: target_utilization.unwrap_or(d.target_utilization),
+            grow_after: grow_after.unwrap_or(d.grow_after),
+        };
+        if min_bytes == 0 || step_bytes == 0 || max_bytes < min_bytes {
+            return Err(PyValueError::new_err(format!(
+                "expected 0 < min_bytes <= max_bytes and step_bytes > 0, got min {min_bytes}, \
+                 max {max_bytes}, step {step_bytes}"
+            )));
+        }
+        if !(t.low.is_finite() && t.high.is_finite() && 0.0 <= t.low && t.low < t.high) {
+            return Err(PyValueError::new_err(format!(
+                "expected thresholds 0 <= low < high, got low {}, high {}",
+                t.low, t.high
+            )));
+        }
+        Ok(AdaptiveWindow {
+            inner: Mutex::new(Adaptive::new(min_bytes, max_bytes, step_bytes, t)),
+        })
+    }
+
+    /// The window after one interval: `congestion` (out-of-order segments per MiB received),
+    /// `utilization` (bytes received / what the link could carry), `backlog` (requests waited).
+    fn observe(&self, congestion: f64, utilization: f64, backlog: bool) -> u64 {
+        self.lock().observe(Sample {
+            congestion,
+            utilization,
+            backlog,
+        })
+    }
+
+    #[getter]
+    fn limit(&self) -> u64 {
+        self.lock().limit()
+    }
+}
+
+impl AdaptiveWindow {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Adaptive> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

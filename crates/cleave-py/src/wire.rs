@@ -8,10 +8,12 @@
 //! `KIND_CREDIT`, `HELLO_CREDITS` and `MAX_CREDIT_BALANCE`.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use cleave_flow::tcp_info::receiver_stats;
 use cleave_wire::{
     Address, Client, ClientConfig, ErrorCode, Handler, IoThreads, Request, Responder, Server,
     ServerConfig,
@@ -333,6 +335,23 @@ impl FrameServer {
             d.set_item("migrations", s.migrations())?;
         }
         Ok(d)
+    }
+
+    /// `[(conn_id, out_of_order_segments, bytes_received)]`: the kernel's counters (TCP_INFO)
+    /// of each live TCP data connection, cumulative since it opened; what the ranker's
+    /// adaptive incast window reads (docs/traffic.md). Empty once closed.
+    fn receiver_stats(&self) -> Vec<(u64, u32, u64)> {
+        let mut out = Vec::new();
+        let guard = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(server) = guard.as_ref() {
+            server.for_each_data_socket(|id, fd| {
+                // A socket that closes meanwhile has no counters left to read: skipped.
+                if let Ok(s) = receiver_stats(fd.as_raw_fd()) {
+                    out.push((id, s.rcv_ooopack, s.bytes_received));
+                }
+            });
+        }
+        out
     }
 
     /// Requests received and not answered yet.

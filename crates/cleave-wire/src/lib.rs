@@ -28,6 +28,7 @@ pub mod log;
 pub mod queue;
 mod serve_conn;
 mod server;
+mod sockets;
 
 pub use addr::Address;
 pub use client::{Client, ClientConfig, ClientStats};

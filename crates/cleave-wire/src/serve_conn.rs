@@ -27,6 +27,7 @@ use crate::credit::{HeldReplies, Registration};
 use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
 use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
+use crate::sockets::Listed;
 
 enum Event {
     Reply(Frame),
@@ -71,6 +72,10 @@ pub(crate) async fn serve_connection(
     let cfg = &shared.config;
     let (tx, rx) = mpsc::unbounded_channel::<Frame>();
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    let listed = match class {
+        ConnClass::Data => shared.sockets.list(conn_id, &stream),
+        ConnClass::Control => None,
+    };
     let state = ConnState {
         conn_id,
         class,
@@ -95,6 +100,7 @@ pub(crate) async fn serve_connection(
             load: 0,
         },
         _token: token,
+        _listed: listed,
     };
     drive(stream, shared, state).await
 }
@@ -119,6 +125,8 @@ struct ConnState {
     in_flight: HashMap<u64, Arc<AtomicBool>>,
     gauges: Gauges,
     _token: Token,
+    /// In the server's list of data sockets while the connection lives, wherever it moves.
+    _listed: Option<Listed>,
 }
 
 /// Continues a moved connection on its new thread. Boxed: `drive` spawns it, and it runs
@@ -154,6 +162,7 @@ async fn drive(mut stream: Stream, shared: Arc<Shared>, state: ConnState) {
         mut in_flight,
         mut gauges,
         _token,
+        _listed,
     } = state;
     // Data connections' tasks are woken to start others' queued work; the control thread
     // stays free for probes.
@@ -344,6 +353,7 @@ async fn drive(mut stream: Stream, shared: Arc<Shared>, state: ConnState) {
                 in_flight,
                 gauges,
                 _token,
+                _listed,
             };
             tracing::debug!(conn_id, to, "connection moved to a less loaded I/O thread");
             shared

@@ -2,6 +2,7 @@
 //! connections, and a [`Handler`] that answers application frames.
 
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -19,6 +20,7 @@ use crate::frame::{hello_options, kind, ConnClass, ErrorCode, Frame, DEFAULT_MAX
 use crate::io::IoThreads;
 use crate::queue::{QueuePolicy, RequestQueue};
 use crate::serve_conn::{serve_connection, Waiting};
+use crate::sockets::DataSockets;
 
 /// Limits and timeouts of a server.
 #[derive(Clone, Debug)]
@@ -271,6 +273,7 @@ pub struct Server {
     data_io: IoThreads,
     control_io: IoThreads,
     drain_timeout: Duration,
+    sockets: Arc<DataSockets>,
 }
 
 /// What every connection of a server shares.
@@ -292,6 +295,7 @@ pub(crate) struct Shared {
     pub(crate) queue_ready: tokio::sync::Notify,
     /// Response credit of the data connections that asked for credits.
     pub(crate) credits: Arc<CreditTable>,
+    pub(crate) sockets: Arc<DataSockets>,
 }
 
 impl Server {
@@ -311,6 +315,7 @@ impl Server {
         let stats = Arc::new(ServerStats::default());
         let queue = Mutex::new(config.queue.queue());
         let loads = ThreadLoads::new(data_io.len());
+        let sockets = Arc::new(DataSockets::default());
         let shared = Arc::new(Shared {
             handler,
             config,
@@ -323,6 +328,7 @@ impl Server {
             queue,
             queue_ready: tokio::sync::Notify::new(),
             credits: Arc::default(),
+            sockets: sockets.clone(),
         });
         let token = live.enter();
         control_io.spawn(async move {
@@ -339,7 +345,14 @@ impl Server {
             data_io,
             control_io,
             drain_timeout,
+            sockets,
         })
+    }
+
+    /// Calls `f` with the id and socket of each live TCP data connection, e.g. to read its
+    /// TCP_INFO. The list's lock is held meanwhile: keep `f` short.
+    pub fn for_each_data_socket(&self, f: impl FnMut(u64, BorrowedFd<'_>)) {
+        self.sockets.for_each(f);
     }
 
     /// Live counts (connections, frames being received).

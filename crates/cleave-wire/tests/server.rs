@@ -493,3 +493,49 @@ fn a_version_1_peer_is_refused_at_once_with_unsupported_version() {
     );
     assert_closed(&mut c);
 }
+
+/// The listed data sockets: each one's id and its peer's address.
+fn listed(srv: &Server) -> Vec<(u64, std::net::SocketAddr)> {
+    let mut out = Vec::new();
+    srv.for_each_data_socket(|id, fd| {
+        let sock = TcpStream::from(fd.try_clone_to_owned().unwrap());
+        out.push((id, sock.peer_addr().unwrap()));
+    });
+    out
+}
+
+#[test]
+fn data_sockets_are_listed_while_they_live_and_control_ones_never() {
+    let srv = server(ServerConfig::default());
+    let addr = srv.local_addr().clone();
+    let mut control = TcpStream::connect(addr.to_string()).unwrap();
+    control
+        .write_all(&Frame::request(kind::HELLO, 0, encode_hello(ConnClass::Control)).to_bytes())
+        .unwrap();
+    read_frame(&mut control).expect("HELLO reply");
+    let mut data = raw(&addr);
+    data.write_all(&Frame::request(ECHO, 1, Bytes::from_static(b"x")).to_bytes())
+        .unwrap();
+    read_frame(&mut data).expect("echo");
+    let seen = listed(&srv);
+    assert_eq!(
+        seen.len(),
+        1,
+        "one data connection, the control one left out: {seen:?}"
+    );
+    assert_eq!(
+        seen[0].1,
+        data.local_addr().unwrap(),
+        "the listed socket is the client's"
+    );
+    drop(data);
+    // The server notices the close on its I/O thread: bounded wait.
+    let deadline = std::time::Instant::now() + T;
+    while !listed(&srv).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        listed(&srv).is_empty(),
+        "a closed connection leaves the list"
+    );
+}

@@ -74,6 +74,8 @@ class Ranker:
     # payload, on the ranker's host; 0: none. Used when the plan's `incast_control` is on.
     control_port: int = 0
     incast_window_bytes: int = 1 << 20  # bytes granted and not yet received at most
+    # The window follows congestion, from incast_window_bytes up (docs/traffic.md).
+    incast_adaptive: bool = False
     incast_order: str = "edf"  # order delayed requests-to-send are granted in: fcfs | edf
     link_gbit: float = 1.0  # the host's link rate: B in EDF's start-by deadline
 

@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default 1 MiB",
     )
     parser.add_argument(
+        "--incast-adaptive",
+        action="store_true",
+        help="the window follows congestion on this host's data connections (TCP_INFO), from "
+        "--incast-window-bytes up to 64 times it in steps of it (docs/traffic.md)",
+    )
+    parser.add_argument(
         "--incast-order",
         choices=["fcfs", "edf"],
         default="edf",
@@ -162,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     batcher.source = server
     # The one-process baseline has no network between router and ranker: nothing to control.
     use_control = args.control_port and not args.with_router
-    control = _control(args, server.address) if use_control else None
+    control = _control(args, server) if use_control else None
     if control is not None:
         from cleave.ranker.control import ControlledSource
 
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.with_router:
         return _serve_with_router(batcher, server, args.with_router)
 
-    probes = _probes(batcher, server.address, args.metrics_port)
+    probes = _probes(batcher, server.address, args.metrics_port, control)
     stop = threading.Event()
 
     def on_signal(*_):
@@ -200,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _probes(batcher, address: str, port: int | None):
+def _probes(batcher, address: str, port: int | None, control=None):
     """/live, /ready and /metrics on the listen address's host (loopback for Unix sockets)."""
     if port is None:
         return None
@@ -208,22 +214,30 @@ def _probes(batcher, address: str, port: int | None):
 
     host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0]
     try:
-        return Probes(batcher, host.strip("[]"), port)
+        return Probes(batcher, host.strip("[]"), port, control)
     except OSError as err:
         raise UsageError(f"--metrics-port {port}: cannot listen on {host}: {err}") from None
 
 
-def _control(args: argparse.Namespace, address: str):
-    """The incast control port on the listen address's host (loopback for Unix sockets)."""
-    from cleave._native import IncastScheduler
-    from cleave.ranker.control import ControlServer
+ADAPTIVE_MAX_STEPS = 64  # the adaptive window's ceiling, in steps of its starting size
 
+
+def _control(args: argparse.Namespace, server):
+    """The incast control port on the listen address's host (loopback for Unix sockets)."""
+    from cleave._native import AdaptiveWindow, IncastScheduler
+    from cleave.ranker.control import CongestionMeter, ControlServer
+
+    address = server.address
     host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0].strip("[]")
-    scheduler = IncastScheduler(
-        args.incast_window_bytes, args.incast_order, args.link_gbit * 1e9 / 8, True
-    )
+    link = args.link_gbit * 1e9 / 8
+    window = args.incast_window_bytes
+    scheduler = IncastScheduler(window, args.incast_order, link, True)
+    adaptive = meter = None
+    if args.incast_adaptive:
+        adaptive = AdaptiveWindow(window, ADAPTIVE_MAX_STEPS * window, window)
+        meter = CongestionMeter(server.receiver_stats, link)
     try:
-        return ControlServer(host, args.control_port, scheduler)
+        return ControlServer(host, args.control_port, scheduler, adaptive, meter)
     except OSError as err:
         raise UsageError(
             f"--control-port {args.control_port}: cannot listen on {host}: {err}"

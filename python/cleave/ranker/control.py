@@ -9,7 +9,12 @@ one sender to the scheduler; when it goes, its queued requests and in-flight byt
 A malformed frame is answered with an error frame naming what was expected and what arrived,
 and that connection is closed; the others go on. `ControlledSource` wraps the data source
 (the FrameServer): a payload read off its connection releases its window space
-(`complete`) at once, not when the batching loop next asks for work."""
+(`complete`) at once, not when the batching loop next asks for work.
+
+With an adaptive window (`--incast-adaptive`), the same thread samples congestion every
+interval (`CongestionMeter`: out-of-order segments per MiB and the share of the link used,
+from the data connections' TCP_INFO) and sets the window `cleave._native.AdaptiveWindow`
+decides, the controller of `cleave bench incast`."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 
 from cleave._native import IncastScheduler, decode_control, encode_control
 from cleave.ranker.local import take
@@ -28,6 +34,31 @@ _POLL_S = 0.1  # how often the control thread looks at its stop flag
 _READ = 4096
 _MAX_BUFFER = 64 << 10  # a sender this far ahead of us is not speaking the protocol
 _SEND_TIMEOUT_S = 1.0  # a control frame that cannot leave in this long: the peer is stuck
+
+
+class CongestionMeter:
+    """What one interval of the data connections' kernel counters says (`counters()` returns
+    `[(conn_id, out_of_order_segments, bytes_received)]`, cumulative per connection, as
+    `FrameServer.receiver_stats`): out-of-order segments per MiB received — each one a
+    segment lost at the queue in front of this host — and bytes received over what the link
+    could carry. A connection first seen counts from its opening; a gone one drops out."""
+
+    _MIN_MIB = 0.25  # a few stray segments in an idle interval are not congestion
+
+    def __init__(self, counters, link_bytes_per_s: float):
+        self._counters = counters
+        self._link = link_bytes_per_s
+        self._last: dict[int, tuple[int, int]] = {}
+
+    def sample(self, interval_s: float) -> tuple[float, float]:
+        ooo = received = 0
+        now = {conn: (o, b) for conn, o, b in self._counters()}
+        for conn, (o, b) in now.items():
+            o0, b0 = self._last.get(conn, (0, 0))
+            ooo, received = ooo + max(0, o - o0), received + max(0, b - b0)
+        self._last = now
+        congestion = ooo / max(received / (1 << 20), self._MIN_MIB)
+        return congestion, received / (self._link * max(interval_s, 1e-6))
 
 
 class _Sender:
@@ -41,8 +72,20 @@ class ControlServer:
     """Listens on `host:port` (0 picks one; `address` says which) and grants through
     `scheduler`. `close()` stops the thread and every connection."""
 
-    def __init__(self, host: str, port: int, scheduler: IncastScheduler):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        scheduler: IncastScheduler,
+        adaptive=None,
+        meter: CongestionMeter | None = None,
+        interval_s: float = 0.05,
+    ):
+        """`adaptive` (a `cleave._native.AdaptiveWindow`) and `meter`: set the window from
+        congestion every `interval_s`; without them the window stays as `scheduler` has it."""
         self.scheduler = scheduler
+        self._adaptive, self._meter, self._interval_s = adaptive, meter, interval_s
+        self.window_changes = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -80,12 +123,38 @@ class ControlServer:
         self._selector.close()
 
     def _run(self) -> None:
+        adapts = self._adaptive is not None and self._meter is not None
+        last = time.monotonic()
         while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=_POLL_S):
+            timeout = _POLL_S
+            if adapts:
+                timeout = max(0.0, min(timeout, last + self._interval_s - time.monotonic()))
+            for key, _ in self._selector.select(timeout=timeout):
                 if key.data is None:
                     self._accept()
                 else:
                     self._read(key.data)
+            now = time.monotonic()
+            if adapts and now - last >= self._interval_s:
+                self._adapt(now - last)
+                last = now
+
+    def _adapt(self, interval_s: float) -> None:
+        """One interval of the adaptive window: measure, decide, apply (grants a larger
+        window allows go out now)."""
+        congestion, utilization = self._meter.sample(interval_s)
+        with self._lock:
+            backlog = self.scheduler.queued > 0
+            limit = self._adaptive.observe(congestion, utilization, backlog)
+            if limit != self.scheduler.limit:
+                self.window_changes += 1
+                log.debug(
+                    "incast window %d bytes (congestion %.2f, utilization %.2f)",
+                    limit,
+                    congestion,
+                    utilization,
+                )
+                self._apply(self.scheduler.set_limit(limit))
 
     def _accept(self) -> None:
         try:

@@ -40,12 +40,50 @@ class _BatcherCollector:
         )
 
 
-class Probes:
-    """`/live`, `/ready`, `/metrics` on `host:port` (port 0 picks one) until `close()`."""
+class _IncastCollector:
+    """The incast control port's window and queue (docs/traffic.md), read when scraped."""
 
-    def __init__(self, batcher, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, control):
+        self.control = control
+
+    def collect(self):
+        c, s = self.control, self.control.scheduler
+        yield GaugeMetricFamily(
+            "cleave_ranker_incast_window_bytes",
+            "incast window: bytes that may be in flight",
+            value=s.limit,
+        )
+        yield GaugeMetricFamily(
+            "cleave_ranker_incast_in_flight_bytes",
+            "bytes granted and not yet received",
+            value=s.in_flight,
+        )
+        yield GaugeMetricFamily(
+            "cleave_ranker_incast_queued",
+            "requests-to-send waiting for the window",
+            value=s.queued,
+        )
+        yield CounterMetricFamily(
+            "cleave_ranker_incast_window_changes",
+            "adaptive window changes",
+            value=c.window_changes,
+        )
+        yield CounterMetricFamily(
+            "cleave_ranker_incast_malformed",
+            "malformed control frames answered with an error",
+            value=c.malformed,
+        )
+
+
+class Probes:
+    """`/live`, `/ready`, `/metrics` on `host:port` (port 0 picks one) until `close()`;
+    with `control` (the incast ControlServer), its window and queue too."""
+
+    def __init__(self, batcher, host: str = "127.0.0.1", port: int = 0, control=None):
         self.registry = CollectorRegistry()
         self.registry.register(_BatcherCollector(batcher))
+        if control is not None:
+            self.registry.register(_IncastCollector(control))
         self.problems: list[str] = []  # why the ranker cannot serve (stopping, for one)
         probes = self
 

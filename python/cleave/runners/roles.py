@@ -181,6 +181,8 @@ class RoleSpecs:
                     "--link-gbit",
                     str(r.link_gbit),
                 ]
+                if r.incast_adaptive:
+                    argv.append("--incast-adaptive")
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
