@@ -448,3 +448,59 @@ def test_sigterm_removes_the_testbed_of_its_owner():
         if owner.poll() is None:
             owner.kill()
             owner.wait(timeout=IO_TIMEOUT_S)
+
+
+# Answers frames on h0 (control kinds in Rust, data kinds echoed here) for up to 60 s.
+FRAME_SERVER = """
+import sys, time
+from cleave._native import FrameServer
+s = FrameServer(sys.argv[1] + ":0")
+print("ready", s.address.rsplit(":", 1)[1], flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    for conn, rid, kind, payload, _, _ in s.recv(64, 0.2):
+        s.reply(conn, rid, kind, payload)
+"""
+
+
+def _class_bytes(dev: str, classid: str, netns: str | None = None) -> int:
+    """Bytes htb class ``classid`` on ``dev`` has sent."""
+    where = ["-n", netns] if netns else []
+    lines = commands.tc(*where, "-s", "class", "show", "dev", dev).splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"class htb {classid} "):
+            return int(lines[i + 1].split()[1])  # " Sent N bytes M pkt ..."
+    raise AssertionError(f"no class {classid} on {dev}: {lines}")
+
+
+def test_control_connections_take_the_priority_class_and_data_does_not(make_testbed):
+    from cleave._native import CONTROL_DSCP, FrameClient
+
+    tb = make_testbed(1, 0.5)
+    tb.prioritize_dscp(CONTROL_DSCP)
+    (h0,) = tb.hosts
+    server = tb.popen(
+        h0, [sys.executable, "-c", FRAME_SERVER, h0.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        client = FrameClient(f"{h0.address}:{_read_ready(server)}", timeout_s=IO_TIMEOUT_S)
+        client.ping()  # connects both classes' first connection
+        before = {
+            "to h0": _class_bytes(h0.bridge_port, "1:5"),
+            "from h0": _class_bytes(h0.veth, "1:5", h0.netns),
+        }
+        data_before = _class_bytes(h0.bridge_port, "1:10")
+        for _ in range(20):
+            client.ping()  # control frames: marked by the client, answered marked
+        assert client.call(0x0200, b"x" * 200_000) == b"x" * 200_000  # data: unmarked
+        control_to = _class_bytes(h0.bridge_port, "1:5") - before["to h0"]
+        control_from = _class_bytes(h0.veth, "1:5", h0.netns) - before["from h0"]
+        data = _class_bytes(h0.bridge_port, "1:10") - data_before
+        assert control_to > 0 and control_from > 0, (control_to, control_from)
+        assert data >= 200_000, f"the data frame went in the default class: {data}"
+        assert control_to < 50_000, (
+            f"only the control frames are in the priority class: {control_to}"
+        )
+    finally:
+        server.kill()
+        server.wait(timeout=IO_TIMEOUT_S)

@@ -47,6 +47,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("ERROR_CODES", codes)?;
     m.add("KIND_CREDIT", cleave_wire::frame::kind::CREDIT)?;
+    m.add("CONTROL_DSCP", cleave_wire::priority::CONTROL_DSCP)?;
     m.add("HELLO_CREDITS", cleave_wire::frame::hello_options::CREDITS)?;
     m.add("MAX_CREDIT_BALANCE", cleave_wire::MAX_CREDIT_BALANCE)?;
     Ok(())

@@ -8,11 +8,13 @@
 //! logged once per outage: incast control shapes bursts, it must not take serving down.
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cleave_flow::control::{read_message, ControlMessage};
+use cleave_wire::priority::CONTROL_DSCP;
 use thiserror::Error;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -184,6 +186,8 @@ async fn keep_connected(control: String, shared: Weak<Shared>) {
         match tokio::time::timeout(RECONNECT, TcpStream::connect(&control)).await {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
+                // Requests-to-send must not queue behind the payloads they pace.
+                let _ = cleave_wire::priority::mark(stream.as_fd(), CONTROL_DSCP);
                 let (mut read, write) = stream.into_split();
                 {
                     let Some(s) = shared.upgrade() else { return };

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::io;
 use std::net::ToSocketAddrs;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
@@ -67,6 +68,16 @@ impl Stream {
                 Ok(Stream::Tcp(s))
             }
             Address::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
+        }
+    }
+
+    /// Marks a TCP stream's packets as control traffic (DSCP EF, priority.rs); Unix sockets
+    /// cross no network. A failure is logged: the stream still works, without priority.
+    pub fn mark_control(&self) {
+        if let Stream::Tcp(s) = self {
+            if let Err(err) = crate::priority::mark(s.as_fd(), crate::priority::CONTROL_DSCP) {
+                tracing::debug!(%err, "cannot mark a control connection's packets");
+            }
         }
     }
 

@@ -366,6 +366,9 @@ async fn open(
             addr: addr.clone(),
             source,
         })?;
+    if class == ConnClass::Control {
+        s.mark_control();
+    }
     let handshake = |reason: String| WireError::Handshake {
         addr: addr.clone(),
         reason,

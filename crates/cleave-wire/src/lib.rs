@@ -25,6 +25,7 @@ pub mod frame;
 pub mod health;
 mod io;
 pub mod log;
+pub mod priority;
 pub mod queue;
 mod serve_conn;
 mod server;

@@ -519,8 +519,10 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
         return;
     }
     match class {
-        // Control connections stay on this (control) thread, away from bulk data.
+        // Control connections stay on this (control) thread, away from bulk data, and their
+        // replies go in the network's priority class.
         ConnClass::Control => {
+            stream.mark_control();
             serve_connection(stream, shared, conn_id, class, credit, None, token).await
         }
         ConnClass::Data => {

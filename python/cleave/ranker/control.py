@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 
-from cleave._native import IncastScheduler, decode_control, encode_control
+from cleave._native import CONTROL_DSCP, IncastScheduler, decode_control, encode_control
 from cleave.ranker.local import take
 
 log = logging.getLogger("cleave.ranker.control")
@@ -34,6 +34,19 @@ _POLL_S = 0.1  # how often the control thread looks at its stop flag
 _READ = 4096
 _MAX_BUFFER = 64 << 10  # a sender this far ahead of us is not speaking the protocol
 _SEND_TIMEOUT_S = 1.0  # a control frame that cannot leave in this long: the peer is stuck
+
+
+def mark_control(sock: socket.socket) -> None:
+    """Grants and expiries go in the network's priority class, as every control connection's
+    packets do (DSCP EF: docs/protocol.md, "Priority of control traffic")."""
+    v6 = sock.family == socket.AF_INET6
+    level, name = (
+        (socket.IPPROTO_IPV6, socket.IPV6_TCLASS) if v6 else (socket.IPPROTO_IP, socket.IP_TOS)
+    )
+    try:
+        sock.setsockopt(level, name, CONTROL_DSCP << 2)
+    except OSError as err:  # the connection still works, without priority
+        log.debug("cannot mark a control connection's packets: %s", err)
 
 
 class CongestionMeter:
@@ -164,6 +177,7 @@ class ControlServer:
         sock.setblocking(True)
         sock.settimeout(_SEND_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mark_control(sock)
         with self._lock:
             self._next = (self._next + 1) % (1 << 32)
             sender = _Sender(sock, self._next)

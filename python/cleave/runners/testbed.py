@@ -104,6 +104,11 @@ class TestbedRunner(SupervisedRunner):
             )
         )
         binding = TestbedBinding(plan, testbed, plan_dir)
+        # Control connections (probes, cancels, response credits, incast control) mark their
+        # packets; the emulated network honours the mark, as a datacenter's QoS would.
+        from cleave._native import CONTROL_DSCP
+
+        testbed.prioritize_dscp(CONTROL_DSCP)
         if plan.incast_control:
             # Grants never wait behind payloads on a shaped link (docs/traffic.md).
             for port in sorted({binding.control_port(r) for r in plan.rankers}):

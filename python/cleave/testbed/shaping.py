@@ -68,86 +68,98 @@ PRIORITY_CLASS = "1:5"
 PRIORITY_SHARE = 0.01  # of the link rate, guaranteed to control traffic (at least 1 Mbit/s)
 
 
+def _priority_class(dev: str, shape: Shape, where: list[str]) -> None:
+    """Class 1:5 (prio 0, a small guaranteed rate, ceil the link) with its own short pfifo,
+    so control packets never wait in the data queue; the default leaf 1:10 moves to prio 1.
+    Once per device."""
+    if f"htb {PRIORITY_CLASS} " in tc(*where, "class", "show", "dev", dev):
+        return
+    guaranteed = f"{max(round(shape.gbit * 1e9 * PRIORITY_SHARE), 1_000_000)}bit"
+    link = ["ceil", shape.rate, "burst", shape.burst, "cburst", shape.burst]
+    parent = ["dev", dev, "parent", "1:1"]
+    tc(
+        *where,
+        "class",
+        "add",
+        *parent,
+        "classid",
+        PRIORITY_CLASS,
+        "htb",
+        "rate",
+        guaranteed,
+        *link,
+        "prio",
+        "0",
+    )
+    tc(
+        *where,
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        PRIORITY_CLASS,
+        "handle",
+        "5:",
+        "pfifo",
+        "limit",
+        "1000",
+    )
+    tc(
+        *where,
+        "class",
+        "change",
+        *parent,
+        "classid",
+        "1:10",
+        "htb",
+        "rate",
+        shape.rate,
+        *link,
+        "prio",
+        "1",
+    )
+
+
+def _priority_filter(dev: str, where: list[str], *match: str) -> None:
+    tc(
+        *where,
+        "filter",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        "match",
+        "ip",
+        *match,
+        "flowid",
+        PRIORITY_CLASS,
+    )
+
+
 def add_priority_port(dev: str, shape: Shape, port: int, netns: str | None = None) -> None:
-    """Put TCP/UDP traffic to or from ``port`` on ``dev`` in a priority class beside the default
-    leaf, as RDMA QoS gives control traffic its own service level: class 1:5 (prio 0, a small
-    guaranteed rate, ceil the link) with its own short pfifo, so control packets never wait in
-    the data queue; the default leaf 1:10 moves to prio 1. Idempotent per port: adding a second
+    """Put TCP/UDP traffic to or from ``port`` on ``dev`` in the priority class beside the
+    default leaf, as RDMA QoS gives control traffic its own service level. Adding a second
     port adds only its filters."""
     if not (isinstance(port, int) and 0 < port < 65536):
         raise ValueError(f"port must be 1..65535, got {port!r}")
     where = ["-n", netns] if netns else []
-    guaranteed = f"{max(round(shape.gbit * 1e9 * PRIORITY_SHARE), 1_000_000)}bit"
-    link = ["ceil", shape.rate, "burst", shape.burst, "cburst", shape.burst]
-    classes = tc(*where, "class", "show", "dev", dev)
-    if f"htb {PRIORITY_CLASS} " not in classes:
-        tc(
-            *where,
-            "class",
-            "add",
-            "dev",
-            dev,
-            "parent",
-            "1:1",
-            "classid",
-            PRIORITY_CLASS,
-            "htb",
-            "rate",
-            guaranteed,
-            *link,
-            "prio",
-            "0",
-        )
-        tc(
-            *where,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "parent",
-            PRIORITY_CLASS,
-            "handle",
-            "5:",
-            "pfifo",
-            "limit",
-            "1000",
-        )
-        tc(
-            *where,
-            "class",
-            "change",
-            "dev",
-            dev,
-            "parent",
-            "1:1",
-            "classid",
-            "1:10",
-            "htb",
-            "rate",
-            shape.rate,
-            *link,
-            "prio",
-            "1",
-        )
+    _priority_class(dev, shape, where)
     for field in ("dport", "sport"):
-        tc(
-            *where,
-            "filter",
-            "add",
-            "dev",
-            dev,
-            "parent",
-            "1:",
-            "protocol",
-            "ip",
-            "prio",
-            "1",
-            "u32",
-            "match",
-            "ip",
-            field,
-            str(port),
-            "0xffff",
-            "flowid",
-            PRIORITY_CLASS,
-        )
+        _priority_filter(dev, where, field, str(port), "0xffff")
+
+
+def add_priority_dscp(dev: str, shape: Shape, dscp: int, netns: str | None = None) -> None:
+    """Put IPv4 packets marked with ``dscp`` (the six high bits of the TOS byte) on ``dev``
+    in the priority class: how a switch honours the marks of control connections."""
+    if not (isinstance(dscp, int) and 0 <= dscp < 64):
+        raise ValueError(f"dscp must be 0..63, got {dscp!r}")
+    where = ["-n", netns] if netns else []
+    _priority_class(dev, shape, where)
+    _priority_filter(dev, where, "tos", hex(dscp << 2), "0xfc")

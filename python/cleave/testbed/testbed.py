@@ -301,6 +301,14 @@ class Testbed:
             shaping.add_priority_port(h.veth, self.shape, port, netns=h.netns)
             shaping.add_priority_port(h.bridge_port, self.shape, port)
 
+    def prioritize_dscp(self, dscp: int) -> None:
+        """IPv4 packets marked ``dscp`` go in the higher-priority htb class on every host link,
+        both directions: every Cleave control connection marks its packets (DSCP EF,
+        docs/protocol.md "Priority of control traffic"), as a network with QoS would honour."""
+        for h in self.hosts:
+            shaping.add_priority_dscp(h.veth, self.shape, dscp, netns=h.netns)
+            shaping.add_priority_dscp(h.bridge_port, self.shape, dscp)
+
     def set_link(self, host: Host | int | str, up: bool) -> None:
         """Take the host's link down (both veth ends) or bring it back; its address, routes
         and shaping survive."""
