@@ -215,3 +215,20 @@ def test_the_codec_binding_round_trips():
         assert decode_control(data[:-1]) is None
     with pytest.raises(ValueError, match="grant needs a body of 8 bytes, got 4"):
         decode_control(frame(2, b"\0" * 4))
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"addr": "127.0.0.1:9"}, 'needs "control"'),
+        ({"addr": "127.0.0.1:9", "control": "nonsense"}, 'expected HOST:PORT, got "nonsense"'),
+        ({"addr": "127.0.0.1:9", "control": 7200}, "control"),
+    ],
+)
+def test_a_ranker_added_without_a_valid_control_port_is_refused(served, deployment, body, says):
+    server, _ = deployment
+    status, reply = post(f"{server.url}/admin/v1/rankers", json.dumps(body).encode())
+    assert status == 400 and says in reply["error"], (status, reply)
+    with urllib.request.urlopen(f"{server.url}/admin/v1/members", timeout=IO_TIMEOUT_S) as r:
+        members = json.loads(r.read())
+    assert len(members["rankers"]) == 1, members

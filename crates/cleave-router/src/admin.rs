@@ -62,6 +62,15 @@ pub fn routes() -> axum::Router<Arc<App>> {
         .route("/admin/v1/rankers/remove", post(remove_ranker))
 }
 
+/// `{"addr": ..., "control": ...}`
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddRanker {
+    addr: String,
+    /// Its incast control port, when the router has incast control on (docs/traffic.md).
+    control: Option<String>,
+}
+
 /// `{"addr": ..., "ranges": [{"table", "row_start", "row_end"}, ...]}`
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -156,6 +165,7 @@ fn parse<T: DeserializeOwned>(body: &[u8], expected: &str) -> Result<T, AdminErr
 }
 
 const ADDR_BODY: &str = r#"{"addr": "HOST:PORT"}"#;
+const RANKER_BODY: &str = r#"{"addr": "HOST:PORT", "control": "HOST:PORT" (with incast control)}"#;
 const SHARD_BODY: &str =
     r#"{"addr": "HOST:PORT", "ranges": [{"table": T, "row_start": A, "row_end": B}, ...]}"#;
 
@@ -257,7 +267,10 @@ async fn remove_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
 }
 
 async fn add_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
-    on_addr(app, headers, body, |app, a| app.router.rankers.add(a)).await
+    authorize(&app, &headers)?;
+    let add: AddRanker = parse(&body, RANKER_BODY)?;
+    app.router.rankers.add(&add.addr, add.control.as_deref())?;
+    Ok(changed(&app).await)
 }
 
 async fn drain_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {

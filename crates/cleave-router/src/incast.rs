@@ -90,7 +90,7 @@ impl Shared {
 /// The control connection to one ranker.
 pub struct IncastLink {
     ranker: String,
-    control: String,
+    pub(crate) control: String,
     threshold: u64,
     shared: Arc<Shared>,
 }

@@ -165,9 +165,10 @@ pub struct RankerPool {
     next: AtomicUsize,
     io: IoThreads,
     config: ClientConfig,
-    /// Incast control links by ranker data address (docs/traffic.md); empty: off. A ranker
-    /// added later through the admin API has none and is sent payloads without control.
+    /// Incast control links by ranker data address (docs/traffic.md); empty: off.
     incast: RwLock<HashMap<String, Arc<IncastLink>>>,
+    /// Set when incast control is on: the payload size from which senders ask.
+    incast_threshold: std::sync::OnceLock<u64>,
 }
 
 impl RankerPool {
@@ -190,12 +191,14 @@ impl RankerPool {
             io,
             config,
             incast: RwLock::new(HashMap::new()),
+            incast_threshold: std::sync::OnceLock::new(),
         }
     }
 
     /// Turns incast control on: one control connection per ranker, to `control[data addr]`
     /// (the config checked that every ranker has one). Call on the router's runtime.
     pub fn start_incast(&self, control: &HashMap<String, String>, threshold: u64) {
+        let _ = self.incast_threshold.set(threshold);
         let links = self
             .rankers()
             .iter()
@@ -240,15 +243,44 @@ impl RankerPool {
 
     /// Adds a ranker; it takes requests once a probe finds it ready (until then it is tried
     /// only after every healthy ranker).
-    pub fn add(&self, addr: &str) -> Result<(), MembershipError> {
+    /// With incast control on, `control` (its control port's `HOST:PORT`) is required, as the
+    /// config requires one for every ranker; with it off, refused. Call on the router's
+    /// runtime (the control link's task starts on it).
+    pub fn add(&self, addr: &str, control: Option<&str>) -> Result<(), MembershipError> {
         let mut guard = self.rankers.write().unwrap_or_else(|p| p.into_inner());
         if guard.iter().any(|r| r.addr == addr) {
             return Err(MembershipError::Conflict(format!(
                 "ranker {addr} is already a member"
             )));
         }
+        let link = match (self.incast_threshold.get(), control) {
+            (Some(&threshold), Some(at)) => {
+                if at.rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()) {
+                    return Err(MembershipError::Invalid(format!(
+                        "control: expected HOST:PORT, got {at:?}"
+                    )));
+                }
+                Some(Arc::new(IncastLink::start(addr, at, threshold)))
+            }
+            (Some(_), None) => {
+                return Err(MembershipError::Invalid(
+                    "incast control is on: a ranker needs \"control\": \"HOST:PORT\" (its control port)"
+                        .to_owned(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(MembershipError::Invalid(
+                    "control: incast control is off on this router; leave \"control\" out".to_owned(),
+                ))
+            }
+            (None, None) => None,
+        };
         let ranker = Ranker::new(addr, &self.io, &self.config)
             .map_err(|e| MembershipError::Invalid(format!("addr: {e}")))?;
+        if let Some(link) = link {
+            let mut links = self.incast.write().unwrap_or_else(|p| p.into_inner());
+            links.insert(addr.to_owned(), link);
+        }
         let mut next: Vec<Arc<Ranker>> = guard.to_vec();
         next.push(Arc::new(ranker));
         *guard = Arc::new(next);
@@ -271,6 +303,9 @@ impl RankerPool {
         last_open(&guard, addr, "remove")?;
         let next: Vec<Arc<Ranker>> = guard.iter().filter(|r| r.addr != addr).cloned().collect();
         *guard = Arc::new(next);
+        // Its control link's task ends once requests in flight let go of the link.
+        let mut links = self.incast.write().unwrap_or_else(|p| p.into_inner());
+        links.remove(addr);
         Ok(())
     }
 
@@ -706,13 +741,17 @@ mod tests {
         let io = IoThreads::new("test", 1).unwrap();
         let pool = RankerPool::new(&["127.0.0.1:1".into()], &io, ClientConfig::default()).unwrap();
         let conflict = |e: MembershipError| matches!(e, MembershipError::Conflict(_));
-        assert!(conflict(pool.add("127.0.0.1:1").unwrap_err()));
+        assert!(conflict(pool.add("127.0.0.1:1", None).unwrap_err()));
         assert!(matches!(
-            pool.add("nonsense").unwrap_err(),
+            pool.add("nonsense", None).unwrap_err(),
             MembershipError::Invalid(m) if m.starts_with("addr: ")
         ));
         assert!(conflict(pool.drain("127.0.0.1:1").unwrap_err()), "last one");
-        pool.add("127.0.0.1:2").unwrap();
+        assert!(matches!(
+            pool.add("127.0.0.1:2", Some("127.0.0.1:3")).unwrap_err(),
+            MembershipError::Invalid(m) if m.contains("incast control is off")
+        ));
+        pool.add("127.0.0.1:2", None).unwrap();
         assert_eq!(pool.rankers()[1].state(), "ejected", "not probed yet");
         pool.drain("127.0.0.1:1").unwrap();
         assert_eq!(pool.rankers()[0].state(), "draining");
@@ -729,5 +768,40 @@ mod tests {
             MembershipError::Unknown(_)
         ));
         assert_eq!(pool.rankers().len(), 1);
+    }
+
+    #[test]
+    fn a_ranker_added_with_incast_control_on_gets_its_control_link() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _entered = rt.enter(); // the control link's task starts on the router's runtime
+        let io = IoThreads::new("test", 1).unwrap();
+        let first = "127.0.0.1:1".to_owned();
+        let pool =
+            RankerPool::new(std::slice::from_ref(&first), &io, ClientConfig::default()).unwrap();
+        pool.start_incast(&HashMap::from([(first, "127.0.0.1:2".to_owned())]), 4096);
+        let invalid = |e: MembershipError, words: &str| matches!(e, MembershipError::Invalid(ref m) if m.contains(words));
+        assert!(invalid(
+            pool.add("127.0.0.1:3", None).unwrap_err(),
+            "needs \"control\""
+        ));
+        assert!(invalid(
+            pool.add("127.0.0.1:3", Some("nonsense")).unwrap_err(),
+            "expected HOST:PORT, got \"nonsense\""
+        ));
+        assert_eq!(pool.rankers().len(), 1, "a refused ranker is not added");
+        pool.add("127.0.0.1:3", Some("127.0.0.1:4")).unwrap();
+        let link = pool
+            .incast_link("127.0.0.1:3")
+            .expect("a control link for the new ranker");
+        assert_eq!(link.control, "127.0.0.1:4");
+        pool.remove("127.0.0.1:3").unwrap();
+        assert!(
+            pool.incast_link("127.0.0.1:3").is_none(),
+            "removed with its ranker"
+        );
+        assert!(pool.incast_link("127.0.0.1:1").is_some());
     }
 }

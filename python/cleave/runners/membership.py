@@ -38,9 +38,17 @@ def add_shard(
     return _call(url, "POST", "shards", {"addr": addr, "ranges": ranges}, token, timeout)
 
 
-def add_ranker(url: str, addr: str, token: str | None = None, timeout: float = 10.0) -> dict:
-    """Adds the ranker at `addr`. Returns the membership after."""
-    return _call(url, "POST", "rankers", {"addr": addr}, token, timeout)
+def add_ranker(
+    url: str,
+    addr: str,
+    token: str | None = None,
+    timeout: float = 10.0,
+    control: str | None = None,
+) -> dict:
+    """Adds the ranker at `addr`; `control`: its incast control port's HOST:PORT, required
+    when the router has incast control on, refused when off. Returns the membership after."""
+    body = {"addr": addr} if control is None else {"addr": addr, "control": control}
+    return _call(url, "POST", "rankers", body, token, timeout)
 
 
 def drain(url: str, kind: str, addr: str, token: str | None = None, timeout: float = 10.0) -> dict:

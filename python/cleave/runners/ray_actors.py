@@ -23,7 +23,7 @@ from pathlib import Path
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, probe_ready
 from cleave.runners import membership
-from cleave.runners.roles import Binding, RoleSpecs
+from cleave.runners.roles import Binding, RoleSpecs, control_address
 from cleave.runners.supervised import INTERNAL_SECRET
 
 log = logging.getLogger("cleave.ray")
@@ -391,7 +391,11 @@ class Controller:
                 ]
                 membership.add_shard(url, p.spec.address, ranges, self.token)
             else:
-                membership.add_ranker(url, p.spec.address, self.token)
+                control = None
+                if self.plan.incast_control and self.plan.mode != "monolithic":
+                    port = self.binding.control_port(p.role)
+                    control = control_address(p.spec.address, port)
+                membership.add_ranker(url, p.spec.address, self.token, control=control)
         # Done when every router takes work to it (it probes a new member at once).
         group = "shards" if p.kind == "shard" else "rankers"
         deadline = time.monotonic() + self.plan.supervision.ready_timeout_s
