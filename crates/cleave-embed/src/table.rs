@@ -204,6 +204,13 @@ impl Table {
     }
 
     /// The row store (the tiered lookup path reads rows through it).
+    /// Whether a lookup of `ids` would read rows from the device now (an SSD-tier table
+    /// whose row cache misses any of them); a lookup that would can be completed off the
+    /// thread that received it.
+    pub fn would_read(&self, ids: &[i64]) -> bool {
+        self.store().would_read(ids)
+    }
+
     pub(crate) fn store(&self) -> &dyn RowStore {
         self.store.as_ref()
     }

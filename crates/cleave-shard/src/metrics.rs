@@ -63,6 +63,8 @@ pub struct Gauges {
     pub credit_expired: u64,
     /// Connections moved from a busy I/O thread to a less loaded one.
     pub connection_migrations: u64,
+    /// SSD-tier lookups handed to a miss worker (they read from the device).
+    pub lookups_deferred: u64,
     /// Each table's version (0: the bundle's; docs/tiers.md, "Updates").
     pub table_versions: Vec<(String, u64)>,
     /// UPDATE steps (stage chunk, switch, abort) that succeeded and that failed.
@@ -231,6 +233,14 @@ impl Metrics {
         );
         as_counters(&mut moved);
         families.push(moved);
+        let mut deferred = gauges(
+            "cleave_shard_lookups_deferred_total",
+            "SSD-tier lookups that missed the row cache, completed by a miss worker off the \
+             I/O threads.",
+            [(vec![], g.lookups_deferred as f64)],
+        );
+        as_counters(&mut deferred);
+        families.push(deferred);
         let versions = g
             .table_versions
             .iter()
@@ -391,6 +401,7 @@ mod tests {
             responses_held: 6,
             credit_expired: 7,
             connection_migrations: 8,
+            lookups_deferred: 11,
             table_versions: vec![("t\"0".into(), 2)],
             update_steps: [9, 1],
             tier: Some(TierStats {
@@ -419,6 +430,7 @@ mod tests {
             "cleave_shard_responses_held 6",
             "cleave_shard_credit_expired_total 7",
             "cleave_shard_connection_migrations_total 8",
+            "cleave_shard_lookups_deferred_total 11",
             "cleave_shard_table_version{table=\"t\\\"0\"} 2",
             "cleave_shard_update_steps_total{outcome=\"ok\"} 9",
             "cleave_shard_update_steps_total{outcome=\"error\"} 1",
@@ -458,6 +470,7 @@ mod tests {
             responses_held: 0,
             credit_expired: 0,
             connection_migrations: 0,
+            lookups_deferred: 0,
             table_versions: vec![],
             update_steps: [0, 0],
             tier: None,

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -34,6 +34,10 @@ pub struct ShardService {
     /// The SSD tier and its caches, when the tables are served from it (its counters go to
     /// /metrics).
     tier: OnceLock<Arc<cleave_embed::Tier>>,
+    /// Where lookups that read from the device are completed, once started.
+    misses: OnceLock<MissWorkers>,
+    /// Lookups handed to the miss workers.
+    deferred: std::sync::atomic::AtomicU64,
 }
 
 /// A table at one version.
@@ -75,7 +79,14 @@ impl ShardService {
             updates: OnceLock::new(),
             update_counts: Default::default(),
             tier: OnceLock::new(),
+            misses: OnceLock::new(),
+            deferred: Default::default(),
         }
+    }
+
+    /// Lookups completed by a miss worker so far (they read rows from the device).
+    pub fn deferred_lookups(&self) -> u64 {
+        self.deferred.load(Ordering::Relaxed)
     }
 
     /// Reports this tier's counters in /metrics (only the first call has an effect).
@@ -248,6 +259,7 @@ impl ShardService {
             responses_held: count(ServerStats::responses_held),
             credit_expired: count(ServerStats::credit_expired),
             connection_migrations: count(ServerStats::migrations),
+            lookups_deferred: self.deferred_lookups(),
             table_versions: self.versions(),
             tier: self.tier.get().map(|t| t.stats()),
             update_steps: self
@@ -335,6 +347,18 @@ impl Handler for ShardService {
         let started = Instant::now();
         self.metrics.start();
         let outcome = if request.kind == LOOKUP {
+            if let Some(workers) = self.misses.get() {
+                if self.needs_device(&request.payload) {
+                    // Its reads wait on a miss worker; this I/O thread serves the next request.
+                    self.deferred.fetch_add(1, Ordering::Relaxed);
+                    workers.send(MissJob {
+                        request,
+                        responder,
+                        started,
+                    });
+                    return;
+                }
+            }
             self.lookup(&request.payload)
         } else if request.kind == UPDATE {
             let reply = self.update(&request.payload);
@@ -353,6 +377,39 @@ impl Handler for ShardService {
             );
             Err((ErrorCode::UnknownKind, msg))
         };
+        self.answer(outcome, &request, responder, started);
+    }
+
+    fn ready(&self) -> bool {
+        self.is_ready()
+    }
+
+    fn dropped_late(&self, kind: u16, left_us: u64) {
+        if kind == LOOKUP {
+            // Only served lookups refresh the estimate: each drop pulls it below what was
+            // left (half of it as a sample), so after a slow spell lookups are served again.
+            self.service_us.update(left_us as f64 / 2.0);
+        }
+    }
+
+    fn expected_service_us(&self, kind: u16) -> u64 {
+        if kind == LOOKUP {
+            self.service_us.get() as u64
+        } else {
+            0
+        }
+    }
+}
+
+impl ShardService {
+    /// Replies with a lookup's outcome and counts it.
+    fn answer(
+        &self,
+        outcome: Result<(Bytes, Served), Refusal>,
+        request: &Request,
+        responder: Responder,
+        started: Instant,
+    ) {
         let (result, sent) = match outcome {
             Ok((payload, served)) => {
                 let n = payload.len();
@@ -384,23 +441,77 @@ impl Handler for ShardService {
             .finish(result, request.payload.len(), sent, started.elapsed());
     }
 
-    fn ready(&self) -> bool {
-        self.is_ready()
+    /// Whether a LOOKUP payload reads any row from the device (a row-cache miss of an SSD
+    /// table); false for one that does not decode (the inline path answers its error).
+    fn needs_device(&self, payload: &[u8]) -> bool {
+        let (Some(loaded), Ok(lookups)) = (self.loaded.get(), decode_request(payload)) else {
+            return false;
+        };
+        let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
+        lookups.iter().any(|l| {
+            snapshot
+                .get(&l.table)
+                .is_some_and(|h| h.table.would_read(&l.ids))
+        })
     }
 
-    fn dropped_late(&self, kind: u16, left_us: u64) {
-        if kind == LOOKUP {
-            // Only served lookups refresh the estimate: each drop pulls it below what was
-            // left (half of it as a sample), so after a slow spell lookups are served again.
-            self.service_us.update(left_us as f64 / 2.0);
+    /// Completes lookups that miss the row cache on `threads` threads of their own from now
+    /// on (docs/tiers.md, "Asynchronous completion"): the I/O thread that received one hands
+    /// it over and goes on, so a slow device read stalls no other request. Only the first
+    /// call with `threads > 0` has an effect; the threads end when the service is dropped.
+    pub fn complete_misses_on(self: &Arc<Self>, threads: usize) {
+        if self.misses.get().is_some() {
+            return;
+        }
+        let (tx, rx) = mpsc::channel::<MissJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..threads {
+            let (service, rx) = (Arc::downgrade(self), rx.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("cleave-miss-{i}"))
+                .spawn(move || loop {
+                    // The sender goes with the service: then recv fails and the thread ends.
+                    let Ok(job) = rx.lock().unwrap_or_else(|e| e.into_inner()).recv() else {
+                        return;
+                    };
+                    let Some(service) = service.upgrade() else {
+                        return;
+                    };
+                    let outcome = service.lookup(&job.request.payload);
+                    service.answer(outcome, &job.request, job.responder, job.started);
+                });
+            match spawned {
+                Ok(_) => started += 1,
+                Err(err) => tracing::warn!(%err, "cannot start a miss worker"),
+            }
+        }
+        // Without any worker, misses go on being read on the I/O threads.
+        if started > 0 {
+            let _ = self.misses.set(MissWorkers(Mutex::new(tx)));
         }
     }
+}
 
-    fn expected_service_us(&self, kind: u16) -> u64 {
-        if kind == LOOKUP {
-            self.service_us.get() as u64
-        } else {
-            0
+/// A lookup that reads from the device, on its way to a miss worker.
+struct MissJob {
+    request: Request,
+    responder: Responder,
+    started: Instant,
+}
+
+struct MissWorkers(Mutex<mpsc::Sender<MissJob>>);
+
+impl MissWorkers {
+    fn send(&self, job: MissJob) {
+        let tx = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(mpsc::SendError(job)) = tx.send(job) {
+            // Every worker has ended (a panic in a lookup): answered, never left hanging.
+            drop(tx);
+            job.responder.error(
+                ErrorCode::Internal,
+                "no miss worker is left to complete this lookup",
+            );
         }
     }
 }

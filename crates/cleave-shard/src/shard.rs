@@ -87,6 +87,9 @@ pub struct ShardConfig {
     pub resident: bool,
     /// The order in which received lookups start (docs/serving.md, "Queue policies").
     pub queue: QueuePolicy,
+    /// Threads completing lookups that miss the SSD tier's row cache, off the I/O threads;
+    /// 0: on the I/O thread that received the lookup.
+    pub miss_threads: usize,
     /// Serve the tables from SSD behind this tier's DRAM caches (docs/tiers.md).
     pub tier: Option<std::sync::Arc<cleave_embed::Tier>>,
     /// Where this shard keeps model updates (docs/tiers.md, "Updates"); None: updates are
@@ -104,6 +107,7 @@ impl ShardConfig {
             metrics_port: None,
             threads: 1,
             io_threads: 1,
+            miss_threads: 8,
             frame_timeout: Duration::from_secs(10),
             max_payload: cleave_wire::frame::DEFAULT_MAX_PAYLOAD,
             resident: false,
@@ -194,6 +198,9 @@ impl Shard {
         service.enable_updates(updates_for(config));
         if let Some(tier) = &config.tier {
             service.attach_tier(tier.clone());
+            if config.miss_threads > 0 {
+                service.complete_misses_on(config.miss_threads);
+            }
         }
         Ok(Shard {
             server,

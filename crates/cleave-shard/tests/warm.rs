@@ -110,3 +110,84 @@ fn a_warmed_shard_answers_its_first_lookups_from_the_row_cache() {
     assert_eq!(stats.device_reads, 0, "{stats:?}");
     shard.shutdown();
 }
+
+/// Lookups that miss the row cache are completed by miss workers (their reads off the I/O
+/// thread); once their rows are cached the same lookups are served inline. Every answer,
+/// including many cold ones in flight at once over one I/O thread, equals the table.
+#[test]
+fn lookups_that_miss_are_completed_off_the_io_thread_with_the_same_values() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    write_bundle(dir.path());
+    let mut tier = TierConfig::new(1 << 20);
+    tier.ssd_tables = Some(vec!["hot".into()]);
+    let tier = Tier::new(tier).unwrap();
+    let mut config = ShardConfig::new(dir.path().to_owned(), "127.0.0.1:0".parse().unwrap());
+    config.tier = Some(tier.clone());
+    config.io_threads = 1;
+    config.miss_threads = 3;
+    let shard = Shard::start(&config).unwrap();
+    let route = Route {
+        table: "hot".into(),
+        rows: 0..ROWS,
+        addr: shard.info().listen.clone(),
+    };
+    let client = ShardClient::new(
+        RoutingTable::new(vec![route]).unwrap(),
+        &ShardClientConfig {
+            timeout: Duration::from_secs(10),
+            ..ShardClientConfig::default()
+        },
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lookup = |first: u64| Lookup {
+        table: "hot".into(),
+        op: Op::Gather,
+        ids: (0..8).map(|k| ((first + k * 97) % ROWS) as i64).collect(),
+        offsets: vec![],
+        weights: None,
+    };
+    let check = |first: u64, values: &[f32]| {
+        for (k, row) in values.chunks(DIM).enumerate() {
+            let r = (first + k as u64 * 97) % ROWS;
+            assert_eq!(
+                row,
+                (0..DIM).map(|j| value(r, j)).collect::<Vec<_>>(),
+                "row {r}"
+            );
+        }
+    };
+    let service = shard.service().clone();
+    // 16 cold lookups in flight together.
+    let firsts: Vec<u64> = (0..16).map(|i| i * 13).collect();
+    let client = std::sync::Arc::new(client);
+    let got = rt.block_on(async {
+        let mut calls = tokio::task::JoinSet::new();
+        for &f in &firsts {
+            let client = client.clone();
+            calls.spawn(async move { (f, client.lookup(&[lookup(f)]).await) });
+        }
+        calls.join_all().await
+    });
+    for (f, got) in got {
+        check(f, &got.unwrap()[0].values);
+    }
+    assert_eq!(
+        service.deferred_lookups(),
+        16,
+        "every cold lookup went to a miss worker"
+    );
+    // The same rows again: cached, so served on the I/O thread.
+    let again = rt.block_on(client.lookup(&[lookup(0)])).unwrap();
+    check(0, &again[0].values);
+    assert_eq!(
+        service.deferred_lookups(),
+        16,
+        "a lookup that hits is not deferred"
+    );
+    assert!(tier.stats().device_reads > 0);
+    shard.shutdown();
+}

@@ -91,6 +91,11 @@ impl SlotCache {
         self.map.is_empty()
     }
 
+    /// Whether `key` is cached; a look only (no hit for the policy).
+    pub fn contains(&self, key: RowKey) -> bool {
+        self.map.contains_key(&key)
+    }
+
     /// Copies the cached row of `key` into `out` (row_bytes); false on a miss.
     pub fn get(&mut self, key: RowKey, out: &mut [u8]) -> bool {
         let Some(&slot) = self.map.get(&key) else {

@@ -19,6 +19,11 @@ pub trait RowStore: Send + Sync {
     /// Copies rows `ids` (global, held by the table; distinct) to `out`, row `i` at
     /// `i * row_bytes`.
     fn read_rows(&self, ids: &[u64], out: &mut [u8]) -> Result<(), EmbedError>;
+    /// Whether reading `ids` (global, unchecked) would go to the device: false for rows in
+    /// memory; for the SSD tier, whether any of them misses the row cache now.
+    fn would_read(&self, _ids: &[i64]) -> bool {
+        false
+    }
     /// The tier whose caches this store reads through, if any.
     fn tier(&self) -> Option<&crate::tier::Tier> {
         None

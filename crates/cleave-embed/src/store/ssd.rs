@@ -114,6 +114,13 @@ impl RowStore for SsdStore {
         self.table as u64
     }
 
+    fn would_read(&self, ids: &[i64]) -> bool {
+        let cache = self.tier.rows.class(self.class);
+        let cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        ids.iter()
+            .any(|&id| !cache.contains((self.table, id as u64)))
+    }
+
     fn read_rows(&self, ids: &[u64], out: &mut [u8]) -> Result<(), EmbedError> {
         let rb = self.row_bytes;
         let counters = &self.tier.counters;

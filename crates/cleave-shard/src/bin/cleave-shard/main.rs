@@ -93,6 +93,11 @@ struct Args {
     /// Default: the plan's, else updates are refused.
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// Threads that complete SSD-tier lookups missing the row cache, off the I/O threads
+    /// (docs/tiers.md, "Asynchronous completion"): lookups whose reads are in flight at once.
+    /// 0: misses are read on the I/O thread that received the lookup.
+    #[arg(long, default_value = "8")]
+    miss_threads: usize,
     /// Share of the DRAM budget for the pooled-embedding cache, in [0, 0.5].
     #[arg(long, default_value = "0")]
     pooled_cache_fraction: f64,
@@ -301,6 +306,7 @@ fn main() -> ExitCode {
     }
     config.metrics_port = args.metrics_port;
     config.io_threads = args.io_threads.get();
+    config.miss_threads = args.miss_threads;
     config.frame_timeout = args.frame_timeout;
     config.resident = args.resident;
     config.queue = args.queue;
