@@ -201,6 +201,64 @@ def test_a_staged_update_never_switched_is_dropped_on_restart(bundles, tmp_path)
         shard.stop()
 
 
+def test_a_split_table_switches_at_one_time_on_every_shard(bundles, tmp_path):
+    """Two shards, each half of table f32, the update's rows in both halves: a request that
+    reads both halves sees one version whole, although the switch reaches the shards one
+    after the other — each picks the version by the request's time against the common switch
+    time (docs/tiers.md, "One version per request")."""
+    old, _, fresh, deltas = bundles
+    half, rows = ROWS["f32"] // 2, ROWS["f32"]
+    halves = [(0, half), (half, rows)]
+    shards = [
+        Shard(old, "--rows", f"f32={a}:{b}", "--state-dir", str(tmp_path / f"s{i}")).wait_ready()
+        for i, (a, b) in enumerate(halves)
+    ]
+    # The new version served split the same way (partial sums merged alike, bit for bit).
+    refs = [Shard(fresh, "--rows", f"f32={a}:{b}").wait_ready() for a, b in halves]
+    reqs = requests(np.random.default_rng(4), tables=("f32",))
+    for r in reqs:
+        r[2][::3] = rows - 1  # every bag reads the far half too (row 999 is updated)
+
+    def split(over: list[Shard]) -> list[bytes]:
+        routes = [("f32", a, b, s.address) for (a, b), s in zip(halves, over, strict=True)]
+        return [o.tobytes() for o in _native.ShardClient(routes, timeout_s=10).lookup(reqs)]
+
+    try:
+        old_answer = split(shards)
+        new_answer = split(refs)
+        assert old_answer != new_answer
+        data = deltas["f32"].read_bytes()
+        step = {"update": 9, "table": "f32"}
+        steppers = [_Shard(s.address, 10) for s in shards]
+        for shard in steppers:
+            shard.step({**step, "op": "stage", "kind": "rows", "offset": 0, "last": True}, data)
+        switch_at = time.time() + 5.0
+        switch = {**step, "op": "switch", "switch_at_unix_us": int(switch_at * 1e6)}
+        assert steppers[0].step(switch)["version"] == 1
+        # One shard has switched, the other not yet: a request before the switch time reads
+        # the old version on both (at once, without it, the first half would be new).
+        got = split(shards)
+        if time.time() < switch_at:
+            assert got == old_answer
+        assert steppers[1].step(switch)["version"] == 1
+        got = split(shards)
+        if time.time() < switch_at:
+            assert got == old_answer
+        assert got in (old_answer, new_answer)
+        time.sleep(max(0.0, switch_at - time.time()) + 0.05)
+        assert split(shards) == new_answer
+        assert [version(s, "f32") for s in shards] == [1, 1]
+        # A switch that arrives after its time says by how much (the CLI warns).
+        stage = {"update": 10, "table": "f32", "op": "stage", "kind": "rows", "offset": 0}
+        steppers[0].step({**stage, "last": True}, data)
+        past = int((time.time() - 1.0) * 1e6)
+        late = steppers[0].step({**stage, "op": "switch", "switch_at_unix_us": past})
+        assert late["version"] == 2 and late["late_us"] >= 1_000_000, late
+    finally:
+        for s in (*shards, *refs):
+            s.stop()
+
+
 def write_plan(tmp_path: Path, bundle: Path) -> Path:
     """A plan naming the bundle (all `cleave update` reads of it, with the secret's name)."""
     plan = Plan(

@@ -13,6 +13,7 @@ import os
 import secrets
 import struct
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,20 +156,34 @@ class _Shard:
             ) from None
 
 
-def _switch(shard: _Shard, base: dict) -> int | str:
-    """The version `shard` switched to, or why it could not."""
+def _switch(shard: _Shard, base: dict) -> tuple[int, int] | str:
+    """(the version `shard` switched to, µs its switch came after the switch time), or why it
+    could not."""
     try:
-        return int(shard.step({**base, "op": "switch"})["version"])
+        reply = shard.step({**base, "op": "switch"})
+        return int(reply["version"]), int(reply.get("late_us") or 0)
     except UpdateError as err:
         return str(err)
 
 
+SWITCH_MARGIN_S = 2.0  # from sending the switch to its switch time: it must reach every shard
+
+
 def apply_update(
-    addrs: list[str], table: str, source: Path, kind: str, timeout_s: float = 60.0, log=None
+    addrs: list[str],
+    table: str,
+    source: Path,
+    kind: str,
+    timeout_s: float = 60.0,
+    log=None,
+    switch_margin_s: float = SWITCH_MARGIN_S,
 ) -> dict[str, int]:
     """Stages `source` (a delta: kind "rows"; a table file: kind "file") of `table` on every
-    shard at `addrs`, then switches them all. Returns {addr: new version}. A failed stage
-    aborts the update on every shard (the old version keeps serving) and raises UpdateError."""
+    shard at `addrs`, then switches them all at one time, `switch_margin_s` from now: requests
+    that arrived before it read the old version on every shard, later ones the new (docs/tiers.md,
+    "One version per request"). Returns {addr: new version} once that time has passed. A failed
+    stage aborts the update on every shard (the old version keeps serving) and raises
+    UpdateError."""
     log = log or (lambda _m: None)
     update = secrets.randbits(63)
     shards = [_Shard(a, timeout_s) for a in addrs]
@@ -194,18 +209,26 @@ def apply_update(
                 log(f"abort: {err}")
         log("the update was aborted on every shard; the old version keeps serving")
         raise
-    # All at once, so that the shards of a split table change versions within one round trip
-    # of each other (docs/tiers.md, "Limits").
+    # Every shard gets the same switch time, far enough ahead for the switch to reach them all.
+    switch_at_us = int((time.time() + switch_margin_s) * 1e6)
+    switch = {**base, "switch_at_unix_us": switch_at_us}
     with ThreadPoolExecutor(max_workers=min(len(shards), 32)) as pool:
-        outcomes = list(pool.map(_switch, shards, [base] * len(shards)))
-    versions = {s.addr: v for s, v in zip(shards, outcomes, strict=True) if isinstance(v, int)}
+        outcomes = list(pool.map(_switch, shards, [switch] * len(shards)))
     failed = [v for v in outcomes if isinstance(v, str)]
     if failed:
         raise UpdateError(
             "switch failed on some shards after every shard had staged (they keep serving the "
             "old version; run the update again): " + "; ".join(failed)
         )
-    return versions
+    for shard, (_, late_us) in zip(shards, outcomes, strict=True):
+        if late_us:
+            log(
+                f"warning: the switch reached {shard.addr} {late_us / 1e3:.1f} ms after the "
+                "switch time: requests of that interval may have read both versions (raise "
+                "--switch-margin-ms)"
+            )
+    time.sleep(max(0.0, switch_at_us / 1e6 - time.time()))  # serving it when this returns
+    return {s.addr: v for s, (v, _) in zip(shards, outcomes, strict=True)}
 
 
 def add_arguments(parser) -> None:
@@ -223,11 +246,20 @@ def add_arguments(parser) -> None:
         "--admin-token-env", default="", help="variable holding the router's admin token"
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per step")
+    parser.add_argument(
+        "--switch-margin-ms",
+        type=float,
+        default=SWITCH_MARGIN_S * 1e3,
+        help="the new version serves this long after the switch is sent, on every shard at "
+        "once; it must cover sending the switch to all of them (default 2000)",
+    )
 
 
 def run(args) -> int:
     from cleave.plan.files import load_plan
 
+    if not 0 <= args.switch_margin_ms <= 600_000:
+        raise UpdateError(f"--switch-margin-ms: expected 0..600000, got {args.switch_margin_ms}")
     plan = load_plan(args.plan)
     manifest_path = plan.bundle_path() / "manifest.json"
     try:
@@ -268,7 +300,13 @@ def run(args) -> int:
             raise UpdateError(f"--router {args.router}: no live shard holds table {args.table!r}")
     kind = "rows" if args.rows else "file"
     versions = apply_update(
-        addrs, args.table, source, kind, args.timeout, log=lambda m: print(m, file=sys.stderr)
+        addrs,
+        args.table,
+        source,
+        kind,
+        args.timeout,
+        log=lambda m: print(m, file=sys.stderr),
+        switch_margin_s=args.switch_margin_ms / 1e3,
     )
     print(json.dumps({"table": args.table, "versions": versions}))
     return 0

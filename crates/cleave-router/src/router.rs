@@ -47,6 +47,11 @@ impl Budget {
         (self.start_unix + self.budget).as_micros() as u64
     }
 
+    /// When the request arrived, Unix µs: the time its lookups read table versions at.
+    pub fn start_unix_us(&self) -> u64 {
+        self.start_unix.as_micros() as u64
+    }
+
     /// The error for a budget that ran out in `stage`.
     pub fn expired(&self, stage: Stage) -> RequestError {
         RequestError::deadline(

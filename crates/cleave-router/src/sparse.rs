@@ -121,7 +121,13 @@ impl Shards {
                 // By default a replica gets half of what is left, so a retry elsewhere fits.
                 let attempt = self.attempt_timeout.map_or(timeout / 2, |a| a.min(timeout));
                 client
-                    .lookup_within(&batch, timeout, attempt, budget.trace_id)
+                    .lookup_within(
+                        &batch,
+                        timeout,
+                        attempt,
+                        budget.trace_id,
+                        Some(budget.start_unix_us()),
+                    )
                     .await
                     .map_err(shard_error)?
             }

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use cleave_wire::{Address, Client, ClientConfig, IoThreads, WireError};
 
 use crate::membership::Members;
-use crate::message::{decode_response, encode_request, Lookup, Pooled, LOOKUP};
+use crate::message::{decode_response, encode_request_as_of, Lookup, Pooled, LOOKUP};
 use crate::replica::{candidates, failure, pick, Failure, Replica, ReplicaState};
 use crate::routes::RoutingTable;
 use crate::split::{plan, sub_view, Merged, Sub};
@@ -254,20 +254,25 @@ impl ShardClient {
         timeout: Duration,
         trace_id: u64,
     ) -> Result<Vec<Pooled>, ClientError> {
-        self.lookup_within(batch, timeout, timeout, trace_id).await
+        self.lookup_within(batch, timeout, timeout, trace_id, None)
+            .await
     }
 
     /// [`lookup_traced`](Self::lookup_traced) where each call to a replica waits at most
     /// `attempt` while another replica of its group could take a retry: one that times out
     /// while `timeout` has time left is retried once there (a slow or cut-off replica costs
     /// `attempt`, not the whole budget). A group's last candidate may use all of `timeout`.
+    /// `as_of_unix_us`: when the client request arrived, sent to every shard so that all of
+    /// them read the same version of a table an update is switching (None: now, here).
     pub async fn lookup_within(
         &self,
         batch: &[Lookup],
         timeout: Duration,
         attempt: Duration,
         trace_id: u64,
+        as_of_unix_us: Option<u64>,
     ) -> Result<Vec<Pooled>, ClientError> {
+        let as_of = as_of_unix_us.unwrap_or_else(cleave_wire::unix_now_us);
         let started = Instant::now();
         let members = self.snapshot();
         let plan = plan(&members.routes, batch)?;
@@ -277,7 +282,7 @@ impl ShardClient {
             .filter(|(_, subs)| !subs.is_empty())
             .map(|(g, subs)| {
                 let views = subs.iter().map(|sub| sub_view(sub, batch));
-                let payload = encode_request(views);
+                let payload = encode_request_as_of(views, Some(as_of));
                 let members = &members;
                 async move {
                     let deadline = started + timeout;

@@ -1,6 +1,8 @@
 //! The LOOKUP messages a shard answers (frame kind [`LOOKUP`]): layouts in docs/protocol.md.
 //!
-//! Request payload: `u32 count, u32 0`, then `count` lookups, each starting 8-byte aligned:
+//! Request payload: `u32 count, u32 flags`, with flag bit 0 a `u64 as_of` (the request's
+//! arrival, Unix µs: which table version it reads while an update switches), then `count`
+//! lookups, each starting 8-byte aligned:
 //!
 //! ```text
 //! u8 op (0 sum, 1 mean, 2 max, 3 gather) | u8 id dtype (0 int64, 1 int32) | u8 flags
@@ -219,17 +221,37 @@ fn pad8(n: usize) -> usize {
     n.div_ceil(8) * 8
 }
 
-/// Encodes a lookup request (ids always as int64).
+/// Request header flag: a u64 `as_of` (Unix µs) follows the header.
+const AS_OF: u32 = 1;
+
+/// Encodes a lookup request (ids always as int64) without an `as_of`: the shard reads the
+/// version its own clock says.
 pub fn encode_request<'a>(lookups: impl IntoIterator<Item = LookupView<'a>> + Clone) -> Bytes {
-    let len = 8 + lookups
-        .clone()
-        .into_iter()
-        .map(|l| l.encoded_len())
-        .sum::<usize>();
+    encode_request_as_of(lookups, None)
+}
+
+/// Encodes a lookup request read as of `as_of_unix_us` (the request's arrival): every shard
+/// that gets one of its parts picks the same version of a table whose update is switching
+/// (docs/tiers.md, "One version per request").
+pub fn encode_request_as_of<'a>(
+    lookups: impl IntoIterator<Item = LookupView<'a>> + Clone,
+    as_of_unix_us: Option<u64>,
+) -> Bytes {
+    let header = if as_of_unix_us.is_some() { 16 } else { 8 };
+    let len = header
+        + lookups
+            .clone()
+            .into_iter()
+            .map(|l| l.encoded_len())
+            .sum::<usize>();
     let mut out = Vec::with_capacity(len);
     let count = lookups.clone().into_iter().count();
     out.extend_from_slice(&(count as u32).to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    let flags = if as_of_unix_us.is_some() { AS_OF } else { 0 };
+    out.extend_from_slice(&flags.to_le_bytes());
+    if let Some(at) = as_of_unix_us {
+        out.extend_from_slice(&at.to_le_bytes());
+    }
     for l in lookups {
         let bags = if l.op == Op::Gather {
             0
@@ -317,19 +339,33 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 /// Decodes a lookup request. Checks layout, op, dtype and the offsets/weights rules; table
 /// names and id ranges are the shard's to check.
 pub fn decode_request(payload: &[u8]) -> Result<Vec<Lookup>, MessageError> {
+    decode_request_as_of(payload).map(|(lookups, _)| lookups)
+}
+
+/// [`decode_request`] and the request's `as_of` (Unix µs), if it carries one.
+pub fn decode_request_as_of(payload: &[u8]) -> Result<(Vec<Lookup>, Option<u64>), MessageError> {
     let mut c = Cursor {
         buf: payload,
         pos: 0,
     };
-    let head = c.take(8, &|| "the request header (count, 0)".to_owned())?;
+    let head = c.take(8, &|| "the request header (count, flags)".to_owned())?;
     let count = u32_at(head, 0) as usize;
-    if u32_at(head, 4) != 0 {
-        return Err(MessageError(
-            "request header bytes 4..8 must be 0".to_owned(),
-        ));
+    let flags = u32_at(head, 4);
+    if flags & !AS_OF != 0 {
+        return Err(MessageError(format!(
+            "request header flags {flags:#x}: only bit 0 (a u64 as_of follows) is defined"
+        )));
     }
+    let as_of = if flags & AS_OF != 0 {
+        let at = c.take(8, &|| {
+            "the request's as_of (u64 after the header)".to_owned()
+        })?;
+        Some(u64::from_le_bytes(at.try_into().expect("8 bytes")))
+    } else {
+        None
+    };
     // Each lookup takes at least its header, so a huge count in a short payload fails early.
-    let room = (payload.len() - 8) / LOOKUP_HEADER;
+    let room = (payload.len() - c.pos) / LOOKUP_HEADER;
     if count > room {
         return Err(MessageError(format!(
             "request announces {count} lookups but its {} bytes hold at most {room}",
@@ -424,7 +460,7 @@ pub fn decode_request(payload: &[u8]) -> Result<Vec<Lookup>, MessageError> {
             payload.len() - c.pos
         )));
     }
-    Ok(lookups)
+    Ok((lookups, as_of))
 }
 
 /// The result of one lookup. For a pooled lookup `rows` is bags and `counts` has one entry per
@@ -682,13 +718,33 @@ mod tests {
     }
 
     #[test]
+    fn as_of_round_trips_and_its_absence_decodes_as_none() {
+        let views = || sample().into_iter().collect::<Vec<_>>();
+        let lookups = views();
+        let with = encode_request_as_of(
+            lookups.iter().map(Lookup::view),
+            Some(1_700_000_000_123_456),
+        );
+        let (back, as_of) = decode_request_as_of(&with).unwrap();
+        assert_eq!(
+            (back, as_of),
+            (lookups.clone(), Some(1_700_000_000_123_456))
+        );
+        let without = encode_request(lookups.iter().map(Lookup::view));
+        assert_eq!(with.len(), without.len() + 8);
+        assert_eq!(decode_request_as_of(&without).unwrap().1, None);
+        let err = decode_request(&with[..12]).unwrap_err().0;
+        assert!(err.contains("the request's as_of"), "{err}");
+    }
+
+    #[test]
     fn bad_fields_are_named() {
         let bytes = encode_request(sample().iter().map(Lookup::view)).to_vec();
         let cases: [(usize, u8, &str); 4] = [
             (8, 9, "op 9 unknown"),
             (9, 5, "id dtype 5 unknown"),
             (10, 4, "flags 0x04"),
-            (4, 1, "bytes 4..8 must be 0"),
+            (4, 2, "request header flags 0x2: only bit 0"),
         ];
         for (at, value, expect) in cases {
             let mut b = bytes.clone();

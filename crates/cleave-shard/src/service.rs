@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
-use cleave_wire::{ErrorCode, Handler, Request, Responder, ServerStats};
+use cleave_wire::{unix_now_us, ErrorCode, Handler, Request, Responder, ServerStats};
 
 use crate::ewma::Ewma;
-use crate::message::{decode_request, Op, ResponseBuilder, LOOKUP, UPDATE};
+use crate::message::{decode_request_as_of, Op, ResponseBuilder, LOOKUP, UPDATE};
 use crate::metrics::{Gauges, Metrics};
 use crate::update::{self, StepError, Updates};
 
@@ -38,12 +38,50 @@ pub struct ShardService {
     misses: OnceLock<MissWorkers>,
     /// Lookups handed to the miss workers.
     deferred: std::sync::atomic::AtomicU64,
+    /// This service, for the threads it hands work to (set by `start_workers`).
+    me: OnceLock<std::sync::Weak<ShardService>>,
 }
+
+/// How long a replaced version stays for requests as of before its successor's switch time:
+/// longer than any request's budget, after which none of them can still arrive.
+const RETAIN_PREVIOUS_US: u64 = 60_000_000;
 
 /// A table at one version.
 pub struct Held {
     pub table: Table,
     pub version: u64,
+    /// When this version starts serving (Unix µs; 0: it always has): a request as of an
+    /// earlier time reads `previous` (docs/tiers.md, "One version per request").
+    pub switch_at_unix_us: u64,
+    previous: Mutex<Option<Arc<Held>>>,
+}
+
+impl Held {
+    pub fn new(table: Table, version: u64) -> Held {
+        Held {
+            table,
+            version,
+            switch_at_unix_us: 0,
+            previous: Mutex::new(None),
+        }
+    }
+
+    /// The version a request as of `at` (Unix µs) reads: this one, or the one it replaced
+    /// when `at` is before its switch time. Lets go of the replaced one once no request
+    /// that needs it can still arrive.
+    fn as_of(self: &Arc<Self>, at: u64) -> Arc<Held> {
+        let mut previous = self.previous.lock().unwrap_or_else(|e| e.into_inner());
+        if at < self.switch_at_unix_us {
+            if let Some(p) = previous.as_ref() {
+                return p.clone();
+            }
+        } else if previous.is_some()
+            && unix_now_us() > self.switch_at_unix_us.saturating_add(RETAIN_PREVIOUS_US)
+        {
+            *previous = None;
+        }
+        self.clone()
+    }
 }
 
 /// The tables served, swapped whole by an update: a lookup works on the snapshot it took.
@@ -81,6 +119,7 @@ impl ShardService {
             tier: OnceLock::new(),
             misses: OnceLock::new(),
             deferred: Default::default(),
+            me: OnceLock::new(),
         }
     }
 
@@ -99,16 +138,17 @@ impl ShardService {
         let _ = self.updates.set(updates);
     }
 
-    /// The version of each table held (0: the bundle's).
+    /// The version of each table that serves now (0: the bundle's).
     pub fn versions(&self) -> Vec<(String, u64)> {
         let Some(loaded) = self.loaded.get() else {
             return Vec::new();
         };
         let snapshot = loaded.tables.read().unwrap().clone();
+        let now = unix_now_us();
         loaded
             .order
             .iter()
-            .filter_map(|(n, _)| snapshot.get(n).map(|h| (n.clone(), h.version)))
+            .filter_map(|(n, _)| snapshot.get(n).map(|h| (n.clone(), h.as_of(now).version)))
             .collect()
     }
 
@@ -140,6 +180,7 @@ impl ShardService {
                 .cloned()
                 .ok_or_else(|| StepError::UnknownTable(h.table.clone()))
         };
+        let mut late_us: Option<u64> = None;
         let version = match h.op.as_str() {
             "stage" => {
                 let held = current()?;
@@ -150,16 +191,33 @@ impl ShardService {
                 let staged = updates.switch(h.update, &h.table)?;
                 let version = staged.version;
                 let mut tables = loaded.tables.write().unwrap();
+                let replaced = tables.get(&h.table).cloned();
+                // One version back is kept, not a chain: requests as of before the previous
+                // switch are long past their budgets.
+                if let Some(r) = &replaced {
+                    r.previous.lock().unwrap_or_else(|e| e.into_inner()).take();
+                }
                 let mut next = HashMap::clone(&tables);
                 next.insert(
                     h.table.clone(),
                     Arc::new(Held {
                         table: staged.opened,
                         version,
+                        switch_at_unix_us: h.switch_at_unix_us,
+                        previous: Mutex::new(replaced),
                     }),
                 );
                 *tables = Arc::new(next);
-                tracing::info!(table = %h.table, version, "update switched in");
+                let now = unix_now_us();
+                late_us =
+                    (h.switch_at_unix_us != 0).then(|| now.saturating_sub(h.switch_at_unix_us));
+                if late_us.is_some_and(|l| l > 0) {
+                    // Requests as of between the switch time and now read the old version
+                    // here; a shard that switched in time gave them the new one.
+                    tracing::warn!(table = %h.table, version, late_us, "switch arrived after its switch time");
+                } else {
+                    tracing::info!(table = %h.table, version, switch_at_unix_us = h.switch_at_unix_us, "update switched in");
+                }
                 Some(version)
             }
             "abort" => {
@@ -172,7 +230,11 @@ impl ShardService {
                 )))
             }
         };
-        let reply = serde_json::json!({"table": h.table, "update": h.update, "version": version});
+        let mut reply =
+            serde_json::json!({"table": h.table, "update": h.update, "version": version});
+        if let Some(late) = late_us {
+            reply["late_us"] = late.into();
+        }
         Ok(Bytes::from(reply.to_string()))
     }
 
@@ -190,7 +252,7 @@ impl ShardService {
             .collect();
         let tables = tables
             .into_iter()
-            .map(|(table, version)| (table.name().to_owned(), Arc::new(Held { table, version })))
+            .map(|(table, version)| (table.name().to_owned(), Arc::new(Held::new(table, version))))
             .collect();
         let _ = self.loaded.set(Loaded {
             tables: RwLock::new(Arc::new(tables)),
@@ -278,21 +340,25 @@ impl ShardService {
                 "the shard is still opening its tables".to_owned(),
             )
         })?;
-        let lookups = decode_request(payload).map_err(|e| (ErrorCode::BadRequest, e.0))?;
-        // One version of each table for the whole request, even if an update switches now.
+        let (lookups, as_of) =
+            decode_request_as_of(payload).map_err(|e| (ErrorCode::BadRequest, e.0))?;
+        // One version of each table for the whole request, even if an update switches now:
+        // the one its as_of reads, so every shard of a split table picks the same.
+        let at = as_of.unwrap_or_else(unix_now_us);
         let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
-        let mut tables = Vec::with_capacity(lookups.len());
+        let mut held = Vec::with_capacity(lookups.len());
         for (i, l) in lookups.iter().enumerate() {
-            let t = snapshot.get(&l.table).map(|h| &h.table).ok_or_else(|| {
-                let held: Vec<&str> = loaded.order.iter().map(|(n, _)| n.as_str()).collect();
+            let h = snapshot.get(&l.table).map(|h| h.as_of(at)).ok_or_else(|| {
+                let names: Vec<&str> = loaded.order.iter().map(|(n, _)| n.as_str()).collect();
                 let msg = format!(
-                    "lookup {i}: table {:?} is not held here; this shard holds {held:?}",
+                    "lookup {i}: table {:?} is not held here; this shard holds {names:?}",
                     l.table
                 );
                 (ErrorCode::NotFound, msg)
             })?;
-            tables.push(t);
+            held.push(h);
         }
+        let tables: Vec<&Table> = held.iter().map(|h| &h.table).collect();
         let shapes: Vec<(usize, usize, bool)> = lookups
             .iter()
             .zip(&tables)
@@ -361,13 +427,25 @@ impl Handler for ShardService {
             }
             self.lookup(&request.payload)
         } else if request.kind == UPDATE {
-            let reply = self.update(&request.payload);
-            match reply {
+            // A stage's last chunk writes a whole table: on a thread of its own where it can,
+            // so the lookups of this I/O thread do not wait for it.
+            let me = self.me.get().cloned();
+            let step = move |service: &ShardService| match service.update(&request.payload) {
                 Ok(payload) => responder.reply(payload),
                 Err((code, msg)) => {
                     tracing::warn!(code = ?code, error = %msg, "update step refused");
                     responder.error(code, &msg);
                 }
+            };
+            match me {
+                Some(me) => {
+                    std::thread::spawn(move || {
+                        if let Some(service) = me.upgrade() {
+                            step(&service);
+                        }
+                    });
+                }
+                None => step(self),
             }
             return;
         } else {
@@ -444,22 +522,32 @@ impl ShardService {
     /// Whether a LOOKUP payload reads any row from the device (a row-cache miss of an SSD
     /// table); false for one that does not decode (the inline path answers its error).
     fn needs_device(&self, payload: &[u8]) -> bool {
-        let (Some(loaded), Ok(lookups)) = (self.loaded.get(), decode_request(payload)) else {
+        let (Some(loaded), Ok((lookups, as_of))) =
+            (self.loaded.get(), decode_request_as_of(payload))
+        else {
             return false;
         };
+        let at = as_of.unwrap_or_else(unix_now_us);
         let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
         lookups.iter().any(|l| {
             snapshot
                 .get(&l.table)
-                .is_some_and(|h| h.table.would_read(&l.ids))
+                .is_some_and(|h| h.as_of(at).table.would_read(&l.ids))
         })
     }
 
-    /// Completes lookups that miss the row cache on `threads` threads of their own from now
-    /// on (docs/tiers.md, "Asynchronous completion"): the I/O thread that received one hands
-    /// it over and goes on, so a slow device read stalls no other request. Only the first
-    /// call with `threads > 0` has an effect; the threads end when the service is dropped.
-    pub fn complete_misses_on(self: &Arc<Self>, threads: usize) {
+    /// Runs update steps on threads of their own, and lookups that miss the row cache on
+    /// `miss_threads` miss workers (docs/tiers.md, "Asynchronous completion"; 0: on the I/O
+    /// thread): the I/O thread that received such work hands it over and goes on, so a slow
+    /// device read or a table being written stalls no other request. Only the first call has
+    /// an effect; the threads end when the service is dropped.
+    pub fn start_workers(self: &Arc<Self>, miss_threads: usize) {
+        if self.me.set(Arc::downgrade(self)).is_ok() && miss_threads > 0 {
+            self.complete_misses_on(miss_threads);
+        }
+    }
+
+    fn complete_misses_on(self: &Arc<Self>, threads: usize) {
         if self.misses.get().is_some() {
             return;
         }

@@ -196,12 +196,12 @@ impl Shard {
         };
         service.load_versions(tables, Engine::new(config.threads.max(1)));
         service.enable_updates(updates_for(config));
+        let mut miss_threads = 0;
         if let Some(tier) = &config.tier {
             service.attach_tier(tier.clone());
-            if config.miss_threads > 0 {
-                service.complete_misses_on(config.miss_threads);
-            }
+            miss_threads = config.miss_threads;
         }
+        service.start_workers(miss_threads);
         Ok(Shard {
             server,
             service,

@@ -67,6 +67,10 @@ pub struct Header {
     pub offset: u64,
     #[serde(default)]
     pub last: bool,
+    /// switch: when the new version starts serving, Unix µs (0: at once). Lookups as of an
+    /// earlier time keep reading the version before (docs/tiers.md, "One version per request").
+    #[serde(default)]
+    pub switch_at_unix_us: u64,
 }
 
 /// Splits an UPDATE payload into its header and data.

@@ -56,7 +56,7 @@ fn a_lookup_with_less_time_left_than_the_replica_takes_is_not_sent() {
     // A timeout teaches the client that this replica takes at least 200 ms.
     let wait = Duration::from_millis(200);
     let err = rt
-        .block_on(c.lookup_within(batch, wait, wait, 0))
+        .block_on(c.lookup_within(batch, wait, wait, 0, None))
         .unwrap_err();
     assert!(
         matches!(err.wire(), Some(cleave_wire::WireError::Timeout { .. })),
@@ -66,7 +66,7 @@ fn a_lookup_with_less_time_left_than_the_replica_takes_is_not_sent() {
     // 50 ms left, 200 ms expected: refused before sending.
     let left = Duration::from_millis(50);
     let err = rt
-        .block_on(c.lookup_within(batch, left, left, 0))
+        .block_on(c.lookup_within(batch, left, left, 0, None))
         .unwrap_err();
     assert!(
         matches!(err, ClientError::Late { expected_us, .. } if expected_us >= 150_000),
@@ -80,7 +80,7 @@ fn a_lookup_with_less_time_left_than_the_replica_takes_is_not_sent() {
     // With time enough it is sent (and times out again). Had the late one been sent, it would
     // have arrived before this one on the same connection.
     let err = rt
-        .block_on(c.lookup_within(batch, wait * 2, wait * 2, 0))
+        .block_on(c.lookup_within(batch, wait * 2, wait * 2, 0, None))
         .unwrap_err();
     assert!(
         matches!(err.wire(), Some(cleave_wire::WireError::Timeout { .. })),

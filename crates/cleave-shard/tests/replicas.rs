@@ -276,6 +276,7 @@ fn a_replica_that_does_not_answer_in_time_costs_one_attempt() {
                 Duration::from_secs(10),
                 attempt,
                 0,
+                None,
             ))
             .expect("the live replica answers the retry");
         assert_eq!(out[0].values.len(), ROWS as usize * DIM);
@@ -297,7 +298,7 @@ fn a_replica_that_does_not_answer_in_time_costs_one_attempt() {
     // With the whole budget as the attempt, a timeout is the request's answer: no retry.
     let c = client(vec![route(0..ROWS, &stuck_addr)]);
     let err = rt
-        .block_on(c.lookup_within(std::slice::from_ref(&l), attempt, attempt, 0))
+        .block_on(c.lookup_within(std::slice::from_ref(&l), attempt, attempt, 0, None))
         .unwrap_err();
     assert!(
         matches!(err.wire(), Some(cleave_wire::WireError::Timeout { .. })),
