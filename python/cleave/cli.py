@@ -30,6 +30,7 @@ BENCHMARKS = {
     "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
+    "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
 }
 
 
