@@ -428,6 +428,8 @@ def test_cli_round_trip(bundle, tmp_path):
     plan = load_plan(out)
     assert not Path(plan.bundle).is_absolute() and plan.bundle_path().resolve() == bundle
     assert f"# command: cleave plan {' '.join(args)}" in out.read_text()
+    # Every shard its own directory for `cleave update`, beside the plan.
+    assert [s.state_dir for s in plan.shards][:2] == ["state/shard-0-0", "state/shard-0-1"]
     checked = cleave_plan("--check", str(out), cwd=tmp_path)
     assert checked.returncode == 0 and f"{out}: OK" in checked.stdout, checked.stderr
 
@@ -439,6 +441,8 @@ def test_cli_round_trip(bundle, tmp_path):
     assert done.returncode == 0, done.stderr
     plan = load_plan(out)
     assert (plan.router.budget_ms, plan.rankers[0].max_batch) == (30.0, 64)
+    done = cleave_plan(str(bundle), "--hosts", "1", "--state-dir", "", "-o", str(out), cwd=tmp_path)
+    assert done.returncode == 0 and load_plan(out).shards[0].state_dir == "", done.stderr
 
 
 def test_cli_bad_input(bundle, tmp_path, tmp_path_factory):

@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="DRAM per shard for rows and caches (suffix K, M, G); tables over it go to SSD",
     )
     parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        default="state",
+        help="each shard keeps `cleave update`'s table versions in DIR/SHARD_NAME, relative to "
+        "the plan file (default state; '' for none: updates are then refused)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="access profile (JSON, docs/tiers.md): places tables by bandwidth need per byte",
@@ -113,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     )
     # The bundle is named relative to the plan, so the two move together.
     plan.bundle = os.path.relpath(bundle.resolve(), output.parent.resolve())
+    if args.state_dir:  # docs/tiers.md, "Updates": one directory per shard process
+        for shard in plan.shards:
+            shard.state_dir = str(Path(args.state_dir) / shard.name)
     plan.source = output
     if budget is not None:
         manifest = read_manifest(bundle)
