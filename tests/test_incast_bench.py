@@ -71,21 +71,31 @@ def test_prioritize_port_adds_the_class_and_filters():
 
 
 def test_quick_end_to_end_bench_serves_both_ways_and_writes_ratios(tmp_path):
-    """`cleave bench incast-serve --quick`: routers on their own testbed hosts, control off
-    then on, every request answered with no 502; the ratios are there."""
+    """`cleave bench incast-serve --quick` (a preset of `cleave bench serve --plan
+    --incast-control off,on`): routers on their own testbed hosts, control off then on, the
+    load split over every router, no 502; the ratios are there."""
     out = tmp_path / "incast-serve.json"
     argv = [sys.executable, "-m", "cleave.cli", "bench", "incast-serve", "--quick"]
     argv += ["--workdir", str(tmp_path / "work"), "--json", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["deployments"]) == {"control-off", "control-on"}
+    assert list(result["deployments"]) == ["incast-off", "incast-on"]
+    assert result["runner"] == "testbed" and result["incast_control"] == ["off", "on"]
+    assert result["incast_serve"]["routers"] == 2 and result["incast_serve"]["payload_bytes"] > 0
     for name, dep in result["deployments"].items():
         assert dep["http_502"] == 0, name
         for point in dep["rates"]:
             assert point["sent"] > 0 and point["throughput_rps"] > 0, (name, point)
-    assert "max_goodput_on_over_off" in result["ratios"]
-    assert "control-on" in proc.stdout  # the table
+            # Both routers got their share: sent by the client, counted by each router.
+            sent = point["sent_by_router"]
+            assert len(sent) == 2 and min(sent) > 0 and sum(sent) == point["sent"], point
+            counted = point["metrics"]["requests_by_router"]
+            assert len(counted) == 2 and min(counted.values()) > 0, counted
+    ratios = result["ratios"]
+    assert {"max_goodput_incast_on_over_off", "max_rate_incast_on_over_off"} <= set(ratios)
+    assert set(ratios["goodput_incast_on_over_off_by_rate"]) == {"10.0"}
+    assert "incast-on" in proc.stdout and "HTTP 502s: 0" in proc.stdout  # the table
 
 
 def test_end_to_end_bench_refuses_bad_rates():

@@ -1,10 +1,13 @@
 """`cleave bench serve --plan PLAN` and `--shard-hosts 1,2,4`: deployments a plan describes,
 started through `cleave serve --plan` (the one code path of every runner), and the summary of
-the shard-host sweep (docs/benchmarks.md, "Across hosts: the testbed")."""
+the shard-host sweep (docs/benchmarks.md, "Across hosts: the testbed"); `--plan PLAN
+--incast-control off,on`: the plan with incast control off, then on (docs/benchmarks.md,
+"Incast control end to end")."""
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from cleave.errors import UsageError
@@ -22,6 +25,8 @@ STAGES = [
     "rest",
 ]
 MAX_SHARD_HOSTS = 16
+INCAST_VALUES = ("off", "on")
+CONTROL_PORT = 7200  # a ranker's control port where the plan leaves it 0 (on a testbed host)
 
 
 def check_deployment_flags(args) -> None:
@@ -64,6 +69,7 @@ def check_deployment_flags(args) -> None:
                 f"commas, got {args.shard_hosts!r}"
             )
         args.shard_host_list = counts
+    args.incast_list = _incast_values(args)
     if args.plan:
         from cleave.plan import load_plan
 
@@ -71,6 +77,24 @@ def check_deployment_flags(args) -> None:
         args.plan_name = plan.name
         if not args.bundle:
             args.bundle = str(plan.bundle_path())
+
+
+def _incast_values(args) -> list[str]:
+    """--incast-control's comma-separated list, checked; [] when not given."""
+    if args.incast_control is None:
+        return []
+    values = [v.strip() for v in args.incast_control.split(",")]
+    if any(v not in INCAST_VALUES for v in values) or len(set(values)) != len(values):
+        raise UsageError(
+            f"--incast-control: expected distinct values of off, on separated by commas, "
+            f"got {args.incast_control!r}"
+        )
+    if not args.plan:
+        raise UsageError(
+            "--incast-control: only with --plan (it sets the plan's incast_control), "
+            f"got {'--shard-hosts' if args.shard_hosts else 'no plan'}"
+        )
+    return values
 
 
 def _runner_flags(args) -> list[str]:
@@ -93,6 +117,8 @@ def targets(args, workload, result: dict, target_class) -> dict:
     result["link_gbit"] = args.link_gbit if args.link_gbit is not None else 1.0
     if args.plan:
         result["plan"] = str(args.plan)
+        if args.incast_list:
+            return _incast_targets(args, flags, result, target_class)
         return {"plan": target_class(plan=args.plan, flags=flags, model=args.plan_name)}
     from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.launch.config import load as load_config
@@ -121,6 +147,88 @@ def targets(args, workload, result: dict, target_class) -> dict:
         result["plans"][name] = str(path)
         found[name] = target_class(plan=path, flags=flags, model=plan.name)
     return found
+
+
+def _incast_targets(args, flags: list[str], result: dict, target_class) -> dict:
+    """One copy of --plan per --incast-control value, written under --workdir/plans:
+    `incast-off`, `incast-on`."""
+    from cleave.plan import load_plan, save_plan
+
+    plans = Path(args.workdir) / "plans"
+    plans.mkdir(parents=True, exist_ok=True)
+    result["incast_control"] = args.incast_list
+    result["plans"] = {}
+    found = {}
+    for value in args.incast_list:
+        plan = load_plan(args.plan)
+        plan.bundle = str(plan.bundle_path().resolve())  # the copy lives elsewhere
+        plan.incast_control = value == "on"
+        if args.runner == "local":
+            # Both deployments are up at once for the single-request rounds: on one machine
+            # the plan's ports would clash, so every port is one the runner picks.
+            for role in [*plan.shards, *plan.rankers]:
+                role.port = role.metrics_port = 0
+            for ranker in plan.rankers:
+                ranker.control_port = 0
+        elif plan.incast_control:
+            for i, ranker in enumerate(plan.rankers):
+                if not ranker.control_port:  # a known port: the testbed gives it priority
+                    ranker.control_port = _free_port_on(plan, ranker.host, CONTROL_PORT)
+                    print(
+                        f"cleave bench serve: rankers[{i}] ({ranker.name}) has no control_port: "
+                        f"incast-on uses {ranker.control_port}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        name = f"incast-{value}"
+        path = save_plan(plan, plans / f"{Path(args.plan).stem}-{name}.yaml")
+        result["plans"][name] = str(path)
+        found[name] = target_class(plan=path, flags=flags, model=plan.name)
+    return found
+
+
+def _free_port_on(plan, host: str, port: int) -> int:
+    """`port`, or the next one no role of `plan` on `host` uses."""
+    taken = {
+        p
+        for _, role in plan.roles()
+        if role.host == host
+        for p in (
+            getattr(role, "port", 0),
+            getattr(role, "metrics_port", 0),
+            getattr(role, "control_port", 0),
+            getattr(role, "http_port", 0),
+        )
+    }
+    while port in taken:
+        port += 1
+    return port
+
+
+def incast_ratios(deps: dict) -> dict:
+    """Incast control on over off: best goodput, highest rate within budget, goodput per rate
+    (a rate both measured). None where off had none: strict JSON has no infinity."""
+    off, on = deps["incast-off"], deps["incast-on"]
+    off_by_rate = {p["rate"]: p["goodput_rps"] for p in off["rates"]}
+
+    def best(dep: dict) -> float:
+        return max((p["goodput_rps"] for p in dep["rates"]), default=0.0)
+
+    return {
+        "max_goodput_incast_on_over_off": _share(best(on), best(off)),
+        "max_rate_incast_on_over_off": _share(
+            on["max_rate_within_budget"], off["max_rate_within_budget"]
+        ),
+        "goodput_incast_on_over_off_by_rate": {
+            str(p["rate"]): _share(p["goodput_rps"], off_by_rate[p["rate"]])
+            for p in sorted(on["rates"], key=lambda p: p["rate"])
+            if p["rate"] in off_by_rate
+        },
+    }
+
+
+def _share(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def reference_point(dep: dict) -> dict | None:

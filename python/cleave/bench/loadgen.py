@@ -168,6 +168,7 @@ class Sample:
     error: str = ""  # "" for success, else a kind: "http_504", "timeout", "connection", ...
     stages_us: dict = field(default_factory=dict)  # "<stage>_us" response parameters
     max_abs_diff: float | None = None  # against the expected outputs, when checked
+    router: int = 0  # which of `open_loop_spread`'s URLs it was sent to
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
@@ -217,6 +218,42 @@ def open_loop(
     """Poisson arrivals at `rate` per second for `duration_s`, cycling through `bodies` in a
     seeded random order; `check(index, response_json)` returns a max abs diff to record."""
     return open_loop_phases(url, bodies, [(rate, duration_s)], timeout_s, seed, check)
+
+
+def open_loop_spread(
+    urls: Sequence[str],
+    bodies: Sequence[bytes],
+    rate: float,
+    duration_s: float,
+    timeout_s: float = 10.0,
+    seed: int = 0,
+    check: Callable[[int, dict], float] | None = None,
+) -> list[Sample]:
+    """`open_loop` at `rate` in total, split evenly over `urls` (a deployment's routers):
+    one generator thread per URL, each its own Poisson stream (seeds differ per URL), all at
+    once; every sample says which URL it went to (`Sample.router`). One URL is `open_loop`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not urls:
+        raise ValueError("open_loop_spread: expected at least one URL, got none")
+    if len(urls) == 1:
+        return open_loop(urls[0], bodies, rate, duration_s, timeout_s, seed, check)
+    per = rate / len(urls)
+    # `http_load` releases the GIL: the threads send concurrently. A failed one re-raises.
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        runs = [
+            pool.submit(
+                open_loop, url, bodies, per, duration_s, timeout_s, seed + 104_729 * i, check
+            )
+            for i, url in enumerate(urls)
+        ]
+        results = [run.result() for run in runs]
+    samples = []
+    for i, got in enumerate(results):
+        for sample in got:
+            sample.router = i
+        samples.extend(got)
+    return samples
 
 
 def open_loop_phases(

@@ -1,10 +1,12 @@
 """`cleave bench serve`: open-loop serving load against a deployment started by `cleave serve`,
 disaggregated and/or monolithic, on the same cores one after the other; or any deployment plan
 under a runner (`--plan PLAN --runner local|testbed`); or the shard-host sweep on the emulated
-testbed (`--shard-hosts 1,2,4`: a router host, S shard hosts and a ranker host per plan).
+testbed (`--shard-hosts 1,2,4`: a router host, S shard hosts and a ranker host per plan); or a
+plan with incast control off and on (`--plan PLAN --incast-control off,on`).
 
-For each deployment: single-request latency (one request at a time), then each offered rate
-(Poisson arrivals) for `--duration` seconds, optionally a search for the highest rate whose
+For each deployment: single-request latency (one request at a time, the first router), then
+each offered rate (Poisson arrivals, split evenly over every router of the deployment) for
+`--duration` seconds, optionally a search for the highest rate whose
 p99 stays within the budget. Prints a table, writes JSON and a PNG (latency vs rate, stage
 breakdown). Every response can be checked against the original model's outputs (--check).
 """
@@ -15,8 +17,10 @@ import argparse
 import functools
 import json
 import math
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -115,6 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--link-gbit", type=float, help="testbed runner: host link rate, Gbit/s (default 1)"
+    )
+    parser.add_argument(
+        "--incast-control",
+        metavar="off,on",
+        help="with --plan: one deployment per value (incast-off, incast-on), each served from "
+        "a copy of the plan with incast control set, measured one after the other; ratios of "
+        'on over off (docs/benchmarks.md, "Incast control end to end")',
     )
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run of a few seconds (tests, CI)"
@@ -360,6 +371,10 @@ class Target:
         # plan: `cleave serve --plan PLAN *flags` (flags name the runner) instead of BUNDLE.
         self.bundle, self.plan, self.flags, self.server = bundle, plan, flags or [], None
         self.url = url.rstrip("/") if url else ""
+        # Every router's URL (a plan may have several; the first is `url`). The load of each
+        # open-loop probe is split over them.
+        self.urls: list[str] = [self.url] if self.url else []
+        self._url_dir: Path | None = None  # where `cleave serve --url-file` writes them
         self.model = model  # the served model's name when it is not the workload's
         self.want_model = want_model  # --check against the float32 model, not the bundle
         self.protocol = protocol  # what its requests are: json, binary or grpc
@@ -379,13 +394,20 @@ class Target:
             from cleave.launch.process import ServeProcess
 
             where = [self.bundle] if self.plan is None else [None, "--plan", str(self.plan)]
-            self.server = ServeProcess(*where, *self.flags)
+            url_flags = []
+            if self.plan is not None:  # written before its first "ready" line: read it then
+                self._url_dir = Path(tempfile.mkdtemp(prefix="cleave-bench-urls-"))
+                url_flags = ["--url-file", str(self._url_dir / "urls")]
+            self.server = ServeProcess(*where, *self.flags, *url_flags)
             try:
                 self.server.start()
             except BaseException:  # SIGTERM while it starts, say: stop what has started
                 self.stop()
                 raise
             self.url = self.server.url
+            self.urls = [self.url]
+            if self._url_dir is not None:
+                self.urls = [u.rstrip("/") for u in (self._url_dir / "urls").read_text().split()]
             # Its "metrics" lines (stderr) come before "ready" (stdout), but each stream has
             # its own reader: wait a little for them. Read now: the log keeps only its last lines.
             deadline = time.monotonic() + 5.0
@@ -400,6 +422,9 @@ class Target:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self._url_dir is not None:  # `cleave serve` removed the file as it stopped
+            shutil.rmtree(self._url_dir, ignore_errors=True)
+            self._url_dir = None
 
     def restart(self) -> None:
         self.stop()
@@ -414,6 +439,13 @@ class Target:
         if self.protocol == "grpc":  # the load generator's form for gRPC: grpc://HOST:PORT/MODEL
             return f"grpc://127.0.0.1:{self.grpc_port}/{model}"
         return f"{self.url}/v2/models/{model}/infer"
+
+    def infer_urls(self, workload: Workload) -> list[str]:
+        """Every router's infer URL (gRPC: the one port this command gave `cleave serve`)."""
+        if self.protocol == "grpc" or len(self.urls) < 2:
+            return [self.infer_url(workload)]
+        model = self.model or workload.name
+        return [f"{url}/v2/models/{model}/infer" for url in self.urls]
 
     def checker(self, workload: Workload):
         """What --check compares this deployment's responses with."""
@@ -461,15 +493,19 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
     search). A deployment that missed its budget is restarted before the next probe, so no
     probe inherits another's backlog (or a wedged connection: see docs/benchmarks.md,
     "Serving")."""
-    from cleave.bench.loadgen import open_loop, sequential, summarize
+    from cleave.bench.loadgen import open_loop_spread, sequential, summarize
     from cleave.bench.stages import breakdown, scrape
 
     def infer() -> str:
         return target.infer_url(workload)
 
+    def warm_up() -> None:  # every router: each has its own connections to open
+        for url in target.infer_urls(workload):
+            sequential(url, bodies, min(20, args.single), check=None)
+
     bodies = target.bodies(workload)
     check = target.checker(workload) if args.check else None
-    sequential(infer(), bodies, min(20, args.single), check=None)  # warm-up
+    warm_up()
     result: dict = {"rates": []}
     if single:
         samples = sequential(infer(), bodies, args.single, check=check)
@@ -482,9 +518,16 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
             if point["rate"] == rate:
                 return point
         before = scrape(target.endpoints, target.links)
-        samples = open_loop(infer(), bodies, rate, args.duration, seed=int(rate), check=check)
-        metrics = breakdown(before, scrape(target.endpoints, target.links))
+        urls = target.infer_urls(workload)
+        samples = open_loop_spread(urls, bodies, rate, args.duration, seed=int(rate), check=check)
+        after = scrape(target.endpoints, target.links)
+        metrics = breakdown(before, after)
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
+        if len(urls) > 1:  # what the client sent each router, and what each one counted
+            point["sent_by_router"] = [
+                sum(s.router == i for s in samples) for i in range(len(urls))
+            ]
+            metrics["requests_by_router"] = _router_requests(before, after)
         point["metrics"] = metrics
         point["within_budget"] = _ok(point, args.budget_ms, args.max_error_pct)
         result["rates"].append(point)
@@ -494,7 +537,7 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
         )
         if not point["within_budget"] and target.restartable:
             target.restart()
-            sequential(infer(), bodies, min(20, args.single), check=None)
+            warm_up()
         return point
 
     for rate in args.rate_list:
@@ -504,7 +547,21 @@ def measure(target: Target, workload: Workload, args, log, single: bool = True) 
     else:
         good = [p["rate"] for p in result["rates"] if p["within_budget"]]
         result["max_rate_within_budget"] = max(good) if good else 0.0
+    # Bad gateway: a role failed the router. Past capacity only 503s and 504s should come.
+    result["http_502"] = sum(
+        p["errors"].get("http_502", 0) for p in [result.get("single", {}), *result["rates"]] if p
+    )
     return result
+
+
+def _router_requests(before: dict, after: dict) -> dict[str, float]:
+    """Requests each router counted between two scrapes (its `total` stage histogram)."""
+    key = "router.total.count"
+    return {
+        role: values[key] - before.get(role, {}).get(key, 0.0)
+        for role, values in after.items()
+        if key in values
+    }
 
 
 def _stress(targets: dict, workload, result: dict, args, log) -> int:
@@ -699,10 +756,18 @@ def print_table(result: dict) -> None:
             )
         print(
             f"{name:<22} max rate with p99 <= {result['budget_ms']:g} ms: "
-            f"{dep['max_rate_within_budget']:g}/s"
+            f"{dep['max_rate_within_budget']:g}/s; HTTP 502s: {dep.get('http_502', 0)}"
         )
     for key, value in result.get("ratios", {}).items():
-        print(f"{key}: {value:.3f}")
+        if isinstance(value, dict):  # per rate
+            print(f"{key}: " + ", ".join(f"{k}/s {_ratio_text(v)}" for k, v in value.items()))
+        else:
+            print(f"{key}: {_ratio_text(value)}")
+
+
+def _ratio_text(value: float | None) -> str:
+    """None: the baseline had none (no rate within budget, say)."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -825,6 +890,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if len(args.protocols) > 1:
         result.setdefault("ratios", {}).update(_protocol_ratios(deps, args))
+    if "incast-off" in deps and "incast-on" in deps:
+        result.setdefault("ratios", {}).update(hosts.incast_ratios(deps))
     if workload.float32_dir is not None:
         result["float32_distance"] = workload.float32_distance
     if args.shard_hosts:
