@@ -83,6 +83,7 @@ def test_quick_end_to_end_bench_serves_both_ways_and_writes_ratios(tmp_path):
     assert list(result["deployments"]) == ["incast-off", "incast-on"]
     assert result["runner"] == "testbed" and result["incast_control"] == ["off", "on"]
     assert result["incast_serve"]["routers"] == 2 and result["incast_serve"]["payload_bytes"] > 0
+    assert result["incast_serve"]["window"] == "adaptive"  # the ranker's window follows congestion
     for name, dep in result["deployments"].items():
         assert dep["http_502"] == 0, name
         for point in dep["rates"]:

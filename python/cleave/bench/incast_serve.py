@@ -27,7 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="20,40,60,80", help="total requests/s, all routers")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per rate")
     p.add_argument("--budget-ms", type=float, default=25.0)
-    p.add_argument("--window-bytes", type=int, default=0, help="ranker window; 0: 2 payloads")
+    p.add_argument(
+        "--window-bytes",
+        type=int,
+        default=0,
+        help="ranker window (adaptive: its start); 0: 2 payloads",
+    )
+    p.add_argument(
+        "--window",
+        choices=["adaptive", "fixed"],
+        default="adaptive",
+        help="the ranker's incast window follows congestion (default) or stays at --window-bytes",
+    )
     p.add_argument("--threshold-bytes", type=int, default=64 << 10)
     p.add_argument("--requests", type=int, default=16, help="distinct request bodies")
     p.add_argument("--workdir", default=None)
@@ -101,6 +112,7 @@ def make_testbed_plan(args, bundle_dir: Path, out: Path, window: int) -> Path:
     plan.incast_threshold_bytes = args.threshold_bytes
     plan.rankers[0].control_port = 7200
     plan.rankers[0].incast_window_bytes = window
+    plan.rankers[0].incast_adaptive = args.window == "adaptive"
     plan.rankers[0].link_gbit = args.link_gbit
     return save_plan(plan, out)
 
@@ -141,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{args.model}, {args.candidates} candidates: fused payload ~{payload / 1024:.0f} KiB, "
         f"{payload * 8 / (args.link_gbit * 1e9) * 1e3:.2f} ms on a {args.link_gbit:g} Gbit/s "
-        f"link; window {window} bytes",
+        f"link; window {window} bytes ({args.window})",
         file=sys.stderr,
         flush=True,
     )
@@ -153,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             "routers": args.routers,
             "payload_bytes": payload,
             "window_bytes": window,
+            "window": args.window,
             "threshold_bytes": args.threshold_bytes,
         }
         serve.write_json(result, args.json)
