@@ -104,6 +104,8 @@ def test_the_rankers_metrics_show_its_incast_window(served, deployment):
     assert values["cleave_ranker_incast_window_bytes"] >= 1, text
     assert values["cleave_ranker_incast_malformed_total"] >= 0, text
     assert "cleave_ranker_incast_queued" in values, text
+    # B of the start-by deadline: learnt from the payloads that went, or the link rate.
+    assert values["cleave_ranker_incast_rate_bytes_per_second"] > 0, text
 
 
 def test_a_full_window_is_a_504_in_the_incast_queue_and_serving_goes_on(served, deployment):

@@ -26,7 +26,23 @@ pub struct IncastScheduler {
     /// after its SLO, and sending it would only make the requests behind it late too.
     clock: Option<fn() -> u64>,
     expired: Vec<Pending>,
+    /// With `with_measured_rate`: B learnt from granted messages' transfers.
+    measured: Option<Measured>,
 }
+
+/// How fast granted messages actually arrive: each one's time from its grant to its
+/// completion per byte, as a moving average. It replaces the configured link rate in
+/// d = now + SLO − M/B once there is a sample: a link that moves a message faster than its
+/// nominal rate (a shaper's burst, a faster path) would otherwise make expiry drop requests
+/// that would still make their SLO, and a congested one slower than it would be granted late.
+#[derive(Default)]
+struct Measured {
+    granted_ns: HashMap<(u32, u64), u64>,
+    ns_per_byte: Option<f64>,
+}
+
+/// Weight of the newest transfer in the moving average.
+const RATE_ALPHA: f64 = 0.2;
 
 impl IncastScheduler {
     /// `window_bytes` = `u64::MAX` is no control; `link_bytes_per_s` is B in d = now + SLO − M/B.
@@ -39,6 +55,22 @@ impl IncastScheduler {
             seq: 0,
             clock: None,
             expired: Vec::new(),
+            measured: None,
+        }
+    }
+
+    /// Learn B from granted messages' transfers (needs the clock of `with_expiry`): see
+    /// [`Measured`].
+    pub fn with_measured_rate(mut self) -> IncastScheduler {
+        self.measured = Some(Measured::default());
+        self
+    }
+
+    /// B now, bytes/s: the measured rate once there is one, else the configured link rate.
+    pub fn rate_bytes_per_s(&self) -> f64 {
+        match self.measured.as_ref().and_then(|m| m.ns_per_byte) {
+            Some(ns) if ns > 0.0 => 1e9 / ns,
+            _ => self.link_bytes_per_s,
         }
     }
 
@@ -79,7 +111,7 @@ impl IncastScheduler {
             );
             return Vec::new();
         }
-        let start_by = start_by_ns(now_ns, slo_left_ns, bytes, self.link_bytes_per_s);
+        let start_by = start_by_ns(now_ns, slo_left_ns, bytes, self.rate_bytes_per_s());
         self.seq += 1;
         self.queue.push(Pending {
             id,
@@ -96,6 +128,16 @@ impl IncastScheduler {
     pub fn complete(&mut self, sender: u32, id: u64) -> Vec<Grant> {
         if let Some(bytes) = self.in_flight.remove(&(sender, id)) {
             self.window.release(bytes);
+            let now = self.clock.map(|c| c());
+            if let (Some(m), Some(now)) = (self.measured.as_mut(), now) {
+                if let Some(t0) = m.granted_ns.remove(&(sender, id)) {
+                    let sample = now.saturating_sub(t0) as f64 / bytes.max(1) as f64;
+                    m.ns_per_byte = Some(match m.ns_per_byte {
+                        Some(avg) => avg + RATE_ALPHA * (sample - avg),
+                        None => sample,
+                    });
+                }
+            }
         }
         self.pump()
     }
@@ -104,6 +146,9 @@ impl IncastScheduler {
     /// payload went elsewhere): a queued request leaves the queue, a granted one frees its
     /// space. An unknown (sender, id) changes nothing.
     pub fn withdraw(&mut self, sender: u32, id: u64) -> Vec<Grant> {
+        if let Some(m) = self.measured.as_mut() {
+            m.granted_ns.remove(&(sender, id)); // not sent: no transfer to learn from
+        }
         if !self.queue.remove(id, sender) {
             if let Some(bytes) = self.in_flight.remove(&(sender, id)) {
                 self.window.release(bytes);
@@ -123,6 +168,9 @@ impl IncastScheduler {
         for key in mine {
             if let Some(bytes) = self.in_flight.remove(&key) {
                 self.window.release(bytes);
+            }
+            if let Some(m) = self.measured.as_mut() {
+                m.granted_ns.remove(&key);
             }
         }
         // Rare (a disconnect), so draining and refilling the queue is cheap enough.
@@ -168,6 +216,9 @@ impl IncastScheduler {
             }
             self.window.admit(p.bytes);
             self.in_flight.insert((p.sender, p.id), p.bytes);
+            if let (Some(m), Some(now)) = (self.measured.as_mut(), now) {
+                m.granted_ns.insert((p.sender, p.id), now);
+            }
             grants.push(Grant {
                 sender: p.sender,
                 id: p.id,
@@ -195,6 +246,43 @@ mod tests {
         assert!(s.request(3, 3, 10, 50, 2).is_empty()); // tight, asked later
         assert_eq!(ids(&s.complete(1, 1)), vec![3]);
         assert_eq!(ids(&s.complete(3, 3)), vec![2]);
+    }
+
+    static NOW_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    fn test_clock() -> u64 {
+        NOW_NS.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_clock(ns: u64) {
+        NOW_NS.store(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_measured_rate_replaces_the_configured_one_in_the_start_by_deadline() {
+        // Configured 1 byte/µs: 1,000 bytes take 1 ms. They arrive in 0.1 ms instead.
+        let mut s = IncastScheduler::new(1_000, Order::Edf, 1e6)
+            .with_expiry(test_clock)
+            .with_measured_rate();
+        set_clock(0);
+        assert_eq!(
+            s.rate_bytes_per_s(),
+            1e6,
+            "no transfer yet: the configured rate"
+        );
+        assert_eq!(ids(&s.request(1, 1, 1_000, 10_000_000, 0)), vec![1]);
+        set_clock(100_000);
+        assert!(s.complete(1, 1).is_empty());
+        assert_eq!(s.rate_bytes_per_s(), 1e7);
+        // 1.5 ms of SLO left: start by 1.4 ms (measured), not 0.5 ms (configured).
+        assert_eq!(ids(&s.request(1, 2, 1_000, 10_000_000, 100_000)), vec![2]);
+        assert!(s.request(2, 3, 1_000, 1_500_000, 100_000).is_empty());
+        set_clock(1_100_000); // 1 ms later: past the configured start-by, before the measured
+        assert_eq!(ids(&s.complete(1, 2)), vec![3], "granted, not expired");
+        assert!(s.take_expired().is_empty());
+        // A withdrawn grant teaches nothing.
+        assert!(s.withdraw(2, 3).is_empty());
+        assert_eq!(s.measured.as_ref().map(|m| m.granted_ns.len()), Some(0));
     }
 
     #[test]

@@ -34,7 +34,8 @@ type Decisions = Vec<(&'static str, u32, u64)>;
 /// The ranker's incast window and queue. `window_bytes`: bytes granted and not yet received
 /// at most (one message alone always goes); `order`: "fcfs" or "edf"; `link_bytes_per_s`: B
 /// in EDF's start-by deadline d = now + SLO − M/B; `drop_expired`: a request whose start-by
-/// deadline passed while it waited is answered "expired" instead of granted.
+/// deadline passed while it waited is answered "expired" instead of granted; `measure_rate`
+/// (with `drop_expired`): B is learnt from granted messages' transfers once there is one.
 #[pyclass(module = "cleave._native")]
 pub struct IncastScheduler {
     inner: Mutex<(Scheduler, bool)>,
@@ -62,12 +63,13 @@ impl IncastScheduler {
 #[pymethods]
 impl IncastScheduler {
     #[new]
-    #[pyo3(signature = (window_bytes, order="edf", link_bytes_per_s=125e6, drop_expired=true))]
+    #[pyo3(signature = (window_bytes, order="edf", link_bytes_per_s=125e6, drop_expired=true, measure_rate=false))]
     fn new(
         window_bytes: u64,
         order: &str,
         link_bytes_per_s: f64,
         drop_expired: bool,
+        measure_rate: bool,
     ) -> PyResult<IncastScheduler> {
         let order: Order = order
             .parse()
@@ -85,6 +87,9 @@ impl IncastScheduler {
         let mut scheduler = Scheduler::new(window_bytes, order, link_bytes_per_s);
         if drop_expired {
             scheduler = scheduler.with_expiry(now_ns);
+            if measure_rate {
+                scheduler = scheduler.with_measured_rate();
+            }
         }
         Ok(IncastScheduler {
             inner: Mutex::new((scheduler, drop_expired)),
@@ -127,6 +132,12 @@ impl IncastScheduler {
     #[getter]
     fn limit(&self) -> PyResult<u64> {
         self.with_ref(|s| s.window().limit())
+    }
+
+    /// B in the start-by deadline now, bytes/s (measured, or the configured link rate).
+    #[getter]
+    fn rate_bytes_per_s(&self) -> PyResult<f64> {
+        self.with_ref(|s| s.rate_bytes_per_s())
     }
 
     /// Requests waiting for window space.

@@ -231,7 +231,8 @@ def _control(args: argparse.Namespace, server):
     host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0].strip("[]")
     link = args.link_gbit * 1e9 / 8
     window = args.incast_window_bytes
-    scheduler = IncastScheduler(window, args.incast_order, link, True)
+    # B in the start-by deadline is learnt from the payloads' transfers, from --link-gbit on.
+    scheduler = IncastScheduler(window, args.incast_order, link, True, measure_rate=True)
     adaptive = meter = None
     if args.incast_adaptive:
         adaptive = AdaptiveWindow(window, ADAPTIVE_MAX_STEPS * window, window)

@@ -63,6 +63,11 @@ class _IncastCollector:
             "requests-to-send waiting for the window",
             value=s.queued,
         )
+        yield GaugeMetricFamily(
+            "cleave_ranker_incast_rate_bytes_per_second",
+            "B in the start-by deadline: measured from transfers, else the link rate",
+            value=s.rate_bytes_per_s,
+        )
         yield CounterMetricFamily(
             "cleave_ranker_incast_window_changes",
             "adaptive window changes",
