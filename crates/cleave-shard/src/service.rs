@@ -12,7 +12,7 @@ use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
 use cleave_wire::{unix_now_us, ErrorCode, Handler, Request, Responder, ServerStats};
 
 use crate::ewma::Ewma;
-use crate::message::{decode_request_as_of, Op, ResponseBuilder, LOOKUP, UPDATE};
+use crate::message::{decode_request_as_of, Lookup, Op, ResponseBuilder, LOOKUP, UPDATE};
 use crate::metrics::{Gauges, Metrics};
 use crate::update::{self, StepError, Updates};
 
@@ -334,17 +334,26 @@ impl ShardService {
     /// Serves one LOOKUP payload and returns the response payload. Also the entry point for a
     /// caller that holds a shard in-process.
     pub fn lookup(&self, payload: &[u8]) -> Result<(Bytes, Served), Refusal> {
-        let loaded = self.loaded.get().ok_or_else(|| {
-            (
-                ErrorCode::NotReady,
-                "the shard is still opening its tables".to_owned(),
-            )
-        })?;
+        let (lookups, at) = self.decode(payload)?;
+        self.lookup_decoded(&lookups, at)
+    }
+
+    /// A LOOKUP payload's lookups and the time (Unix µs) whose table versions they read: its
+    /// `as_of`, else now. Not ready before the tables are loaded.
+    fn decode(&self, payload: &[u8]) -> Result<(Vec<Lookup>, u64), Refusal> {
+        if self.loaded.get().is_none() {
+            return Err(not_ready());
+        }
         let (lookups, as_of) =
             decode_request_as_of(payload).map_err(|e| (ErrorCode::BadRequest, e.0))?;
+        Ok((lookups, as_of.unwrap_or_else(unix_now_us)))
+    }
+
+    /// Serves decoded lookups as of `at`.
+    fn lookup_decoded(&self, lookups: &[Lookup], at: u64) -> Result<(Bytes, Served), Refusal> {
+        let loaded = self.loaded.get().ok_or_else(not_ready)?;
         // One version of each table for the whole request, even if an update switches now:
         // the one its as_of reads, so every shard of a split table picks the same.
-        let at = as_of.unwrap_or_else(unix_now_us);
         let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
         let mut held = Vec::with_capacity(lookups.len());
         for (i, l) in lookups.iter().enumerate() {
@@ -398,6 +407,13 @@ impl ShardService {
     }
 }
 
+fn not_ready() -> Refusal {
+    (
+        ErrorCode::NotReady,
+        "the shard is still opening its tables".to_owned(),
+    )
+}
+
 fn refusal(e: EmbedError) -> Refusal {
     let code = match &e {
         EmbedError::IdOutOfRange { .. } => ErrorCode::OutOfRange,
@@ -413,19 +429,26 @@ impl Handler for ShardService {
         let started = Instant::now();
         self.metrics.start();
         let outcome = if request.kind == LOOKUP {
-            if let Some(workers) = self.misses.get() {
-                if self.needs_device(&request.payload) {
-                    // Its reads wait on a miss worker; this I/O thread serves the next request.
-                    self.deferred.fetch_add(1, Ordering::Relaxed);
-                    workers.send(MissJob {
-                        request,
-                        responder,
-                        started,
-                    });
-                    return;
+            match self.decode(&request.payload) {
+                Ok((lookups, at)) => {
+                    if let Some(workers) = self.misses.get() {
+                        if self.needs_device(&lookups, at) {
+                            // Its reads wait on a miss worker; this I/O thread serves the next.
+                            self.deferred.fetch_add(1, Ordering::Relaxed);
+                            workers.send(MissJob {
+                                request,
+                                lookups,
+                                at,
+                                responder,
+                                started,
+                            });
+                            return;
+                        }
+                    }
+                    self.lookup_decoded(&lookups, at)
                 }
+                Err(refused) => Err(refused),
             }
-            self.lookup(&request.payload)
         } else if request.kind == UPDATE {
             // A stage's last chunk writes a whole table: on a thread of its own where it can,
             // so the lookups of this I/O thread do not wait for it.
@@ -519,15 +542,12 @@ impl ShardService {
             .finish(result, request.payload.len(), sent, started.elapsed());
     }
 
-    /// Whether a LOOKUP payload reads any row from the device (a row-cache miss of an SSD
-    /// table); false for one that does not decode (the inline path answers its error).
-    fn needs_device(&self, payload: &[u8]) -> bool {
-        let (Some(loaded), Ok((lookups, as_of))) =
-            (self.loaded.get(), decode_request_as_of(payload))
-        else {
+    /// Whether lookups as of `at` read any row from the device (a row-cache miss of an SSD
+    /// table).
+    fn needs_device(&self, lookups: &[Lookup], at: u64) -> bool {
+        let Some(loaded) = self.loaded.get() else {
             return false;
         };
-        let at = as_of.unwrap_or_else(unix_now_us);
         let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
         lookups.iter().any(|l| {
             snapshot
@@ -566,7 +586,7 @@ impl ShardService {
                     let Some(service) = service.upgrade() else {
                         return;
                     };
-                    let outcome = service.lookup(&job.request.payload);
+                    let outcome = service.lookup_decoded(&job.lookups, job.at);
                     service.answer(outcome, &job.request, job.responder, job.started);
                 });
             match spawned {
@@ -584,6 +604,8 @@ impl ShardService {
 /// A lookup that reads from the device, on its way to a miss worker.
 struct MissJob {
     request: Request,
+    lookups: Vec<Lookup>,
+    at: u64,
     responder: Responder,
     started: Instant,
 }
