@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         // Raw tensor bytes stay `bytes::Bytes`: cut from the message without a copy.
         .bytes(".inference")
-        .codec_path("crate::grpc_codec::TimedCodec")
+        .codec_path("crate::codec::grpc_timing::TimedCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

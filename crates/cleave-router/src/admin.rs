@@ -5,7 +5,6 @@
 //! needs `Authorization: Bearer <the variable's value>`.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -13,43 +12,14 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use cleave_shard::MembershipError;
+use cleave_wire::auth::constant_time_eq;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::http::{json_bytes, App};
-use crate::serve::{probe, set_health};
-
-/// What the admin API needs besides the router.
-pub struct AdminConfig {
-    /// The bearer token admin calls must carry (read from `admin_token_env` at start).
-    pub token: Option<String>,
-    /// How long the probe after a change waits for the backends.
-    pub probe_timeout: Duration,
-}
-
-impl AdminConfig {
-    /// Reads the token from the environment variable `env` names; a variable named but unset
-    /// or empty is an error, so that the API is never open by mistake.
-    pub fn new(token_env: Option<&str>, probe_timeout: Duration) -> Result<AdminConfig, String> {
-        let token = match token_env {
-            None => None,
-            Some(name) => match std::env::var(name) {
-                Ok(v) if !v.is_empty() => Some(v),
-                _ => {
-                    return Err(format!(
-                        "router config: admin_token_env names {name:?}, but that environment \
-                         variable is unset or empty"
-                    ))
-                }
-            },
-        };
-        Ok(AdminConfig {
-            token,
-            probe_timeout,
-        })
-    }
-}
+use crate::app::App;
+use crate::app::{probe, set_health};
+use crate::codec::json::json_bytes;
 
 pub fn routes() -> axum::Router<Arc<App>> {
     axum::Router::new()
@@ -148,11 +118,6 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), AdminError> {
              the router's admin_token_env variable",
         ))
     }
-}
-
-/// Compares without stopping at the first difference, so timing does not reveal the token.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8], expected: &str) -> Result<T, AdminError> {
@@ -302,18 +267,5 @@ mod tests {
         }
         let bad_range = br#"{"addr": "h:1", "ranges": [{"table": "t", "row_start": -1}]}"#;
         assert!(parse::<AddShard>(bad_range, SHARD_BODY).is_err());
-    }
-
-    #[test]
-    fn tokens_compare_whole() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        let cfg = AdminConfig::new(Some("CLEAVE_TEST_SURELY_UNSET_VARIABLE"), Duration::ZERO);
-        assert!(cfg.err().unwrap().contains("unset or empty"));
-        assert!(AdminConfig::new(None, Duration::ZERO)
-            .unwrap()
-            .token
-            .is_none());
     }
 }

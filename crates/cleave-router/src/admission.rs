@@ -17,8 +17,8 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::ewma::Ewma;
-use crate::ranker::RankerPool;
+use crate::backend::ranker::RankerPool;
+use cleave_wire::Ewma;
 
 /// The longest Retry-After the router asks for (seconds).
 const MAX_RETRY_AFTER_S: u64 = 60;

@@ -146,7 +146,7 @@ impl From<ConfigMode> for Mode {
 }
 
 fn default_incast_threshold() -> u64 {
-    crate::incast::DEFAULT_THRESHOLD
+    crate::backend::incast::DEFAULT_THRESHOLD
 }
 fn default_held_threads() -> usize {
     1

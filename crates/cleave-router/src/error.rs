@@ -1,10 +1,11 @@
-//! What can go wrong with one request, as the client sees it: an HTTP status, a kind (the
-//! label of the `cleave_router_errors_total` counter) and a message that names the input,
+//! What can go wrong with one request, as the client sees it: an HTTP status and a gRPC code
+//! (one mapping, here), a kind (the label of the `cleave_router_errors_total` counter) and a message that names the input,
 //! stage or backend and says what was expected and what arrived.
 
 use std::fmt;
 
 use axum::http::StatusCode;
+use tonic::Code;
 
 /// The stages of a request, in order; metrics and deadline errors name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +121,21 @@ impl ErrorKind {
             ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
+
+    /// The gRPC status code: the usual mapping of the HTTP status. Shed requests keep
+    /// UNAVAILABLE, the code clients retry.
+    pub fn grpc_code(self) -> Code {
+        match self {
+            ErrorKind::InvalidJson | ErrorKind::InvalidInput => Code::InvalidArgument,
+            ErrorKind::TooLarge => Code::ResourceExhausted,
+            ErrorKind::UnknownModel => Code::NotFound,
+            ErrorKind::Deadline | ErrorKind::BodyTimeout => Code::DeadlineExceeded,
+            ErrorKind::Shard
+            | ErrorKind::Ranker
+            | ErrorKind::Unavailable
+            | ErrorKind::Overloaded => Code::Unavailable,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -186,3 +202,42 @@ impl fmt::Display for RequestError {
 }
 
 impl std::error::Error for RequestError {}
+
+/// How a request ended when it got no reply: its error, and when admission control shed it,
+/// how long to wait before retrying (the REST `Retry-After`, the gRPC `RetryInfo`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub error: RequestError,
+    /// Whole seconds, at least 1; `None` unless shed.
+    pub retry_after_s: Option<u64>,
+}
+
+impl From<RequestError> for Failure {
+    fn from(error: RequestError) -> Failure {
+        Failure {
+            error,
+            retry_after_s: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_codes_follow_the_http_statuses() {
+        for kind in ErrorKind::ALL {
+            let expected = match kind.status().as_u16() {
+                400 => Code::InvalidArgument,
+                404 => Code::NotFound,
+                413 => Code::ResourceExhausted,
+                408 | 504 => Code::DeadlineExceeded,
+                502 | 503 => Code::Unavailable,
+                other => panic!("{kind:?}: no gRPC code for HTTP {other}"),
+            };
+            assert_eq!(kind.grpc_code(), expected, "{kind:?}");
+        }
+        assert_eq!(ErrorKind::Overloaded.grpc_code(), Code::Unavailable);
+    }
+}

@@ -1,42 +1,30 @@
 //! `cleave-router`: the client-facing server of Cleave (Prism's CN frontend).
 //!
-//! It speaks the Open Inference Protocol (KServe v2) over HTTP, checks each request against
-//! the bundle manifest, fans its lookups out to the embedding shards by the range routing
-//! table, packs the boundary tensors into one payload and sends it to the ranker with the
-//! lowest measured latency. docs/api.md describes the HTTP API; docs/architecture.md how the
+//! It speaks the Open Inference Protocol (KServe v2) over HTTP and gRPC, checks each request
+//! against the bundle manifest, fans its lookups out to the embedding shards by the range
+//! routing table, packs the boundary tensors into one payload and sends it to the ranker with
+//! the lowest measured latency. docs/api.md describes the API; docs/architecture.md how the
 //! router fits with shards and rankers.
+//!
+//! The modules import one way (tests/layers.rs checks it): `serve` wires everything;
+//! `front` (the doors) → `admin`, `envelope` → `codec`, `admission`, `app` → `pipeline` →
+//! `backend`; below them all `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
 
 pub mod admin;
 pub mod admission;
-pub mod auth;
-pub mod binary_tensor;
-pub mod body;
+pub mod app;
+pub mod backend;
+pub mod budget;
+pub mod codec;
 pub mod config;
-pub mod conn;
+pub mod envelope;
 pub mod error;
-mod ewma;
-pub mod front_door;
-pub mod grpc;
-pub mod grpc_codec;
-pub mod grpc_front;
-pub mod grpc_tensor;
-pub mod held;
-pub mod http;
-pub mod incast;
-pub mod inference;
-pub mod json_tensor;
-pub mod kserve;
+pub mod front;
 pub mod metrics;
 pub mod model;
-pub mod payload;
-pub mod rank_form;
-pub mod ranker;
-pub mod router;
+pub mod pipeline;
 pub mod serve;
-pub mod sparse;
 pub mod tensor;
-pub mod tls;
-pub mod validate;
 
 pub use config::{RouterConfig, ShardRoute};
 pub use error::{ErrorKind, RequestError, Stage};

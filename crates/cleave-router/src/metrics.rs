@@ -6,6 +6,8 @@
 //! observation is a few atomic adds; what other parts own (ranker loads, the front door's
 //! counters) is read at the scrape and handed to the encoder as metric families of that scrape.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
@@ -24,6 +26,17 @@ const BUCKETS: [f64; 16] = [
     2.5, 10.0,
 ];
 
+/// Counters the front door keeps for /metrics.
+#[derive(Default)]
+pub struct DoorStats {
+    /// Open connections (refusals not included).
+    pub open: Arc<AtomicUsize>,
+    /// Connections refused because `max_connections` were open.
+    pub refused: AtomicU64,
+    pub header_timeouts: AtomicU64,
+    pub idle_timeouts: AtomicU64,
+}
+
 /// The front door's and admission control's numbers at the time of a scrape.
 #[derive(Clone, Debug, Default)]
 pub struct FrontStats {
@@ -37,7 +50,7 @@ pub struct FrontStats {
 
 /// How a request body was written (the `protocol` label of the codec metrics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Codec {
+pub enum Protocol {
     /// KServe v2 JSON tensors.
     Json,
     /// KServe v2 with binary tensors (an `Inference-Header-Content-Length` body).
@@ -48,13 +61,13 @@ pub enum Codec {
     Grpc,
 }
 
-impl Codec {
+impl Protocol {
     pub fn as_str(self) -> &'static str {
         match self {
-            Codec::Json => "json",
-            Codec::Binary => "binary",
-            Codec::Rank => "rank",
-            Codec::Grpc => "grpc",
+            Protocol::Json => "json",
+            Protocol::Binary => "binary",
+            Protocol::Rank => "rank",
+            Protocol::Grpc => "grpc",
         }
     }
 }
@@ -165,12 +178,12 @@ impl Metrics {
     }
 
     /// Counts one parse or encode that started at thread CPU time `start` (`thread_cpu`).
-    pub fn codec_cpu(&self, step: &str, protocol: Codec, start: Duration) {
+    pub fn codec_cpu(&self, step: &str, protocol: Protocol, start: Duration) {
         self.codec_cpu_plus(step, protocol, start, Duration::ZERO);
     }
 
     /// As `codec_cpu`, with `more` CPU time spent elsewhere (gRPC's protobuf codec).
-    pub fn codec_cpu_plus(&self, step: &str, protocol: Codec, start: Duration, more: Duration) {
+    pub fn codec_cpu_plus(&self, step: &str, protocol: Protocol, start: Duration, more: Duration) {
         let spent = thread_cpu().saturating_sub(start) + more;
         let labels = [step, protocol.as_str()];
         self.codec_cpu
@@ -311,7 +324,7 @@ mod tests {
         m.observe(Stage::Admission, Duration::from_millis(1));
         m.error(ErrorKind::Shard);
         m.request();
-        m.codec_cpu("parse", Codec::Binary, thread_cpu());
+        m.codec_cpu("parse", Protocol::Binary, thread_cpu());
         let front = FrontStats {
             in_flight: 3,
             connections: 5,

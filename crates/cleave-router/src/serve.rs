@@ -10,23 +10,21 @@ use cleave_wire::health::Health;
 use cleave_wire::{ClientConfig, IoThreads};
 use tokio::sync::watch;
 
-use crate::admin::AdminConfig;
 use crate::admission::Admission;
-use crate::auth::{self, BearerToken};
-use crate::body::BodyLimits;
+use crate::app::{probe, set_health, AdminConfig, App, BodyLimits, ROLE, STARTING};
+use crate::backend::ranker::RankerPool;
 use crate::config::{ConfigMode, RouterConfig};
-use crate::conn::Timeouts;
-use crate::front_door::{self, DoorConfig, DoorStats};
-use crate::grpc_front::GrpcFront;
-use crate::held::HeldShards;
-use crate::http::{routes, App};
-use crate::metrics::Metrics;
+use crate::front::auth::{self, BearerToken};
+use crate::front::conn::Timeouts;
+use crate::front::door::{self, DoorConfig};
+use crate::front::grpc_layer::GrpcFront;
+use crate::front::rest::routes;
+use crate::front::tls::TlsFiles;
+use crate::metrics::{DoorStats, Metrics};
 use crate::model::{Mode, Model};
-use crate::ranker::RankerPool;
-use crate::router::Router;
-use crate::sparse::Shards;
-use crate::tls::TlsFiles;
-use cleave_shard::ProbeReport;
+use crate::pipeline::held::HeldShards;
+use crate::pipeline::router::Router;
+use crate::pipeline::sparse::Shards;
 
 /// How often start-up re-probes backends that have not answered yet.
 const STARTUP_PROBE: Duration = Duration::from_millis(100);
@@ -129,7 +127,7 @@ pub async fn serve(
         },
         max_connections: config.max_connections,
     };
-    let server = tokio::spawn(front_door::serve(
+    let server = tokio::spawn(door::serve(
         listener,
         rest,
         door,
@@ -139,7 +137,7 @@ pub async fn serve(
     ));
     let grpc = match config.grpc_port {
         Some(port) => {
-            let (listener, grpc_addr) = crate::grpc::bind(&config.host, port).await?;
+            let (listener, grpc_addr) = crate::front::grpc::bind(&config.host, port).await?;
             tracing::info!(addr = %grpc_addr, "KServe v2 gRPC listening");
             let front = GrpcFront {
                 max_message_bytes: config.body_limit_bytes,
@@ -147,7 +145,7 @@ pub async fn serve(
             };
             let stop = wait_stop(stop_rx.clone());
             let tls = tls.as_ref().map(|f| f.grpc_config());
-            Some(tokio::spawn(crate::grpc::serve(
+            Some(tokio::spawn(crate::front::grpc::serve(
                 app.clone(),
                 listener,
                 front,
@@ -220,15 +218,12 @@ pub async fn serve(
     grpc
 }
 
-const ROLE: &str = "router";
-const STARTING: &str = "starting: backends not probed yet";
-
 /// Raises the open-file limit so that `max_connections` can be reached; warns when
 /// the system does not allow that many.
 fn check_open_files(max_connections: usize) {
     // Descriptors besides client connections: backends, the listener, the runtime, stdio.
     const SPARE: libc::rlim_t = 256;
-    match front_door::raise_open_files_limit() {
+    match door::raise_open_files_limit() {
         Ok(limit) if limit < max_connections as libc::rlim_t + SPARE => tracing::warn!(
             "the open-file limit is {limit}, below max_connections ({max_connections}) + \
              {SPARE}; connections beyond about {} will fail to be accepted (raise `ulimit -Hn` \
@@ -243,55 +238,6 @@ fn check_open_files(max_connections: usize) {
 async fn wait_stop(mut rx: watch::Receiver<bool>) {
     // An error means the sender is gone: nobody can ask to stop any more, so stop now.
     let _ = rx.wait_for(|stop| *stop).await;
-}
-
-/// Probes every backend once: (degraded, problems). A shard replica down is only degraded
-/// while another replica serves its ranges, a range with no replica is a problem (the probe
-/// also ejects the silent replicas and readmits the ready ones); a ranker down is only
-/// degraded while another ranker answers.
-pub(crate) async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
-    let (shards, rankers) = tokio::join!(
-        app.router.shards.probe(timeout),
-        app.router.rankers.probe(timeout)
-    );
-    split_health(shards, rankers, app.router.rankers.rankers().len())
-}
-
-fn split_health(
-    shards: ProbeReport,
-    rankers: Vec<String>,
-    n_rankers: usize,
-) -> (Vec<String>, Vec<String>) {
-    let (mut degraded, mut problems) = (shards.degraded, shards.problems);
-    if rankers.len() < n_rankers {
-        degraded.extend(rankers);
-        (degraded, problems)
-    } else {
-        problems.extend(rankers);
-        problems.push("no ranker answers".into());
-        (degraded, problems)
-    }
-}
-
-/// Records the probe's findings; logs when readiness changes, so an operator sees
-/// a backend leave and come back.
-pub(crate) fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
-    let health = Health::new(ROLE, degraded, problems);
-    let mut current = app.health.lock().unwrap_or_else(|p| p.into_inner());
-    let starting = current.problems.iter().any(|p| p == STARTING);
-    if (current.degraded != health.degraded || current.problems != health.problems) && !starting {
-        if !health.problems.is_empty() {
-            tracing::warn!(problems = %health.problems.join("; "), "router not ready");
-        } else if !health.degraded.is_empty() {
-            tracing::warn!(
-                degraded = %health.degraded.join("; "),
-                "router degraded (still serving)"
-            );
-        } else {
-            tracing::info!("router ready: every shard and ranker answers again");
-        }
-    }
-    *current = health;
 }
 
 /// Runs a router on its own runtime until SIGTERM or SIGINT; prints `ready http://ADDR` on
@@ -326,39 +272,4 @@ fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static, String
             _ = int.recv() => {}
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_ranker_or_replica_down_degrades_a_range_down_is_a_problem() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let shards = |degraded: &[&str], problems: &[&str]| ProbeReport {
-            degraded: s(degraded),
-            problems: s(problems),
-        };
-        assert_eq!(split_health(shards(&[], &[]), s(&[]), 2), (s(&[]), s(&[])));
-        assert_eq!(
-            split_health(shards(&[], &[]), s(&["ranker a: down"]), 2),
-            (s(&["ranker a: down"]), s(&[]))
-        );
-        assert_eq!(
-            split_health(shards(&[], &["range b: none"]), s(&["ranker a: down"]), 2),
-            (s(&["ranker a: down"]), s(&["range b: none"]))
-        );
-        assert_eq!(
-            split_health(
-                shards(&["replica c: ejected"], &[]),
-                s(&["ranker a: down"]),
-                2
-            ),
-            (s(&["replica c: ejected", "ranker a: down"]), s(&[]))
-        );
-        assert_eq!(
-            split_health(shards(&[], &[]), s(&["ranker a: down"]), 1),
-            (s(&[]), s(&["ranker a: down", "no ranker answers"]))
-        );
-    }
 }

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use cleave_router::payload::{decode_request, encode_response, RankRequest, RankResponse, RANK};
+use cleave_router::backend::payload::{
+    decode_request, encode_response, RankRequest, RankResponse, RANK,
+};
 use cleave_router::{DType, RouterConfig, Tensor};
 use cleave_shard::{RowSpec, Shard, ShardConfig};
 use cleave_wire::{ErrorCode, Handler, Request, Responder, Server, ServerConfig};

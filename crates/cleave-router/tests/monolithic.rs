@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use cleave_router::payload::{decode_request, encode_response, RankResponse, RANK_FULL};
+use cleave_router::backend::payload::{decode_request, encode_response, RankResponse, RANK_FULL};
 use cleave_router::{RouterConfig, Tensor};
 use cleave_wire::{ErrorCode, Handler, Request, Responder, Server, ServerConfig};
 use serde_json::{json, Value};

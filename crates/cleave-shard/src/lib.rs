@@ -12,7 +12,6 @@
 
 pub mod bench;
 mod client;
-mod ewma;
 mod http;
 mod membership;
 pub mod message;
@@ -24,8 +23,8 @@ mod shard;
 mod split;
 pub mod update;
 
+pub use cleave_wire::Ewma;
 pub use client::{ClientError, ProbeReport, ShardClient, ShardClientConfig};
-pub use ewma::Ewma;
 pub use membership::{Member, MembershipError};
 pub use message::{Lookup, LookupView, Op, Pooled, LOOKUP, UPDATE};
 pub use replica::ReplicaState;

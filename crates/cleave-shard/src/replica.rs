@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use cleave_wire::{Address, Client, ErrorCode, WireError};
 
-use crate::ewma::Ewma;
+use cleave_wire::Ewma;
 
 /// The latency assumed for a replica not measured yet (µs); small, so new replicas get tried.
 const UNMEASURED_US: f64 = 1.0;

@@ -11,10 +11,10 @@ use bytes::Bytes;
 use cleave_embed::{gather, Bags, EmbedError, Engine, PoolJob, Table};
 use cleave_wire::{unix_now_us, ErrorCode, Handler, Request, Responder, ServerStats};
 
-use crate::ewma::Ewma;
 use crate::message::{decode_request_as_of, Lookup, Op, ResponseBuilder, LOOKUP, UPDATE};
 use crate::metrics::{Gauges, Metrics};
 use crate::update::{self, StepError, Updates};
+use cleave_wire::Ewma;
 
 /// Answers LOOKUP frames once its tables are loaded; `NotReady` before.
 pub struct ShardService {

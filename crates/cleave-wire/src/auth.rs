@@ -66,6 +66,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Equality whose time depends on the lengths only, not on where the bytes first differ, so
+/// timing does not reveal a secret (the router's bearer and admin tokens).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    std::hint::black_box(diff) == 0
+}
+
 #[cfg(test)]
 fn proven_hello(class: ConnClass, key: &hmac::Key, at_ms: u64) -> Bytes {
     proven_hello_with(class, 0, key, at_ms)
@@ -128,6 +140,15 @@ fn check_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constant_time_eq_is_eq() {
+        assert!(constant_time_eq(b"", b""));
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"ab\0", b"ab"));
+    }
     use crate::frame::encode_hello;
 
     fn key(s: &str) -> hmac::Key {

@@ -13,9 +13,9 @@ use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::codec::json_tensor::{JsonData, Scalar};
+use crate::codec::kserve::unknown_input;
 use crate::error::RequestError;
-use crate::json_tensor::{JsonData, Scalar};
-use crate::kserve::unknown_input;
 use crate::model::{JaggedGroup, Model};
 use crate::tensor::{DType, Tensor};
 use cleave_embed::bundle::Dim;
@@ -97,7 +97,7 @@ fn in_candidate(s: Source) -> bool {
 
 pub fn parse_rank(model: &Model, body: &[u8]) -> Result<RankRequest, RequestError> {
     let raw: RawRank = serde_json::from_slice(body).map_err(RequestError::json)?;
-    let budget_ms = crate::kserve::budget_param(raw.budget_ms.as_ref())?;
+    let budget_ms = crate::codec::kserve::budget_param(raw.budget_ms.as_ref())?;
     let n = raw.candidates.len();
     if n == 0 {
         return Err(RequestError::invalid(
@@ -455,7 +455,7 @@ impl Serialize for Nested<'_> {
 mod tests {
     use super::*;
     use crate::model::tests::model;
-    use crate::validate::check_request;
+    use crate::pipeline::validate::check_request;
     use serde_json::json;
 
     fn good() -> Value {

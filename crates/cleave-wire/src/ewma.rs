@@ -1,4 +1,5 @@
-//! A moving average that request handlers on any thread update and read without a lock.
+//! A moving average that request handlers on any thread update and read without a lock
+//! (shard replica choice, shard service time, the router's ranker choice and admission).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -11,6 +11,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
+use cleave_wire::auth::constant_time_eq;
 use thiserror::Error;
 
 /// Why a request was refused. The messages are what the client reads.
@@ -81,17 +82,6 @@ fn strip_bearer(value: &[u8]) -> Option<&[u8]> {
         .then(|| value[SCHEME.len()..].trim_ascii())
 }
 
-/// Equality whose time depends on the lengths only, not on where the bytes first differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= u64::from(x ^ y);
-    }
-    std::hint::black_box(diff) == 0
-}
-
 /// Paths served without the token: the probes of launchers and orchestrators, and the admin
 /// API, which checks its own token.
 fn is_open(path: &str) -> bool {
@@ -115,7 +105,8 @@ pub async fn require_token(
         Err(e) => {
             tracing::warn!(path = request.uri().path(), error = %e, "request refused");
             let body = serde_json::json!({"error": e.to_string()}).to_string();
-            let mut response = crate::http::json_bytes(StatusCode::UNAUTHORIZED, body.into());
+            let mut response =
+                crate::codec::json::json_bytes(StatusCode::UNAUTHORIZED, body.into());
             let headers = response.headers_mut();
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             // The body was not read: the connection cannot be reused.
@@ -148,15 +139,6 @@ mod tests {
         // Neither message nor Debug shows the token.
         assert!(!format!("{t:?}").contains("s3cret"));
         assert!(!AuthError::Invalid.to_string().contains("s3cret"));
-    }
-
-    #[test]
-    fn constant_time_eq_is_eq() {
-        assert!(constant_time_eq(b"", b""));
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        assert!(!constant_time_eq(b"ab\0", b"ab"));
     }
 
     #[test]

@@ -18,10 +18,14 @@ use crate::metrics::thread_cpu;
 static DECODE_NS: AtomicU64 = AtomicU64::new(0);
 static ENCODE_NS: AtomicU64 = AtomicU64::new(0);
 
-/// CPU spent decoding and encoding gRPC messages since the last call: (decode, encode).
-pub fn take_codec_cpu() -> (Duration, Duration) {
-    let take = |c: &AtomicU64| Duration::from_nanos(c.swap(0, Ordering::Relaxed));
-    (take(&DECODE_NS), take(&ENCODE_NS))
+/// CPU spent decoding gRPC messages since the last call.
+pub fn take_decode_cpu() -> Duration {
+    Duration::from_nanos(DECODE_NS.swap(0, Ordering::Relaxed))
+}
+
+/// CPU spent encoding gRPC messages since the last call.
+pub fn take_encode_cpu() -> Duration {
+    Duration::from_nanos(ENCODE_NS.swap(0, Ordering::Relaxed))
 }
 
 fn add(counter: &AtomicU64, start: Duration) {

@@ -7,15 +7,17 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 
+use crate::codec::grpc::pb::infer_parameter::ParameterChoice;
+use crate::codec::grpc::pb::model_infer_request::InferInputTensor;
+use crate::codec::grpc::pb::model_infer_response::InferOutputTensor;
+use crate::codec::grpc::pb::{
+    InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
+};
+use crate::codec::kserve::{input_shape, input_slot, output_index, InferRequest};
 use crate::error::RequestError;
-use crate::grpc::pb::infer_parameter::ParameterChoice;
-use crate::grpc::pb::model_infer_request::InferInputTensor;
-use crate::grpc::pb::model_infer_response::InferOutputTensor;
-use crate::grpc::pb::{InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse};
-use crate::kserve::{input_shape, input_slot, output_index, InferRequest};
 use crate::model::{Model, TensorSpec};
+use crate::pipeline::validate::check_declared;
 use crate::tensor::{DType, Tensor};
-use crate::validate::check_declared;
 
 /// A decoded request, and whether it sent its tensors raw (the reply then does too).
 pub struct GrpcRequest {

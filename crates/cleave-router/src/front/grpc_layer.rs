@@ -1,5 +1,7 @@
-//! What wraps every gRPC call before tonic's service sees it: the bearer token, when the
-//! router has one (auth.rs), is checked first (UNAUTHENTICATED without it); tonic refuses a
+//! What wraps every gRPC call before tonic's service sees it, as its HEADERS frame arrives
+//! and before its message is read: the call is stamped with that instant (`Arrival`), where
+//! its budget starts, as the REST door stamps a request's first byte; the bearer token, when
+//! the router has one (auth.rs), is checked (UNAUTHENTICATED without it); tonic refuses a
 //! message over the size limit with OUT_OF_RANGE and a terse message; the protocol's clients
 //! expect RESOURCE_EXHAUSTED, so that answer is rewritten with the limit and how to stay
 //! under it.
@@ -8,13 +10,15 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use tonic::codegen::http;
 use tonic::{Code, Status};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::auth::BearerToken;
+use crate::front::auth::BearerToken;
+use crate::front::conn::Arrival;
 
 /// The layer for `tonic::transport::Server::layer`.
 #[derive(Clone, Debug)]
@@ -58,7 +62,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        request.extensions_mut().insert(Arrival(Instant::now()));
         if let Some(token) = &self.front.token {
             if let Err(e) = token.check_headers(request.headers()) {
                 tracing::warn!(path = request.uri().path(), error = %e, "gRPC call refused");

@@ -8,7 +8,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -24,7 +24,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 use tower_service::Service;
 
-use crate::conn::{linger, Arrival, Conn, ConnState, Expiry, Slot, Timeouts};
+use crate::front::conn::{linger, Arrival, Conn, ConnState, Expiry, Slot, Timeouts};
+use crate::metrics::DoorStats;
 
 /// Connections being refused at once, at most (each is held for about a second while the
 /// refusal is written and drained); beyond that, extra connections are closed unanswered.
@@ -36,17 +37,6 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 pub struct DoorConfig {
     pub timeouts: Timeouts,
     pub max_connections: usize,
-}
-
-/// Counters the front door keeps for /metrics.
-#[derive(Default)]
-pub struct DoorStats {
-    /// Open connections (refusals not included).
-    pub open: Arc<AtomicUsize>,
-    /// Connections refused because `max_connections` were open.
-    pub refused: AtomicU64,
-    pub header_timeouts: AtomicU64,
-    pub idle_timeouts: AtomicU64,
 }
 
 /// Serves `routes` on `listener` until `stop` turns true; then stops accepting, lets every

@@ -15,10 +15,10 @@ use bytes::Bytes;
 use cleave_shard::MembershipError;
 use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError};
 
+use crate::backend::incast::IncastLink;
+use crate::backend::payload::{decode_response, RankResponse};
 use crate::error::{ErrorKind, RequestError, Stage};
-use crate::ewma::Ewma;
-use crate::incast::IncastLink;
-use crate::payload::{decode_response, RankResponse};
+use cleave_wire::Ewma;
 
 /// The latency assumed for a ranker not measured yet (µs); small, so new rankers get tried.
 const UNMEASURED_US: f64 = 1.0;
@@ -695,7 +695,7 @@ mod tests {
             .build()
             .unwrap();
         let rank = pool.rank(
-            crate::payload::RANK,
+            crate::backend::payload::RANK,
             Bytes::new(),
             Duration::from_millis(50),
             1,

@@ -8,23 +8,8 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes, HttpBody};
 
+use crate::app::BodyLimits;
 use crate::error::{ErrorKind, RequestError, Stage};
-
-#[derive(Clone, Copy, Debug)]
-pub struct BodyLimits {
-    pub max_bytes: usize,
-    pub min_bytes_per_s: u64,
-    pub grace: Duration,
-}
-
-impl BodyLimits {
-    /// When a body that started at `start` and has `received` bytes so far falls below the
-    /// minimum rate, unless more arrives first.
-    pub fn rate_deadline(&self, start: Instant, received: usize) -> Instant {
-        let rate = self.min_bytes_per_s.max(1) as f64;
-        start + self.grace + Duration::from_secs_f64(received as f64 / rate)
-    }
-}
 
 /// Reads the whole body. `declared` is its Content-Length, if given; `until` is when the
 /// request's time to read runs out, with the budget it represents in ms (for the message).

@@ -7,12 +7,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
+use crate::codec::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
+use crate::codec::json_tensor::{JsonData, JsonElements};
 use crate::error::RequestError;
-use crate::json_tensor::{JsonData, JsonElements};
 use crate::model::{Model, TensorSpec};
+use crate::pipeline::validate::check_declared;
 use crate::tensor::{DType, Tensor};
-use crate::validate::check_declared;
 
 /// An infer request, parsed and converted, not yet checked as a whole.
 #[derive(Debug)]

@@ -13,13 +13,13 @@ use cleave_shard::{ClientError, Lookup as ShardLookup, Op, Route, RoutingTable};
 use cleave_shard::{Member, MembershipError, ProbeReport, ShardClient, ShardClientConfig};
 use cleave_wire::{Address, ErrorCode, IoThreads, WireError};
 
+use crate::budget::Budget;
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
-use crate::held::HeldShards;
 use crate::model::Model;
-use crate::router::Budget;
+use crate::pipeline::held::HeldShards;
+use crate::pipeline::validate::Lookup;
 use crate::tensor::{numel, Tensor};
-use crate::validate::Lookup;
 
 /// The shards of a disaggregated router (none in monolithic mode), or the tables it holds.
 pub struct Shards {

@@ -1,0 +1,229 @@
+//! What every part of the router shares: `App` (the pipeline, budgets, body limits,
+//! admission, health, the front door's counters, the admin settings) and the health probe
+//! that keeps its readiness current.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cleave_shard::ProbeReport;
+use cleave_wire::health::Health;
+
+use crate::admission::{Admission, ShedReason};
+use crate::budget::Budget;
+use crate::error::{ErrorKind, RequestError};
+use crate::metrics::{DoorStats, FrontStats};
+use crate::pipeline::router::Router;
+
+/// What the handlers share.
+pub struct App {
+    pub router: Router,
+    pub default_budget_ms: f64,
+    pub max_budget_ms: f64,
+    pub body: BodyLimits,
+    pub admission: Admission,
+    pub door: Arc<DoorStats>,
+    /// The last probe's findings (docs/api.md, "Health").
+    pub health: Mutex<Health>,
+    pub admin: AdminConfig,
+}
+
+impl App {
+    pub fn model(&self, name: &str) -> Result<&crate::model::Model, RequestError> {
+        let model = &self.router.model;
+        if model.name == name {
+            Ok(model)
+        } else {
+            Err(RequestError::new(
+                ErrorKind::UnknownModel,
+                format!(
+                    "unknown model {name:?}; this router serves {:?}",
+                    model.name
+                ),
+            ))
+        }
+    }
+
+    /// Sets the budget a request asked for, within the router's largest.
+    pub fn set_budget(&self, budget: &mut Budget, asked: Option<f64>) -> Result<(), RequestError> {
+        let Some(ms) = asked else { return Ok(()) };
+        if ms > self.max_budget_ms {
+            return Err(RequestError::invalid(format!(
+                "budget_ms is {ms}, more than this router allows ({})",
+                self.max_budget_ms
+            )));
+        }
+        budget.budget = Duration::from_secs_f64(ms / 1e3);
+        Ok(())
+    }
+
+    pub fn health(&self) -> Health {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn front_stats(&self) -> FrontStats {
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let refused = load(&self.door.refused);
+        FrontStats {
+            in_flight: self.admission.in_flight(),
+            connections: self.door.open.load(std::sync::atomic::Ordering::Relaxed),
+            shed: ShedReason::ALL
+                .iter()
+                .map(|&r| match r {
+                    ShedReason::Connections => (r.as_str(), refused),
+                    _ => (r.as_str(), self.admission.shed_total(r)),
+                })
+                .collect(),
+            closed: vec![
+                ("header_timeout", load(&self.door.header_timeouts)),
+                ("idle_timeout", load(&self.door.idle_timeouts)),
+            ],
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct BodyLimits {
+    pub max_bytes: usize,
+    pub min_bytes_per_s: u64,
+    pub grace: Duration,
+}
+
+impl BodyLimits {
+    /// When a body that started at `start` and has `received` bytes so far falls below the
+    /// minimum rate, unless more arrives first.
+    pub fn rate_deadline(&self, start: Instant, received: usize) -> Instant {
+        let rate = self.min_bytes_per_s.max(1) as f64;
+        start + self.grace + Duration::from_secs_f64(received as f64 / rate)
+    }
+}
+
+/// What the admin API needs besides the router.
+pub struct AdminConfig {
+    /// The bearer token admin calls must carry (read from `admin_token_env` at start).
+    pub token: Option<String>,
+    /// How long the probe after a change waits for the backends.
+    pub probe_timeout: Duration,
+}
+
+impl AdminConfig {
+    /// Reads the token from the environment variable `env` names; a variable named but unset
+    /// or empty is an error, so that the API is never open by mistake.
+    pub fn new(token_env: Option<&str>, probe_timeout: Duration) -> Result<AdminConfig, String> {
+        let token = match token_env {
+            None => None,
+            Some(name) => match std::env::var(name) {
+                Ok(v) if !v.is_empty() => Some(v),
+                _ => {
+                    return Err(format!(
+                        "router config: admin_token_env names {name:?}, but that environment \
+                         variable is unset or empty"
+                    ))
+                }
+            },
+        };
+        Ok(AdminConfig {
+            token,
+            probe_timeout,
+        })
+    }
+}
+
+pub const ROLE: &str = "router";
+pub const STARTING: &str = "starting: backends not probed yet";
+
+/// Probes every backend once: (degraded, problems). A shard replica down is only degraded
+/// while another replica serves its ranges, a range with no replica is a problem (the probe
+/// also ejects the silent replicas and readmits the ready ones); a ranker down is only
+/// degraded while another ranker answers.
+pub async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
+    let (shards, rankers) = tokio::join!(
+        app.router.shards.probe(timeout),
+        app.router.rankers.probe(timeout)
+    );
+    split_health(shards, rankers, app.router.rankers.rankers().len())
+}
+
+fn split_health(
+    shards: ProbeReport,
+    rankers: Vec<String>,
+    n_rankers: usize,
+) -> (Vec<String>, Vec<String>) {
+    let (mut degraded, mut problems) = (shards.degraded, shards.problems);
+    if rankers.len() < n_rankers {
+        degraded.extend(rankers);
+        (degraded, problems)
+    } else {
+        problems.extend(rankers);
+        problems.push("no ranker answers".into());
+        (degraded, problems)
+    }
+}
+
+/// Records the probe's findings; logs when readiness changes, so an operator sees
+/// a backend leave and come back.
+pub fn set_health(app: &App, degraded: Vec<String>, problems: Vec<String>) {
+    let health = Health::new(ROLE, degraded, problems);
+    let mut current = app.health.lock().unwrap_or_else(|p| p.into_inner());
+    let starting = current.problems.iter().any(|p| p == STARTING);
+    if (current.degraded != health.degraded || current.problems != health.problems) && !starting {
+        if !health.problems.is_empty() {
+            tracing::warn!(problems = %health.problems.join("; "), "router not ready");
+        } else if !health.degraded.is_empty() {
+            tracing::warn!(
+                degraded = %health.degraded.join("; "),
+                "router degraded (still serving)"
+            );
+        } else {
+            tracing::info!("router ready: every shard and ranker answers again");
+        }
+    }
+    *current = health;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_admin_token_variable_must_be_set() {
+        let cfg = AdminConfig::new(Some("CLEAVE_TEST_SURELY_UNSET_VARIABLE"), Duration::ZERO);
+        assert!(cfg.err().unwrap().contains("unset or empty"));
+        assert!(AdminConfig::new(None, Duration::ZERO)
+            .unwrap()
+            .token
+            .is_none());
+    }
+
+    #[test]
+    fn a_ranker_or_replica_down_degrades_a_range_down_is_a_problem() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let shards = |degraded: &[&str], problems: &[&str]| ProbeReport {
+            degraded: s(degraded),
+            problems: s(problems),
+        };
+        assert_eq!(split_health(shards(&[], &[]), s(&[]), 2), (s(&[]), s(&[])));
+        assert_eq!(
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(shards(&[], &["range b: none"]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&["range b: none"]))
+        );
+        assert_eq!(
+            split_health(
+                shards(&["replica c: ejected"], &[]),
+                s(&["ranker a: down"]),
+                2
+            ),
+            (s(&["replica c: ejected", "ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 1),
+            (s(&[]), s(&["ranker a: down", "no ranker answers"]))
+        );
+    }
+}

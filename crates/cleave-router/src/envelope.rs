@@ -1,0 +1,131 @@
+//! The envelope every inference request goes through, whatever its door and codec: its
+//! budget starts at its first byte (the REST head's, or the gRPC call's HEADERS frame); a
+//! budget already spent by then is a deadline error; admission control may shed it before its
+//! body is read (with a retry hint); then its codec parses it, the pipeline runs it, the
+//! codec encodes the reply; CPU per codec, stage latency, errors and the trace id are
+//! recorded the same way for all. Doors (front/) only gather the head and the message.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use crate::admission::{RankerLoad, Shed, Stages};
+use crate::app::App;
+use crate::budget::Budget;
+use crate::codec::Codec;
+use crate::error::{ErrorKind, Failure, RequestError, Stage};
+use crate::metrics::thread_cpu;
+use crate::pipeline::router::Inference;
+
+/// The optional header (REST) or metadata (gRPC) that gives a request's budget before its
+/// body is read, so that admission control judges it by its own budget (docs/api.md,
+/// "Admission control").
+pub const BUDGET_HEADER: &str = "cleave-budget-ms";
+
+/// What a door knows of a request before its body.
+pub struct Head {
+    pub model: String,
+    /// When its first byte arrived.
+    pub arrival: Instant,
+    /// The budget its head asks for (`cleave-budget-ms`), or what is wrong with its head.
+    pub asked: Result<Option<f64>, RequestError>,
+}
+
+/// Runs one request: `receive` gets the message once the request is admitted, reading until
+/// the instant it is given (with the budget in ms that instant stands for, for the message).
+pub async fn handle<C, R, F>(app: &App, codec: &C, head: Head, receive: R) -> C::Response
+where
+    C: Codec,
+    R: FnOnce((Instant, f64)) -> F,
+    F: Future<Output = Result<C::Message, RequestError>>,
+{
+    let metrics = &app.router.metrics;
+    metrics.request();
+    let arrival = head.arrival;
+    let mut budget = Budget::new(arrival, app.default_budget_ms);
+    let mut body_read = false;
+    let result = run(app, codec, &head, receive, &mut budget, &mut body_read).await;
+    let trace_id = cleave_wire::log::trace_id(budget.trace_id);
+    let (model, protocol) = (head.model.as_str(), codec.protocol().as_str());
+    let mut response = match result {
+        Ok(reply) => {
+            metrics.observe(Stage::Total, arrival.elapsed());
+            tracing::debug!(%trace_id, model, protocol, elapsed_us = arrival.elapsed().as_micros() as u64, "answered");
+            reply
+        }
+        Err(failure) => {
+            let e = &failure.error;
+            metrics.error(e.kind);
+            if failure.retry_after_s.is_some() {
+                tracing::warn!(%trace_id, model, protocol, reason = %e.message, "request shed");
+            } else {
+                tracing::warn!(%trace_id, model, protocol, kind = ?e.kind, stage = ?e.stage, error = %e.message, "request failed");
+            }
+            codec.error(&failure)
+        }
+    };
+    codec.finish(&mut response, &trace_id, body_read);
+    response
+}
+
+async fn run<C, R, F>(
+    app: &App,
+    codec: &C,
+    head: &Head,
+    receive: R,
+    budget: &mut Budget,
+    body_read: &mut bool,
+) -> Result<C::Response, Failure>
+where
+    C: Codec,
+    R: FnOnce((Instant, f64)) -> F,
+    F: Future<Output = Result<C::Message, RequestError>>,
+{
+    let model = app.model(&head.model)?;
+    let asked = head.asked.clone()?;
+    app.set_budget(budget, asked)?;
+    // A message that took its whole budget to arrive (gRPC hands it over whole) is late
+    // before anything else is judged.
+    budget.check(Stage::Parse)?;
+    let load = RankerLoad::of(&app.router.rankers);
+    let _permit = app
+        .admission
+        .admit(budget.start.elapsed(), budget.budget, &load)
+        .map_err(shed)?;
+
+    // The body's own budget_ms is not known until it is read: reading is bounded by the
+    // head's budget, else by the largest budget a body may ask for (and by the rate).
+    let read_ms = asked.unwrap_or(app.max_budget_ms);
+    let until = budget.start + Duration::from_secs_f64(read_ms / 1e3);
+    let message = receive((until, read_ms)).await?;
+    *body_read = true;
+
+    let metrics = &app.router.metrics;
+    let cpu = thread_cpu();
+    let parsed = codec.parse(model, message);
+    metrics.codec_cpu_plus("parse", codec.protocol(), cpu, codec.decode_cpu());
+    let parsed = parsed?;
+    app.set_budget(budget, parsed.budget_ms)?;
+    let parsed_at = budget.start.elapsed();
+    let inf = app.router.infer(parsed.inputs, budget).await?;
+    app.admission.observe(stages(parsed_at, &inf));
+    let cpu = thread_cpu();
+    let (reply, protocol) = codec.encode(model, parsed.context, inf);
+    metrics.codec_cpu_plus("encode", protocol, cpu, codec.encode_cpu());
+    Ok(reply)
+}
+
+fn shed(shed: Shed) -> Failure {
+    Failure {
+        error: RequestError::new(ErrorKind::Overloaded, shed.message).at(Stage::Admission),
+        retry_after_s: Some(shed.retry_after_s),
+    }
+}
+
+fn stages(parse: Duration, inf: &Inference) -> Stages {
+    Stages {
+        parse,
+        lookup: inf.lookup,
+        transfer: inf.transfer,
+        batch: inf.compute,
+    }
+}

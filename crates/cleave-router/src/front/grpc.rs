@@ -1,0 +1,188 @@
+//! The KServe v2 gRPC door (`GRPCInferenceService`, proto/kserve_v2.proto) on the router's
+//! `grpc_port`. `ModelInfer` goes through the same envelope as the REST requests
+//! (envelope.rs, with codec/grpc.rs), its budget starting when its HEADERS frame arrived
+//! (grpc_layer.rs stamps it); the other calls read the shared `App`. Messages larger than the
+//! body limit are refused with RESOURCE_EXHAUSTED before they are read (grpc_layer.rs).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Request, Response, Status};
+
+use crate::app::App;
+use crate::codec::grpc::pb::grpc_inference_service_server::{
+    GrpcInferenceService, GrpcInferenceServiceServer,
+};
+use crate::codec::grpc::pb::*;
+use crate::codec::grpc::{status, GrpcCodec};
+use crate::envelope::{self, Head, BUDGET_HEADER};
+use crate::error::RequestError;
+use crate::front::conn::Arrival;
+use crate::front::grpc_layer::GrpcFront;
+
+/// Serves the gRPC API on `listener` until `stop` completes.
+pub async fn serve(
+    app: Arc<App>,
+    listener: tokio::net::TcpListener,
+    front: GrpcFront,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let addr = listener.local_addr().ok();
+    let limit = app.body.max_bytes;
+    let service = GrpcInferenceServiceServer::new(Service { app })
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(usize::MAX);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| format!("gRPC TLS: {e}"))?;
+    }
+    builder
+        .layer(front)
+        .add_service(service)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            stop,
+        )
+        .await
+        .map_err(|e| format!("gRPC server on {addr:?} stopped: {e}"))
+}
+
+/// Binds the gRPC port; `host:port`, 0 for any free port.
+pub async fn bind(host: &str, port: u16) -> Result<(tokio::net::TcpListener, SocketAddr), String> {
+    let where_ = format!("{host}:{port}");
+    let listener = tokio::net::TcpListener::bind(&where_)
+        .await
+        .map_err(|e| format!("cannot listen for gRPC on {where_}: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("{where_}: {e}"))?;
+    Ok((listener, addr))
+}
+
+struct Service {
+    app: Arc<App>,
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Service {
+    async fn server_live(
+        &self,
+        _: Request<ServerLiveRequest>,
+    ) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _: Request<ServerReadyRequest>,
+    ) -> Result<Response<ServerReadyResponse>, Status> {
+        let ready = self.app.health().http_status() == 200;
+        Ok(Response::new(ServerReadyResponse { ready }))
+    }
+
+    async fn model_ready(
+        &self,
+        request: Request<ModelReadyRequest>,
+    ) -> Result<Response<ModelReadyResponse>, Status> {
+        self.app
+            .model(&request.get_ref().name)
+            .map_err(|e| status(&e.into()))?;
+        let ready = self.app.health().http_status() == 200;
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: "cleave".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            extensions: vec![],
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let model = self
+            .app
+            .model(&request.get_ref().name)
+            .map_err(|e| status(&e.into()))?;
+        let tensors = |specs: &[crate::model::TensorSpec]| {
+            specs
+                .iter()
+                .map(|s| model_metadata_response::TensorMetadata {
+                    name: s.name.clone(),
+                    datatype: s.dtype.kserve_name().into(),
+                    shape: s.kserve_shape(),
+                })
+                .collect()
+        };
+        Ok(Response::new(ModelMetadataResponse {
+            name: model.name.clone(),
+            versions: vec!["1".into()],
+            platform: "cleave".into(),
+            inputs: tensors(&model.inputs),
+            outputs: tensors(&model.outputs),
+        }))
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<ModelInferRequest>,
+    ) -> Result<Response<ModelInferResponse>, Status> {
+        // Stamped by the layer when the call's head arrived; the handler's start without it.
+        let arrival = request
+            .extensions()
+            .get::<Arrival>()
+            .map_or_else(Instant::now, |a| a.0);
+        let asked = metadata_budget(request.metadata());
+        let message = request.into_inner();
+        let head = Head {
+            model: message.model_name.clone(),
+            arrival,
+            asked,
+        };
+        envelope::handle(&self.app, &GrpcCodec, head, |_| async { Ok(message) }).await
+    }
+}
+
+/// The `cleave-budget-ms` metadata, when given: as the REST header of that name.
+fn metadata_budget(md: &tonic::metadata::MetadataMap) -> Result<Option<f64>, RequestError> {
+    let Some(value) = md.get(BUDGET_HEADER) else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or("").trim();
+    match text.parse::<f64>() {
+        Ok(ms) if ms > 0.0 && ms.is_finite() => Ok(Some(ms)),
+        _ => Err(RequestError::invalid(format!(
+            "metadata {BUDGET_HEADER} is {text:?}, expected a positive number of milliseconds"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::MetadataValue;
+
+    #[test]
+    fn budget_metadata() {
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert_eq!(metadata_budget(&md).unwrap(), None);
+        md.insert(BUDGET_HEADER, MetadataValue::from_static("12.5"));
+        assert_eq!(metadata_budget(&md).unwrap(), Some(12.5));
+        md.insert(BUDGET_HEADER, MetadataValue::from_static("soon"));
+        assert!(metadata_budget(&md)
+            .unwrap_err()
+            .message
+            .contains("expected a positive number of milliseconds"));
+    }
+}
