@@ -10,10 +10,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::MetricType;
 use prometheus::{
     CounterVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
 };
+
+use cleave_shard::metrics::scrape_family;
 
 use crate::error::{ErrorKind, Stage};
 
@@ -213,28 +215,28 @@ impl Metrics {
                 .iter()
                 .map(move |r| (vec![("ranker", r.0.clone())], value(r)))
         };
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_router_ranker_outstanding",
             "Requests sent to a ranker and not yet answered.",
-            MetricType::GAUGE,
             by_ranker(|r| r.1 as f64),
         ));
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_router_ranker_latency_seconds",
             "Moving average of a ranker's queue + compute time, as it reports them.",
-            MetricType::GAUGE,
             by_ranker(|r| r.2),
         ));
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_router_in_flight",
             "Inference requests admitted and not answered yet.",
-            MetricType::GAUGE,
             [(vec![], front.in_flight as f64)],
         ));
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_router_connections",
             "Open client connections.",
-            MetricType::GAUGE,
             [(vec![], front.connections as f64)],
         ));
         let by_reason = |counts: &[(&'static str, u64)]| {
@@ -243,19 +245,19 @@ impl Metrics {
                 .map(|&(reason, n)| (vec![("reason", reason.to_string())], n as f64))
                 .collect::<Vec<_>>()
         };
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_router_shed_total",
             "Requests (or connections) refused at once with 503, by reason: connections \
              (max_connections), in_flight (max_in_flight), estimate (the expected latency \
              exceeded the budget).",
-            MetricType::COUNTER,
             by_reason(&front.shed),
         ));
-        families.push(family(
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_router_connections_closed_total",
             "Connections the router closed by a timeout: header_timeout (a request head did \
              not arrive whole in time), idle_timeout.",
-            MetricType::COUNTER,
             by_reason(&front.closed),
         ));
         // A family without samples is refused by the encoder (no rankers yet).
@@ -266,48 +268,6 @@ impl Metrics {
         }
         text
     }
-}
-
-/// A gauge or counter family whose values are read at the scrape.
-fn family(
-    name: &str,
-    help: &str,
-    kind: MetricType,
-    samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>,
-) -> MetricFamily {
-    let mut family = MetricFamily::default();
-    family.set_name(name.into());
-    family.set_help(help.into());
-    family.set_field_type(kind);
-    let metrics = samples
-        .into_iter()
-        .map(|(labels, value)| {
-            let mut metric = Metric::default();
-            if kind == MetricType::COUNTER {
-                let mut counter = Counter::default();
-                counter.set_value(value);
-                metric.set_counter(counter);
-            } else {
-                let mut gauge = Gauge::default();
-                gauge.set_value(value);
-                metric.set_gauge(gauge);
-            }
-            metric.set_label(
-                labels
-                    .into_iter()
-                    .map(|(k, v)| {
-                        let mut pair = LabelPair::default();
-                        pair.set_name(k.into());
-                        pair.set_value(v);
-                        pair
-                    })
-                    .collect(),
-            );
-            metric
-        })
-        .collect();
-    family.set_metric(metrics);
-    family
 }
 
 #[cfg(test)]

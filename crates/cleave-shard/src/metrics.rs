@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use cleave_embed::TierStats;
 use cleave_wire::ErrorCode;
-use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// The `Content-Type` of [`Metrics::render`]'s text.
@@ -202,9 +202,15 @@ impl Metrics {
                 g.responses_held,
             ),
         ] {
-            families.push(gauges(name, help, [(vec![], v as f64)]));
+            families.push(scrape_family(
+                MetricType::GAUGE,
+                name,
+                help,
+                [(vec![], v as f64)],
+            ));
         }
-        let mut dropped = gauges(
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_shard_dropped_total",
             "Lookups answered `deadline` and never computed: `expired` when already late at \
              their turn, `late` when less time was left than a lookup takes.",
@@ -215,42 +221,39 @@ impl Metrics {
                 ),
                 (vec![("reason", "late".to_owned())], g.dropped_late as f64),
             ],
-        );
-        as_counters(&mut dropped);
-        families.push(dropped);
-        let mut expired = gauges(
+        ));
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_shard_credit_expired_total",
             "Responses dropped (answered `deadline`) because no credit came before their \
              deadline.",
             [(vec![], g.credit_expired as f64)],
-        );
-        as_counters(&mut expired);
-        families.push(expired);
-        let mut moved = gauges(
+        ));
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_shard_connection_migrations_total",
             "Connections moved from a busy I/O thread to the least-loaded one.",
             [(vec![], g.connection_migrations as f64)],
-        );
-        as_counters(&mut moved);
-        families.push(moved);
-        let mut deferred = gauges(
+        ));
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_shard_lookups_deferred_total",
             "SSD-tier lookups that missed the row cache, completed by a miss worker off the \
              I/O threads.",
             [(vec![], g.lookups_deferred as f64)],
-        );
-        as_counters(&mut deferred);
-        families.push(deferred);
+        ));
         let versions = g
             .table_versions
             .iter()
             .map(|(t, v)| (vec![("table", t.clone())], *v as f64));
-        families.push(gauges(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_shard_table_version",
             "Version of each table served (0: the bundle's).",
             versions,
         ));
-        let mut steps = gauges(
+        families.push(scrape_family(
+            MetricType::COUNTER,
             "cleave_shard_update_steps_total",
             "UPDATE steps (stage chunk, switch, abort), by outcome.",
             [
@@ -260,9 +263,7 @@ impl Metrics {
                     g.update_steps[1] as f64,
                 ),
             ],
-        );
-        as_counters(&mut steps);
-        families.push(steps);
+        ));
         if let Some(t) = &g.tier {
             for (name, help, v) in [
                 ("ids", "Ids looked up in the SSD tier, with repeats.", t.ids),
@@ -298,13 +299,12 @@ impl Metrics {
                     t.pooled_hits,
                 ),
             ] {
-                let mut family = gauges(
+                families.push(scrape_family(
+                    MetricType::COUNTER,
                     &format!("cleave_shard_tier_{name}_total"),
                     help,
                     [(vec![], v as f64)],
-                );
-                as_counters(&mut family);
-                families.push(family);
+                ));
             }
         }
         let tables = g.tables.iter().map(|(t, a, b)| {
@@ -315,7 +315,8 @@ impl Metrics {
             ];
             (labels, b.saturating_sub(*a) as f64)
         });
-        families.push(gauges(
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_shard_table_rows",
             "Rows held per table (row_end - row_start).",
             tables,
@@ -330,9 +331,10 @@ impl Metrics {
     }
 }
 
-/// A gauge family of one scrape; labels keep the order given (the library's own vectors sort
-/// them by name).
-fn gauges(
+/// A gauge or counter family whose values are read at the scrape (the shard's and the
+/// router's); labels keep the order given (the library's own vectors sort them by name).
+pub fn scrape_family(
+    kind: MetricType,
     name: &str,
     help: &str,
     samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, f64)>,
@@ -340,13 +342,20 @@ fn gauges(
     let mut family = MetricFamily::default();
     family.set_name(name.into());
     family.set_help(help.into());
-    family.set_field_type(MetricType::GAUGE);
+    family.set_field_type(kind);
     let metrics = samples
         .into_iter()
         .map(|(labels, value)| {
-            let mut gauge = Gauge::default();
-            gauge.set_value(value);
-            let mut metric = Metric::from_gauge(gauge);
+            let mut metric = Metric::default();
+            if kind == MetricType::COUNTER {
+                let mut counter = Counter::default();
+                counter.set_value(value);
+                metric.set_counter(counter);
+            } else {
+                let mut gauge = Gauge::default();
+                gauge.set_value(value);
+                metric.set_gauge(gauge);
+            }
             metric.set_label(
                 labels
                     .into_iter()
@@ -363,19 +372,6 @@ fn gauges(
         .collect();
     family.set_metric(metrics);
     family
-}
-
-/// Turns a family made by [`gauges`] into counters (values the server counts up).
-fn as_counters(family: &mut MetricFamily) {
-    family.set_field_type(MetricType::COUNTER);
-    for metric in family.mut_metric().iter_mut() {
-        let mut counter = prometheus::proto::Counter::default();
-        counter.set_value(metric.get_gauge().get_value());
-        let mut m = Metric::default();
-        m.set_label(metric.take_label());
-        m.set_counter(counter);
-        *metric = m;
-    }
 }
 
 #[cfg(test)]
