@@ -28,6 +28,9 @@ pub struct Head {
     pub arrival: Instant,
     /// The budget its head asks for (`cleave-budget-ms`), or what is wrong with its head.
     pub asked: Result<Option<f64>, RequestError>,
+    /// The door read the message before the envelope saw the request (gRPC: tonic hands the
+    /// handler a whole message); else it reads it once the request is admitted (REST).
+    pub message_read: bool,
 }
 
 /// Runs one request: `receive` gets the message once the request is admitted, reading until
@@ -83,9 +86,11 @@ where
     let model = app.model(&head.model)?;
     let asked = head.asked.clone()?;
     app.set_budget(budget, asked)?;
-    // A message that took its whole budget to arrive (gRPC hands it over whole) is late
-    // before anything else is judged.
-    budget.check(Stage::Parse)?;
+    // A message read before admission that took its whole budget to arrive is late, as a
+    // REST body that does is (read_body), before admission judges it.
+    if head.message_read {
+        budget.check(Stage::Parse)?;
+    }
     let load = RankerLoad::of(&app.router.rankers);
     let _permit = app
         .admission

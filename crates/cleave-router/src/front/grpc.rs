@@ -149,6 +149,7 @@ impl GrpcInferenceService for Service {
             model: message.model_name.clone(),
             arrival,
             asked,
+            message_read: true,
         };
         envelope::handle(&self.app, &GrpcCodec, head, |_| async { Ok(message) }).await
     }

@@ -90,6 +90,7 @@ async fn inference(app: &App, model: String, request: Request, form: Form) -> Re
         model,
         arrival,
         asked,
+        message_read: false,
     };
     let declared = parts
         .headers
