@@ -1,7 +1,7 @@
 //! One client connection as the front door sees it: which phase it is in (idle, reading a
 //! request head, busy with a request), when the current request's first byte arrived, and
 //! the deadline that phase allows. The socket wrapper notes first bytes; the service marks
-//! the start and end of each request; the connection's driver (front_door.rs) closes the
+//! the start and end of each request; the connection's driver (door.rs) closes the
 //! connection when the deadline passes.
 
 use std::io;
@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-/// When a request's first byte arrived: put in the request's extensions by the front door,
-/// read by the handlers to start the request's budget.
+/// When a request's first byte arrived: put in the request's extensions by the REST door
+/// (door.rs) and by the gRPC layer (grpc_layer.rs, when a call's HEADERS frame arrives); the
+/// envelope starts the request's budget there.
 #[derive(Clone, Copy, Debug)]
 pub struct Arrival(pub Instant);
 
