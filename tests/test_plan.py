@@ -16,7 +16,7 @@ import pytest
 import yaml
 from cleave.errors import UsageError
 from cleave.launch.config import RankerConfig, RouterConfig, ServeConfig
-from cleave.launch.serve import Deployment, table_ranges
+from cleave.launch.serve import Deployment
 from cleave.plan import (
     Host,
     Plan,
@@ -30,6 +30,7 @@ from cleave.plan import (
     plan_to_dict,
     save_plan,
 )
+from cleave.plan.planner import table_ranges
 
 TABLES = [  # 1000 x 64 B + 7 x 16 B + 50000 x 40 B: about 2 MB of rows
     {"name": "t0", "rows": 1000, "dim": 16, "dtype": "float32", "row_bytes": 64},
@@ -395,13 +396,13 @@ def test_several_problems_are_reported_together(bundle):
 def test_real_bundle(tmp_path_factory):
     """A bundle cleave.partition wrote: its manifest plans and checks like the fixture's."""
     import cleave
-    from cleave.launch.serve import read_manifest
+    from cleave.bundle import manifest as manifest_io
     from cleave.models import MODELS
 
     model, example = MODELS["shared"].factory(scale=0.01, seed=0)
     path = cleave.partition(model, example).save(tmp_path_factory.mktemp("real") / "shared")
     plan = make_plan(path, hosts(4), 3, 2, 1, 1, ServeConfig())
-    plan.check(read_manifest(path))
+    plan.check(manifest_io.read(path))
     assert dump_plan(plan).count("name: shard-") == 6
 
 

@@ -13,8 +13,8 @@ import threading
 import pytest
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
-from cleave.launch.serve import table_ranges
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
+from cleave.plan.planner import table_ranges
 from cleave.runners.local import free_ports
 
 # Serves GET /ready (200) on the port in argv[1], in a thread: what every role does.

@@ -10,8 +10,12 @@
 //! (HTTP/2 with prior knowledge, one multiplexed connection, as gRPC clients do): the bodies are
 //! serialized request messages, the replies the serialized response messages. Python's asyncio
 //! gRPC client spent more CPU per call than the router it measured.
+//!
+//! [`shard`] drives one embedding shard over its wire protocol (`cleave bench shard`), open or
+//! closed loop.
 
 mod grpc;
+pub mod shard;
 
 use std::time::Duration;
 

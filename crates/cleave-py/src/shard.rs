@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use cleave_loadgen::shard::{run_closed_loop, run_open_loop};
 use cleave_shard::message::encode_request;
-use cleave_shard::{bench, Lookup};
+use cleave_shard::Lookup;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -61,12 +62,8 @@ fn bench_shard_load<'py>(
     let run: Duration = duration(duration_s, "duration_s")?;
     let timeout = duration(timeout_s, "timeout_s")?;
     let report = match mode {
-        "open" => {
-            py.detach(|| bench::run_open_loop(&addr, &payloads, rate, run, connections, timeout))
-        }
-        "closed" => {
-            py.detach(|| bench::run_closed_loop(&addr, &payloads, run, connections, window))
-        }
+        "open" => py.detach(|| run_open_loop(&addr, &payloads, rate, run, connections, timeout)),
+        "closed" => py.detach(|| run_closed_loop(&addr, &payloads, run, connections, window)),
         other => {
             return Err(PyValueError::new_err(format!(
                 "mode must be \"open\" or \"closed\", got {other:?}"

@@ -8,9 +8,7 @@
 //! * [`ShardClient`]: routes a batch of lookups by row range ([`RoutingTable`]), fans it out
 //!   to one replica of every group holding its rows ([`replica`]: choice, fail-over,
 //!   ejection), and merges their partial pools; its membership can change while it serves.
-//! * [`bench`]: an open-loop load generator for `cleave bench shard`.
 
-pub mod bench;
 mod client;
 mod http;
 mod membership;

@@ -6,10 +6,11 @@ the shard-host sweep (docs/benchmarks.md, "Across hosts: the testbed"); `--plan 
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
+from cleave.bench.harness.summary import Ratio, ms, ratio
+from cleave.bench.harness.target import Target
 from cleave.errors import UsageError
 
 # Stages of the breakdown from /metrics, in pipeline order (cleave.bench.stages); "lookup" only
@@ -29,9 +30,11 @@ INCAST_VALUES = ("off", "on")
 CONTROL_PORT = 7200  # a ranker's control port where the plan leaves it 0 (on a testbed host)
 
 
-def check_deployment_flags(args) -> None:
-    """Flags that pick the deployment agree (UsageError, exit 2, before anything starts);
-    `--shard-hosts` parsed into `args.shard_host_list`; `--plan` names the bundle."""
+def deployment_settings(args) -> dict:
+    """Flags that pick the deployment, checked (UsageError, exit 2, before anything starts),
+    and what they imply, for `cleave bench serve` to set: the runner, the error allowance,
+    `--shard-hosts` as `shard_host_list`, `--incast-control` as `incast_list`, and with
+    `--plan` its name and bundle."""
     picks = [f for f, on in (("--url", args.url), ("--plan", args.plan)) if on]
     picks += ["--shard-hosts"] if args.shard_hosts else []
     picks += [f for f, on in (("--compare", args.compare), ("--monolithic", args.monolithic)) if on]
@@ -41,11 +44,12 @@ def check_deployment_flags(args) -> None:
             f"--monolithic; got {', '.join(picks)}"
         )
     planned = bool(args.plan or args.shard_hosts)
-    if args.runner and not planned:
-        raise UsageError(f"--runner {args.runner}: only with --plan or --shard-hosts")
-    if planned and not args.runner:
-        args.runner = "testbed" if args.shard_hosts else "local"
-    if args.link_gbit is not None and args.runner != "testbed":
+    runner = args.runner
+    if runner and not planned:
+        raise UsageError(f"--runner {runner}: only with --plan or --shard-hosts")
+    if planned and not runner:
+        runner = "testbed" if args.shard_hosts else "local"
+    if args.link_gbit is not None and runner != "testbed":
         raise UsageError("--link-gbit: only with --runner testbed (--shard-hosts uses it)")
     if args.link_gbit is not None and not 0 < args.link_gbit <= 100:
         raise UsageError(f"--link-gbit: expected a rate > 0 and <= 100, got {args.link_gbit}")
@@ -53,11 +57,17 @@ def check_deployment_flags(args) -> None:
         raise UsageError(
             "--overload and --soak measure `cleave serve BUNDLE`: drop --plan and --shard-hosts"
         )
-    if args.max_error_pct is None:  # the sweep's goodput allows 1 % errors (docs/benchmarks.md)
-        args.max_error_pct = 1.0 if args.shard_hosts else 0.0
-    if not 0 <= args.max_error_pct <= 100:
-        raise UsageError(f"--max-error-pct: expected 0..100, got {args.max_error_pct}")
-    args.shard_host_list = []
+    max_error_pct = args.max_error_pct
+    if max_error_pct is None:  # the sweep's goodput allows 1 % errors (docs/benchmarks.md)
+        max_error_pct = 1.0 if args.shard_hosts else 0.0
+    if not 0 <= max_error_pct <= 100:
+        raise UsageError(f"--max-error-pct: expected 0..100, got {max_error_pct}")
+    settings = {
+        "runner": runner,
+        "max_error_pct": max_error_pct,
+        "shard_host_list": [],
+        "incast_list": _incast_values(args),
+    }
     if args.shard_hosts:
         try:
             counts = [int(s) for s in args.shard_hosts.split(",") if s.strip()]
@@ -68,15 +78,14 @@ def check_deployment_flags(args) -> None:
                 f"--shard-hosts: expected shard host counts 1..{MAX_SHARD_HOSTS} separated by "
                 f"commas, got {args.shard_hosts!r}"
             )
-        args.shard_host_list = counts
-    args.incast_list = _incast_values(args)
+        settings["shard_host_list"] = counts
     if args.plan:
         from cleave.plan import load_plan
 
         plan = load_plan(args.plan)  # a clear error naming the file and field when bad
-        args.plan_name = plan.name
-        if not args.bundle:
-            args.bundle = str(plan.bundle_path())
+        settings["plan_name"] = plan.name
+        settings["bundle"] = args.bundle or str(plan.bundle_path())
+    return settings
 
 
 def _incast_values(args) -> list[str]:
@@ -110,7 +119,7 @@ def _hosts_name(count: int) -> str:
     return f"{count} shard host" + ("s" if count > 1 else "")
 
 
-def targets(args, workload, result: dict, target_class) -> dict:
+def targets(args, workload, result: dict) -> dict:
     """--plan: that plan. --shard-hosts: one plan per count, written under --workdir."""
     flags = _runner_flags(args)
     result["runner"] = args.runner
@@ -118,8 +127,8 @@ def targets(args, workload, result: dict, target_class) -> dict:
     if args.plan:
         result["plan"] = str(args.plan)
         if args.incast_list:
-            return _incast_targets(args, flags, result, target_class)
-        return {"plan": target_class(plan=args.plan, flags=flags, model=args.plan_name)}
+            return _incast_targets(args, flags, result)
+        return {"plan": Target(plan=args.plan, flags=flags, model=args.plan_name)}
     from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.launch.config import load as load_config
     from cleave.plan import emulated_hosts, make_plan, save_plan
@@ -145,11 +154,11 @@ def targets(args, workload, result: dict, target_class) -> dict:
         path = save_plan(plan, plans / f"{workload.name}-{count}-shard-hosts.yaml")
         name = _hosts_name(count)
         result["plans"][name] = str(path)
-        found[name] = target_class(plan=path, flags=flags, model=plan.name)
+        found[name] = Target(plan=path, flags=flags, model=plan.name)
     return found
 
 
-def _incast_targets(args, flags: list[str], result: dict, target_class) -> dict:
+def _incast_targets(args, flags: list[str], result: dict) -> dict:
     """One copy of --plan per --incast-control value, written under --workdir/plans:
     `incast-off`, `incast-on`."""
     from cleave.plan import load_plan, save_plan
@@ -183,7 +192,7 @@ def _incast_targets(args, flags: list[str], result: dict, target_class) -> dict:
         name = f"incast-{value}"
         path = save_plan(plan, plans / f"{Path(args.plan).stem}-{name}.yaml")
         result["plans"][name] = str(path)
-        found[name] = target_class(plan=path, flags=flags, model=plan.name)
+        found[name] = Target(plan=path, flags=flags, model=plan.name)
     return found
 
 
@@ -205,26 +214,37 @@ def _free_port_on(plan, host: str, port: int) -> int:
     return port
 
 
-def incast_ratios(deps: dict) -> dict:
-    """Incast control on over off: best goodput, highest rate within budget, goodput per rate
-    (a rate both measured). None where off had none: strict JSON has no infinity."""
-    off, on = deps["incast-off"], deps["incast-on"]
+def _best_goodput(dep: dict) -> float:
+    return max((p["goodput_rps"] for p in dep["rates"]), default=0.0)
+
+
+def _goodput_by_rate(on: dict, off: dict) -> dict[str, float | None]:
+    """On over off at each rate both measured."""
     off_by_rate = {p["rate"]: p["goodput_rps"] for p in off["rates"]}
-
-    def best(dep: dict) -> float:
-        return max((p["goodput_rps"] for p in dep["rates"]), default=0.0)
-
     return {
-        "max_goodput_incast_on_over_off": _share(best(on), best(off)),
-        "max_rate_incast_on_over_off": _share(
-            on["max_rate_within_budget"], off["max_rate_within_budget"]
-        ),
-        "goodput_incast_on_over_off_by_rate": {
-            str(p["rate"]): _share(p["goodput_rps"], off_by_rate[p["rate"]])
-            for p in sorted(on["rates"], key=lambda p: p["rate"])
-            if p["rate"] in off_by_rate
-        },
+        str(p["rate"]): _share(p["goodput_rps"], off_by_rate[p["rate"]])
+        for p in sorted(on["rates"], key=lambda p: p["rate"])
+        if p["rate"] in off_by_rate
     }
+
+
+# Incast control on over off: best goodput, highest rate within budget, goodput per rate (a
+# rate both measured). None where off had none: strict JSON has no infinity.
+INCAST_RATIOS = (
+    Ratio(
+        "max_goodput_incast_on_over_off",
+        "incast-on",
+        "incast-off",
+        lambda on, off: _share(_best_goodput(on), _best_goodput(off)),
+    ),
+    Ratio(
+        "max_rate_incast_on_over_off",
+        "incast-on",
+        "incast-off",
+        lambda on, off: _share(on["max_rate_within_budget"], off["max_rate_within_budget"]),
+    ),
+    Ratio("goodput_incast_on_over_off_by_rate", "incast-on", "incast-off", _goodput_by_rate),
+)
 
 
 def _share(a: float | None, b: float | None) -> float | None:
@@ -275,24 +295,16 @@ def hosts_ratios(result: dict) -> dict[str, float]:
     for name, dep in deps[1:]:
         point = reference_point(dep) or {}
         key = name.replace(" ", "_")
-        ratios[f"max_rate_{key}_over_first"] = _ratio(
+        ratios[f"max_rate_{key}_over_first"] = ratio(
             dep["max_rate_within_budget"], base["max_rate_within_budget"]
         )
-        ratios[f"single_p50_{key}_over_first"] = _ratio(
+        ratios[f"single_p50_{key}_over_first"] = ratio(
             dep["single"]["p50_ms"], base["single"]["p50_ms"]
         )
-        ratios[f"reference_p99_{key}_over_first"] = _ratio(
+        ratios[f"reference_p99_{key}_over_first"] = ratio(
             point.get("p99_ms"), base_point.get("p99_ms")
         )
     return ratios
-
-
-def _ratio(a, b) -> float:
-    return a / b if a is not None and b else math.nan
-
-
-def _ms(value: float | None) -> str:
-    return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
 
 def print_stages(result: dict) -> None:
@@ -320,7 +332,7 @@ def print_stages(result: dict) -> None:
         drops = link_drops(p)
         print(
             f"{name:<16} {p['rate']:8.1f} "
-            + " ".join(_ms(means.get(s)) for s in STAGES)
+            + " ".join(ms(means.get(s), 8) for s in STAGES)
             + (f" {drops:7.0f}" if drops is not None else f" {'-':>7}")
         )
     codec = [
@@ -351,8 +363,8 @@ def print_hosts(result: dict) -> None:
         point = reference_point(dep) or {}
         sent = point.get("metrics", {}).get("lookup_reply_bytes")
         kib = f"{sent / 1024:8.1f}" if sent else f"{'-':>8}"
-        ratio = _ratio(dep["max_rate_within_budget"], base)
+        share = ratio(dep["max_rate_within_budget"], base)
         print(
-            f"{name:<16} {dep['max_rate_within_budget']:9.1f} {_ms(point.get('p50_ms'))} "
-            f"{_ms(point.get('p99_ms'))} {kib} {ratio:8.2f}"
+            f"{name:<16} {dep['max_rate_within_budget']:9.1f} {ms(point.get('p50_ms'), 8)} "
+            f"{ms(point.get('p99_ms'), 8)} {kib} {share:8.2f}"
         )

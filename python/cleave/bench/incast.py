@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import selectors
 import shutil
@@ -34,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.bench.harness.summary import nearest_rank
 from cleave.errors import CleaveError, UsageError
 
 MIB = 1 << 20
@@ -211,19 +211,12 @@ def _run(tb, binary: str, s: dict, case: dict, port: int, continuous: bool = Fal
     return report
 
 
-def _pctl(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
-
-
 def summarize(case: dict, report: dict, message_bytes: int) -> dict:
     msgs = report["messages"]
     met = [b for b, slo, lat in msgs if lat is not None and lat <= slo]
     failed = 1.0 - len(met) / len(msgs) if msgs else 1.0
     delivered = [lat / 1e3 for _, _, lat in msgs if lat is not None]
-    p99 = _pctl(delivered, 0.99)
+    p99 = nearest_rank(delivered, 0.99)
     return {
         "incast": case["incast"],
         "control": case["control"],
@@ -261,13 +254,13 @@ def run_bench(s: dict) -> tuple[dict, dict]:
         report = _run(tb, binary, s, load_case, port, continuous=True)
     prio, piggy = report["credits_priority_us"], report["credits_piggyback_us"]
     credits = {
-        "priority_p99_us": round(_pctl(prio, 0.99) or 0.0, 1),
-        "piggyback_p99_us": round(_pctl(piggy, 0.99) or 0.0, 1),
+        "priority_p99_us": round(nearest_rank(prio, 0.99) or 0.0, 1),
+        "piggyback_p99_us": round(nearest_rank(piggy, 0.99) or 0.0, 1),
     }
     details["credit_samples"] = {"priority": len(prio), "piggyback": len(piggy)}
     details["credit_p50_us"] = {
-        "priority": _pctl(prio, 0.5),
-        "piggyback": _pctl(piggy, 0.5),
+        "priority": nearest_rank(prio, 0.5),
+        "piggyback": nearest_rank(piggy, 0.5),
     }
     return {"cases": results, "credits": credits}, details
 

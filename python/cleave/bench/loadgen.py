@@ -7,7 +7,9 @@ as a lower offered rate (no coordinated omission). `lag` says how late the clien
 The sending is Rust (`cleave._native.http_load`, one thread, the GIL released, gRPC too): an
 aiohttp client needed most of a core at a thousand requests per second, on the cores it
 measured, and Python's asyncio gRPC client more than the router it measured. Replies are parsed
-after the run. One request at a time (`sequential`) stays on aiohttp and grpcio.
+after the run. One request at a time (`sequential`) and a closed loop of N clients
+(`ClosedLoop`, for `cleave bench scale`) stay on aiohttp and grpcio: the Rust generator sends at
+times given up front, and these send when an answer came. This is the benchmarks' one client.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import gc
 import json
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -354,41 +357,6 @@ def sequential(url: str, bodies: Sequence[bytes], count: int, timeout_s: float =
         return asyncio.run(run(url, bodies, count, timeout_s, check))
 
 
-def summarize(samples: list[Sample], duration_s: float, budget_ms: float) -> dict:
-    """Throughput, goodput (answered within budget, per second), latency percentiles, errors
-    by kind and mean per-stage times."""
-    ok = [s for s in samples if not s.error]
-    lat_ms = np.array([s.latency_s * 1e3 for s in ok]) if ok else np.zeros(0)
-    errors: dict[str, int] = {}
-    for s in samples:
-        if s.error:
-            errors[s.error] = errors.get(s.error, 0) + 1
-    stages: dict[str, float] = {}
-    for s in ok:
-        for k, v in s.stages_us.items():
-            stages[k] = stages.get(k, 0.0) + v
-    diffs = [s.max_abs_diff for s in ok if s.max_abs_diff is not None]
-
-    def pct(q):
-        return float(np.percentile(lat_ms, q)) if len(lat_ms) else None
-
-    return {
-        "sent": len(samples),
-        "ok": len(ok),
-        "throughput_rps": len(ok) / duration_s,
-        "goodput_rps": float(np.sum(lat_ms <= budget_ms)) / duration_s,
-        "p50_ms": pct(50),
-        "p95_ms": pct(95),
-        "p99_ms": pct(99),
-        "mean_ms": float(lat_ms.mean()) if len(lat_ms) else None,
-        "max_client_lag_ms": max((s.lag_s * 1e3 for s in samples), default=0.0),
-        "errors": errors,
-        "stages_us": {k: v / len(ok) for k, v in sorted(stages.items())},
-        "checked": len(diffs),
-        "max_abs_diff": max(diffs) if diffs else None,
-    }
-
-
 def codec_counters(metrics_text: str) -> dict[tuple[str, str], tuple[float, int]]:
     """The router's parse/encode CPU counters from its /metrics text:
     {(step, protocol): (cpu seconds, count)}."""
@@ -558,3 +526,70 @@ async def _grpc_sequential(url, bodies, count, timeout_s, check) -> list[Sample]
             await _grpc_send(call, messages[sample.index], sample, start, timeout_s, check)
             samples.append(sample)
     return samples
+
+
+# Closed loop (`cleave bench scale`): a client count, not a rate, while deployments change
+# under it; the Rust generator sends at given times only, so this one stays Python.
+CLOSED_LOOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Answer:
+    """One closed-loop request's outcome."""
+
+    done_s: float  # monotonic time of the reply
+    latency_s: float
+    status: int  # 0: no HTTP answer
+    error: str = ""
+    max_abs_diff: float | None = None
+
+
+class ClosedLoop:
+    """`clients` clients, each sending its next request when its last one answered, on a
+    thread of its own, from start() until stop()."""
+
+    def __init__(self, url: str, bodies: list[bytes], clients: int, check=None):
+        self.url, self.bodies, self.clients, self.check = url, bodies, clients, check
+        self.answers: list[Answer] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> ClosedLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(CLOSED_LOOP_TIMEOUT_S + 10)
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=CLOSED_LOOP_TIMEOUT_S)
+        connector = aiohttp.TCPConnector(limit=self.clients)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            await asyncio.gather(*(self._client(session, i) for i in range(self.clients)))
+
+    async def _client(self, session, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not self._stop.is_set():
+            index = int(rng.integers(len(self.bodies)))
+            start = time.monotonic()
+            answer = Answer(0.0, 0.0, 0)
+            try:
+                async with session.post(
+                    self.url,
+                    data=self.bodies[index],
+                    headers={"Content-Type": "application/json"},
+                ) as resp:
+                    raw = await resp.read()
+                    answer.status = resp.status
+                    if resp.status != 200:
+                        answer.error = f"http_{resp.status}: {raw[:200].decode(errors='replace')}"
+                    elif self.check is not None:
+                        answer.max_abs_diff = self.check(index, parse_reply(raw))
+            except asyncio.TimeoutError:
+                answer.error = "timeout"
+            except aiohttp.ClientError as err:
+                answer.error = f"client: {type(err).__name__}"
+            answer.done_s = time.monotonic()
+            answer.latency_s = answer.done_s - start
+            self.answers.append(answer)

@@ -23,18 +23,18 @@ instead of mapping them; `--realtime` measures under SCHED_FIFO.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.bundles import Table, is_complete, write_bundle
+from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, go_realtime
 from cleave.errors import UsageError
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
         print(f"\nwrote {args.json}")
     return 0
 
@@ -170,55 +170,13 @@ def _thread_counts(text: str | None, cores: int) -> list[int]:
 
 def _write_bundle(directory: Path, case: Case, rng: np.random.Generator) -> Path:
     """Bundle-format table files + a manifest (tables only); reused if already complete."""
-    manifest_path = directory / "manifest.json"
     row_bytes = 4 * DIM if case.dtype == "float32" else DIM + 8
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        sizes_ok = all(
-            (directory / t["file"]).exists()
-            and (directory / t["file"]).stat().st_size == t["rows"] * t["row_bytes"]
-            for t in manifest["tables"]
-        )
-        if sizes_ok and len(manifest["tables"]) == case.tables:
-            return directory
-    (directory / "tables").mkdir(parents=True, exist_ok=True)
-    metas = []
-    for i in range(case.tables):
-        name = f"t{i}"
-        path = directory / "tables" / f"{name}.bin"
-        crc = 0
-        with open(path, "wb") as f:
-            for start in range(0, case.rows, 1 << 18):
-                n = min(1 << 18, case.rows - start)
-                chunk = _rows(case.dtype, n, rng).tobytes()
-                crc = zlib.crc32(chunk, crc)
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())  # no write-back of dirty pages during the measurements
-        metas.append(
-            {
-                "name": name,
-                "file": f"tables/{name}.bin",
-                "rows": case.rows,
-                "dim": DIM,
-                "dtype": case.dtype,
-                "row_bytes": row_bytes,
-                "crc32": crc,
-            }
-        )
-    manifest = {
-        "format": "cleave-bundle",
-        "version": 1,
-        "producer": "cleave bench lookup",
-        "inputs": [],
-        "outputs": [],
-        "tables": metas,
-        "features": [],
-        "boundary": [],
-        "shared_inputs": [],
-    }
-    manifest_path.write_text(json.dumps(manifest, indent=1))
-    return directory
+    tables = [Table(f"t{i}", case.rows, DIM, case.dtype, row_bytes) for i in range(case.tables)]
+    if is_complete(directory, tables):
+        return directory
+    return write_bundle(
+        directory, tables, lambda table, n: _rows(case.dtype, n, rng), "cleave bench lookup"
+    )
 
 
 def _rows(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:

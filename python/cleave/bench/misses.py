@@ -18,7 +18,6 @@ over the workers' one.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.bundles import Table, write_bundle
+from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe
 from cleave.errors import CleaveError, UsageError
 
@@ -49,16 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def write_table(root: Path, rows: int, dim: int) -> None:
     """A bundle of one float32 table `t` (random rows, written in chunks)."""
-    (root / "tables").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    with (root / "tables" / "t.bin").open("wb") as f:
-        for start in range(0, rows, 1 << 16):
-            n = min(1 << 16, rows - start)
-            f.write(rng.standard_normal((n, dim), dtype=np.float32).tobytes())
-    table = {"name": "t", "file": "tables/t.bin", "rows": rows, "dim": dim,
-             "dtype": "float32", "row_bytes": 4 * dim, "crc32": 0}  # fmt: skip
-    manifest = {"format": "cleave-bundle", "version": 1, "producer": "bench", "tables": [table]}
-    (root / "manifest.json").write_text(json.dumps(manifest))
+
+    def rows_of(table: Table, n: int) -> np.ndarray:
+        return rng.standard_normal((n, dim), dtype=np.float32)
+
+    write_bundle(root, [Table("t", rows, dim)], rows_of, "bench", chunk_rows=1 << 16)
 
 
 def requests(rng: np.random.Generator, ids_from: np.ndarray | int, n: int = 64) -> list:
@@ -209,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(result, args.json)
     return 0
 
 

@@ -27,15 +27,31 @@ PHASES = (("before", 0.4), ("burst", 3.0), ("after", 0.4))
 CLIENT_TIMEOUT_S = 2.0
 
 
+def run(targets: dict, workload, result: dict, args, log) -> int:
+    """`cleave bench serve --overload` or `--soak` on its one deployment: measure, print, write."""
+    from cleave.bench.harness.summary import write_outputs
+    from cleave.bench.plot import plot_stress
+
+    ((name, target),) = targets.items()
+    log(f"{name}:")
+    with target:
+        report = (overload if args.overload else soak)(target, workload, args, log)
+    result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
+    result["deployments"][name] = report
+    (print_overload if args.overload else print_soak)(report)
+    write_outputs(result, args, plot_stress, log)
+    return 0
+
+
 def capacity_of(target, workload, args, log) -> float:
     """The highest rate whose p99 stays within --budget-ms (the serving search), unless given."""
     if args.capacity:
         return float(args.capacity)
-    from cleave.bench.serve import measure
+    from cleave.bench.harness.measurement import measure
 
     log("  measuring capacity (the highest rate within the budget):")
-    args.search = True
-    return measure(target, workload, args, log, single=False)["max_rate_within_budget"]
+    deployment = measure(target, workload, args, log, single=False, find_max=True)
+    return deployment["max_rate_within_budget"]
 
 
 def timeline(samples, duration_s: float) -> list[dict]:
@@ -60,7 +76,8 @@ def timeline(samples, duration_s: float) -> list[dict]:
 
 
 def overload(target, workload, args, log) -> dict:
-    from cleave.bench.loadgen import open_loop_phases, summarize
+    from cleave.bench.harness.summary import summarize
+    from cleave.bench.loadgen import open_loop_phases
 
     capacity = capacity_of(target, workload, args, log)
     if capacity <= 0:
@@ -279,7 +296,8 @@ class MemorySampler:
 
 
 def soak(target, workload, args, log) -> dict:
-    from cleave.bench.loadgen import open_loop, summarize
+    from cleave.bench.harness.summary import summarize
+    from cleave.bench.loadgen import open_loop
 
     capacity = capacity_of(target, workload, args, log)
     rate = 0.4 * capacity

@@ -16,7 +16,6 @@ scaling.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import signal
@@ -28,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.loadgen import Answer, ClosedLoop
 from cleave.bench.machine import describe
 from cleave.errors import CleaveError, UsageError
 
 NODE_CPUS = 6  # logical, per local node: Ray's accounting, not this machine's cores
 OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
 SCALE_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 30.0
 TOLERANCE = 1e-5  # --check: scores equal to the model's within this
 
 
@@ -62,70 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="short windows (tests, CI)")
-
-
-@dataclasses.dataclass
-class Answer:
-    done_s: float  # monotonic time of the reply
-    latency_s: float
-    status: int  # 0: no HTTP answer
-    error: str = ""
-    max_abs_diff: float | None = None
-
-
-class ClosedLoop:
-    """`clients` clients, each sending its next request when its last one answered, on a
-    thread of its own, from start() until stop()."""
-
-    def __init__(self, url: str, bodies: list[bytes], clients: int, check=None):
-        self.url, self.bodies, self.clients, self.check = url, bodies, clients, check
-        self.answers: list[Answer] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> ClosedLoop:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(REQUEST_TIMEOUT_S + 10)
-
-    async def _run(self) -> None:
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-        connector = aiohttp.TCPConnector(limit=self.clients)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            await asyncio.gather(*(self._client(session, i) for i in range(self.clients)))
-
-    async def _client(self, session, seed: int) -> None:
-        import aiohttp
-
-        rng = np.random.default_rng(seed)
-        while not self._stop.is_set():
-            index = int(rng.integers(len(self.bodies)))
-            start = time.monotonic()
-            answer = Answer(0.0, 0.0, 0)
-            try:
-                async with session.post(
-                    self.url,
-                    data=self.bodies[index],
-                    headers={"Content-Type": "application/json"},
-                ) as resp:
-                    raw = await resp.read()
-                    answer.status = resp.status
-                    if resp.status != 200:
-                        answer.error = f"http_{resp.status}: {raw[:200].decode(errors='replace')}"
-                    elif self.check is not None:
-                        answer.max_abs_diff = self.check(index, json.loads(raw))
-            except asyncio.TimeoutError:
-                answer.error = "timeout"
-            except aiohttp.ClientError as err:
-                answer.error = f"client: {type(err).__name__}"
-            answer.done_s = time.monotonic()
-            answer.latency_s = answer.done_s - start
-            self.answers.append(answer)
 
 
 def window_summary(answers: list[Answer], start: float, end: float, budget_ms: float) -> dict:
@@ -218,7 +153,7 @@ def parse_rankers(text: str) -> list[int]:
 
 
 def measure(args, workload, address: str, log) -> dict:
-    from cleave.bench.serve import Target
+    from cleave.bench.harness.target import Target
 
     counts = parse_rankers(args.rankers)
     plan_path = Path(args.workdir) / f"{workload.name}-scale-plan.yaml"
@@ -297,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         import ray  # noqa: F401
     except ImportError:
         raise UsageError("bench scale needs Ray: pip install 'cleave[ray]'") from None
-    from cleave.bench.serve import Workload
+    from cleave.bench.harness.workload import Workload
     from cleave.runners.ray import _check_reachable
 
     def log(msg):

@@ -17,17 +17,17 @@ for 2,000-key lookups). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.bundles import Table, write_bundle
+from cleave.bench.harness.summary import nearest_rank, write_json
 from cleave.bench.machine import describe, go_realtime
 from cleave.errors import CleaveError, UsageError
 
@@ -64,26 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def write_tables(root: Path, rows: int, dim: int, seed: int) -> list[np.ndarray]:
     """A bundle of TABLES float32 tables (manifest + tables/*.bin); returns their values."""
     rng = np.random.default_rng(seed)
-    (root / "tables").mkdir(parents=True, exist_ok=True)
-    metas, values = [], []
-    for t in range(TABLES):
-        w = rng.standard_normal((rows, dim), dtype=np.float32)
-        data = w.tobytes()
-        (root / "tables" / f"t{t}.bin").write_bytes(data)
-        metas.append(
-            {
-                "name": f"t{t}",
-                "file": f"tables/t{t}.bin",
-                "rows": rows,
-                "dim": dim,
-                "dtype": "float32",
-                "row_bytes": 4 * dim,
-                "crc32": zlib.crc32(data),
-            }
-        )
-        values.append(w)
-    manifest = {"format": "cleave-bundle", "version": 1, "producer": "bench", "tables": metas}
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    values: list[np.ndarray] = []
+
+    def rows_of(table: Table, n: int) -> np.ndarray:
+        values.append(rng.standard_normal((n, dim), dtype=np.float32))
+        return values[-1]
+
+    tables = [Table(f"t{t}", rows, dim) for t in range(TABLES)]
+    write_bundle(root, tables, rows_of, "bench", chunk_rows=rows)
     return values
 
 
@@ -113,9 +101,12 @@ def start_shard(bundle: Path, args: argparse.Namespace) -> tuple[subprocess.Pope
 
 
 def quantiles_us(samples_s: list[float]) -> dict:
-    a = np.sort(np.asarray(samples_s)) * 1e6
-    pick = lambda q: float(a[min(len(a) - 1, int(np.ceil(q * len(a))) - 1)])  # noqa: E731
-    return {"p50_us": pick(0.5), "p99_us": pick(0.99), "mean_us": float(a.mean())}
+    a = np.asarray(samples_s) * 1e6
+    return {
+        "p50_us": nearest_rank(a, 0.5),
+        "p99_us": nearest_rank(a, 0.99),
+        "mean_us": float(a.mean()),
+    }
 
 
 def torch_reference(values: list[np.ndarray], batches, samples: int) -> dict:
@@ -249,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(result, args.json)
     return 0
 
 

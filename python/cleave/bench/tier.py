@@ -34,12 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.bundles import Table, write_bundle
+from cleave.bench.harness.summary import write_json
 from cleave.errors import UsageError
 
 DIM = 64
@@ -172,23 +173,16 @@ def distinct_per_request(ids: np.ndarray, bounds: np.ndarray, rows: int) -> list
 
 
 def write_table(path: Path, rows: int, seed: int) -> None:
+    """The bundle of one float32 table `t0` whose file is `path` (BUNDLE/tables/t0.bin)."""
     rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    crc = 0
-    with open(path, "wb") as f:
-        step = 1 << 18
-        for start in range(0, rows, step):
-            chunk = (rng.random((min(step, rows - start), DIM), dtype=np.float32) - 0.5).tobytes()
-            crc = zlib.crc32(chunk, crc)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    meta = {"name": "t0", "file": "tables/t0.bin", "rows": rows, "dim": DIM}
-    meta |= {"dtype": "float32", "row_bytes": ROW_BYTES, "crc32": crc}
-    manifest = {"format": "cleave-bundle", "version": 1, "producer": "cleave bench tier"}
-    manifest |= {"inputs": [], "outputs": [], "tables": [meta], "features": [], "boundary": []}
-    manifest |= {"shared_inputs": []}
-    (path.parent.parent / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    def rows_of(table: Table, n: int) -> np.ndarray:
+        return rng.random((n, DIM), dtype=np.float32) - 0.5
+
+    table = Table("t0", rows, DIM, row_bytes=ROW_BYTES)
+    if path != path.parent.parent / table.file:
+        raise ValueError(f"write_table: expected a path BUNDLE/{table.file}, got {path}")
+    write_bundle(path.parent.parent, [table], rows_of, "cleave bench tier")
 
 
 def drop_cache(path: Path) -> None:
@@ -292,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir / "bundle", ignore_errors=True)  # the big file goes
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"cases": results}, indent=1) + "\n")
+        write_json({"cases": results}, args.json)
         details_path = Path(args.json).with_suffix(".details.json")
         details_path.write_text(json.dumps(details, indent=1) + "\n")
     return 0

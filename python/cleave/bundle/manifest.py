@@ -1,4 +1,5 @@
-"""manifest.json: reading, checking and writing (docs/bundle.md)."""
+"""manifest.json: reading, checking and writing (docs/bundle.md). The one reader of a bundle's
+metadata; it needs no torch, so launchers, planners and benchmarks use it directly."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ _REQUIRED = {
 }
 
 
-def read(bundle_dir: Path) -> dict:
-    path = bundle_dir / MANIFEST
+def read(bundle_dir: Path, whole: bool = True) -> dict:
+    """The manifest of `bundle_dir`, checked: all of it, or with `whole=False` only its format,
+    version and tables (what planning and launching read; a manifest-only bundle passes)."""
+    path = Path(bundle_dir) / MANIFEST
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -40,7 +43,7 @@ def read(bundle_dir: Path) -> dict:
         manifest = json.loads(text)
     except json.JSONDecodeError as err:
         raise BundleError(f"{path}: not valid JSON ({err}); the bundle is corrupted") from None
-    check(manifest, path)
+    (check if whole else check_header)(manifest, path)
     return manifest
 
 
@@ -48,8 +51,8 @@ def write(bundle_dir: Path, manifest: dict) -> None:
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def check(manifest: dict, path: Path) -> None:
-    """Raises BundleError naming the file and the first problem found."""
+def check_header(manifest: dict, path: Path) -> None:
+    """The format and version, and a list of tables: BundleError naming the file otherwise."""
 
     def fail(problem: str):
         raise BundleError(f"{path}: {problem}")
@@ -65,6 +68,17 @@ def check(manifest: dict, path: Path) -> None:
             f"bundle format version {version} is newer than this Cleave reads "
             f"(version {VERSION}); upgrade Cleave or re-partition the model"
         )
+    if not isinstance(manifest.get("tables"), list):
+        fail(f"expected 'tables' to be a list, found {manifest.get('tables')!r}")
+
+
+def check(manifest: dict, path: Path) -> None:
+    """Raises BundleError naming the file and the first problem found."""
+
+    def fail(problem: str):
+        raise BundleError(f"{path}: {problem}")
+
+    check_header(manifest, path)
     for key, kind in _REQUIRED.items():
         if not isinstance(manifest.get(key), kind):
             fail(f"expected {key!r} to be a {kind.__name__}, found {manifest.get(key)!r}")

@@ -10,7 +10,6 @@ One code path: BUNDLE and its flags become `local_plan(bundle, config)`, and a r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -19,7 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from cleave.errors import BundleError, UsageError
+from cleave.bundle import manifest as manifest_io
+from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.supervisor import ChildFailed
 
@@ -138,33 +138,6 @@ def _apply_security(router: config_io.RouterConfig, args: argparse.Namespace) ->
             setattr(router, key, value)
 
 
-def read_manifest(bundle: Path) -> dict:
-    """manifest.json, read without importing torch (the launcher never needs it)."""
-    path = bundle / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BundleError(f"{path}: not found; is {bundle} a Cleave bundle?") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise BundleError(f"{path}: cannot be read: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "cleave-bundle":
-        raise BundleError(f"{path}: expected format 'cleave-bundle'")
-    return manifest
-
-
-def table_ranges(manifest: dict, shards: int) -> list[dict[str, tuple[int, int]]]:
-    """Each table's rows cut into `shards` contiguous ranges: shard i holds rows
-    [rows * i // S, rows * (i + 1) // S) of every table (empty ranges left out)."""
-    plan: list[dict[str, tuple[int, int]]] = [{} for _ in range(shards)]
-    for table in manifest["tables"]:
-        rows = int(table["rows"])
-        for i in range(shards):
-            start, end = rows * i // shards, rows * (i + 1) // shards
-            if end > start:
-                plan[i][table["name"]] = (start, end)
-    return plan
-
-
 class Deployment:
     """What `cleave serve BUNDLE` runs, as a plan (kept for tools that ask for its ranges)."""
 
@@ -235,7 +208,7 @@ def _plan_from_args(args: argparse.Namespace):
     if args.grpc_port is not None:  # the same for gRPC
         for i, router in enumerate(plan.routers):
             router.grpc_port = args.grpc_port + i if args.grpc_port else 0
-    for warning in plan.check(read_manifest(plan.bundle_path())):
+    for warning in plan.check(manifest_io.read(plan.bundle_path(), whole=False)):
         print(f"cleave serve: warning: {warning}", file=sys.stderr, flush=True)
     return plan, args.host
 

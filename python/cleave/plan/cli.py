@@ -10,9 +10,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
-from cleave.launch.serve import read_manifest
 from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
@@ -78,7 +78,7 @@ def describe(plan: Plan) -> str:
 
 def _check(path: str) -> int:
     plan = load_plan(path)
-    warnings = plan.check(read_manifest(plan.bundle_path()))
+    warnings = plan.check(manifest_io.read(plan.bundle_path(), whole=False))
     for warning in warnings:
         print(warning, file=sys.stderr)
     print(f"{path}: OK: {describe(plan)}")
@@ -125,13 +125,13 @@ def run(args: argparse.Namespace) -> int:
             shard.state_dir = str(Path(args.state_dir) / shard.name)
     plan.source = output
     if budget is not None:
-        manifest = read_manifest(bundle)
+        manifest = manifest_io.read(bundle, whole=False)
         ref = ""
         if args.profile:  # named relative to the plan, as the bundle is
             ref = os.path.relpath(Path(args.profile).resolve(), output.parent.resolve())
         plan.placement += place_plan(plan, manifest, budget, profile, ref)
     try:
-        warnings = plan.check(read_manifest(bundle))
+        warnings = plan.check(manifest_io.read(bundle, whole=False))
     except UsageError as err:
         raise UsageError(f"{err}\n(nothing was written to {output})") from None
     command = shlex.join(["cleave", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""

@@ -7,10 +7,10 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
+from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.launch.config import ServeConfig
 from cleave.launch.router import deployment_mode
-from cleave.launch.serve import read_manifest, table_ranges
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, host_problems
 from cleave.plan.cluster import this_machine
 from cleave.plan.placement import Request, place
@@ -108,7 +108,7 @@ def make_plan(
             "monolithic baseline is one process (cleave serve --monolithic, local_plan)"
         )
     bundle = Path(bundle_dir).resolve()
-    manifest = read_manifest(bundle)
+    manifest = manifest_io.read(bundle, whole=False)
     router_hosts, shard_hosts, ranker_hosts = layout(hosts)
     # More shards than rows in every table leaves some empty: they are left out.
     groups = [] if config.router_held else [r for r in table_ranges(manifest, shards) if r]
@@ -221,7 +221,7 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     local runner binds Unix sockets, or picks free TCP ports before it starts each role."""
     config = serve_config
     bundle = Path(bundle_dir).resolve()
-    manifest = read_manifest(bundle)
+    manifest = manifest_io.read(bundle, whole=False)
     held = config.monolithic or config.router_held  # no shard processes
     ranges = [] if held else [r for r in table_ranges(manifest, config.shards) if r]
     shards = [
@@ -258,3 +258,16 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
         rankers=rankers,
         routers=[Router("router", "h0", config.http_port, config.grpc_port)],
     )
+
+
+def table_ranges(manifest: dict, shards: int) -> list[dict[str, tuple[int, int]]]:
+    """Each table's rows cut into `shards` contiguous ranges: shard i holds rows
+    [rows * i // S, rows * (i + 1) // S) of every table (empty ranges left out)."""
+    plan: list[dict[str, tuple[int, int]]] = [{} for _ in range(shards)]
+    for table in manifest["tables"]:
+        rows = int(table["rows"])
+        for i in range(shards):
+            start, end = rows * i // shards, rows * (i + 1) // shards
+            if end > start:
+                plan[i][table["name"]] = (start, end)
+    return plan

@@ -1,4 +1,4 @@
-//! Load generators for `cleave bench shard`, lean on purpose: blocking sockets, one receiver
+//! Load generators for `cleave bench shard` over the shard's wire protocol, lean on purpose: blocking sockets, one receiver
 //! thread per connection, and latency measured from the moment a request was *due* (open loop),
 //! so a generator or server that falls behind shows up as latency instead of hiding it
 //! (no coordinated omission).
@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use cleave_shard::message::LOOKUP;
 use cleave_wire::frame::{encode_hello, kind, Header, HEADER_LEN};
 use cleave_wire::{Address, ConnClass, Frame, FrameDecoder};
-
-use crate::message::LOOKUP;
 
 /// What one load run measured.
 #[derive(Clone, Debug, Default)]

@@ -1,0 +1,140 @@
+"""Where a benchmark's load goes: a `cleave serve` it starts (a bundle with flags, or a plan
+under a runner) and can restart, or the URL of a deployment someone else runs."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cleave.bench.harness.workload import Workload
+
+
+class Target:
+    """One deployment under load; `with target:` starts and stops it."""
+
+    def __init__(
+        self,
+        bundle=None,
+        flags: list[str] | None = None,
+        url: str | None = None,
+        plan=None,
+        model: str | None = None,
+        want_model: bool = False,
+        protocol: str = "json",
+    ):
+        # plan: `cleave serve --plan PLAN *flags` (flags name the runner) instead of BUNDLE.
+        self.bundle, self.plan, self.flags, self.server = bundle, plan, flags or [], None
+        self.url = url.rstrip("/") if url else ""
+        # Every router's URL (a plan may have several; the first is `url`). The load of each
+        # open-loop probe is split over them.
+        self.urls: list[str] = [self.url] if self.url else []
+        self._url_dir: Path | None = None  # where `cleave serve --url-file` writes them
+        self.model = model  # the served model's name when it is not the workload's
+        self.want_model = want_model  # --check against the float32 model, not the bundle
+        self.protocol = protocol  # what its requests are: json, binary or grpc
+        self.endpoints: dict[str, str] = {}  # role -> /metrics URL
+        # --protocol grpc: the port given to `cleave serve --grpc-port` (in `flags`).
+        self.grpc_port = _grpc_port(self.flags)
+        self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
+
+    @property
+    def restartable(self) -> bool:
+        return self.bundle is not None or self.plan is not None
+
+    def start(self) -> Target:
+        from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
+
+        if self.restartable:
+            from cleave.launch.process import ServeProcess
+
+            where = [self.bundle] if self.plan is None else [None, "--plan", str(self.plan)]
+            url_flags = []
+            if self.plan is not None:  # written before its first "ready" line: read it then
+                self._url_dir = Path(tempfile.mkdtemp(prefix="cleave-bench-urls-"))
+                url_flags = ["--url-file", str(self._url_dir / "urls")]
+            self.server = ServeProcess(*where, *self.flags, *url_flags)
+            try:
+                self.server.start()
+            except BaseException:  # SIGTERM while it starts, say: stop what has started
+                self.stop()
+                raise
+            self.url = self.server.url
+            self.urls = [self.url]
+            if self._url_dir is not None:
+                self.urls = [u.rstrip("/") for u in (self._url_dir / "urls").read_text().split()]
+            # Its "metrics" lines (stderr) come before "ready" (stdout), but each stream has
+            # its own reader: wait a little for them. Read now: the log keeps only its last lines.
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not printed_all_metrics(list(self.server.log)):
+                time.sleep(0.02)
+        log = list(self.server.log) if self.server else []
+        self.endpoints = metrics_endpoints(log, self.url)
+        self.links = testbed_links(log)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._url_dir is not None:  # `cleave serve` removed the file as it stopped
+            shutil.rmtree(self._url_dir, ignore_errors=True)
+            self._url_dir = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def bodies(self, workload: Workload) -> list:
+        """The workload's requests in this target's protocol."""
+        return workload.bodies_for.get(self.protocol, workload.bodies)
+
+    def infer_url(self, workload: Workload) -> str:
+        model = self.model or workload.name
+        if self.protocol == "grpc":  # the load generator's form for gRPC: grpc://HOST:PORT/MODEL
+            return f"grpc://127.0.0.1:{self.grpc_port}/{model}"
+        return f"{self.url}/v2/models/{model}/infer"
+
+    def infer_urls(self, workload: Workload) -> list[str]:
+        """Every router's infer URL (gRPC: the one port this command gave `cleave serve`)."""
+        if self.protocol == "grpc" or len(self.urls) < 2:
+            return [self.infer_url(workload)]
+        model = self.model or workload.name
+        return [f"{url}/v2/models/{model}/infer" for url in self.urls]
+
+    def checker(self, workload: Workload):
+        """What --check compares this deployment's responses with."""
+        return functools.partial(workload.check, want_model=self.want_model)
+
+    def __enter__(self) -> Target:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _grpc_port(flags: list[str]) -> int | None:
+    return int(flags[flags.index("--grpc-port") + 1]) if "--grpc-port" in flags else None
+
+
+def serve_flags(args, mode: str, protocol: str = "json") -> list[str]:
+    """`cleave serve`'s flags for a deployment in `mode` (disaggregated, monolithic,
+    router-held) that gets requests in `protocol`."""
+    flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
+    if protocol == "grpc":
+        from cleave.runners.local import free_ports
+
+        flags += ["--grpc-port", str(free_ports("127.0.0.1", 1)[0])]
+    if args.config:
+        flags += ["--config", args.config]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    if args.compile:
+        flags.append("--compile")
+    if mode != "disaggregated":
+        flags.append(f"--{mode}")
+    return flags

@@ -1,0 +1,265 @@
+"""`Bundle`: a model cut into sparse lookups (tables + features) and a dense program, the
+same object whether it was just partitioned (tables in memory) or loaded from disk (tables
+memory-mapped); docs/bundle.md describes the files. Needs torch: `cleave.bundle.manifest`
+reads a bundle's metadata without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from cleave.bundle import manifest as manifest_io
+from cleave.bundle import tables as table_io
+from cleave.bundle.reference import run_sparse
+from cleave.errors import BundleError, CleaveError
+
+__all__ = ["Bundle", "load_bundle"]
+
+DENSE_PROGRAM = "dense.pt2"
+DENSE_PROBE = "dense_probe.pt"  # a small batch of dense inputs and the float32 outputs
+
+
+class Bundle:
+    """A partitioned model. Build one with `cleave.partition`, or read one with `load_bundle`."""
+
+    def __init__(
+        self,
+        manifest: dict,
+        tables: dict[str, np.ndarray],
+        dense: torch.export.ExportedProgram,
+        path: Path | None = None,
+        batched: torch.export.ExportedProgram | None = None,
+    ):
+        self.manifest = manifest
+        self.path = path
+        self._raw_tables = tables  # name -> uint8 [rows, row_bytes] (array or memmap)
+        self._dense = dense
+        # The same program over many requests' joined inputs (cleave.partitioner.batched).
+        self._batched = batched
+        self._decoded: dict[str, torch.Tensor] = {}
+        self._dense_modules: dict[tuple[str, bool], torch.nn.Module] = {}
+        # {"inputs": [...], "outputs": [...]}: set by the partitioner, read lazily from disk
+        self._probe: dict | None = None
+
+    # -- what is inside ----------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.manifest["inputs"]]
+
+    @property
+    def dense_program(self) -> torch.export.ExportedProgram:
+        """The float32 dense program (see `dense_module` for the one served)."""
+        return self._dense
+
+    @property
+    def dense_dtype(self) -> str:
+        """The precision the dense program is served at (cleave.bundle.precision)."""
+        return self.manifest["dense"].get("dtype", "float32")
+
+    def table(self, name: str) -> torch.Tensor:
+        """A table decoded to fp32 [rows, dim] (int8 and fp16 dequantized)."""
+        if name not in self._decoded:
+            meta = self._table_meta(name)
+            decoded = table_io.decode(
+                np.asarray(self._raw_tables[name]), meta["dtype"], meta["dim"]
+            )
+            self._decoded[name] = torch.from_numpy(np.array(decoded, dtype=np.float32))
+        return self._decoded[name]
+
+    def _table_meta(self, name: str) -> dict:
+        for meta in self.manifest["tables"]:
+            if meta["name"] == name:
+                return meta
+        raise CleaveError(f"bundle has no table {name!r}")
+
+    def summary(self) -> dict:
+        """What was split: tables, bytes per side, boundary tensors and their bytes per sample."""
+        table_bytes = sum(t["rows"] * t["row_bytes"] for t in self.manifest["tables"])
+        dense_bytes = sum(
+            t.numel() * t.element_size()
+            for t in [*self._dense.parameters(), *self._dense.buffers()]
+        )
+        return {
+            "tables": [
+                {k: t[k] for k in ("name", "rows", "dim", "dtype")} for t in self.manifest["tables"]
+            ],
+            "features": len(self.manifest["features"]),
+            "sparse_bytes": table_bytes,
+            "dense_bytes": dense_bytes,
+            "boundary": [_crossing(b) for b in self.manifest["boundary"]],
+            "shared_inputs": self.manifest["shared_inputs"],
+            "batched": self.manifest["dense"].get("batched"),
+            "dense_dtype": self.dense_dtype,
+            "accuracy": self.manifest["dense"].get("accuracy"),
+        }
+
+    # -- running it ------------------------------------------------------------------------
+    def named_inputs(self, *args) -> dict[str, torch.Tensor]:
+        """The model's forward arguments -> tensors by manifest input name."""
+        leaves = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        names = self.input_names
+        if len(leaves) != len(names):
+            raise CleaveError(
+                f"expected {len(names)} input tensors ({', '.join(names)}), got {len(leaves)}"
+            )
+        return dict(zip(names, leaves, strict=True))
+
+    def sparse_reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The boundary tensors of a request, computed with the reference executor."""
+        return run_sparse(self.manifest, inputs, self.table)
+
+    @property
+    def per_request_inputs(self) -> list[str]:
+        return manifest_io.per_request_inputs(self.manifest)
+
+    def dense_module(self, dtype: str | None = None, batched: bool = False) -> torch.nn.Module:
+        """(*dense inputs, in manifest order) -> tuple of the model's flat outputs, at the
+        bundle's dense dtype (or `dtype`: "float32" is the program as partitioned). `batched`:
+        the program over joined requests, whose `per_request_inputs` have a row per sample."""
+        from cleave.bundle.precision import convert
+
+        dtype = dtype or self.dense_dtype
+        if batched and self._batched is None:
+            raise CleaveError("the bundle has no batched dense program (no per-request inputs)")
+        if (dtype, batched) not in self._dense_modules:
+            if ("float32", batched) not in self._dense_modules:
+                program = self._batched if batched else self._dense
+                self._dense_modules["float32", batched] = program.module()
+            layers = self.manifest["dense"].get("int8_layers")  # chosen by the partitioner
+            self._dense_modules[dtype, batched] = convert(
+                self._dense_modules["float32", batched], dtype, layers
+            )
+        return self._dense_modules[dtype, batched]
+
+    def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:
+        """Keeps `dense_inputs` and the float32 program's outputs on them as the probe."""
+        with torch.inference_mode():
+            outputs = [t.clone() for t in self.dense_module("float32")(*dense_inputs)]
+        self._probe = {"inputs": [t.clone() for t in dense_inputs], "outputs": outputs}
+        self.manifest["dense"]["probe"] = DENSE_PROBE
+
+    def probe(self) -> dict | None:
+        """The probe batch: dense inputs and the float32 program's outputs on them, recorded
+        at partition time; a ranker checks the program it is about to serve against it.
+        None for bundles partitioned before probes existed."""
+        if self._probe is None and self.path is not None:
+            file = self.path / DENSE_PROBE
+            if self.manifest["dense"].get("probe") and file.exists():
+                try:
+                    self._probe = torch.load(file, weights_only=True)
+                except Exception as err:
+                    raise BundleError(f"{file}: cannot be read: {err}") from None
+        return self._probe
+
+    def run_dense(self, values: dict[str, torch.Tensor], dense=None) -> tuple:
+        """The dense program (`dense_module()`, or `dense`) on the named values."""
+        names = self.manifest["dense"]["inputs"]
+        return tuple((dense or self.dense_module())(*[values[n] for n in names]))
+
+    def reference(self, *args):
+        """The model's outputs: the sparse side by the reference executor, then the dense
+        program. Returns the same structure as the model's forward."""
+        inputs = self.named_inputs(*args)
+        values = {**inputs, **self.sparse_reference(inputs)}
+        flat = self.run_dense(values)
+        spec = pytree.treespec_loads(self.manifest["output_spec"])
+        return pytree.tree_unflatten(list(flat), spec)
+
+    def full_module(self, dense: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The whole model in one module over the flat manifest inputs (the monolithic
+        baseline): (*inputs) -> tuple of flat outputs. `dense`: the dense program to run
+        (default `dense_module()`), a compiled one say."""
+        return _FullModel(self, dense or self.dense_module())
+
+    # -- files -------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Writes the bundle atomically: to a temporary sibling directory, then renamed."""
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise BundleError(f"{path} already exists; pass overwrite=True (CLI: --force)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            (tmp / "tables").mkdir()
+            for meta in self.manifest["tables"]:
+                raw = np.ascontiguousarray(self._raw_tables[meta["name"]])
+                (tmp / meta["file"]).write_bytes(raw.tobytes())
+            torch.export.save(self._dense, tmp / DENSE_PROGRAM)
+            if self._batched is not None:
+                torch.export.save(self._batched, tmp / self.manifest["dense"]["batched"]["program"])
+            if self.probe() is not None:
+                torch.save(self.probe(), tmp / DENSE_PROBE)
+            manifest_io.write(tmp, self.manifest)
+            if path.exists():
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.path = path
+        return path
+
+
+def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
+    """Reads a bundle; `verify` checks every table's CRC-32 (reads all table bytes)."""
+    path = Path(path)
+    manifest = manifest_io.read(path)
+    tables = {}
+    for meta in manifest["tables"]:
+        file = path / meta["file"]
+        tables[meta["name"]] = table_io.open_rows(file, meta)
+        if verify and table_io.crc32_of(file) != meta["crc32"]:
+            raise BundleError(
+                f"{file}: CRC-32 mismatch for table {meta['name']!r}: the file is corrupted"
+            )
+    dense = _load_program(path / manifest["dense"]["program"])
+    batched = (manifest["dense"].get("batched") or {}).get("program")
+    batched = _load_program(path / batched) if batched else None
+    return Bundle(manifest, tables, dense, path, batched)
+
+
+def _load_program(program: Path) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.load(program)
+    except FileNotFoundError:
+        raise BundleError(f"{program}: the dense program is missing") from None
+    except Exception as err:  # torch raises many types for a damaged archive
+        raise BundleError(f"{program}: cannot load the dense program: {err}") from None
+
+
+def _crossing(tensor: dict) -> dict:
+    """How much of a boundary tensor crosses: bytes per sample (or per request, for a tensor
+    looked up once per request), times any sizes that vary per request."""
+    itemsize = torch.empty((), dtype=getattr(torch, tensor["dtype"])).element_size()
+    rest = tensor["shape"][1:]
+    static = int(np.prod([d for d in rest if isinstance(d, int)], dtype=np.int64)) * itemsize
+    return {
+        "name": tensor["name"],
+        "shape": tensor["shape"],
+        "bytes": static,
+        "per": "request" if tensor["shape"][:1] == [1] else "sample",
+        "times": [d for d in rest if isinstance(d, str)],
+    }
+
+
+class _FullModel(torch.nn.Module):
+    def __init__(self, bundle: Bundle, dense: torch.nn.Module):
+        super().__init__()
+        self.bundle = bundle
+        self.dense = dense
+        for name in {f["table"] for f in bundle.manifest["features"]}:
+            bundle.table(name)  # decode once, up front
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        named = dict(zip(self.bundle.input_names, inputs, strict=True))
+        return self.bundle.run_dense({**named, **self.bundle.sparse_reference(named)}, self.dense)
