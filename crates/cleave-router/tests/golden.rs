@@ -11,14 +11,14 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use cleave_embed::Manifest;
-use cleave_router::binary_tensor::split;
-use cleave_router::grpc::pb::infer_parameter::ParameterChoice;
-use cleave_router::grpc::pb::{InferParameter, ModelInferRequest, ModelInferResponse};
-use cleave_router::grpc_tensor::{grpc_response, parse_grpc};
-use cleave_router::kserve::{infer_response, parse_infer};
-use cleave_router::payload::{
+use cleave_router::backend::payload::{
     decode_request, decode_response, encode_request, encode_response, RankResponse,
 };
+use cleave_router::codec::binary_tensor::split;
+use cleave_router::codec::grpc::pb::infer_parameter::ParameterChoice;
+use cleave_router::codec::grpc::pb::{InferParameter, ModelInferRequest, ModelInferResponse};
+use cleave_router::codec::grpc_tensor::{grpc_response, parse_grpc};
+use cleave_router::codec::kserve::{infer_response, parse_infer};
 use cleave_router::{DType, Model, Tensor};
 use golden::u64_of;
 use prost::Message;
