@@ -1,5 +1,5 @@
 """REST and gRPC agree at the router's front door, because both go through one envelope
-(crates/cleave-router/src/envelope.rs; docs/api.md, "Latency budget" and "Admission control"):
+(crates/cleave-router/src/envelope.rs; docs/api.md, "Admission control and load shedding"):
 
 * a request's budget starts at its first byte on both doors: a body (REST) or message (gRPC)
   whose last part the client sends only after the budget ran out gets 504 / DEADLINE_EXCEEDED
