@@ -167,7 +167,7 @@ fn default_connect_timeout_ms() -> u64 {
     1000
 }
 fn default_ready_timeout_ms() -> u64 {
-    60_000
+    120_000 // `cleave serve`'s ready_timeout_s
 }
 fn default_health_interval_ms() -> u64 {
     1000
@@ -293,6 +293,24 @@ impl RouterConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The serde defaults above are the settings schema's (python/cleave/settings): the JSON
+    /// the launcher writes for a default config, generated into the chart's settings.json by
+    /// `python -m cleave.settings --write`, parses to the same config as no keys at all.
+    #[test]
+    fn defaults_are_the_settings_schemas() {
+        let text = include_str!("../../../deploy/helm/cleave/files/settings.json");
+        let settings: serde_json::Value = serde_json::from_str(text).unwrap();
+        let required = serde_json::json!({"model": "m", "bundle": "b", "rankers": ["a:1"]});
+        let mut written = settings["router_json"].clone();
+        written
+            .as_object_mut()
+            .unwrap()
+            .extend(required.as_object().unwrap().clone());
+        let bare = RouterConfig::from_json(&required.to_string()).unwrap();
+        let full = RouterConfig::from_json(&written.to_string()).unwrap();
+        assert_eq!(format!("{bare:#?}"), format!("{full:#?}"));
+    }
 
     #[test]
     fn defaults_and_checks() {
