@@ -66,6 +66,16 @@ def test_removing_keeps_the_rest_in_order():
         assert drain(q) == [0, 3] if policy == "fifo" else [3, 0]
 
 
+def test_lifo_serves_the_newest_first_and_knows_the_oldest_arrival():
+    q = make_queue("lifo")
+    for i, d in enumerate([5, 1, 3]):
+        q.push(Item(i, d, arrived_ns=100 + i))
+    assert q.peek().request_id == 2 and q.oldest_arrival_ns() == 100
+    assert q.pop().request_id == 2
+    q.push(Item(3, 0))
+    assert drain(q) == [3, 1, 0]
+
+
 def test_an_unknown_policy_names_the_known_ones():
     with pytest.raises(
         ValueError, match=re.escape(f"'random': expected one of {sorted(POLICIES)}")
@@ -157,7 +167,7 @@ def test_edf_batcher_starts_the_earliest_deadline_first():
         # What was left in the queue when each ran tells the order: 2 left = first.
         depths = [decode_response(f.result()).queue_depth for f in futures]
         order[policy] = sorted(range(3), key=lambda i: -depths[i])
-    assert order == {"fifo": [0, 1, 2], "edf": [1, 2, 0]}
+    assert order == {"fifo": [0, 1, 2], "edf": [1, 2, 0], "lifo": [2, 1, 0]}
 
 
 def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed():

@@ -49,7 +49,7 @@ class Choices:
 
 # The order waiting requests start in at shards and rankers (cleave_wire::queue,
 # cleave/ranker/queues/). "fcfs" was the incast queue's name for fifo; it works here too.
-QUEUE_POLICIES = Choices(("fifo", "edf"), {"fcfs": "fifo"})
+QUEUE_POLICIES = Choices(("fifo", "edf", "lifo"), {"fcfs": "fifo"})
 # The order a ranker grants delayed requests-to-send in (cleave_flow::queue, docs/traffic.md).
 INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
 # Internal sockets: Unix sockets (every role on one host) or TCP.

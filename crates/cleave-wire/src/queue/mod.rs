@@ -5,15 +5,18 @@
 //! * [`Fifo`]: arrival order (Cleave's behaviour before policies existed, and the default).
 //! * [`Edf`]: earliest absolute deadline first; requests without a deadline go last, in
 //!   arrival order.
+//! * [`Lifo`]: newest first (under overload: keep the newest requests in time).
 
 mod edf;
 mod fifo;
+mod lifo;
 
 use std::fmt;
 use std::str::FromStr;
 
 pub use edf::Edf;
 pub use fifo::Fifo;
+pub use lifo::Lifo;
 
 /// What a queue needs to know about an item.
 pub trait Queued {
@@ -39,10 +42,12 @@ pub enum QueuePolicy {
     Fifo,
     /// Earliest deadline first.
     Edf,
+    /// Newest first.
+    Lifo,
 }
 
 impl QueuePolicy {
-    pub const ALL: [QueuePolicy; 2] = [QueuePolicy::Fifo, QueuePolicy::Edf];
+    pub const ALL: [QueuePolicy; 3] = [QueuePolicy::Fifo, QueuePolicy::Edf, QueuePolicy::Lifo];
     /// Older names that still parse, with the name they stand for.
     pub const ALIASES: [(&'static str, &'static str); 1] = [("fcfs", "fifo")];
 
@@ -50,6 +55,7 @@ impl QueuePolicy {
         match self {
             QueuePolicy::Fifo => "fifo",
             QueuePolicy::Edf => "edf",
+            QueuePolicy::Lifo => "lifo",
         }
     }
 
@@ -78,6 +84,7 @@ impl QueuePolicy {
         match self {
             QueuePolicy::Fifo => Box::new(Fifo::default()),
             QueuePolicy::Edf => Box::new(Edf::default()),
+            QueuePolicy::Lifo => Box::new(Lifo::default()),
         }
     }
 }
