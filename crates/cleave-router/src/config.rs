@@ -88,6 +88,9 @@ pub struct RouterConfig {
     /// the rest absorbs the estimate's error (admission.rs).
     #[serde(default = "default_admit_share")]
     pub admit_share: f64,
+    /// The longest Retry-After (seconds) a shed request is told to wait.
+    #[serde(default = "default_max_retry_after_s")]
+    pub max_retry_after_s: u64,
     /// The environment variable holding the admin API's bearer token; none: the admin API
     /// (/admin/v1/) needs no token. The token itself never appears in a config or plan.
     #[serde(default)]
@@ -202,6 +205,9 @@ fn default_shed() -> bool {
 fn default_admit_share() -> f64 {
     0.5
 }
+fn default_max_retry_after_s() -> u64 {
+    60
+}
 
 impl RouterConfig {
     /// Parses and checks the JSON; errors say which field is wrong and why.
@@ -255,6 +261,7 @@ impl RouterConfig {
             return bad("body_limit_bytes must be at least 1".into());
         }
         let at_least_one = [
+            ("max_retry_after_s", self.max_retry_after_s),
             ("header_timeout_ms", self.header_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
             ("body_min_bytes_per_s", self.body_min_bytes_per_s),

@@ -109,6 +109,9 @@ class RouterConfig:
     max_in_flight: int = setting(2048, "requests in progress; more are shed with 503")
     shed: bool = setting(True, "shed at once (503) when the expected latency exceeds the budget")
     admit_share: float = setting(0.5, "the share of its budget a request's estimate may fill")
+    max_retry_after_s: int = setting(
+        60, "the longest Retry-After (seconds) a shed request is told to wait"
+    )
     # Never the token itself (docs/serving.md, "Replicas and membership").
     admin_token_env: str = setting(
         "", 'environment variable holding the admin API\'s bearer token; "": no token'
@@ -271,6 +274,7 @@ class ServeConfig:
             "body_min_bytes_per_s",
             "max_connections",
             "max_in_flight",
+            "max_retry_after_s",
         ):
             need(getattr(r, key) >= 1, f"router.{key}", "at least 1", getattr(r, key))
         need(r.body_grace_ms >= 0, "router.body_grace_ms", ">= 0", r.body_grace_ms)
