@@ -86,7 +86,12 @@ pub async fn serve(
             min_bytes_per_s: config.body_min_bytes_per_s,
             grace: Duration::from_millis(config.body_grace_ms),
         },
-        admission: Admission::new(config.max_in_flight, config.shed, config.admit_share),
+        admission: Admission::new(
+            config.max_in_flight,
+            config.shed,
+            config.admit_share,
+            config.max_retry_after_s,
+        ),
         door: Arc::new(DoorStats::default()),
         health: Mutex::new(Health::new(ROLE, vec![], vec![STARTING.into()])),
         admin: AdminConfig::new(config.admin_token_env.as_deref(), connect_timeout)?,

@@ -1,15 +1,40 @@
 """`router_config`: the JSON a router reads (crates/cleave-router's config; docs/serving.md).
-The router process is the `cleave-router CONFIG.json` executable (no Python in it)."""
+The router process is the `cleave-router CONFIG.json` executable (no Python in it).
+
+Every RouterConfig setting is written under its own name, so a new router setting needs no
+change here; the exceptions are below."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from cleave.launch.config import ServeConfig
+from cleave.settings import RouterConfig, ServeConfig
+
+# Settings the launchers use and the router never reads (docs/security.md: the secret is
+# shared through the environment).
+LAUNCHER_ONLY = ("internal_secret_env",)
+# Written only when set: the chart's config has none of them (credits off, no TLS, no tokens).
+WHEN_SET = ("response_credits", "auth_token_file", "tls_cert", "tls_key")
+_PATHS = ("auth_token_file", "tls_cert", "tls_key")
+# Written under another name or form: the setting -> the router's key.
+CONVERTED = {"body_limit_mb": "body_limit_bytes", "admin_token_env": "admin_token_env"}
 
 
-def _security(r) -> dict:
-    return {"auth_token_file": r.auth_token_file, "tls_cert": r.tls_cert, "tls_key": r.tls_key}
+def router_settings(r: RouterConfig) -> dict:
+    """The router's JSON keys for its settings (the part of `router_config` from `r`)."""
+    values = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+    for key in LAUNCHER_ONLY:
+        del values[key]
+    values["body_limit_bytes"] = int(values.pop("body_limit_mb") * (1 << 20))
+    # The variable's name only: the router reads the token from its environment.
+    values["admin_token_env"] = r.admin_token_env or None
+    for key in WHEN_SET:
+        if not values[key]:
+            del values[key]
+        elif key in _PATHS:  # paths only (docs/security.md)
+            values[key] = str(Path(values[key]).resolve())
+    return values
 
 
 def router_config(
@@ -19,7 +44,6 @@ def router_config(
     routes: list[dict],
     rankers: list[str],
 ) -> dict:
-    r = config.router
     return {
         "model": name,
         "bundle": str(bundle),
@@ -28,33 +52,12 @@ def router_config(
         "mode": deployment_mode(config),
         "shards": routes,
         "rankers": rankers,
-        "budget_ms": r.budget_ms,
-        "max_budget_ms": r.max_budget_ms,
-        "body_limit_bytes": int(r.body_limit_mb * (1 << 20)),
-        "connect_timeout_ms": r.connect_timeout_ms,
         "ready_timeout_ms": int(config.ready_timeout_s * 1000),
-        "health_interval_ms": r.health_interval_ms,
-        "ranker_connections": r.ranker_connections,
-        "threads": r.threads,
-        "header_timeout_ms": r.header_timeout_ms,
-        "idle_timeout_ms": r.idle_timeout_ms,
-        "body_min_bytes_per_s": r.body_min_bytes_per_s,
-        "body_grace_ms": r.body_grace_ms,
-        "max_connections": r.max_connections,
-        "max_in_flight": r.max_in_flight,
-        "shed": r.shed,
-        "admit_share": r.admit_share,
-        # The variable's name only: the router reads the token from its environment.
-        "admin_token_env": r.admin_token_env or None,
-        "shard_timeout_ms": r.shard_timeout_ms,
-        # Only when on: the chart's config has none.
-        **({"response_credits": r.response_credits} if r.response_credits else {}),
+        **router_settings(config.router),
         # Router-held mode only (the chart renders no such deployment).
         **({"held_threads": config.shard.threads} if config.router_held else {}),
         # Only when asked for: a router config without it serves no gRPC (the chart's too).
         **({} if config.grpc_port is None else {"grpc_port": config.grpc_port}),
-        # Paths only, and only when set (docs/security.md): the chart's config has none.
-        **{k: str(Path(v).resolve()) for k, v in _security(r).items() if v},
     }
 
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cleave.launch.config import ServeConfig
 from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
+from cleave.settings import IncastConfig, RankerConfig, ServeConfig, ShardConfig, flags
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -108,17 +108,12 @@ class RoleSpecs:
                 str(self.bundle),
                 "--listen",
                 address,
-                "--threads",
-                str(shard.threads),
                 "--rows",
                 rows,
                 "--metrics-port",
                 str(metrics_port),
-                "--queue",
-                shard.queue,
+                *flags(shard, ShardConfig),  # --threads, --queue, --dram-budget (docs/tiers.md)
             ]
-            if shard.dram_budget:  # docs/tiers.md
-                argv += ["--dram-budget", str(shard.dram_budget)]
             if shard.ssd_tables:  # the plan's placement across tiers
                 argv += ["--ssd-tables", ",".join(shard.ssd_tables)]
             if shard.profile:  # relative to the plan file, as the bundle is
@@ -143,46 +138,16 @@ class RoleSpecs:
                 str(self.bundle),
                 "--listen",
                 address,
-                "--device",
-                r.device,
-                "--threads",
-                str(r.threads),
-                "--max-batch",
-                str(r.max_batch),
-                "--max-wait-ms",
-                str(r.max_wait_ms),
-                "--max-queue",
-                str(r.max_queue),
-                "--queue",
-                r.queue,
                 "--metrics-port",
                 str(metrics_port),
+                *flags(r, RankerConfig),
             )
             if self.plan.mode == "monolithic":
                 argv.append("--monolithic")
-            if not r.cuda_graphs:
-                argv.append("--no-cuda-graphs")
-            if r.compile:
-                argv.append("--compile")
-            if r.compile_cache:
-                argv += ["--compile-cache", r.compile_cache]
-            if not r.shared_batching:
-                argv.append("--no-shared-batching")
             if self.plan.incast_control and self.plan.mode != "monolithic":
                 port = self.binding.control_port(r)
                 self.control[r.name] = control_address(address, port)
-                argv += [
-                    "--control-port",
-                    str(port),
-                    "--incast-window-bytes",
-                    str(r.incast_window_bytes),
-                    "--incast-order",
-                    r.incast_order,
-                    "--link-gbit",
-                    str(r.link_gbit),
-                ]
-                if r.incast_adaptive:
-                    argv.append("--incast-adaptive")
+                argv += ["--control-port", str(port), *flags(r, IncastConfig)]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
