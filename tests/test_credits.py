@@ -13,7 +13,8 @@ from cleave import _native
 from cleave.bench.loadgen import outputs_of
 from cleave.launch.config import RouterConfig
 from cleave.launch.process import ServeProcess
-from test_serve import TOLERANCE, Served, infer_url, post
+from support.client import post
+from support.served import TOLERANCE, Served, infer_url
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 

@@ -12,7 +12,8 @@ from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.bundle import tables as table_io
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from test_serve import SCALES, TOLERANCE, post
+from support.client import post
+from support.served import SCALES, TOLERANCE
 
 
 def test_int4_codes_round_trip_and_pack_two_a_byte():

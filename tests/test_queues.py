@@ -25,7 +25,7 @@ from cleave.ranker.signature import signature
 from cleave.runners.roles import Binding, RoleSpecs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ranker import DENSE_MANIFEST, Dense, dense_request
+from support.dense import DENSE_MANIFEST, Dense, dense_request
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
