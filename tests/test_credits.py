@@ -44,6 +44,7 @@ def outputs(server: ServeProcess, served: Served, requests) -> list[list[np.ndar
     return got
 
 
+@pytest.mark.slow  # two deployments, ten requests each
 def test_scores_are_equal_with_credits_on_and_off(served, tmp_path):
     requests = [served.request(b) for b in (1, 7, *[64] * 8)]
     results = {}

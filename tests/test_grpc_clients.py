@@ -27,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
+@pytest.mark.slow  # a deployment per reference model
 @pytest.mark.parametrize("name", sorted(SCALES))
 def test_grpc_clients_get_the_models_scores(tmp_path, name):
     bundle_dir, requests = served_model(tmp_path, name)

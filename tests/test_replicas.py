@@ -23,7 +23,10 @@ from support.client import failures, post
 from support.served import Served, check_scores, infer_url, under_load
 from support.waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [
+    pytest.mark.slow,  # replicas killed, drained and added under load
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
 
 TOKEN_ENV = "CLEAVE_TEST_REPLICAS_ADMIN_TOKEN"
 TOKEN = "replicas-test-token"

@@ -69,6 +69,7 @@ def test_scores_equal_the_original_model(models, model, shards, rankers, mode):
 # -- failures ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, tmp_path):
     served = models["dlrm"]
     config = tmp_path / "serve.toml"
@@ -144,6 +145,7 @@ def kill_ranker_under_load(served: Served, rankers: int):
     return results, killed_at, back_at
 
 
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_a_killed_ranker_of_two_costs_no_request(models):
     results, _, _ = kill_ranker_under_load(models["shared"], rankers=2)
     failed = [(status, reply) for _, _, status, reply, _ in results if status != 200]
@@ -151,6 +153,7 @@ def test_a_killed_ranker_of_two_costs_no_request(models):
     assert len(results) > 40
 
 
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_a_killed_lone_ranker_costs_503s_only_until_it_is_back(models):
     results, killed_at, back_at = kill_ranker_under_load(models["shared"], rankers=1)
     failed = [(t, status, reply) for t, _, status, reply, _ in results if status != 200]

@@ -27,6 +27,7 @@ def test_every_reference_model_is_covered():
     assert sorted(SCALES) == sorted(MODELS)
 
 
+@pytest.mark.slow  # a deployment per reference model
 @pytest.mark.parametrize("name", sorted(SCALES))
 def test_tritonclient_http_sync_and_async_get_the_models_scores(tmp_path, name):
     bundle_dir, requests = served_model(tmp_path, name)
