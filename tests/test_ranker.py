@@ -325,6 +325,7 @@ def test_cancelled_requests_leave_the_queue_unanswered():
         (encode_request([torch.randn(2, 4)]), "expected 2 tensors"),
         (encode_request([torch.randn(2, 4), torch.randn(2, 3).half()]), "float32"),
     ],
+    ids=["short header", "one tensor", "float16"],  # the same on every xdist worker
 )
 def test_bad_requests_get_errors_and_the_loop_goes_on(payload, message):
     queue, batcher, _ = make_batcher()
