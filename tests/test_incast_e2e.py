@@ -69,7 +69,11 @@ def deployment(served, tmp_path_factory):
     plan = make_plan(served.dir, emulated_hosts(1), 1, 1, 1, 1, serve_config=config)
     plan.incast_control = True
     plan.incast_threshold_bytes = 1
-    plan.rankers[0].control_port = 0  # the ranker binds one and says which
+    # Every port 0: each role binds one and says which (the plan's logical ports, 7000 and
+    # 9000, would clash with another worker's deployment).
+    for role in [*plan.shards, *plan.rankers]:
+        role.port = role.metrics_port = 0
+    plan.rankers[0].control_port = 0
     plan.rankers[0].incast_window_bytes = 1
     plan.rankers[0].incast_adaptive = True
     path = save_plan(plan, tmp_path_factory.mktemp("plan") / "incast.yaml")

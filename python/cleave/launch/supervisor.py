@@ -248,7 +248,9 @@ class Supervisor:
                 child.said_ready.set()
             child.tail.append(line)
             try:
-                print(f"[{child.spec.name}] {line}", file=self.log, flush=True)
+                # One write per line: the stdout and stderr readers share the log.
+                self.log.write(f"[{child.spec.name}] {line}\n")
+                self.log.flush()
             except (ValueError, OSError):  # our stderr is gone; keep draining the pipe
                 pass
 
