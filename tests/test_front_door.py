@@ -18,7 +18,10 @@ import urllib.request
 
 import pytest
 from cleave.launch.supervisor import find_executable
-from test_router_http import MODEL, Child, Deployment, cli, good_request, post, request
+from support.client import post, request
+from support.processes import cli
+from support.router import MODEL, Deployment, good_request, started
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -42,7 +45,7 @@ class Router:
         config = {**backends.base, **settings}
         path = backends.root / f"router-{time.monotonic_ns()}.json"
         path.write_text(json.dumps(config))
-        self.child = Child("router", [find_executable("cleave-router"), str(path)])
+        self.child = started("router", [find_executable("cleave-router"), str(path)])
         self.address = self.child.address
         host, port = self.address.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
@@ -58,6 +61,13 @@ class Router:
         sock = socket.create_connection((self.host, self.port), timeout=BOUND_S)
         sock.settimeout(BOUND_S)
         return sock
+
+    def refuses_connections(self) -> bool:
+        try:
+            socket.create_connection((self.host, self.port), timeout=BOUND_S).close()
+        except ConnectionRefusedError:
+            return True
+        return False
 
     def metric(self, line_start: str) -> float:
         _, text = request(f"{self.address}/metrics")
@@ -117,13 +127,6 @@ def post_head(path: str, length: int, extra: str = "") -> bytes:
         f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {length}\r\n{extra}\r\n"
     ).encode()
-
-
-def wait_for(predicate, what: str, bound_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + bound_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
-        time.sleep(0.05)
 
 
 def test_partial_header_is_closed_by_the_header_timeout(backends):
@@ -191,7 +194,7 @@ def test_connection_cap_refuses_the_extra_connection_only(backends):
             finally:
                 sock.close()
 
-        wait_for(one_more_served, "a connection is accepted again once one closed")
+        wait_for(one_more_served, "a connection is accepted again once one closed", BOUND_S)
         # Metrics over a connection already held: a new one might find the cap still reached.
         status, _, text = get(held[0], "/metrics")
         assert status == 200
@@ -207,7 +210,9 @@ def test_in_flight_cap_sheds_without_reading_the_body(backends):
     with Router(backends, max_in_flight=1, body_grace_ms=30000) as router:
         holder = router.connect()
         holder.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
-        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        wait_for(
+            lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight", BOUND_S
+        )
         sock = router.connect()
         sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw)
         status, headers, body = read_response(sock)
@@ -284,7 +289,7 @@ def test_health_schema_and_a_ranker_down_degrades(backends):
         status, text = request(f"{backends.router.address}{path}")
         assert status == 200 and json.loads(text)["role"] == "router", path
 
-    spare = Child(
+    spare = started(
         "ranker-2",
         cli("ranker", "--bundle", str(backends.dir), "--listen", "127.0.0.1:0", "--threads", "1"),
     )
@@ -296,7 +301,7 @@ def test_health_schema_and_a_ranker_down_degrades(backends):
             def health():
                 return json.loads(request(f"{router.address}/v2/health/ready")[1])
 
-            wait_for(lambda: health()["status"] == "degraded", "degraded")
+            wait_for(lambda: health()["status"] == "degraded", "degraded", BOUND_S)
             status, text = request(f"{router.address}/v2/health/ready")
             reply = json.loads(text)
             assert status == 200 and reply["ready"] and reply["problems"] == []
@@ -314,9 +319,12 @@ def test_sigterm_finishes_the_request_in_flight(backends):
     try:
         sock = router.connect()
         sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
-        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        wait_for(
+            lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight", BOUND_S
+        )
         router.child.proc.terminate()
-        time.sleep(0.3)
+        # It got the signal once it stops accepting; it must still be there for the request.
+        wait_for(router.refuses_connections, "the router to stop accepting", BOUND_S)
         assert router.child.proc.poll() is None, "the router left before its request finished"
         sock.sendall(raw[10:])
         status, headers, body = read_response(sock)

@@ -27,7 +27,7 @@ from cleave.runners.roles import Binding, RoleSpecs
 from cleave.settings import QUEUE_POLICIES
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ranker import DENSE_MANIFEST, Dense, dense_request
+from support.dense import DENSE_MANIFEST, Dense, dense_request
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 

@@ -140,10 +140,14 @@ pub async fn serve(
         stop_rx.clone(),
         rest_tls,
     ));
+    // What it bound, on stdout before it is ready: a launcher that passed port 0 reads the
+    // ports here (and probes /ready on them).
+    let mut listening = format!("listening http://{addr}");
     let grpc = match config.grpc_port {
         Some(port) => {
             let (listener, grpc_addr) = crate::front::grpc::bind(&config.host, port).await?;
             tracing::info!(addr = %grpc_addr, "KServe v2 gRPC listening");
+            listening.push_str(&format!(" grpc={grpc_addr}"));
             let front = GrpcFront {
                 max_message_bytes: config.body_limit_bytes,
                 token: token.clone(),
@@ -160,6 +164,12 @@ pub async fn serve(
         }
         None => None,
     };
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{listening}");
+        let _ = out.flush();
+    }
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);

@@ -16,11 +16,12 @@ if TYPE_CHECKING:
 
 
 class Binding:
-    """Where a runner puts each role: concrete addresses and ports, chosen before anything
-    starts (readiness is probed on them, and a restarted role comes back on them)."""
+    """Where a runner puts each role: addresses and ports, chosen before anything starts. A
+    port 0 is bound by the role itself, which says which (the supervisor takes it from
+    there); a restarted role comes back on the ports it had."""
 
     def listen(self, role: Shard | Ranker) -> str:
-        """The role's --listen address: `HOST:PORT` (a real port, never 0) or `unix:PATH`."""
+        """The role's --listen address: `HOST:PORT` (port 0: it binds one) or `unix:PATH`."""
         raise NotImplementedError
 
     def metrics_port(self, role: Shard | Ranker) -> int:
@@ -29,7 +30,7 @@ class Binding:
         return role.metrics_port
 
     def http(self, router: Router) -> tuple[str, int]:
-        """The router's client address and port (never 0); /ready and /live are there too."""
+        """The router's client address and port (0: it binds one); /ready and /live there."""
         raise NotImplementedError
 
     def control_port(self, role: Ranker) -> int:
