@@ -242,7 +242,7 @@ def test_a_range_with_one_replica_fails_fast_naming_it_then_recovers(server, ser
 def test_router_config_names_the_token_variable_never_the_token(tmp_path):
     from cleave.errors import UsageError
     from cleave.launch import config as serve_config
-    from cleave.launch.router import router_config
+    from cleave.settings.router_json import router_config
 
     config = ServeConfig()
     written = router_config("m", tmp_path, config, [], ["a:1"])

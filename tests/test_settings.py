@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
-from cleave.launch.router import LAUNCHER_ONLY, router_config
 from cleave.launch.supervisor import find_executable
 from cleave.plan import local_plan, plan_from_dict, plan_to_dict
 from cleave.ranker import cli as ranker_cli
@@ -33,6 +32,7 @@ from cleave.settings import (
     artifacts,
     flags,
 )
+from cleave.settings.router_json import LAUNCHER_ONLY, router_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = {

@@ -14,13 +14,13 @@ from cleave.settings import (
     MODES,
     TRANSPORTS,
     IncastConfig,
+    PlanSettings,
     RankerConfig,
     RouterConfig,
     ShardConfig,
     canonical_choices,
     required,
     same_as,
-    setting,
 )
 
 FORMAT = "cleave-plan"
@@ -132,8 +132,8 @@ class Plan:
     # Incast control (docs/traffic.md): routers ask each ranker's control port for a grant
     # before sending a fused payload of at least `incast_threshold_bytes`. Needs every
     # ranker's `control_port` (a runner picks one where it is 0).
-    incast_control: bool = setting(False, "routers ask rankers for a grant before large payloads")
-    incast_threshold_bytes: int = setting(64 << 10, "payloads this large or larger need a grant")
+    incast_control: bool = same_as(PlanSettings, "incast_control")
+    incast_threshold_bytes: int = same_as(PlanSettings, "incast_threshold_bytes")
     # The file this plan was read from: names it in errors, anchors a relative bundle path.
     source: Path | None = field(default=None, compare=False, metadata={"serialise": False})
     # Why each role is where it is, and the placement's cost (topology-aware plans only);

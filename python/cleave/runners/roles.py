@@ -209,7 +209,7 @@ class RoleSpecs:
         rankers: list[str],
         ranker_control: dict[str, str] | None = None,
     ) -> Path:
-        from cleave.launch.router import router_config
+        from cleave.settings.router_json import router_config
 
         host, port = self.binding.http(router)
         s = self.plan.supervision

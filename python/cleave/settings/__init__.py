@@ -13,6 +13,7 @@ from cleave.settings.choices import (
 )
 from cleave.settings.schema import (
     IncastConfig,
+    PlanSettings,
     RankerConfig,
     RouterConfig,
     ServeConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "TRANSPORTS",
     "Choices",
     "IncastConfig",
+    "PlanSettings",
     "RankerConfig",
     "RouterConfig",
     "ServeConfig",

@@ -13,9 +13,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from cleave.settings import choices
+from cleave.settings import choices, router_json
 from cleave.settings.schema import (
     IncastConfig,
+    PlanSettings,
     RankerConfig,
     RouterConfig,
     ServeConfig,
@@ -42,19 +43,16 @@ def router_json_defaults() -> dict:
     """The router JSON's settings as the launcher writes them for a default config, plus the
     keys it writes only in some deployments, at their defaults: what `RouterConfig`'s serde
     defaults in crates/cleave-router/src/config.rs must equal."""
-    from cleave.launch.router import router_config
-    from cleave.plan.schema import Plan
-
     # From the fields' defaults (what the files show), as a changed default would be.
     config = ServeConfig(**defaults(ServeConfig), router=RouterConfig(**defaults(RouterConfig)))
-    written = router_config("m", Path("b"), config, [], [])
+    written = router_json.router_config("m", Path("b"), config, [], [])
     for key in ("model", "bundle", "shards", "rankers", "mode"):  # per deployment, required
         del written[key]
     return {
         **written,
         "held_threads": ShardConfig().threads,
         "incast_control": False,
-        "incast_threshold_bytes": default(Plan, "incast_threshold_bytes"),
+        "incast_threshold_bytes": default(PlanSettings, "incast_threshold_bytes"),
     }
 
 
@@ -66,22 +64,19 @@ def helm_settings() -> str:
         "device": choices.DEVICES,
         "mode": choices.MODES,
     }
-    from cleave.launch import router
-    from cleave.plan.schema import Plan
-
     values = {
         "generated": "by `python -m cleave.settings --write` from python/cleave/settings",
         "choices": {k: {"names": c.names, "aliases": c.aliases} for k, c in lists.items()},
         "router": defaults(RouterConfig),
         "shard": defaults(ShardConfig),
         "ranker": {**defaults(RankerConfig), **defaults(IncastConfig)},
-        "plan": {k: default(Plan, k) for k in ("incast_control", "incast_threshold_bytes")},
+        "plan": defaults(PlanSettings),
         "serve": defaults(ServeConfig),
         "router_json": router_json_defaults(),
         "router_json_rules": {
-            "launcher_only": router.LAUNCHER_ONLY,
-            "when_set": router.WHEN_SET,
-            "converted": router.CONVERTED,
+            "launcher_only": router_json.LAUNCHER_ONLY,
+            "when_set": router_json.WHEN_SET,
+            "converted": router_json.CONVERTED,
         },
     }
     return json.dumps(values, indent=1) + "\n"

@@ -185,6 +185,16 @@ class RankerConfig:
 
 
 @dataclass
+class PlanSettings:
+    """A deployment's own settings, beside its roles' (a plan's top level). Incast control
+    (docs/traffic.md): routers ask each ranker's control port for a grant before sending a
+    fused payload of at least `incast_threshold_bytes`."""
+
+    incast_control: bool = setting(False, "routers ask rankers for a grant before large payloads")
+    incast_threshold_bytes: int = setting(64 << 10, "payloads this large or larger need a grant")
+
+
+@dataclass
 class IncastConfig:
     """A ranker's incast control (docs/traffic.md): a plan's `rankers[i]` and `cleave ranker`'s
     flags; used when the plan's `incast_control` is on."""
