@@ -50,7 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="incast control port on the listen host (docs/traffic.md): routers ask it before "
-        "sending a large payload; 0 (default): no incast control",
+        "sending a large payload; 0 (default): no incast control, or with --incast-control a "
+        "free port, named on the ready line (control=ADDR)",
+    )
+    parser.add_argument(
+        "--incast-control",
+        action="store_true",
+        help="serve incast control (implied by a non-zero --control-port)",
     )
     parser.add_argument(
         "--incast-window-bytes", type=int, **_flag(IncastConfig, "incast_window_bytes")
@@ -159,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
     batcher.source = server
     # The one-process baseline has no network between router and ranker: nothing to control.
-    use_control = args.control_port and not args.with_router
+    use_control = (args.control_port or args.incast_control) and not args.with_router
     control = _control(args, server) if use_control else None
     if control is not None:
         from cleave.ranker.control import ControlledSource

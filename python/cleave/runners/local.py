@@ -29,7 +29,7 @@ def free_ports(host: str, n: int) -> list[int]:
     """`n` distinct ports free on `host` now: bound all at once (so none repeats), then
     released for the roles to bind. Another process could take one in between; the role then
     fails to start, named, rather than serving somewhere unknown. For ports a role cannot
-    be given as 0 (Ray's roles; a ranker's incast control port, where 0 means off)."""
+    be given as 0 (Ray's roles, whose addresses are fixed before they start)."""
     socks = []
     try:
         for _ in range(n):
@@ -47,8 +47,8 @@ class LocalBinding(Binding):
     ports. A plan of several hosts numbers ports per host, so on one machine they may clash:
     then every shard and ranker port is 0. A port the plan leaves 0 stays 0 too. A role
     given port 0 binds a free one itself and says which (docs/plan.md, "Runners"); the
-    supervisor takes it from there, and a restarted role comes back on it. Incast control
-    ports are the exception: picked free here (0 means "off" to the ranker)."""
+    supervisor takes it from there, and a restarted role comes back on it (a ranker's incast
+    control port too: `--incast-control --control-port 0`)."""
 
     def __init__(self, plan: Plan, runtime: Path, host: str):
         self.transport = plan.transport
@@ -61,12 +61,8 @@ class LocalBinding(Binding):
                 self.ports[(role.name, "port")] = role.port if logical else 0
             self.ports[(role.name, "metrics")] = role.metrics_port if logical else 0
         if plan.incast_control:
-            # `cleave ranker --control-port 0` turns incast control off: this one port is
-            # still picked here, free now, for the ranker to bind (a race left: see free_ports).
-            given = {r.name: r.control_port if logical else 0 for r in plan.rankers}
-            picked = iter(free_ports(LOOPBACK, sum(1 for p in given.values() if not p)))
-            for name, port in given.items():
-                self.ports[(name, "control")] = port or next(picked)
+            for r in plan.rankers:
+                self.ports[(r.name, "control")] = r.control_port if logical else 0
         # Routers bind the client host; the rest loopback (`cleave serve --host` is for clients).
         for router in plan.routers:
             self.ports[(router.name, "http")] = router.http_port

@@ -148,7 +148,7 @@ class RoleSpecs:
             if self.plan.incast_control and self.plan.mode != "monolithic":
                 port = self.binding.control_port(r)
                 self.control[r.name] = control_address(address, port)
-                argv += ["--control-port", str(port), *flags(r, IncastConfig)]
+                argv += ["--incast-control", "--control-port", str(port), *flags(r, IncastConfig)]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
