@@ -42,10 +42,10 @@ demo: $(STAMP)
 test: lint test-rust test-python
 
 # pytest in parallel workers (pytest-xdist): a test mostly waits for the processes it started,
-# so more workers than cores pay (docs/testing.md has the measurements). Testbed tests share
-# one worker (their xdist_group); `--dist loadgroup` honours it.
+# so more workers than cores pay (docs/testing.md). A module with testbed tests runs under a
+# lock the workers share (tests/conftest.py), so no two count namespaces at once.
 PYTEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests

@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules, and the markers' policies (docs/testing.md). What the
 fixtures build is in tests/support/."""
 
+import fcntl
 import sys
 from pathlib import Path
 
@@ -14,12 +15,21 @@ from support.helm import HELM  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
 
-def pytest_collection_modifyitems(items):
-    # Testbed tests create namespaces and count them machine-wide: one worker runs them all,
-    # one after another (with `--dist loadgroup`; without xdist the mark does nothing).
-    for item in items:
-        if item.get_closest_marker("testbed"):
-            item.add_marker(pytest.mark.xdist_group("testbed"))
+@pytest.fixture(scope="module", autouse=True)
+def testbed_lock(request, tmp_path_factory):
+    """Testbed tests create network namespaces and count them machine-wide, so a module with
+    any runs whole while no other worker runs one: an exclusive lock on a file the session's
+    workers share. (pytest-xdist's `xdist_group` does not group on pytest 9.)"""
+    module = request.module
+    if not any(
+        i.module is module and i.get_closest_marker("testbed") for i in request.session.items
+    ):
+        yield
+        return
+    path = tmp_path_factory.getbasetemp().parent / "testbed.lock"
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")

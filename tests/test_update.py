@@ -196,7 +196,8 @@ def test_a_staged_update_never_switched_is_dropped_on_restart(bundles, tmp_path)
         # A second shard on the same directory would delete the first one's versions.
         other = Shard(old, "--state-dir", str(state))
         assert other.proc.wait(timeout=30) == 1
-        assert "another shard uses it" in other.proc.stderr.read()
+        other.stop()  # joins its output reader
+        assert "another shard uses it" in other.process.output()
     finally:
         shard.stop()
 

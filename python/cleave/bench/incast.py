@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
+import select
 import shutil
 import subprocess
 import sys
@@ -125,16 +125,25 @@ def cases(s: dict) -> list[dict]:
 
 
 def _wait_ready(proc: subprocess.Popen, what: str) -> None:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    """Reads the child's stdout up to its "ready" line. Byte by byte from the descriptor: a
+    buffered readline may take the "ready" line in with the one before it (the ranker prints
+    "listening ..." first), and select would then wait for bytes already read; what follows
+    the line stays unread for `communicate`."""
+    fd = proc.stdout.fileno()
+    line = b""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if sel.select(timeout=0.2):
-            line = proc.stdout.readline()
-            if line.strip() == "ready":
-                return
-            if not line:
-                break
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        if byte != b"\n":
+            line += byte
+        elif line.strip() == b"ready":
+            return
+        else:
+            line = b""
     raise CleaveError(f"{what} did not print 'ready' within {READY_TIMEOUT_S:.0f} s")
 
 
