@@ -155,6 +155,7 @@ pub async fn serve(
         }
         None => None,
     };
+    tokio::spawn(crate::shed_log::summarise(app.clone(), stop_rx.clone()));
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
