@@ -5,6 +5,7 @@ cheaply (docs/api.md, "Admission control and load shedding"; docs/serving.md, "M
   read and dropped, and the same connection answers the next request;
 * a shed request with a larger body gets its 503 and then an orderly close: reading to the
   end sees EOF, not a reset;
+* a connection over `max_connections` gets its 503 and an orderly close, its request unread;
 * a shed gRPC call is UNAVAILABLE on its stream, and its HTTP/2 connection carries the next;
 * many shed requests make a few WARN summary lines whose counts add up to the shed counter,
   and admitted, shed, expired-after-admission and the in-flight limit are metrics. The
@@ -27,7 +28,7 @@ import h2.connection
 import h2.events
 import pytest
 from cleave.runners.local import free_ports
-from test_front_door import BOUND_S, Router, post_head, read_response, wait_for
+from test_front_door import BOUND_S, Router, get, post_head, read_response, wait_for
 from test_front_door_envelope import INFER as GRPC_INFER
 from test_front_door_envelope import grpc_request
 from test_router_http import MODEL, Deployment, good_request
@@ -118,6 +119,23 @@ def test_a_shed_request_with_a_large_body_gets_its_answer_then_an_orderly_close(
             rest = sock.recv(65536)
         sock.close()
         assert held.release() == 200
+
+
+def test_a_connection_over_the_cap_gets_its_answer_then_an_orderly_close(backends):
+    good, _ = good_request(backends)
+    raw = json.dumps(good).encode()
+    with Router(backends, max_connections=1) as router:
+        held = router.connect()
+        assert get(held, "/v2/health/live")[0] == 200
+        extra = router.connect()
+        extra.sendall(post_head(INFER, len(raw)) + raw)
+        status, headers, body = read_response(extra)
+        assert status == 503 and headers["connection"] == "close", body
+        while extra.recv(65536):  # ConnectionResetError here would be the reset
+            pass
+        extra.close()
+        assert get(held, "/v2/health/live")[0] == 200
+        held.close()
 
 
 def test_shedding_is_summarised_in_the_log_and_counted(backends):
