@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 SOURCES := pyproject.toml Cargo.toml $(shell find crates -name '*.rs' -o -name Cargo.toml)
 export PYO3_PYTHON := $(abspath $(PY))
 
-.PHONY: demo test lint test-rust test-python bench setup tools clean
+.PHONY: demo test test-fast lint test-rust test-python bench setup tools clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ demo: $(STAMP)
 
 test: lint test-rust test-python
 
+# pytest in parallel workers (pytest-xdist): a test mostly waits for the processes it started,
+# so more workers than cores pay (docs/testing.md has the measurements). Testbed tests share
+# one worker (their xdist_group); `--dist loadgroup` honours it.
+PYTEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests
 	$(VENV)/bin/ruff format --check python tests
@@ -51,7 +57,11 @@ test-rust: $(STAMP)
 	cargo test --workspace
 
 test-python: $(STAMP) tools
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# The edit loop: the suite without its testbed, Ray and slow tests (markers in pyproject.toml).
+test-fast: $(STAMP) tools
+	$(PYTEST) -m "not slow and not testbed and not ray"
 
 bench: $(STAMP)
 	$(VENV)/bin/cleave bench lookup --json out/bench-lookup.json

@@ -13,7 +13,8 @@ from cleave import _native
 from cleave.bench.loadgen import outputs_of
 from cleave.launch.config import RouterConfig
 from cleave.launch.process import ServeProcess
-from test_serve import TOLERANCE, Served, infer_url, post
+from support.client import post
+from support.served import TOLERANCE, Served, infer_url
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -43,6 +44,7 @@ def outputs(server: ServeProcess, served: Served, requests) -> list[list[np.ndar
     return got
 
 
+@pytest.mark.slow  # two deployments, ten requests each
 def test_scores_are_equal_with_credits_on_and_off(served, tmp_path):
     requests = [served.request(b) for b in (1, 7, *[64] * 8)]
     results = {}

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # cleave demo: partition, serve, load, plot
 def test_demo_runs_end_to_end_and_checks_every_score(tmp_path):
     out = tmp_path / "demo"
     argv = [sys.executable, "-m", "cleave.cli", "demo", "--out", str(out), "--scale", "0.002"]

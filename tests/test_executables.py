@@ -17,18 +17,17 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from cleave.launch.process import ServeProcess, terminate
+from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
-from cleave.runners.local import free_ports
-from test_serve import Served, child_processes
-from test_shard import write_bundle
+from support.processes import Process, child_processes, cli, get
+from support.served import Served
+from support.shards import write_bundle
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -54,62 +53,6 @@ def image_argv(dockerfile: str, replace: dict[str, str]) -> list[str]:
     entry, cmd = instruction(path, "ENTRYPOINT"), instruction(path, "CMD")
     argv = [replace.get(a, a) for a in entry + cmd]
     return [find_executable(argv[0]), *argv[1:]]
-
-
-class Process:
-    """A child whose stdout and stderr are collected line by line."""
-
-    def __init__(self, argv: list[str], env: dict | None = None):
-        self.argv = argv
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_ready(self, url: str) -> None:
-        """Polls GET url until 200: bounded by START_S, failing at once if the child exits."""
-        deadline = time.monotonic() + START_S
-        answer = ""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            status, answer = get(url)
-            if status == 200:
-                return
-            time.sleep(0.1)
-        self.stop()
-        output = "\n".join(self.lines)
-        raise AssertionError(f"{self.argv[0]} not ready at {url} ({answer}):\n{output}")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        code = terminate(self.proc, timeout_s)
-        self._reader.join(5)
-        return code
-
-    def json_lines(self) -> list[dict]:
-        """Every line that looks like an object must be one (the "ready" line is for people)."""
-        return [json.loads(line) for line in self.lines if line.startswith("{")]
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError as err:
-        return 0, str(err)
 
 
 def post(url: str, body: bytes) -> tuple[int, dict, str]:
@@ -218,49 +161,47 @@ class Images:
 
     def __init__(self, served: Served, root: Path):
         self.served = served
-        shard_port, shard_metrics, ranker_port, ranker_metrics, http = free_ports("127.0.0.1", 5)
-        self.shard_probe = f"http://127.0.0.1:{shard_metrics}"
+        self.children: list[Process] = []
+        # Port 0 everywhere: each binds its own and says which on its "ready" line.
         argv = image_argv(
             "shard.Dockerfile",
-            {
-                "/bundle": str(served.dir),
-                "0.0.0.0:7000": f"127.0.0.1:{shard_port}",
-                "9100": str(shard_metrics),
-            },
+            {"/bundle": str(served.dir), "0.0.0.0:7000": "127.0.0.1:0", "9100": "0"},
         )
-        self.children: list[Process] = []
-        self.shard = self._start(argv + ["--rows", "0:1"], env={}, probe=self.shard_probe)
-        ranker_argv = [sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(served.dir)]
-        ranker_argv += ["--listen", f"127.0.0.1:{ranker_port}", "--threads", "1"]
-        ranker_argv += ["--device", "cpu", "--metrics-port", str(ranker_metrics)]
-        self.ranker = self._start(ranker_argv, None, f"http://127.0.0.1:{ranker_metrics}")
+        self.shard = self._start(argv + ["--rows", "0:1"], env={})
+        self.shard_probe = self.shard.metrics_url.removesuffix("/metrics")
+        ranker_argv = cli("ranker", "--bundle", str(served.dir), "--listen", "127.0.0.1:0")
+        ranker_argv += ["--threads", "1", "--device", "cpu", "--metrics-port", "0"]
+        self.ranker = self._start(ranker_argv, None)
         manifest = json.loads((served.dir / "manifest.json").read_text())
         routes = [
             {"table": t["name"], "row_start": 0, "row_end": int(t["rows"])}
-            | {"addr": f"127.0.0.1:{shard_port}"}
+            | {"addr": self.shard.address}
             for t in manifest["tables"]
         ]
         config = {
             "model": served.name,
             "bundle": str(served.dir),
             "host": "127.0.0.1",
-            "http_port": http,
+            "http_port": 0,
             "shards": routes,
-            "rankers": [f"127.0.0.1:{ranker_port}"],
+            "rankers": [self.ranker.address],
             "budget_ms": 20000,
             "threads": 1,
         }
         path = root / "router.json"
         path.write_text(json.dumps(config))
-        self.url = f"http://127.0.0.1:{http}"
         argv = image_argv("router.Dockerfile", {"/etc/cleave/router.json": str(path)})
-        self.router = self._start(argv, env={}, probe=self.url)
+        self.router = self._start(argv, env={})
+        self.url = self.router.address
 
-    def _start(self, argv: list[str], env: dict | None, probe: str) -> Process:
+    def _start(self, argv: list[str], env: dict | None) -> Process:
+        """Started and ready: its ready line read, then its /ready answering 200."""
         child = Process(argv, env)
         self.children.append(child)
         try:
-            child.wait_ready(f"{probe}/ready")
+            child.wait_ready_line(START_S)
+            probe = child.address if child.address.startswith("http") else child.metrics_url
+            child.wait_ready(f"{probe.removesuffix('/metrics')}/ready", START_S)
         except BaseException:
             self.stop()
             raise
@@ -295,13 +236,13 @@ def test_a_failing_requests_trace_id_is_in_the_router_and_shard_json_logs(images
     status, reply, trace_id = post(url, body)
     assert status >= 400, reply
     assert len(trace_id) == 16 and int(trace_id, 16)
-    deadline = time.monotonic() + 30  # a bound: the log line is written before the reply
-    while time.monotonic() < deadline:
+
+    def logged():  # the log lines are written before the reply; reading them may lag
         router = [r for r in images.router.json_lines() if r.get("trace_id") == trace_id]
         shard = [r for r in images.shard.json_lines() if r.get("trace_id") == trace_id]
-        if router and shard:
-            break
-        time.sleep(0.1)
+        return (router, shard) if router and shard else None
+
+    router, shard = wait_for(logged, f"trace id {trace_id} in the router's and shard's logs")
     assert router and router[0]["level"] == "WARN" and router[0]["message"] == "request failed"
     assert shard and shard[0]["level"] == "WARN" and shard[0]["message"] == "lookup refused"
     assert "outside rows [0, 1)" in shard[0]["error"], shard[0]
@@ -318,7 +259,8 @@ def test_sigterm_drains_and_exits_0(images):
 
 
 FAKE_ROUTER = """#!{python}
-# A stand-in for cleave-router: serves its config's port, but /ready answers 503 forever.
+# A stand-in for cleave-router: serves its config's port (0: a free one), says which as the
+# router does once bound, but /ready answers 503 forever.
 import http.server, json, sys
 config = json.load(open(sys.argv[-1]))
 class Starting(http.server.BaseHTTPRequestHandler):
@@ -328,7 +270,9 @@ class Starting(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"starting")
     def log_message(self, *_):
         pass
-http.server.HTTPServer((config["host"], config["http_port"]), Starting).serve_forever()
+server = http.server.HTTPServer((config["host"], config["http_port"]), Starting)
+print(f"listening http://{{config['host']}}:{{server.server_address[1]}}", flush=True)
+server.serve_forever()
 """
 
 
@@ -357,14 +301,17 @@ def test_serve_fails_when_a_roles_ready_never_turns_200_naming_role_and_url(tmp_
     assert "ready http" not in result.stdout
 
 
-def shard_pids(parent: int) -> dict[tuple[str, str], int]:
-    """cleave-shard children of `parent` by (--listen, --metrics-port), from /proc."""
+def shard_pids(parent: int) -> dict[frozenset, tuple[int, list[str]]]:
+    """cleave-shard children of `parent` by their rows (`--rows`), from /proc."""
     found = {}
     for pid, argv in child_processes(parent).items():
         if argv[0].endswith("cleave-shard"):
-            at = (argv[argv.index("--listen") + 1], argv[argv.index("--metrics-port") + 1])
-            found[at] = pid
+            found[frozenset(argv[argv.index("--rows") + 1].split(","))] = (pid, argv)
     return found
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def test_serve_prints_every_roles_metrics_url_and_a_restart_keeps_its_ports(tmp_path):
@@ -378,19 +325,25 @@ def test_serve_prints_every_roles_metrics_url_and_a_restart_keeps_its_ports(tmp_
         for url in urls.values():
             status, text = get(url)
             assert status == 200 and "cleave_" in text, (url, text[:200])
-        ((listen, port), pid), _ = sorted(shard_pids(server.proc.pid).items())
-        probe = f"http://127.0.0.1:{port}"
-        assert f"{probe}/metrics" in urls.values()
+        # shard-0 was given port 0 for both; its ready line says what it bound.
+        (ready,) = [line.split() for line in server.log if line.startswith("[shard-0] ready ")]
+        address, words = ready[2], dict(w.split("=", 1) for w in ready[3:] if "=" in w)
+        probe, rows = words["metrics"], frozenset(words["tables"].split(","))
+        assert urls["shard-0"] == f"{probe}/metrics"
+        pid, _ = shard_pids(server.proc.pid)[rows]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + START_S  # a bound on the restart, not a timing check
-        while time.monotonic() < deadline:
-            restarted = shard_pids(server.proc.pid).get((listen, port))
-            if restarted not in (None, pid) and get(f"{probe}/ready")[0] == 200:
-                break
-            time.sleep(0.1)
-        # Back with the same data address and metrics port, and ready there.
-        assert restarted not in (None, pid), "\n".join(server.log)
-        assert get(f"{probe}/ready")[0] == 200
+
+        def restarted() -> bool:
+            pid_now, argv = shard_pids(server.proc.pid).get(rows, (pid, []))
+            return pid_now != pid and get(f"{probe}/ready")[0] == 200
+
+        wait_for(restarted, "shard-0 to be restarted and ready", START_S)
+        # Back with the same data address and metrics port: its command line names them.
+        _, argv = shard_pids(server.proc.pid)[rows]
+        assert (flag(argv, "--listen"), flag(argv, "--metrics-port")) == (
+            address,
+            probe.rsplit(":", 1)[1],
+        )
         assert server.stop() == 0
 
 

@@ -11,119 +11,25 @@ only prove a connection was closed at all.
 from __future__ import annotations
 
 import json
-import socket
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-from cleave.launch.supervisor import find_executable
-from test_router_http import MODEL, Child, Deployment, cli, good_request, post, request
+from support import front_door
+from support.client import post, request
+from support.front_door import BOUND_S, Router, closed_within, get, post_head, read_response
+from support.processes import cli
+from support.router import MODEL, good_request, started
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-BOUND_S = 10.0  # every closure must happen within this
 
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
-    root = tmp_path_factory.mktemp("front_door")
-    d = Deployment(root)
-    d.root = root
-    d.base = json.loads((root / "router.json").read_text())
+    d = front_door.backends(tmp_path_factory.mktemp("front_door"))
     yield d
     d.stop()
-
-
-class Router:
-    """A router process of its own, on the module's shards and ranker."""
-
-    def __init__(self, backends, **settings):
-        config = {**backends.base, **settings}
-        path = backends.root / f"router-{time.monotonic_ns()}.json"
-        path.write_text(json.dumps(config))
-        self.child = Child("router", [find_executable("cleave-router"), str(path)])
-        self.address = self.child.address
-        host, port = self.address.removeprefix("http://").split(":")
-        self.host, self.port = host, int(port)
-        self.url = f"{self.address}/v2/models/{MODEL}"
-
-    def __enter__(self) -> Router:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.child.stop()
-
-    def connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=BOUND_S)
-        sock.settimeout(BOUND_S)
-        return sock
-
-    def metric(self, line_start: str) -> float:
-        _, text = request(f"{self.address}/metrics")
-        for line in text.splitlines():
-            if line.startswith(line_start + " "):
-                return float(line.split()[-1])
-        raise AssertionError(f"no metric {line_start!r} in:\n{text}")
-
-
-def closed_within(sock: socket.socket, bound_s: float, trickle: bytes = b"") -> float:
-    """Seconds until the server closed `sock` (EOF or reset), sending `trickle` one byte every
-    0.25 s meanwhile; fails after `bound_s`."""
-    start = time.monotonic()
-    sock.settimeout(0.25)
-    sent = 0
-    while time.monotonic() - start < bound_s:
-        try:
-            if sent < len(trickle):
-                sock.sendall(trickle[sent : sent + 1])
-                sent += 1
-            data = sock.recv(65536)
-            if not data:
-                return time.monotonic() - start
-        except TimeoutError:
-            continue
-        except (ConnectionResetError, BrokenPipeError):
-            return time.monotonic() - start
-    raise AssertionError(f"connection still open after {bound_s} s")
-
-
-def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 response with a Content-Length body: (status, headers, body)."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a whole response head: {buf!r}"
-        buf += chunk
-    head, body = buf.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    length = int(headers.get("content-length", "0"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed before the whole body"
-        body += chunk
-    return status, headers, body
-
-
-def get(sock: socket.socket, path: str) -> tuple[int, dict[str, str], bytes]:
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    return read_response(sock)
-
-
-def post_head(path: str, length: int, extra: str = "") -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {length}\r\n{extra}\r\n"
-    ).encode()
-
-
-def wait_for(predicate, what: str, bound_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + bound_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
-        time.sleep(0.05)
 
 
 def test_partial_header_is_closed_by_the_header_timeout(backends):
@@ -191,7 +97,7 @@ def test_connection_cap_refuses_the_extra_connection_only(backends):
             finally:
                 sock.close()
 
-        wait_for(one_more_served, "a connection is accepted again once one closed")
+        wait_for(one_more_served, "a connection is accepted again once one closed", BOUND_S)
         # Metrics over a connection already held: a new one might find the cap still reached.
         status, _, text = get(held[0], "/metrics")
         assert status == 200
@@ -207,7 +113,9 @@ def test_in_flight_cap_sheds_without_parsing_the_body(backends):
     with Router(backends, max_in_flight=1, body_grace_ms=30000) as router:
         holder = router.connect()
         holder.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
-        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        wait_for(
+            lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight", BOUND_S
+        )
         sock = router.connect()
         sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw)
         status, headers, body = read_response(sock)
@@ -285,7 +193,7 @@ def test_health_schema_and_a_ranker_down_degrades(backends):
         status, text = request(f"{backends.router.address}{path}")
         assert status == 200 and json.loads(text)["role"] == "router", path
 
-    spare = Child(
+    spare = started(
         "ranker-2",
         cli("ranker", "--bundle", str(backends.dir), "--listen", "127.0.0.1:0", "--threads", "1"),
     )
@@ -297,7 +205,7 @@ def test_health_schema_and_a_ranker_down_degrades(backends):
             def health():
                 return json.loads(request(f"{router.address}/v2/health/ready")[1])
 
-            wait_for(lambda: health()["status"] == "degraded", "degraded")
+            wait_for(lambda: health()["status"] == "degraded", "degraded", BOUND_S)
             status, text = request(f"{router.address}/v2/health/ready")
             reply = json.loads(text)
             assert status == 200 and reply["ready"] and reply["problems"] == []
@@ -315,9 +223,12 @@ def test_sigterm_finishes_the_request_in_flight(backends):
     try:
         sock = router.connect()
         sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw[:10])
-        wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
+        wait_for(
+            lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight", BOUND_S
+        )
         router.child.proc.terminate()
-        time.sleep(0.3)
+        # It got the signal once it stops accepting; it must still be there for the request.
+        wait_for(router.refuses_connections, "the router to stop accepting", BOUND_S)
         assert router.child.proc.poll() is None, "the router left before its request finished"
         sock.sendall(raw[10:])
         status, headers, body = read_response(sock)

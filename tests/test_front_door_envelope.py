@@ -27,10 +27,11 @@ import h2.events
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cleave.runners.local import free_ports
 from google.rpc import error_details_pb2, status_pb2
-from test_front_door import BOUND_S, Router, post_head, read_response, wait_for
-from test_router_http import MODEL, Deployment, good_request
+from support import front_door
+from support.front_door import BOUND_S, Router, post_head, read_response
+from support.router import MODEL, good_request
+from support.waiting import wait_for
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -46,10 +47,7 @@ NUMPY = {"FP32": np.float32, "INT64": np.int64, "INT32": np.int32}
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
-    root = tmp_path_factory.mktemp("front_door_envelope")
-    d = Deployment(root)
-    d.root = root
-    d.base = json.loads((root / "router.json").read_text())
+    d = front_door.backends(tmp_path_factory.mktemp("front_door_envelope"))
     yield d
     d.stop()
 
@@ -79,13 +77,14 @@ def infer_call(channel: grpc.Channel):
     )
 
 
-def grpc_in_two_parts(port: int, message: bytes, metadata: dict[str, str]) -> dict[str, str]:
+def grpc_in_two_parts(target: str, message: bytes, metadata: dict[str, str]) -> dict[str, str]:
     """One ModelInfer call over a plain HTTP/2 connection: its head and the first bytes of
     its message at once, the rest `LATE_S` later; returns the response's headers and
     trailers."""
     conn = h2.connection.H2Connection()
     conn.initiate_connection()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    host, port = target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=BOUND_S)
     with sock:
         sock.sendall(conn.data_to_send())
         stream = conn.get_next_available_stream_id()
@@ -93,7 +92,7 @@ def grpc_in_two_parts(port: int, message: bytes, metadata: dict[str, str]) -> di
             (":method", "POST"),
             (":scheme", "http"),
             (":path", INFER),
-            (":authority", f"127.0.0.1:{port}"),
+            (":authority", target),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
             *metadata.items(),
@@ -125,8 +124,8 @@ def grpc_in_two_parts(port: int, message: bytes, metadata: dict[str, str]) -> di
 def test_the_budget_starts_at_the_first_byte_on_both_doors(backends):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
-    port = free_ports("127.0.0.1", 1)[0]
-    with Router(backends, body_grace_ms=30000, grpc_port=port) as router:
+    with Router(backends, body_grace_ms=30000, grpc_port=0) as router:
+        target = router.grpc_address
         # REST: the head and 10 bytes of the body, the rest after the budget.
         sock = router.connect()
         extra = f"cleave-budget-ms: {BUDGET_MS}\r\n"
@@ -143,7 +142,7 @@ def test_the_budget_starts_at_the_first_byte_on_both_doors(backends):
 
         # gRPC: the call's head and 10 bytes of its message, the rest after the budget.
         message = grpc_request(good).SerializeToString()
-        answer = grpc_in_two_parts(port, message, {"cleave-budget-ms": str(BUDGET_MS)})
+        answer = grpc_in_two_parts(target, message, {"cleave-budget-ms": str(BUDGET_MS)})
         assert answer.get("grpc-status") == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0]), answer
         assert answer.get("cleave-stage") == "parse", answer
         assert f"latency budget of {BUDGET_MS} ms ran out" in urllib.parse.unquote(
@@ -153,7 +152,7 @@ def test_the_budget_starts_at_the_first_byte_on_both_doors(backends):
         assert router.metric('cleave_router_errors_total{kind="deadline"}') == 2
 
         # The same requests sent at once are answered.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(target) as channel:
             md = (("cleave-budget-ms", "5000"),)
             reply = infer_call(channel)(grpc_request(good), metadata=md, timeout=BOUND_S)
         assert len(reply.raw_output_contents) == len(reply.outputs) >= 1
@@ -169,8 +168,8 @@ def test_a_shed_request_gets_a_retry_hint_on_both_doors(backends, tmp_path):
     raw = json.dumps(good).encode()
     body_file = tmp_path / "body.json"
     body_file.write_bytes(raw)
-    port = free_ports("127.0.0.1", 1)[0]
-    with Router(backends, max_in_flight=1, body_grace_ms=30000, grpc_port=port) as router:
+    with Router(backends, max_in_flight=1, body_grace_ms=30000, grpc_port=0) as router:
+        target = router.grpc_address
         holder = router.connect()
         holder.sendall(post_head(f"/v2/models/{MODEL}/infer", len(raw)) + raw[:10])
         wait_for(lambda: router.metric("cleave_router_in_flight") == 1, "one request in flight")
@@ -192,7 +191,7 @@ def test_a_shed_request_gets_a_retry_hint_on_both_doors(backends, tmp_path):
         assert json.loads((tmp_path / "reply.json").read_text())["stage"] == "admission"
 
         # gRPC through tritonclient: UNAVAILABLE, the code clients retry.
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        client = grpcclient.InferenceServerClient(target)
         inputs = []
         for i, (name, arr) in zip(good["inputs"], arrays(good).items(), strict=True):
             inp = grpcclient.InferInput(name, list(arr.shape), i["datatype"])
@@ -205,7 +204,7 @@ def test_a_shed_request_gets_a_retry_hint_on_both_doors(backends, tmp_path):
         assert "(max_in_flight) is 1" in caught.value.message()
 
         # The trailers tritonclient does not show, through grpcio: RetryInfo and retry-after.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(target) as channel:
             with pytest.raises(grpc.RpcError) as caught:
                 infer_call(channel)(grpc_request(good), timeout=BOUND_S)
         error = caught.value

@@ -19,21 +19,21 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 from cleave.bench.loadgen import codec_counters
 from cleave.launch.process import ServeProcess
-from cleave.runners.local import free_ports
-from test_tritonclient import SCALES, served_model, triton_round_trips
+from support.served import SCALES, grpc_target
+from support.triton import served_model, triton_round_trips
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The given buffer is not writable", "ignore::DeprecationWarning"
 )
 
 
+@pytest.mark.slow  # a deployment per reference model
 @pytest.mark.parametrize("name", sorted(SCALES))
 def test_grpc_clients_get_the_models_scores(tmp_path, name):
     bundle_dir, requests = served_model(tmp_path, name)
-    port = free_ports("127.0.0.1", 1)[0]
-    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", "0"]
     with ServeProcess(bundle_dir, *flags) as server:
-        target = f"127.0.0.1:{port}"
+        target = grpc_target(server)
         model_name = bundle_dir.name
         with grpcclient.InferenceServerClient(url=target) as client:
             assert client.is_server_ready()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from cleave.runners.local import free_ports
+from support.served import grpc_target
 
 # tritonclient's generated messages: the published definition, not ours.
 from tritonclient.grpc import service_pb2 as pb
@@ -34,11 +34,10 @@ def deployment(tmp_path_factory):
     }
     config = tmp / "serve.toml"
     config.write_text(f"[router]\nbody_limit_mb = {LIMIT_MB}\n")
-    port = free_ports("127.0.0.1", 1)[0]
-    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
-    with ServeProcess(bundle_dir, "--config", str(config), *flags):
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", "0"]
+    with ServeProcess(bundle_dir, "--config", str(config), *flags) as server:
         channel = grpc.insecure_channel(
-            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)]
+            grpc_target(server), options=[("grpc.max_send_message_length", 64 << 20)]
         )
         try:
             yield channel, arrays

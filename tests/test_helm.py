@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -24,28 +23,26 @@ import pytest
 import yaml
 from cleave.launch.config import ServeConfig
 from cleave.launch.process import ServeProcess
-from cleave.launch.router import router_config
 from cleave.launch.supervisor import find_executable
 from cleave.plan import load_plan
 from cleave.runners import membership
-from cleave.runners.local import free_ports
-from test_executables import Process
-from test_serve import Served, check_scores, wait_until
-from test_shard import write_bundle
+from cleave.settings.router_json import router_config
+from support.helm import (
+    CHART,
+    KUBERNETES,
+    MEMBERS,
+    NAMESPACE,
+    RELEASE,
+    make_plan,
+    run_helm,
+    template,
+)
+from support.processes import Process, cli
+from support.served import Served, check_scores
+from support.shards import write_bundle
+from support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "deploy" / "helm" / "cleave"
-HELM = ROOT / ".tools" / "bin" / "helm"
-MEMBERS = CHART / "files" / "members.py"
-KUBERNETES = "1.33.0"  # the pinned API version the manifests are validated against
-RELEASE, NAMESPACE = "demo", "serving"
 START_S = 60.0  # a bound on a shard's start-up, never a timing assertion
-
-
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    assert HELM.exists(), f"{HELM} is missing: `make tools` builds it (test-python runs it)"
-    return HELM
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +50,6 @@ def bundle(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("helm") / "model"
     write_bundle(path)
     return path
-
-
-def make_plan(bundle: Path, out: Path, *args: str) -> Path:
-    done = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "plan", str(bundle), *args, "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +84,6 @@ def big_values(bundle: Path) -> Path:
     }
     path.write_text(yaml.safe_dump(values))
     return path
-
-
-def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
-
-
-def template(helm: Path, plan: Path | None, *args: str) -> subprocess.CompletedProcess:
-    plan_args = ("--set-file", f"plan={plan}") if plan else ()
-    return run_helm(
-        helm,
-        "template",
-        RELEASE,
-        str(CHART),
-        *("--namespace", NAMESPACE, "--kube-version", KUBERNETES),
-        *plan_args,
-        *args,
-    )
 
 
 def rendered(helm: Path, plan: Path, *args: str) -> dict[tuple[str, str], dict]:
@@ -408,20 +377,18 @@ def test_members_sidecar_admits_a_ranker_beyond_the_plan_and_removes_it(helm, bi
     assert ("HorizontalPodAutoscaler", f"{RELEASE}-ranker") not in fixed
 
     served = Served("shared", tmp_path)
-    port, metrics = free_ports("127.0.0.1", 2)
-    addr = f"127.0.0.1:{port}"
     with ServeProcess(served.dir, "--rankers", "1", "--transport", "tcp", "--http-port", "0") as s:
+        # The extra ranker binds its own ports and says which on its ready line.
         ranker = Process(
-            [
-                *(sys.executable, "-m", "cleave.cli", "ranker", "--bundle", str(served.dir)),
-                *("--listen", addr, "--metrics-port", str(metrics)),
-                *("--device", "cpu", "--threads", "1"),
-            ]
-        )
+            cli("ranker", "--bundle", str(served.dir), "--listen", "127.0.0.1:0")
+            + ["--metrics-port", "0", "--device", "cpu", "--threads", "1"]
+        ).wait_ready_line()
+        addr = ranker.address
+        port = addr.rsplit(":", 1)[1]
         env = {
             "ROUTER_URL": s.url,
             "RANKER_HOST": "127.0.0.{i}",  # ordinal 1 is the extra ranker's address
-            "RANKER_PORT": str(port),
+            "RANKER_PORT": port,
             "PLANNED": "1",
             "MAX_RANKERS": "2",
             "INTERVAL_S": "0.2",
@@ -429,13 +396,13 @@ def test_members_sidecar_admits_a_ranker_beyond_the_plan_and_removes_it(helm, bi
         }
         sidecar = Process([sys.executable, str(MEMBERS)], env={**os.environ, **env})
         try:
-            ranker.wait_ready(f"http://127.0.0.1:{metrics}/ready")
+            ranker.wait_ready(f"{ranker.metrics_url}/ready")
 
             def active() -> bool:
                 rankers = membership.members(s.url)["rankers"]
                 return any(r["addr"] == addr and r["state"] == "active" for r in rankers)
 
-            wait_until(active, START_S, f"the sidecar to admit {addr}")
+            wait_for(active, f"the sidecar to admit {addr}", START_S)
             check_scores(s, served)
             assert sidecar.stop() == 0  # SIGTERM ends its loop
             assert any(f"admitted ranker {addr}" in line for line in sidecar.lines)
@@ -449,18 +416,6 @@ def test_members_sidecar_admits_a_ranker_beyond_the_plan_and_removes_it(helm, bi
         finally:
             sidecar.stop()
             ranker.stop()
-
-
-def ready_line(child: Process) -> str:
-    """The child's "ready ..." line: bounded by START_S, failing at once if it exits."""
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline and child.proc.poll() is None:
-        found = [line for line in child.lines if line.startswith("ready ")]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    child.stop()
-    raise AssertionError("no ready line:\n" + "\n".join(child.lines))
 
 
 def test_a_shard_takes_its_rows_from_the_rendered_plan_by_index(helm, bundle, big_plan, tmp_path):
@@ -478,7 +433,7 @@ def test_a_shard_takes_its_rows_from_the_rendered_plan_by_index(helm, bundle, bi
         ]
     )
     try:
-        line = ready_line(shard)
+        line = shard.wait_ready_line(START_S).ready_line
         tables = line.split(" tables=", 1)[1].split(",")
         want = [f"{t}={a}:{b}" for t, (a, b) in sorted(plan.shards[index].ranges.items())]
         assert sorted(tables) == sorted(want)

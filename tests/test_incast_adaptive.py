@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import socket
 import threading
-import time
 
 import pytest
 from cleave._native import (
@@ -21,17 +20,10 @@ from cleave._native import (
     encode_control,
 )
 from cleave.ranker.control import CongestionMeter, ControlServer
+from support.waiting import wait_for
 
 IO_TIMEOUT_S = 30.0
 KIND = 0x0200
-
-
-def wait_for(condition, what: str, timeout_s: float = IO_TIMEOUT_S) -> None:
-    """Polls `condition` until true; fails naming `what` after `timeout_s` (no timing claim)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_the_data_server_lists_its_tcp_connections_counters():
@@ -72,8 +64,10 @@ class Scripted:
 
     def __init__(self):
         self.reading = (0.0, 0.0)
+        self.samples = 0  # intervals the control loop has measured
 
     def sample(self, interval_s: float) -> tuple[float, float]:
+        self.samples += 1
         return self.reading
 
 
@@ -105,8 +99,10 @@ def test_the_control_port_grows_the_window_for_a_backlog_and_halves_it_on_conges
         # The second waits: one step is the window. An idle link with a backlog grows it.
         assert read_message(sock) == {"kind": "grant", "id": 2}
         assert scheduler.limit == 2 * step and control.window_changes >= 1
-        # With nothing waiting, an idle link is no reason to grow.
-        time.sleep(0.1)
+        # With nothing waiting, an idle link is no reason to grow: over several intervals
+        # (the loop samples first, so all but the last are decided when it has sampled 5).
+        seen = meter.samples
+        wait_for(lambda: meter.samples >= seen + 5, "five more intervals of the control loop")
         assert scheduler.limit == 2 * step
         meter.reading = (10.0, 1.0)  # 10 segments lost per MiB: halve, down to the start
         wait_for(lambda: scheduler.limit == step, "the window to halve")

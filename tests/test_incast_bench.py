@@ -11,9 +11,10 @@ import sys
 import pytest
 from cleave.testbed import commands
 
-pytestmark = pytest.mark.skipif(
-    commands.unavailable() is not None, reason=commands.unavailable() or ""
-)
+pytestmark = [
+    pytest.mark.testbed,
+    pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or ""),
+]
 
 CASE_KEYS = {
     "incast",

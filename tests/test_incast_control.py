@@ -13,7 +13,6 @@ import subprocess
 
 import pytest
 from cleave.bench.incast import find_incast_binary
-from cleave.runners.local import free_ports
 
 IO_TIMEOUT_S = 10.0
 MAGIC = b"CF"[::-1]  # 0x4346 little-endian: 'F', 'C'
@@ -46,16 +45,17 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def start_ranker(*extra: str):
-    control, data = free_ports("127.0.0.1", 1)[0], free_ports("127.0.0.1", 1)[0]
     argv = [find_incast_binary(), "ranker", "--listen", "127.0.0.1"]
     # The ranker reports once 6 control connections have closed: the first test opens 6.
-    argv += ["--control-port", str(control), "--data-port", str(data), "--senders", "6"]
+    argv += ["--control-port", "0", "--data-port", "0", "--senders", "6"]
     argv += ["--window", "1000", "--order", "edf", "--message-bytes", "1000", "--max-s", "60"]
     proc = subprocess.Popen(
         [*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        bound = proc.stdout.readline().split()  # the ports it bound for the 0s
+        assert bound[0] == "listening" and proc.stdout.readline().strip() == "ready", bound
+        control, data = (int(word.rsplit(":", 1)[1]) for word in bound[1:])
         yield proc, control, data
     finally:
         if proc.poll() is None:

@@ -20,8 +20,9 @@ from cleave.bench.stages import metrics_endpoints, printed_all_metrics
 from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
-from test_incast_adaptive import wait_for
-from test_serve import Served, check_scores, infer_url, post
+from support.client import post
+from support.served import Served, check_scores, infer_url
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -54,12 +55,6 @@ def control_socket(port: int) -> socket.socket:
     return sock
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
     return Served("shared", tmp_path_factory.mktemp("incast"))
@@ -74,13 +69,18 @@ def deployment(served, tmp_path_factory):
     plan = make_plan(served.dir, emulated_hosts(1), 1, 1, 1, 1, serve_config=config)
     plan.incast_control = True
     plan.incast_threshold_bytes = 1
-    port = free_port()
-    plan.rankers[0].control_port = port
+    # Every port 0: each role binds one and says which (the plan's logical ports, 7000 and
+    # 9000, would clash with another worker's deployment).
+    for role in [*plan.shards, *plan.rankers]:
+        role.port = role.metrics_port = 0
+    plan.rankers[0].control_port = 0
     plan.rankers[0].incast_window_bytes = 1
     plan.rankers[0].incast_adaptive = True
     path = save_plan(plan, tmp_path_factory.mktemp("plan") / "incast.yaml")
     with ServeProcess(None, "--plan", str(path), "--http-port", "0") as server:
-        yield server, port
+        (ready,) = [line for line in server.log if line.startswith("[ranker-0] ready ")]
+        control = ready.split(" control=", 1)[1].split()[0]
+        yield server, int(control.rsplit(":", 1)[1])
 
 
 def test_scores_are_exact_with_incast_control_on(served, deployment):

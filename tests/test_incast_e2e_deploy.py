@@ -6,17 +6,26 @@ ranker's flags and the router JSON's `ranker_control`, and renders none of it wh
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 from cleave.plan import load_plan, save_plan
 from cleave.runners.local import LocalBinding
 from cleave.runners.roles import RoleSpecs
-from test_helm import bundle, helm, make_plan, template  # noqa: F401 (fixtures)
+from support.helm import make_plan, template
+from support.shards import write_bundle
 
 
 @pytest.fixture(scope="module")
-def incast_plan(bundle):  # noqa: F811
+def bundle(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("incast-deploy") / "model"
+    write_bundle(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def incast_plan(bundle):
     path = make_plan(bundle, bundle.parent / "incast.yaml", "--hosts", "2")
     plan = load_plan(path)
     plan.incast_control = True
@@ -41,7 +50,7 @@ def test_local_runner_passes_the_control_port_to_ranker_and_router(incast_plan, 
     assert config["ranker_control"] == {ranker.address: f"127.0.0.1:{port}"}
 
 
-def test_the_chart_exposes_the_control_port_only_when_on(helm, incast_plan, bundle):  # noqa: F811
+def test_the_chart_exposes_the_control_port_only_when_on(helm, incast_plan, bundle):
     done = template(helm, incast_plan)
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import cleave
 import numpy as np
+import pytest
 import torch
 from cleave._native import TableSet
 from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.bundle import tables as table_io
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from test_serve import SCALES, TOLERANCE, post
+from support.client import post
+from support.served import SCALES, TOLERANCE
 
 
 def test_int4_codes_round_trip_and_pack_two_a_byte():
@@ -25,6 +27,7 @@ def test_int4_codes_round_trip_and_pack_two_a_byte():
     assert (table_io.decode(raw, "int4_rowwise", 5)[1] == 2.0).all()  # constant rows exact
 
 
+@pytest.mark.slow  # a deployment
 def test_the_engine_reads_what_python_wrote_and_serve_answers_like_the_reference(tmp_path):
     model, example = MODELS["dlrm"].factory(scale=SCALES["dlrm"], seed=1)
     model.eval()

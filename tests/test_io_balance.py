@@ -7,7 +7,7 @@ connections of thread 0, held unanswered so the work they owe piles up). A conne
 from __future__ import annotations
 
 from cleave._native import FrameServer
-from test_shard import connect, frame, read_frame
+from support.shards import connect, frame, read_frame
 
 WORK = 0x0100  # an application kind: handed to recv()
 PER_CONN = 64  # the default threshold: a thread sheds a connection from 64 owed requests

@@ -381,7 +381,7 @@ def test_router_held_plans_have_no_shards_and_count_tables_on_router_hosts(bundl
     held.shards = plan4(bundle).shards[:1]
     check_fails(held, "shards: expected none in mode 'router-held'")
     held.mode = "sideways"
-    check_fails(held, "mode: expected one of 'disaggregated', 'monolithic', 'router-held'")
+    check_fails(held, 'mode: expected "disaggregated", "monolithic" or "router-held"')
     with pytest.raises(UsageError, match="router_held"):
         ServeConfig(router_held=True, monolithic=True).check()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -23,9 +24,10 @@ from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
 from cleave.ranker.queues import POLICIES, EdfQueue, FifoQueue, make_queue
 from cleave.ranker.signature import signature
 from cleave.runners.roles import Binding, RoleSpecs
+from cleave.settings import QUEUE_POLICIES
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ranker import DENSE_MANIFEST, Dense, dense_request
+from support.dense import DENSE_MANIFEST, Dense, dense_request
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -64,9 +66,21 @@ def test_removing_keeps_the_rest_in_order():
         assert drain(q) == [0, 3] if policy == "fifo" else [3, 0]
 
 
+def test_lifo_serves_the_newest_first_and_knows_the_oldest_arrival():
+    q = make_queue("lifo")
+    for i, d in enumerate([5, 1, 3]):
+        q.push(Item(i, d, arrived_ns=100 + i))
+    assert q.peek().request_id == 2 and q.oldest_arrival_ns() == 100
+    assert q.pop().request_id == 2
+    q.push(Item(3, 0))
+    assert drain(q) == [3, 1, 0]
+
+
 def test_an_unknown_policy_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"'lifo': expected one of \['edf', 'fifo'\]"):
-        make_queue("lifo")
+    with pytest.raises(
+        ValueError, match=re.escape(f"'random': expected one of {sorted(POLICIES)}")
+    ):
+        make_queue("random")
 
 
 MAX_SLACK = 40
@@ -153,7 +167,7 @@ def test_edf_batcher_starts_the_earliest_deadline_first():
         # What was left in the queue when each ran tells the order: 2 left = first.
         depths = [decode_response(f.result()).queue_depth for f in futures]
         order[policy] = sorted(range(3), key=lambda i: -depths[i])
-    assert order == {"fifo": [0, 1, 2], "edf": [1, 2, 0]}
+    assert order == {"fifo": [0, 1, 2], "edf": [1, 2, 0], "lifo": [2, 1, 0]}
 
 
 def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed():
@@ -245,11 +259,13 @@ def test_the_policy_travels_from_the_config_through_the_plan_to_the_roles_flags(
     serve._apply_flags(flagged, parser.parse_args([str(bundle), "--queue", "edf"]))
     assert (flagged.shard.queue, flagged.ranker.queue) == ("edf", "edf")
 
-    plan.rankers[0].queue = "lifo"
+    plan.rankers[0].queue = "random"
     with pytest.raises(
-        UsageError, match=r"rankers\[0\]\.queue: expected \"fifo\" or \"edf\", got 'lifo'"
+        UsageError,
+        match=re.escape(f"rankers[0].queue: expected {QUEUE_POLICIES.expected()}, got 'random'"),
     ):
         plan.check(manifest)
-    config.shard.queue = "lifo"
-    with pytest.raises(UsageError, match=r"shard\.queue: expected \"fifo\" or \"edf\", got 'lifo'"):
+    config.shard.queue = "random"
+    expected = f"shard.queue: expected {QUEUE_POLICIES.expected()}, got 'random'"
+    with pytest.raises(UsageError, match=re.escape(expected)):
         config.check()

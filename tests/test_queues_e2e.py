@@ -14,16 +14,10 @@ import pytest
 import torch
 from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS
-from test_router_http import (
-    MODEL,
-    SCALE,
-    TOLERANCE,
-    Child,
-    cli,
-    good_request,
-    post,
-    request,
-)
+from support.client import post, request
+from support.processes import Process, cli
+from support.router import MODEL, SCALE, good_request, started
+from support.served import TOLERANCE
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -35,7 +29,7 @@ class Deployment:
         self.bundle = cleave.partition(self.model, example)
         self.dir = self.bundle.save(root / "bundle")
         self.manifest = self.bundle.manifest
-        self.children: list[Child] = []
+        self.children: list[Process] = []
         try:
             self._start_all(root)
         except BaseException:
@@ -72,8 +66,8 @@ class Deployment:
         self.router = self._start("router", [find_executable("cleave-router"), str(path)])
         self.url = f"{self.router.address}/v2/models/{MODEL}"
 
-    def _start(self, name, argv) -> Child:
-        child = Child(name, argv)
+    def _start(self, name, argv) -> Process:
+        child = started(name, argv)
         self.children.append(child)
         return child
 

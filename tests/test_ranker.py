@@ -32,46 +32,11 @@ from cleave.ranker.payload import (
 from cleave.ranker.signature import signature
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.dense import DENSE_MANIFEST, Dense, dense_request
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
 # -- a tiny dense program and a tiny whole model, with manifests that describe them -----------
-
-DENSE_MANIFEST = {
-    "inputs": [
-        {"name": "dense_x", "dtype": "float32", "shape": ["B", 4], "role": "dense"},
-        {"name": "ids", "dtype": "int64", "shape": ["N0"], "role": "ids"},
-        {"name": "offsets", "dtype": "int64", "shape": ["B"], "role": "offsets"},
-    ],
-    "outputs": [{"name": "output_0", "dtype": "float32", "shape": ["B", 1]}],
-    "features": [
-        {
-            "name": "f0",
-            "table": "t0",
-            "ids": "ids",
-            "offsets": "offsets",
-            "layout": "offsets",
-            "include_last_offset": False,
-            "weights": None,
-            "pooling": "sum",
-            "transform": [],
-            "output": "pooled_0",
-        }
-    ],
-    "boundary": [{"name": "pooled_0", "dtype": "float32", "shape": ["B", 3]}],
-    "dense": {"program": "dense.pt2", "inputs": ["dense_x", "pooled_0"]},
-    "shared_inputs": [],
-}
-
-
-class Dense(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(7, 1, generator=g))
-
-    def forward(self, dense_x, pooled):
-        return (torch.sigmoid(torch.cat([dense_x, pooled], dim=1) @ self.w),)
 
 
 class Whole(torch.nn.Module):
@@ -88,11 +53,6 @@ class Whole(torch.nn.Module):
             ids, self.table, offsets, mode="sum", include_last_offset=self.include_last_offset
         )
         return self.dense(dense_x, pooled)
-
-
-def dense_request(rows: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(rows, 4, generator=g), torch.randn(rows, 3, generator=g)]
 
 
 def full_request(rows: int, seed: int, include_last: bool = False) -> list[torch.Tensor]:
@@ -365,6 +325,7 @@ def test_cancelled_requests_leave_the_queue_unanswered():
         (encode_request([torch.randn(2, 4)]), "expected 2 tensors"),
         (encode_request([torch.randn(2, 4), torch.randn(2, 3).half()]), "float32"),
     ],
+    ids=["short header", "one tensor", "float16"],  # the same on every xdist worker
 )
 def test_bad_requests_get_errors_and_the_loop_goes_on(payload, message):
     queue, batcher, _ = make_batcher()

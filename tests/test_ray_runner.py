@@ -28,13 +28,17 @@ from cleave.launch.process import ServeProcess
 from cleave.plan import Host, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.local import free_ports
-from test_replicas import failures, under_load
-from test_serve import SCALES, TOLERANCE, Served, check_scores, wait_until
+from support.client import failures
+from support.served import SCALES, TOLERANCE, Served, check_scores, under_load
+from support.waiting import wait_for
 
 ray = pytest.importorskip("ray", reason="the Ray runner needs Ray: pip install 'cleave[ray]'")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
 
 NODE_CPUS = 6  # logical: Ray's accounting, not this machine's cores
 OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
@@ -132,13 +136,7 @@ def role_processes(served: Served) -> list[str]:
 def stopped_cleanly(server: ServeProcess, served: Served) -> None:
     assert role_processes(served)
     assert server.stop() == 0
-    wait_until(lambda: not role_processes(served), 30, "every role process to exit")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Served]:
-    root = tmp_path_factory.mktemp("ray-bundles")
-    return {name: Served(name, root) for name in ("dlrm", "shared", "dcn", "din")}
+    wait_for(lambda: not role_processes(served), "every role process to exit", 30)
 
 
 def test_bad_input_is_a_clear_error(cluster, models, tmp_path):
@@ -299,7 +297,7 @@ def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
                 return all(f"{name}: its host died; re-placed" in log for name in on_h2)
 
             try:
-                wait_until(healed, 120, "the dead node's roles to be re-placed")
+                wait_for(healed, "the dead node's roles to be re-placed", 120)
             except AssertionError as err:
                 log = "\n".join(list(server.log)[-80:])
                 raise AssertionError(f"{err}; its log:\n{log}") from None

@@ -13,17 +13,20 @@ import os
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
-from cleave.bench.loadgen import outputs_of
 from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.membership import MembershipError
-from test_serve import TOLERANCE, Served, check_scores, closed_loop, post, wait_until
+from support.client import failures, post
+from support.served import Served, check_scores, infer_url, under_load
+from support.waiting import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [
+    pytest.mark.slow,  # replicas killed, drained and added under load
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
 
 TOKEN_ENV = "CLEAVE_TEST_REPLICAS_ADMIN_TOKEN"
 TOKEN = "replicas-test-token"
@@ -61,10 +64,6 @@ def server(served, tmp_path_factory):
             yield s
     finally:
         del os.environ[TOKEN_ENV]
-
-
-def infer_url(server: ServeProcess, served: Served) -> str:
-    return f"{server.url}/v2/models/{served.dir.name}/infer"
 
 
 def members(server: ServeProcess) -> dict:
@@ -107,29 +106,6 @@ def ancestors(pid: int) -> list[str]:
     return found
 
 
-def under_load(server: ServeProcess, served: Served, action) -> list:
-    """Runs `action` while three clients send requests; returns every result after checking
-    that each answer is exact."""
-    requests = [served.request(8) for _ in range(4)]
-    results, finish = closed_loop(infer_url(server, served), requests)
-    try:
-        wait_until(lambda: len(results) > 5, 30, "requests to flow")
-        action()
-        count = len(results)
-        wait_until(lambda: len(results) > count + 5, 30, "requests after the change")
-    finally:
-        finish()
-    for _, _, status, reply, want in results:
-        if status == 200:
-            for g, w in zip(outputs_of(reply), want, strict=True):
-                assert np.abs(g - w).max() <= TOLERANCE
-    return results
-
-
-def failures(results) -> list:
-    return [(status, reply) for _, _, status, reply, _ in results if status != 200]
-
-
 def test_every_replica_is_a_route_and_scores_are_exact(server, served):
     check_scores(server, served)
     m = members(server)
@@ -154,15 +130,15 @@ def test_a_killed_replica_costs_no_request_and_is_readmitted(server, served):
 
     def kill() -> None:
         os.kill(victim, signal.SIGKILL)
-        wait_until(
+        wait_for(
             lambda: pid_of(server, "shard-1-0") not in (None, victim),
-            30,
             "the supervisor to restart shard-1-0",
-        )
-        wait_until(
-            lambda: member(server, "shards", "shard-1-0")["state"] == "active",
             30,
+        )
+        wait_for(
+            lambda: member(server, "shards", "shard-1-0")["state"] == "active",
             "the router to readmit shard-1-0",
+            30,
         )
 
     results = under_load(server, served, kill)
@@ -257,7 +233,7 @@ def test_a_range_with_one_replica_fails_fast_naming_it_then_recovers(server, ser
     assert "shard-0-0.sock" in reply["error"], reply
     status, reply = post(url, body)  # ejected now: refused at once, naming range and replica
     assert status in (502, 503) and "shard-0-0.sock" in reply["error"], reply
-    wait_until(lambda: post(url, body)[0] == 200, 60, "requests to succeed again")
+    wait_for(lambda: post(url, body)[0] == 200, "requests to succeed again", 60)
     assert member(server, "shards", "shard-0-0")["state"] == "active"
     membership.add_shard(server.url, spare["addr"], spare["ranges"], token=TOKEN)
     check_scores(server, served, batches=(4,))
@@ -266,7 +242,7 @@ def test_a_range_with_one_replica_fails_fast_naming_it_then_recovers(server, ser
 def test_router_config_names_the_token_variable_never_the_token(tmp_path):
     from cleave.errors import UsageError
     from cleave.launch import config as serve_config
-    from cleave.launch.router import router_config
+    from cleave.settings.router_json import router_config
 
     config = ServeConfig()
     written = router_config("m", tmp_path, config, [], ["a:1"])

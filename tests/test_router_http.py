@@ -13,141 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
-import re
-import subprocess
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
-import cleave
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from cleave.launch.process import terminate
-from cleave.launch.supervisor import find_executable
-from cleave.models import MODELS, RequestGenerator
+from support.client import post, request
+from support.router import BODY_LIMIT, Deployment, good_request
+from support.served import TOLERANCE
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-MODEL, SCALE = "shared", 0.01
-BODY_LIMIT = 256 << 10
-TOLERANCE = 1e-5
-KSERVE = {
-    torch.float32: "FP32",
-    torch.float16: "FP16",
-    torch.int64: "INT64",
-    torch.int32: "INT32",
-    torch.uint8: "UINT8",
-    torch.bool: "BOOL",
-}
-
-
-class Child:
-    """A child process whose stdout's first "ready ..." line gives its address (and its
-    metrics URL, where it has one)."""
-
-    def __init__(self, name: str, argv: list[str], timeout_s: float = 120.0):
-        self.name, self.address, self.ready_line = name, "", ""
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-        )
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                line = line.rstrip("\n")
-                if line.startswith("ready ") and not ready.is_set():
-                    self.ready_line, self.address = line, line.split()[1]
-                    ready.set()
-                else:
-                    self.log.append(line)
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                log = "\n".join(self.log)
-                raise RuntimeError(f"{name} did not become ready:\n{log}")
-
-    @property
-    def metrics_url(self) -> str:
-        m = re.search(r"metrics=(\S+)", self.ready_line)
-        assert m, f"{self.name}: no metrics URL on its ready line {self.ready_line!r}"
-        return m.group(1)
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        return terminate(self.proc, timeout_s)
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave.cli", *args]
-
-
-class Deployment:
-    def __init__(self, root: Path):
-        self.model, example = MODELS[MODEL].factory(scale=SCALE, seed=0)
-        self.model.eval()
-        self.bundle = cleave.partition(self.model, example)
-        self.dir = self.bundle.save(root / "bundle")
-        self.manifest = self.bundle.manifest
-        self.children: list[Child] = []
-        routes = []
-        halves = [{}, {}]
-        for t in self.manifest["tables"]:
-            rows = int(t["rows"])
-            halves[0][t["name"]] = (0, rows // 2)
-            halves[1][t["name"]] = (rows // 2, rows)
-        for i, half in enumerate(halves):
-            rows = ",".join(f"{name}={a}:{b}" for name, (a, b) in half.items())
-            shard = self._start(
-                f"shard-{i}",
-                cli("shard", "--bundle", str(self.dir), "--listen", "127.0.0.1:0", "--rows", rows),
-            )
-            routes += [
-                {"table": name, "row_start": a, "row_end": b, "addr": shard.address}
-                for name, (a, b) in half.items()
-            ]
-        ranker = self._start(
-            "ranker",
-            cli("ranker", "--bundle", str(self.dir), "--listen", "127.0.0.1:0", "--threads", "1"),
-        )
-        config = {
-            "model": MODEL,
-            "bundle": str(self.dir),
-            "http_port": 0,
-            "shards": routes,
-            "rankers": [ranker.address],
-            "budget_ms": 20000,
-            "body_limit_bytes": BODY_LIMIT,
-            "threads": 1,
-        }
-        path = root / "router.json"
-        path.write_text(json.dumps(config))
-        self.router = self._start("router", [find_executable("cleave-router"), str(path)])
-        self.url = f"{self.router.address}/v2/models/{MODEL}"
-
-    def _start(self, name: str, argv: list[str]) -> Child:
-        try:
-            child = Child(name, argv)
-        except RuntimeError:
-            self.stop()
-            raise
-        self.children.append(child)
-        return child
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
 
 
 @pytest.fixture(scope="module")
@@ -155,48 +28,6 @@ def deployment(tmp_path_factory):
     d = Deployment(tmp_path_factory.mktemp("router_http"))
     yield d
     d.stop()
-
-
-def request(url: str, body: bytes | None = None) -> tuple[int, str]:
-    method = "GET" if body is None else "POST"
-    req = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method=method
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def post(url: str, body) -> tuple[int, dict]:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, text = request(url, raw)
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, {"error": text}
-
-
-def good_request(deployment, batch: int = 4, seed: int = 3):
-    """A KServe body for `batch` generated candidates, and the model's own scores for them."""
-    gen = RequestGenerator(MODEL, scale=SCALE, seed=seed, min_pooling=1)
-    args = gen.batch(batch)
-    named = deployment.bundle.named_inputs(*args)
-    body = {
-        "inputs": [
-            {
-                "name": name,
-                "datatype": KSERVE[t.dtype],
-                "shape": list(t.shape),
-                "data": t.flatten().tolist(),
-            }
-            for name, t in named.items()
-        ]
-    }
-    with torch.inference_mode():
-        want = [t.double() for t in pytree.tree_leaves(deployment.model(*args))]
-    return body, want
 
 
 def feature(deployment, pred):

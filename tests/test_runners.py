@@ -15,7 +15,8 @@ from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.testbed import commands
-from test_serve import Served, check_scores, run_serve
+from support.processes import descendants, namespaces_of_testbeds
+from support.served import Served, check_scores, run_serve
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -47,46 +48,24 @@ def serve_plan(*flags: str) -> ServeProcess:
     return ServeProcess(None, *flags)  # the bundle comes from the plan
 
 
-def namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("cleave-")}
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
+@pytest.mark.testbed
 @pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_file, tmp_path):
-    before = namespaces()
+    before = namespaces_of_testbeds()
     urls = tmp_path / "urls.txt"
     server = serve_plan("--plan", str(plan_file), "--runner", "testbed", "--url-file", str(urls))
     with server:
         # The router binds its emulated host's address and the plan's port, 8000.
         assert server.url.startswith("http://198.1") and server.url.endswith(":8000")
         assert urls.read_text() == f"{server.url}\n"
-        made = namespaces() - before
+        made = namespaces_of_testbeds() - before
         assert len(made) == 4, made
         check_scores(server, served)
         roles = descendants(server.proc.pid)
         assert len(roles) >= 4  # two shards, a ranker and a router
         assert server.stop() == 0
     assert not urls.exists()  # removed with the deployment: its URLs are dead
-    assert namespaces() - before == set()
+    assert namespaces_of_testbeds() - before == set()
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 
 
@@ -112,8 +91,9 @@ def test_local_runner_serves_the_same_plan_over_tcp_through_two_routers(served, 
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 
 
+@pytest.mark.testbed  # counts the machine's testbed namespaces
 def test_bad_input_exits_2_leaving_nothing(served, plan_file, tmp_path):
-    before = namespaces()
+    before = namespaces_of_testbeds()
     result = run_serve("--plan", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2 and "missing.yaml: plan not found" in result.stderr
     bad = tmp_path / "bad.yaml"
@@ -132,7 +112,7 @@ def test_bad_input_exits_2_leaving_nothing(served, plan_file, tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = run_serve("--plan", str(plan_file), "--link-gbit", "2")
     assert result.returncode == 2 and "--link-gbit: only with --runner testbed" in result.stderr
-    assert namespaces() == before
+    assert namespaces_of_testbeds() == before
     assert not list(tmp_path.glob("**/urls*"))
 
 

@@ -20,7 +20,7 @@ import pytest
 import trustme
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from cleave.runners.local import free_ports
+from support.served import grpc_target
 from tritonclient.grpc import service_pb2 as pb
 
 SCALE = 0.002
@@ -92,8 +92,7 @@ def test_bearer_tokens_on_rest_and_grpc(bundle_and_arrays):
     bundle_dir, arrays, tmp = bundle_and_arrays
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    port = free_ports("127.0.0.1", 1)[0]
-    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", "0"]
     with ServeProcess(bundle_dir, *flags, "--auth-token-file", str(token_file)) as server:
         url = f"{server.url}/v2/models/dlrm/infer"
         body = json_body(arrays)
@@ -112,7 +111,7 @@ def test_bearer_tokens_on_rest_and_grpc(bundle_and_arrays):
         with urllib.request.urlopen(f"{server.url}/v2/health/ready", timeout=10) as resp:
             assert resp.status == 200
 
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(grpc_target(server)) as channel:
             for token, want in ((None, "missing bearer token"), ("nope", "invalid bearer token")):
                 with pytest.raises(grpc.RpcError) as caught:
                     infer(channel, arrays, token)
@@ -134,8 +133,7 @@ def test_tls_on_rest_and_grpc(bundle_and_arrays):
     for extra in cert.cert_chain_pems[1:]:
         extra.write_to_path(str(cert_file), append=True)
     cert.private_key_pem.write_to_path(str(key_file))
-    port = free_ports("127.0.0.1", 1)[0]
-    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", str(port)]
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", "0"]
     tls = ["--tls-cert", str(cert_file), "--tls-key", str(key_file)]
     # The launcher's readiness probe is plain HTTP: serve's own URL is checked below instead.
     with ServeProcess(bundle_dir, *flags, *tls) as server:
@@ -158,10 +156,10 @@ def test_tls_on_rest_and_grpc(bundle_and_arrays):
         assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value)
 
         creds = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
-        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+        with grpc.secure_channel(grpc_target(server), creds) as channel:
             reply = infer(channel, arrays, None)
             assert len(reply.raw_output_contents) == len(reply.outputs) >= 1
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(grpc_target(server)) as channel:
             with pytest.raises(grpc.RpcError) as caught:
                 infer(channel, arrays, None)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -14,79 +14,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import cleave
 import numpy as np
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.bench.loadgen import outputs_of
 from cleave.launch.process import ServeProcess
-from cleave.models import MODELS, RequestGenerator
+from support.client import closed_loop, post
+from support.processes import children
+from support.served import TOLERANCE, Served, check_scores, infer_url, run_serve
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-
-SCALES = {"dlrm": 0.002, "dcn": 0.0005, "din": 0.002, "shared": 0.01}
-TOLERANCE = 1e-5
-
-
-class Served:
-    """A model, its bundle and its request generator."""
-
-    def __init__(self, name: str, root: Path):
-        self.name = name
-        self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
-        self.model.eval()
-        self.bundle = cleave.partition(self.model, example)
-        self.dir = self.bundle.save(root / name)
-        self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
-
-    def request(self, batch: int) -> tuple[bytes, list[np.ndarray]]:
-        args = self.generator.batch(batch)
-        with torch.inference_mode():
-            want = [t.double().numpy() for t in pytree.tree_leaves(self.model(*args))]
-        return infer_body(self.bundle.named_inputs(*args)), want
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Served]:
-    root = tmp_path_factory.mktemp("bundles")
-    return {name: Served(name, root) for name in SCALES}
-
-
-def post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        text = err.read()
-        try:
-            return err.code, json.loads(text)
-        except ValueError:
-            return err.code, {"error": text.decode(errors="replace")}
-
-
-def infer_url(server: ServeProcess, served: Served) -> str:
-    return f"{server.url}/v2/models/{served.dir.name}/infer"
-
-
-def check_scores(server: ServeProcess, served: Served, batches=(1, 7, 64)) -> None:
-    for batch in batches:
-        body, want = served.request(batch)
-        status, reply = post(infer_url(server, served), body)
-        assert status == 200, reply
-        got = outputs_of(reply)
-        assert [g.shape for g in got] == [w.shape for w in want]
-        for g, w in zip(got, want, strict=True):
-            assert np.abs(g - w).max() <= TOLERANCE, (served.name, batch)
 
 
 @pytest.mark.parametrize(
@@ -126,71 +69,7 @@ def test_scores_equal_the_original_model(models, model, shards, rankers, mode):
 # -- failures ------------------------------------------------------------------------------
 
 
-def child_processes(parent: int) -> dict[int, list[str]]:
-    """The direct children of `parent`: pid -> argv, from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            found[int(entry.name)] = argv
-    return found
-
-
-def children(pid: int) -> dict[str, int]:
-    """The launcher's children by role name (shard-0, ranker-1, router), from /proc."""
-    found = {}
-    for child, cmdline in child_processes(pid).items():
-        if Path(cmdline[0]).name == "cleave-router":
-            found["router"] = child
-        for arg in cmdline:
-            for role in ("shard", "ranker"):
-                if arg.endswith(".sock") and f"/{role}-" in arg:
-                    found[Path(arg).stem] = child
-    return found
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def closed_loop(url: str, requests, workers: int = 3):
-    """Clients that each send the next request when the last one answered, until stopped;
-    returns (results, stop): results are (time answered, seconds, status, reply, want)."""
-    results, stop = [], threading.Event()
-
-    def load(worker: int) -> None:
-        i = worker
-        while not stop.is_set():
-            body, want = requests[i % len(requests)]
-            start = time.monotonic()
-            status, reply = post(url, body, timeout=30)
-            results.append((time.monotonic(), time.monotonic() - start, status, reply, want))
-            i += 1
-
-    threads = [threading.Thread(target=load, args=(w,)) for w in range(workers)]
-    for t in threads:
-        t.start()
-
-    def finish() -> None:
-        stop.set()
-        for t in threads:
-            t.join(60)
-
-    return results, finish
-
-
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, tmp_path):
     served = models["dlrm"]
     config = tmp_path / "serve.toml"
@@ -202,18 +81,18 @@ def test_killed_shard_fails_fast_naming_it_then_recovers_after_restart(models, t
         shard = children(server.proc.pid)["shard-1"]
         results, finish = closed_loop(url, requests)  # busy before, during and after
         try:
-            time.sleep(0.5)
+            wait_for(lambda: len(results) >= 6, "requests before the kill")
             killed_at = time.monotonic()
             os.kill(shard, signal.SIGKILL)
-            wait_until(
+            wait_for(
                 lambda: children(server.proc.pid).get("shard-1") not in (None, shard),
-                30,
                 "the launcher to restart shard-1",
-            )
-            wait_until(
-                lambda: any(t > killed_at and s == 200 for t, _, s, _, _ in results[-3:]),
                 30,
+            )
+            wait_for(
+                lambda: any(t > killed_at and s == 200 for t, _, s, _, _ in results[-3:]),
                 "requests to succeed again",
+                30,
             )
         finally:
             finish()
@@ -242,20 +121,20 @@ def kill_ranker_under_load(served: Served, rankers: int):
         ranker = children(server.proc.pid)["ranker-0"]
         results, finish = closed_loop(url, requests)
         try:
-            time.sleep(0.5)
+            wait_for(lambda: len(results) >= 6, "requests before the kill")
             killed_at = time.monotonic()
             os.kill(ranker, signal.SIGKILL)
-            wait_until(
+            wait_for(
                 lambda: (
                     "ranker-0" in "\n".join(server.log)
                     and "is ready again" in "\n".join(server.log)
                 ),
-                60,
                 "the launcher to restart ranker-0",
+                60,
             )
             back_at = time.monotonic()
             count = len(results)
-            wait_until(lambda: len(results) > count + 20, 30, "more requests after the restart")
+            wait_for(lambda: len(results) > count + 20, "more requests after the restart", 30)
         finally:
             finish()
         assert children(server.proc.pid)["ranker-0"] != ranker
@@ -266,6 +145,7 @@ def kill_ranker_under_load(served: Served, rankers: int):
     return results, killed_at, back_at
 
 
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_a_killed_ranker_of_two_costs_no_request(models):
     results, _, _ = kill_ranker_under_load(models["shared"], rankers=2)
     failed = [(status, reply) for _, _, status, reply, _ in results if status != 200]
@@ -273,6 +153,7 @@ def test_a_killed_ranker_of_two_costs_no_request(models):
     assert len(results) > 40
 
 
+@pytest.mark.slow  # under load, a role killed and restarted
 def test_a_killed_lone_ranker_costs_503s_only_until_it_is_back(models):
     results, killed_at, back_at = kill_ranker_under_load(models["shared"], rankers=1)
     failed = [(t, status, reply) for t, _, status, reply, _ in results if status != 200]
@@ -309,15 +190,6 @@ def test_sigterm_stops_everything_cleanly(models):
     assert server.stop() == 0
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists()
-
-
-def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_bad_configuration_is_a_clear_error(models, tmp_path):

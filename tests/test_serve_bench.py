@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -112,7 +111,7 @@ def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_pat
     lookup's network part included."""
     from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.plan import emulated_hosts, make_plan, save_plan
-    from test_serve import Served
+    from support.served import Served
 
     served = Served("shared", tmp_path)
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
@@ -149,6 +148,7 @@ def test_bench_serve_refuses_flags_that_disagree(tmp_path):
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     result, report = bench(tmp_path, "--quick", "--shard-hosts", "1,2")
@@ -163,20 +163,23 @@ def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
     assert (tmp_path / "stress.png").stat().st_size > 10_000
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
 def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
-    from test_runners import descendants, namespaces
+    from support.processes import descendants, namespaces_of_testbeds
+    from support.waiting import wait_for
 
-    before = namespaces()
+    before = namespaces_of_testbeds()
     argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--shard-hosts", "1"]
     argv += ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
     argv += ["--rates", "20", "--duration", "600", "--workdir", str(tmp_path / "work")]
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not namespaces() - before and bench.poll() is None:  # the testbed is up
-            assert time.monotonic() < deadline, "the deployment never started"
-            time.sleep(0.2)
+        wait_for(
+            lambda: namespaces_of_testbeds() - before or bench.poll() is not None,
+            "the deployment's testbed to be up",
+            240,
+        )
         roles = descendants(bench.pid)
         bench.send_signal(signal.SIGTERM)
         _, stderr = bench.communicate(timeout=120)
@@ -185,5 +188,5 @@ def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
             bench.kill()
             bench.wait()
     assert bench.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert namespaces() - before == set()
+    assert namespaces_of_testbeds() - before == set()
     assert roles and not [pid for pid in roles if Path(f"/proc/{pid}").exists()]

@@ -18,7 +18,7 @@ def bench(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_two_routers_share_the_load_with_incast_control_off_then_on(tmp_path):
-    from test_serve import Served
+    from support.served import Served
 
     served = Served("shared", tmp_path)
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))

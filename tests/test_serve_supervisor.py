@@ -15,37 +15,42 @@ from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
 from cleave.plan.planner import table_ranges
-from cleave.runners.local import free_ports
+from support.waiting import wait_for
 
-# Serves GET /ready (200) on the port in argv[1], in a thread: what every role does.
+# Serves GET /ready (200) in a thread on its --metrics-port (0: a free one) and says which on
+# its ready line: what every role does.
 SERVE_READY = """
 import http.server, sys, threading
+PORT = int(sys.argv[2])
 class _Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/ready" else 404)
         self.end_headers()
     def log_message(self, *_):
         pass
+def say_ready(port):
+    print(f"ready fake metrics=http://127.0.0.1:{port}", flush=True)
 def serve_ready():
-    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), _Ready)
+    server = http.server.HTTPServer(("127.0.0.1", PORT), _Ready)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    say_ready(server.server_address[1])
 """
 
 
 def child(name: str, body: str) -> ChildSpec:
-    (port,) = free_ports("127.0.0.1", 1)
+    """Given port 0: the supervisor learns its port from its ready line."""
     code = SERVE_READY + textwrap.dedent(body)
     return ChildSpec(
         name,
-        [sys.executable, "-c", code, str(port)],
+        [sys.executable, "-c", code, "--metrics-port", "0"],
         f"unix:/tmp/{name}",
-        probe=f"http://127.0.0.1:{port}",
+        probe="http://127.0.0.1:0",
     )
 
 
 READY_THEN_WAIT = """
     import signal, sys, time
-    out = sys.argv[2] if len(sys.argv) > 2 else None
+    out = sys.argv[3] if len(sys.argv) > 3 else None
     def stop(*_):
         if out:
             open(out, "a").write(NAME + "\\n")
@@ -94,13 +99,58 @@ def test_child_exiting_before_ready_is_named_with_its_output():
 
 def test_child_not_ready_in_time_is_named_with_its_probe_url_and_answer():
     sup = Supervisor(log=io.StringIO())
-    slow = child("ranker-1", "import time; print('loading', flush=True); time.sleep(60)")
+    body = """
+        import socket, time
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))  # bound, never listening: nothing answers there
+        say_ready(s.getsockname()[1])
+        print('loading', flush=True)
+        time.sleep(60)
+        """
+    slow = child("ranker-1", body)
     with pytest.raises(ChildFailed) as err:
         sup.start([slow], 1)
     sup.stop(5)
     message = str(err.value)
+    assert not slow.ready_url.endswith(":0/ready")  # the port its ready line said
     assert "ranker-1 (pid" in message and "was not ready after 1 s" in message
     assert f"GET {slow.ready_url} answered no HTTP answer" in message and "loading" in message
+
+
+def test_a_child_given_port_0_that_never_says_its_port_is_not_probed():
+    sup = Supervisor(log=io.StringIO())
+    mute = child("shard-4", "import time; print('mapping tables', flush=True); time.sleep(60)")
+    with pytest.raises(ChildFailed) as err:
+        sup.start([mute], 1)
+    sup.stop(5)
+    message = str(err.value)
+    assert "shard-4 (pid" in message and "was not ready after 1 s" in message
+    assert "it printed no ready line" in message and "mapping tables" in message
+
+
+def test_a_ready_line_gives_the_spec_its_bound_ports_for_restarts():
+    spec = ChildSpec(
+        "ranker-0",
+        ["cleave", "ranker", "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+        + ["--control-port", "0", "--threads", "0"],
+        "127.0.0.1:0",
+        probe="http://127.0.0.1:0",
+    )
+    assert spec.binds_its_own_port
+    spec.take_reported(
+        "ready 127.0.0.1:4101 device=cpu mode=dense metrics=http://127.0.0.1:4102"
+        " control=127.0.0.1:4103"
+    )
+    want = ["cleave", "ranker", "--listen", "127.0.0.1:4101", "--metrics-port", "4102"]
+    assert spec.argv == want + ["--control-port", "4103", "--threads", "0"]  # not --threads
+    assert (spec.address, spec.probe) == ("127.0.0.1:4101", "http://127.0.0.1:4102")
+    assert spec.reported["control"] == "127.0.0.1:4103" and not spec.binds_its_own_port
+    router = ChildSpec(
+        "router", ["cleave-router", "r.json"], "http 0.0.0.0:0", probe="https://127.0.0.1:0"
+    )
+    router.take_reported("listening http://0.0.0.0:4104 grpc=0.0.0.0:4105")
+    assert (router.address, router.probe) == ("http 0.0.0.0:4104", "https://127.0.0.1:4104")
+    assert router.reported["grpc"] == "0.0.0.0:4105"
 
 
 def test_a_probe_answering_503_keeps_the_child_unready():
@@ -114,8 +164,9 @@ def test_a_probe_answering_503_keeps_the_child_unready():
                 self.wfile.write(b"loading tables")
             def log_message(self, *_):
                 pass
-        server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Busy)
+        server = http.server.HTTPServer(("127.0.0.1", PORT), Busy)
         threading.Thread(target=server.serve_forever, daemon=True).start()
+        say_ready(server.server_address[1])
         time.sleep(60)
         """
     busy = child("shard-3", body)
@@ -142,14 +193,6 @@ def watching(sup: Supervisor) -> tuple[threading.Thread, dict]:
     return watcher, result
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if predicate():
-            return
-        threading.Event().wait(0.05)
-    raise AssertionError("timed out")
-
-
 def test_watch_restarts_a_dead_child_by_default_while_the_others_keep_running():
     log = io.StringIO()
     sup = Supervisor(log=log)
@@ -157,7 +200,7 @@ def test_watch_restarts_a_dead_child_by_default_while_the_others_keep_running():
     first.proc.kill()
     watcher, result = watching(sup)
     try:
-        wait_for(lambda: sup.restarts.get("shard-1") == 1)
+        wait_for(lambda: sup.restarts.get("shard-1") == 1, "shard-1 to be restarted")
         fresh = sup.children[0]
         assert fresh is not first and fresh.ready.is_set() and fresh.proc.poll() is None
         assert sup.children[1] is other and other.proc.poll() is None  # never touched
@@ -192,7 +235,7 @@ def test_a_child_that_keeps_dying_is_restarted_with_growing_backoff(tmp_path):
     first.proc.kill()
     watcher, result = watching(sup)
     try:
-        wait_for(lambda: "restart 3 in a row" in log.getvalue())
+        wait_for(lambda: "restart 3 in a row" in log.getvalue(), "the third restart")
         assert sup.restarts.get("ranker-1") is None  # never ready again
     finally:
         sup.request_stop()

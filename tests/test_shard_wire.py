@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from cleave import _native
+from support.waiting import wait_for
 
 KIND = 0x0200
 
@@ -130,13 +131,6 @@ def test_bad_addresses_and_timeouts_are_value_errors():
         _native.FrameClient("127.0.0.1:1", timeout_s=0)
 
 
-def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_a_caller_that_gives_up_cancels_its_request():
     with _native.FrameServer("127.0.0.1:0") as server:
         client = _native.FrameClient(server.address, timeout_s=10)
@@ -149,7 +143,7 @@ def test_a_caller_that_gives_up_cancels_its_request():
         # Queued, never received: the cancel removes it before Python sees it.
         with pytest.raises(_native.WireError, match="no response within"):
             client.call(KIND, b"queued", timeout_s=0.2)
-        wait_for(lambda: server.stats()["cancelled"] == 1, "the CANCEL never arrived")
+        wait_for(lambda: server.stats()["cancelled"] == 1, "the CANCEL to arrive")
         assert server.recv(timeout_s=0.05) == [] and server.pending() == 0
         # Received, then cancelled: reported once by cancelled(); its reply is not sent.
         result = {}
@@ -161,7 +155,7 @@ def test_a_caller_that_gives_up_cancels_its_request():
         assert payload == b"taken"
         caller.join()
         assert "no response within" in result["r"]
-        wait_for(lambda: server.stats()["cancelled"] == 2, "the second CANCEL never arrived")
+        wait_for(lambda: server.stats()["cancelled"] == 2, "the second CANCEL to arrive")
         assert server.cancelled() == [(conn, rid)]
         assert server.cancelled() == []
         server.reply(conn, rid, KIND, b"late")  # accepted, dropped

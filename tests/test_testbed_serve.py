@@ -22,9 +22,12 @@ from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
-from test_serve import SCALES, TOLERANCE, Served, check_scores, infer_url, post
+from support.client import post
+from support.served import SCALES, TOLERANCE, Served, check_scores, infer_url
+from support.waiting import wait_for
 
 pytestmark = [
+    pytest.mark.testbed,
     pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
     pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or ""),
 ]
@@ -137,20 +140,24 @@ def test_a_shard_host_link_down_under_load_fails_over(bundles, tmp_path):
         for w in workers:
             w.start()
         try:
-            time.sleep(0.5)
+            wait_for(lambda: len(results) >= 6, "requests before the link goes down")
             down_at = time.monotonic()
             set_link(netns, veth, bridge_port, up=False)
-            time.sleep(3.0)  # requests keep arriving while the host is unreachable
+            # Requests keep arriving while the host is unreachable: a dozen sent after it
+            # went down are answered (each within its budget, checked below) before it is up.
+            wait_for(
+                lambda: sum(1 for r in results if r[0] - r[3] > down_at) >= 12,
+                "requests sent while the link is down to be answered",
+                60,
+            )
             up_at = time.monotonic()
             set_link(netns, veth, bridge_port, up=True)
-            deadline = up_at + 60
-            while time.monotonic() < deadline:
+
+            def recovered() -> bool:
                 recent = [r for r in results if r[0] > up_at + 0.1]
-                if len(recent) >= 3 and all(r[1] == 200 for r in recent[-3:]):
-                    break
-                time.sleep(0.2)
-            else:
-                raise AssertionError("requests did not succeed again within 60 s of link up")
+                return len(recent) >= 3 and all(r[1] == 200 for r in recent[-3:])
+
+            wait_for(recovered, "requests to succeed again after the link is up", 60)
         finally:
             set_link(netns, veth, bridge_port, up=True)
             stop.set()

@@ -23,9 +23,9 @@ from cleave.launch.config import RouterConfig
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.schema import Host, Plan, Supervision
 from cleave.update import _Shard, apply_update, write_delta
-from test_shard import ROWS as SHARD_ROWS
-from test_shard import Shard
-from test_shard import write_bundle as write_shard_bundle
+from support.shards import ROWS as SHARD_ROWS
+from support.shards import Shard
+from support.shards import write_bundle as write_shard_bundle
 
 ROWS = {**SHARD_ROWS, "i4": 101}  # every dtype the engine has
 SSD = ("--dram-budget", "1M", "--ssd-tables", ",".join(ROWS))

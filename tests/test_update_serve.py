@@ -16,6 +16,7 @@ import zlib
 
 import cleave
 import numpy as np
+import pytest
 from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
@@ -42,6 +43,7 @@ def scores(url: str, bodies) -> list[bytes]:
     return [b"".join(o.tobytes() for o in outputs_of(r)) for _, r in replies]
 
 
+@pytest.mark.slow  # a 2 x 2 replica deployment updated under load
 def test_update_under_load_fails_no_request(tmp_path):
     model, example = MODELS["dlrm"].factory(scale=0.01, seed=0)
     model.eval()

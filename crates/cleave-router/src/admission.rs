@@ -20,8 +20,6 @@ use std::time::{Duration, Instant};
 use crate::backend::ranker::RankerPool;
 use cleave_wire::Ewma;
 
-/// The longest Retry-After the router asks for (seconds).
-const MAX_RETRY_AFTER_S: u64 = 60;
 /// How long an idle router that sheds by its estimate waits before admitting one request to
 /// measure again.
 const PROBE_AFTER: Duration = Duration::from_secs(1);
@@ -108,6 +106,8 @@ pub struct Admission {
     shed: bool,
     /// The share of its budget a request's estimate may fill (`admit_share` in the config).
     admit_share: f64,
+    /// The longest Retry-After a shed request is told (`max_retry_after_s` in the config).
+    max_retry_after_s: u64,
     in_flight: AtomicUsize,
     /// f64 bits of moving averages in µs (0: not measured yet).
     parse_us: Ewma,
@@ -131,11 +131,17 @@ impl Drop for Permit<'_> {
 }
 
 impl Admission {
-    pub fn new(max_in_flight: usize, shed: bool, admit_share: f64) -> Admission {
+    pub fn new(
+        max_in_flight: usize,
+        shed: bool,
+        admit_share: f64,
+        max_retry_after_s: u64,
+    ) -> Admission {
         Admission {
             max_in_flight,
             shed,
             admit_share,
+            max_retry_after_s,
             in_flight: AtomicUsize::new(0),
             parse_us: Ewma::default(),
             lookup_us: Ewma::default(),
@@ -219,9 +225,10 @@ impl Admission {
         let idle_for = now_us.saturating_sub(self.last_activity_us.load(Ordering::Relaxed));
         let probe = before == 0 && Duration::from_micros(idle_for) >= PROBE_AFTER;
         match decision {
-            Err(shed) if !(probe && shed.reason == ShedReason::Estimate) => {
+            Err(mut shed) if !(probe && shed.reason == ShedReason::Estimate) => {
                 drop(permit);
                 self.count(shed.reason);
+                shed.retry_after_s = shed.retry_after_s.min(self.max_retry_after_s);
                 Err(shed)
             }
             _ => {
@@ -274,9 +281,10 @@ pub fn decide(
     }
 }
 
-/// Whole seconds until the queues should have drained: at least 1, at most 60.
+/// Whole seconds until the queues should have drained: at least 1 (the admission caps it at
+/// `max_retry_after_s`).
 pub fn retry_after(drain: Duration) -> u64 {
-    (drain.as_secs_f64().ceil() as u64).clamp(1, MAX_RETRY_AFTER_S)
+    (drain.as_secs_f64().ceil() as u64).max(1)
 }
 
 #[cfg(test)]
@@ -317,14 +325,27 @@ mod tests {
         assert_eq!(retry_after(Duration::ZERO), 1);
         assert_eq!(retry_after(300 * MS), 1);
         assert_eq!(retry_after(1001 * MS), 2);
-        assert_eq!(retry_after(Duration::from_secs(3600)), 60);
+        assert_eq!(retry_after(Duration::from_secs(3600)), 3600);
         let e = decide(0, 4, MS, 100 * MS, Some(Duration::from_millis(2500)), 0.8).unwrap_err();
         assert_eq!(e.retry_after_s, 3);
     }
 
     #[test]
+    fn retry_after_is_capped_by_max_retry_after_s() {
+        let load = RankerLoad {
+            wait: Some(Duration::from_secs(3600)),
+            ..RankerLoad::default()
+        };
+        for (max, told) in [(60, 60), (5, 5)] {
+            let a = Admission::new(10, true, 0.8, max);
+            let e = a.admit(Duration::ZERO, MS, &load).err().unwrap();
+            assert_eq!((e.reason, e.retry_after_s), (ShedReason::Estimate, told));
+        }
+    }
+
+    #[test]
     fn estimate_adds_stages_wait_and_requests_ahead() {
-        let a = Admission::new(10, true, 0.8);
+        let a = Admission::new(10, true, 0.8, 60);
         let stages = |parse| Stages {
             parse,
             lookup: 3 * MS,
@@ -370,7 +391,7 @@ mod tests {
 
     #[test]
     fn an_idle_router_admits_one_request_to_measure_again() {
-        let a = Admission::new(10, true, 0.8);
+        let a = Admission::new(10, true, 0.8, 60);
         a.observe(Stages {
             parse: Duration::from_secs(5), // averages from a bad moment
             ..Stages::default()
@@ -393,7 +414,7 @@ mod tests {
 
     #[test]
     fn cap_applies_and_permits_release() {
-        let a = Admission::new(2, false, 0.8);
+        let a = Admission::new(2, false, 0.8, 60);
         let load = RankerLoad {
             wait: Some(Duration::from_secs(100)),
             ..RankerLoad::default()

@@ -88,6 +88,9 @@ pub struct RouterConfig {
     /// the rest absorbs the estimate's error (admission.rs).
     #[serde(default = "default_admit_share")]
     pub admit_share: f64,
+    /// The longest Retry-After (seconds) a shed request is told to wait.
+    #[serde(default = "default_max_retry_after_s")]
+    pub max_retry_after_s: u64,
     /// The environment variable holding the admin API's bearer token; none: the admin API
     /// (/admin/v1/) needs no token. The token itself never appears in a config or plan.
     #[serde(default)]
@@ -167,7 +170,7 @@ fn default_connect_timeout_ms() -> u64 {
     1000
 }
 fn default_ready_timeout_ms() -> u64 {
-    60_000
+    120_000 // `cleave serve`'s ready_timeout_s
 }
 fn default_health_interval_ms() -> u64 {
     1000
@@ -201,6 +204,9 @@ fn default_shed() -> bool {
 }
 fn default_admit_share() -> f64 {
     0.5
+}
+fn default_max_retry_after_s() -> u64 {
+    60
 }
 
 impl RouterConfig {
@@ -255,6 +261,7 @@ impl RouterConfig {
             return bad("body_limit_bytes must be at least 1".into());
         }
         let at_least_one = [
+            ("max_retry_after_s", self.max_retry_after_s),
             ("header_timeout_ms", self.header_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
             ("body_min_bytes_per_s", self.body_min_bytes_per_s),
@@ -293,6 +300,24 @@ impl RouterConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The serde defaults above are the settings schema's (python/cleave/settings): the JSON
+    /// the launcher writes for a default config, generated into the chart's settings.json by
+    /// `python -m cleave.settings --write`, parses to the same config as no keys at all.
+    #[test]
+    fn defaults_are_the_settings_schemas() {
+        let text = include_str!("../../../deploy/helm/cleave/files/settings.json");
+        let settings: serde_json::Value = serde_json::from_str(text).unwrap();
+        let required = serde_json::json!({"model": "m", "bundle": "b", "rankers": ["a:1"]});
+        let mut written = settings["router_json"].clone();
+        written
+            .as_object_mut()
+            .unwrap()
+            .extend(required.as_object().unwrap().clone());
+        let bare = RouterConfig::from_json(&required.to_string()).unwrap();
+        let full = RouterConfig::from_json(&written.to_string()).unwrap();
+        assert_eq!(format!("{bare:#?}"), format!("{full:#?}"));
+    }
 
     #[test]
     fn defaults_and_checks() {

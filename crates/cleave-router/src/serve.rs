@@ -86,7 +86,12 @@ pub async fn serve(
             min_bytes_per_s: config.body_min_bytes_per_s,
             grace: Duration::from_millis(config.body_grace_ms),
         },
-        admission: Admission::new(config.max_in_flight, config.shed, config.admit_share),
+        admission: Admission::new(
+            config.max_in_flight,
+            config.shed,
+            config.admit_share,
+            config.max_retry_after_s,
+        ),
         door: Arc::new(DoorStats::default()),
         health: Mutex::new(Health::new(ROLE, vec![], vec![STARTING.into()])),
         admin: AdminConfig::new(config.admin_token_env.as_deref(), connect_timeout)?,
@@ -135,10 +140,14 @@ pub async fn serve(
         stop_rx.clone(),
         rest_tls,
     ));
+    // What it bound, on stdout before it is ready: a launcher that passed port 0 reads the
+    // ports here (and probes /ready on them).
+    let mut listening = format!("listening http://{addr}");
     let grpc = match config.grpc_port {
         Some(port) => {
             let (listener, grpc_addr) = crate::front::grpc::bind(&config.host, port).await?;
             tracing::info!(addr = %grpc_addr, "KServe v2 gRPC listening");
+            listening.push_str(&format!(" grpc={grpc_addr}"));
             let front = GrpcFront {
                 max_message_bytes: config.body_limit_bytes,
                 token: token.clone(),
@@ -156,6 +165,12 @@ pub async fn serve(
         None => None,
     };
     tokio::spawn(crate::shed_log::summarise(app.clone(), stop_rx.clone()));
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{listening}");
+        let _ = out.flush();
+    }
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);

@@ -9,8 +9,8 @@ shard that served (a router's lookup waits for the last shard of its fan-out). W
 is the wire both ways, the shard's socket queueing and the router's own encode and merge; a
 mean of maxima is at least the maximum of means, so it leans towards the network.
 `transfer` (the ranker's side) is the router's round trip less the ranker's reported queue and
-compute (`Ranked::transfer` in crates/cleave-router/src/ranker.rs). On the testbed, the packets
-each host link's queue dropped (`tc -s qdisc`, its bfifo) are counted too: drops mean TCP
+compute (`Ranked::transfer` in crates/cleave-router/src/backend/ranker.rs). On the testbed, the
+packets each host link's queue dropped (`tc -s qdisc`, its bfifo) are counted too: drops mean TCP
 retransmissions, which no stage shows by name.
 """
 

@@ -22,6 +22,7 @@ from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.launch import config as config_io
 from cleave.launch.supervisor import ChildFailed
+from cleave.settings import QUEUE_POLICIES, TRANSPORTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,11 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
     parser.add_argument(
         "--queue",
-        choices=["fifo", "edf"],
+        type=QUEUE_POLICIES.parse("--queue"),
+        choices=QUEUE_POLICIES.names,
         help="order waiting requests start in at shards and rankers (default fifo; "
         "docs/serving.md, Queue policies)",
     )
-    parser.add_argument("--transport", choices=["unix", "tcp"], help="internal sockets")
+    parser.add_argument("--transport", choices=TRANSPORTS.names, help="internal sockets")
     parser.add_argument(
         "--fail-stop",
         action="store_true",

@@ -1,9 +1,14 @@
 """Starts the processes of a deployment, gates on their readiness, watches them, stops them.
 
 A child is ready when `GET /ready` on its probe URL (the health schema every role serves:
-shards and rankers on their metrics port, routers on their HTTP port) answers 200; the runner
-chose that port before starting it. Its output is forwarded to our stderr, prefixed with its
-name; the last lines are kept for error messages.
+shards and rankers on their metrics port, routers on their HTTP port) answers 200. A port the
+runner leaves 0 is bound by the child itself, which says which on its first stdout line
+"ready ADDRESS [metrics=URL] [control=ADDR] ..." (shards, rankers) or "listening URL
+[grpc=ADDR]" (routers, at bind time, before they are ready); the spec then takes those
+ports (its address, probe and command line), so the probe goes there and a restart comes
+back on the same ports.
+Nothing picks a port and releases it for a child to bind later. Its output is forwarded to
+our stderr, prefixed with its name; the last lines are kept for error messages.
 Children run in their own session (a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order) and die with the launcher if it is killed (Linux: PR_SET_PDEATHSIG).
 
@@ -38,6 +43,7 @@ _STABLE_S = 60.0  # a child that ran this long since it was ready restarts witho
 _WATCH_TICK_S = 0.1
 _PROBE_EVERY_S = 0.1
 _PROBE_TIMEOUT_S = 2.0  # one GET /ready; a role busy loading may answer slowly
+_BOUND = ("ready ", "listening ")  # the stdout lines that say where a child listens
 
 
 class ChildFailed(CleaveError):
@@ -51,10 +57,53 @@ class ChildSpec:
     address: str = ""  # what it serves on, for messages
     before_start: object = None  # callable run before each (re)start, e.g. remove a socket
     probe: str = ""  # base URL of its /ready, /live, /metrics ("http://127.0.0.1:9100")
+    # Its first ready line's ADDRESS and key=value words ("address", "metrics", "control").
+    reported: dict[str, str] = field(default_factory=dict)
 
     @property
     def ready_url(self) -> str:
         return f"{self.probe}/ready"
+
+    @property
+    def binds_its_own_port(self) -> bool:
+        """Whether it was given port 0 for its address or probe: its probe waits until its
+        ready (or listening) line says which port it bound."""
+        return self.probe.endswith(":0") or self.address.endswith(":0")
+
+    def take_reported(self, line: str) -> None:
+        """Takes the ports a ready line reports in place of the 0s of address, probe and
+        argv (`--listen`, `--metrics-port`, `--control-port`)."""
+        words = line.split()
+        reported = {"address": words[1]} if len(words) > 1 else {}
+        reported |= dict(w.split("=", 1) for w in words[2:] if "=" in w)
+        self.reported = reported
+        address = reported.get("address", "")
+        listens = address and "://" not in address  # a router's is its URL
+        if self.address.endswith(":0"):
+            self.address = with_port(self.address, port_of(address))
+        self.argv = list(self.argv)
+        for flag, value in (
+            ("--listen", address if listens else ""),
+            ("--metrics-port", str(port_of(reported.get("metrics", "")) or "")),
+            ("--control-port", str(port_of(reported.get("control", "")) or "")),
+        ):
+            if value and flag in self.argv[:-1]:
+                at = self.argv.index(flag) + 1
+                if self.argv[at] == "0" or self.argv[at].endswith(":0"):
+                    self.argv[at] = value
+        if self.probe.endswith(":0"):  # last: the probe waits for this
+            self.probe = with_port(self.probe, port_of(reported.get("metrics") or address))
+
+
+def port_of(address: str) -> int:
+    """The port of `HOST:PORT` or a URL; 0 when there is none."""
+    tail = address.rstrip("/").rsplit(":", 1)[-1] if ":" in address else ""
+    return int(tail) if tail.isdigit() else 0
+
+
+def with_port(address: str, port: int) -> str:
+    """`address` (ending in `:0`) with `port` instead."""
+    return f"{address.removesuffix(':0')}:{port}" if port else address
 
 
 @dataclass
@@ -66,12 +115,15 @@ class Child:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     started: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0  # time.monotonic() of its first 200 from /ready
+    said_ready: threading.Event = field(default_factory=threading.Event)  # said where it is
 
     def describe(self) -> str:
         where = f", {self.spec.address}" if self.spec.address else ""
         return f"{self.spec.name} (pid {self.proc.pid}{where})"
 
     def not_ready(self) -> str:
+        if self.spec.binds_its_own_port:
+            return "it printed no ready line (it binds its own ports and says which there)"
         return f"GET {self.spec.ready_url} answered {self.last_answer}"
 
     def output(self) -> str:
@@ -163,7 +215,7 @@ class Supervisor:
             env=self.env,
         )
         child = Child(spec, proc)
-        threading.Thread(target=self._read, args=(child, proc.stdout), daemon=True).start()
+        threading.Thread(target=self._read, args=(child, proc.stdout, True), daemon=True).start()
         threading.Thread(target=self._read, args=(child, proc.stderr), daemon=True).start()
         threading.Thread(target=self._probe, args=(child, ready_timeout_s), daemon=True).start()
         return child
@@ -178,6 +230,9 @@ class Supervisor:
         while time.monotonic() < deadline and child.proc.poll() is None:
             if self.stopping.is_set():
                 return
+            if child.spec.binds_its_own_port:  # its ready line says where to probe
+                child.said_ready.wait(_PROBE_EVERY_S)
+                continue
             ok, child.last_answer = probe_ready(child.spec.ready_url)
             if ok:
                 child.ready_at = time.monotonic()
@@ -185,12 +240,17 @@ class Supervisor:
                 return
             time.sleep(_PROBE_EVERY_S)
 
-    def _read(self, child: Child, stream) -> None:
+    def _read(self, child: Child, stream, stdout: bool = False) -> None:
         for raw in stream:
             line = raw.rstrip("\n")
+            if stdout and line.startswith(_BOUND) and not child.said_ready.is_set():
+                child.spec.take_reported(line)
+                child.said_ready.set()
             child.tail.append(line)
             try:
-                print(f"[{child.spec.name}] {line}", file=self.log, flush=True)
+                # One write per line: the stdout and stderr readers share the log.
+                self.log.write(f"[{child.spec.name}] {line}\n")
+                self.log.flush()
             except (ValueError, OSError):  # our stderr is gone; keep draining the pipe
                 pass
 

@@ -9,16 +9,14 @@ import dataclasses
 import re
 
 from cleave.errors import UsageError
-from cleave.launch.config import QUEUE_POLICIES, ServeConfig
 from cleave.plan.schema import Host, Plan
+from cleave.settings import ServeConfig, choice_problems
 
 # A shard's own memory beside the rows it maps (process, runtime, lookup buffers).
 SHARD_MARGIN_BYTES = 64 << 20
 # A DNS label: role and host names become process, pod and namespace names.
 NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
-DEVICES = ("auto", "cpu", "cuda")
 GIB = float(1 << 30)
-MODES = ("disaggregated", "monolithic", "router-held")
 
 
 def host_problems(hosts: list[Host], where: str = "hosts") -> list[str]:
@@ -46,11 +44,7 @@ def host_problems(hosts: list[Host], where: str = "hosts") -> list[str]:
 def check_plan(plan: Plan, manifest: dict) -> list[str]:
     errors: list[str] = []
     warnings: list[str] = []
-    if plan.mode not in MODES:
-        expected = ", ".join(repr(m) for m in MODES)
-        errors.append(f"mode: expected one of {expected}, got {plan.mode!r}")
-    if plan.transport not in ("tcp", "unix"):
-        errors.append(f"transport: expected 'tcp' or 'unix', got {plan.transport!r}")
+    errors += choice_problems(plan, "")  # mode, transport
     if not plan.name:
         errors.append("name: expected the model name, got an empty string")
     errors += host_problems(plan.hosts)
@@ -114,19 +108,13 @@ def _settings(plan: Plan, errors: list[str]) -> None:
     for i, s in enumerate(plan.shards):
         if s.threads < 1:
             errors.append(f"shards[{i}].threads: expected at least 1, got {s.threads}")
-    for what, roles in (("shards", plan.shards), ("rankers", plan.rankers)):
-        for i, role in enumerate(roles):
-            if role.queue not in QUEUE_POLICIES:
-                errors.append(f'{what}[{i}].queue: expected "fifo" or "edf", got {role.queue!r}')
+    for f, role in plan.roles():  # queue, device, incast_order: each off its list of names
+        errors += choice_problems(role, f"{f}.")
     for i, r in enumerate(plan.rankers):
         f = f"rankers[{i}]"
-        if r.device not in DEVICES:
-            errors.append(f"{f}.device: expected one of {', '.join(DEVICES)}, got {r.device!r}")
         for key, low in (("threads", 1), ("max_batch", 1), ("max_queue", 1), ("max_wait_ms", 0)):
             if getattr(r, key) < low:
                 errors.append(f"{f}.{key}: expected at least {low}, got {getattr(r, key)}")
-        if r.incast_order not in ("fcfs", "edf"):
-            errors.append(f'{f}.incast_order: expected "fcfs" or "edf", got {r.incast_order!r}')
         if r.incast_window_bytes < 1:
             errors.append(
                 f"{f}.incast_window_bytes: expected at least 1, got {r.incast_window_bytes}"

@@ -10,7 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleave.launch.config import RouterConfig
+from cleave.settings import (
+    MODES,
+    TRANSPORTS,
+    IncastConfig,
+    PlanSettings,
+    RankerConfig,
+    RouterConfig,
+    ShardConfig,
+    canonical_choices,
+    required,
+    same_as,
+)
 
 FORMAT = "cleave-plan"
 VERSION = 1
@@ -36,12 +47,10 @@ class Shard:
     host: str
     port: int  # frame protocol (docs/protocol.md); 0: the runner picks one
     metrics_port: int  # /metrics, /ready, /live; 0: the runner picks one
-    threads: int  # lookup threads
+    threads: int = same_as(ShardConfig, "threads", required=True)
     ranges: dict[str, tuple[int, int]]  # table -> [row_start, row_end)
-    queue: str = "fifo"  # order received lookups start in: fifo | edf
-    # Bytes of DRAM for the rows; tables larger than it are read from SSD behind DRAM caches
-    # of this size (docs/tiers.md). 0: all in DRAM.
-    dram_budget: int = 0
+    queue: str = same_as(ShardConfig, "queue")
+    dram_budget: int = same_as(ShardConfig, "dram_budget")
     # Placement across tiers (docs/tiers.md, `cleave plan --profile`): the tables read from
     # SSD; the rest stay in DRAM within dram_budget. Empty: every table on SSD if they exceed it.
     ssd_tables: list[str] = field(default_factory=list)
@@ -50,6 +59,9 @@ class Shard:
     # Where this shard keeps model updates (`cleave update`, docs/tiers.md "Updates"); relative
     # to the plan file; one directory per shard. "": updates are refused.
     state_dir: str = ""
+
+    def __post_init__(self) -> None:
+        canonical_choices(self, f"shard {self.name}: ")
 
 
 @dataclass
@@ -60,24 +72,26 @@ class Ranker:
     host: str
     port: int
     metrics_port: int
-    device: str  # auto | cpu | cuda
-    threads: int  # torch CPU threads
-    max_batch: int
-    max_wait_ms: float
-    max_queue: int
-    cuda_graphs: bool
-    compile: bool = False  # TorchInductor-compile the dense program before ready (CPU)
-    compile_cache: str = ""  # where compiled code is kept; "": the user's cache directory
-    shared_batching: bool = True  # join a shared-input model's requests (bundle permitting)
-    queue: str = "fifo"  # order waiting requests start in: fifo | edf
+    device: str = same_as(RankerConfig, "device", required=True)
+    threads: int = same_as(RankerConfig, "threads", required=True)  # a number, never 0 here
+    max_batch: int = same_as(RankerConfig, "max_batch", required=True)
+    max_wait_ms: float = same_as(RankerConfig, "max_wait_ms", required=True)
+    max_queue: int = same_as(RankerConfig, "max_queue", required=True)
+    cuda_graphs: bool = same_as(RankerConfig, "cuda_graphs", required=True)
+    compile: bool = same_as(RankerConfig, "compile")
+    compile_cache: str = same_as(RankerConfig, "compile_cache")
+    shared_batching: bool = same_as(RankerConfig, "shared_batching")
+    queue: str = same_as(RankerConfig, "queue")
     # Incast control (docs/traffic.md): the control port routers ask before sending a large
     # payload, on the ranker's host; 0: none. Used when the plan's `incast_control` is on.
     control_port: int = 0
-    incast_window_bytes: int = 1 << 20  # bytes granted and not yet received at most
-    # The window follows congestion, from incast_window_bytes up (docs/traffic.md).
-    incast_adaptive: bool = False
-    incast_order: str = "edf"  # order delayed requests-to-send are granted in: fcfs | edf
-    link_gbit: float = 1.0  # the host's link rate: B in EDF's start-by deadline
+    incast_window_bytes: int = same_as(IncastConfig, "incast_window_bytes")
+    incast_adaptive: bool = same_as(IncastConfig, "incast_adaptive")
+    incast_order: str = same_as(IncastConfig, "incast_order")
+    link_gbit: float = same_as(IncastConfig, "link_gbit")
+
+    def __post_init__(self) -> None:
+        canonical_choices(self, f"ranker {self.name}: ")
 
 
 @dataclass
@@ -103,8 +117,10 @@ class Supervision:
 class Plan:
     name: str  # model name in the URLs
     bundle: str  # relative paths resolve against the plan file's directory
-    mode: str  # disaggregated | monolithic (the baseline: one ranker runs the whole model)
-    transport: str  # tcp | unix (unix: every role on one host)
+    # monolithic: the baseline, one ranker runs the whole model; router-held: routers hold
+    # every table, no shards.
+    mode: str = required("how the model is split across processes", MODES)
+    transport: str = required("internal sockets (unix: every role on one host)", TRANSPORTS)
     hosts: list[Host]
     shards: list[Shard]
     rankers: list[Ranker]
@@ -116,8 +132,8 @@ class Plan:
     # Incast control (docs/traffic.md): routers ask each ranker's control port for a grant
     # before sending a fused payload of at least `incast_threshold_bytes`. Needs every
     # ranker's `control_port` (a runner picks one where it is 0).
-    incast_control: bool = False
-    incast_threshold_bytes: int = 64 << 10
+    incast_control: bool = same_as(PlanSettings, "incast_control")
+    incast_threshold_bytes: int = same_as(PlanSettings, "incast_threshold_bytes")
     # The file this plan was read from: names it in errors, anchors a relative bundle path.
     source: Path | None = field(default=None, compare=False, metadata={"serialise": False})
     # Why each role is where it is, and the placement's cost (topology-aware plans only);

@@ -6,4 +6,6 @@ replies. `cleave ranker` (cli.py) serves it over the internal protocol; docs/ser
 # `overloaded` at once. Requests, not rows: with the default --max-batch of 256 rows a full
 # queue is several batches of work, enough to keep the program busy; beyond that, waiting
 # only turns into `deadline` drops, while a refusal lets the router try another ranker.
-DEFAULT_MAX_QUEUE = 1024
+from cleave.settings import RankerConfig, default
+
+DEFAULT_MAX_QUEUE = default(RankerConfig, "max_queue")

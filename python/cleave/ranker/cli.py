@@ -11,32 +11,34 @@ import threading
 from pathlib import Path
 
 from cleave.errors import UsageError
-from cleave.ranker import DEFAULT_MAX_QUEUE
-from cleave.ranker.queues import DEFAULT_POLICY, POLICIES
+from cleave.settings import IncastConfig, RankerConfig, choice_list, default, doc
+
+
+def _flag(cls: type, name: str, more: str = "") -> dict:
+    """argparse's default, help and choices for setting `name` of `cls` (cleave.settings)."""
+    value, choices = default(cls, name), choice_list(cls, name)
+    text = " ".join(t for t in (doc(cls, name), more) if t)
+    options = {"default": value, "help": f"{text}; default {value}"}
+    if choices is not None:
+        flag = "--" + name.replace("_", "-")
+        options |= {"type": choices.parse(flag), "choices": choices.names}
+    return options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, help="bundle directory")
     parser.add_argument("--listen", required=True, help="host:port or unix:/path")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--device", **_flag(RankerConfig, "device"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--max-batch", type=int, default=256, help="rows per batch at most")
-    parser.add_argument(
-        "--max-wait-ms", type=float, default=0.0, help="how long a request may wait for company"
-    )
+    parser.add_argument("--max-batch", type=int, **_flag(RankerConfig, "max_batch"))
+    parser.add_argument("--max-wait-ms", type=float, **_flag(RankerConfig, "max_wait_ms"))
     parser.add_argument(
         "--max-queue",
         type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help="requests waiting for a batch at most; one more is answered `overloaded` at once "
-        f"(the router retries it on another ranker); default {DEFAULT_MAX_QUEUE}",
+        **_flag(RankerConfig, "max_queue", "(the router retries it on another ranker)"),
     )
     parser.add_argument(
-        "--queue",
-        choices=sorted(POLICIES),
-        default=DEFAULT_POLICY,
-        help="order waiting requests start in: fifo (arrival) or edf (earliest deadline "
-        f"first); default {DEFAULT_POLICY}",
+        "--queue", **_flag(RankerConfig, "queue", "fifo (arrival) or edf (earliest deadline)")
     )
     parser.add_argument(
         "--metrics-port",
@@ -48,14 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="incast control port on the listen host (docs/traffic.md): routers ask it before "
-        "sending a large payload; 0 (default): no incast control",
+        "sending a large payload; 0 (default): no incast control, or with --incast-control a "
+        "free port, named on the ready line (control=ADDR)",
     )
     parser.add_argument(
-        "--incast-window-bytes",
-        type=int,
-        default=1 << 20,
-        help="bytes granted and not yet received at most (one payload alone always goes); "
-        "default 1 MiB",
+        "--incast-control",
+        action="store_true",
+        help="serve incast control (implied by a non-zero --control-port)",
+    )
+    parser.add_argument(
+        "--incast-window-bytes", type=int, **_flag(IncastConfig, "incast_window_bytes")
     )
     parser.add_argument(
         "--incast-adaptive",
@@ -63,17 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the window follows congestion on this host's data connections (TCP_INFO), from "
         "--incast-window-bytes up to 64 times it in steps of it (docs/traffic.md)",
     )
-    parser.add_argument(
-        "--incast-order",
-        choices=["fcfs", "edf"],
-        default="edf",
-        help="order delayed requests-to-send are granted in; default edf",
-    )
+    parser.add_argument("--incast-order", **_flag(IncastConfig, "incast_order"))
     parser.add_argument(
         "--link-gbit",
         type=float,
-        default=1.0,
-        help="this host's link rate, B in EDF's start-by deadline now + SLO - M/B; default 1",
+        **_flag(IncastConfig, "link_gbit", "now + SLO - M/B, in Gbit/s"),
     )
     parser.add_argument(
         "--monolithic",
@@ -167,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot listen on {args.listen!r}: {err}") from None
     batcher.source = server
     # The one-process baseline has no network between router and ranker: nothing to control.
-    use_control = args.control_port and not args.with_router
+    use_control = (args.control_port or args.incast_control) and not args.with_router
     control = _control(args, server) if use_control else None
     if control is not None:
         from cleave.ranker.control import ControlledSource

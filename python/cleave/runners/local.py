@@ -28,7 +28,8 @@ def _ports(plan: Plan) -> list[int]:
 def free_ports(host: str, n: int) -> list[int]:
     """`n` distinct ports free on `host` now: bound all at once (so none repeats), then
     released for the roles to bind. Another process could take one in between; the role then
-    fails to start, named, rather than serving somewhere unknown."""
+    fails to start, named, rather than serving somewhere unknown. For ports a role cannot
+    be given as 0 (Ray's roles, whose addresses are fixed before they start)."""
     socks = []
     try:
         for _ in range(n):
@@ -44,34 +45,27 @@ def free_ports(host: str, n: int) -> list[int]:
 class LocalBinding(Binding):
     """Unix sockets in the runtime directory, or TCP on loopback with the plan's logical
     ports. A plan of several hosts numbers ports per host, so on one machine they may clash:
-    then every shard and ranker port is a free one picked here. A port the plan leaves 0 is
-    a free one picked here too; a role keeps its ports across restarts."""
+    then every shard and ranker port is 0. A port the plan leaves 0 stays 0 too. A role
+    given port 0 binds a free one itself and says which (docs/plan.md, "Runners"); the
+    supervisor takes it from there, and a restarted role comes back on it (a ranker's incast
+    control port too: `--incast-control --control-port 0`)."""
 
     def __init__(self, plan: Plan, runtime: Path, host: str):
         self.transport = plan.transport
         self.runtime = runtime
         self.host = host
         logical = max(Counter(_ports(plan)).values(), default=1) == 1
-        wanted: dict[tuple[str, str], int] = {}
+        self.ports: dict[tuple[str, str], int] = {}
         for role in [*plan.shards, *plan.rankers]:
             if self.transport == "tcp":
-                wanted[(role.name, "port")] = role.port if logical else 0
-            wanted[(role.name, "metrics")] = role.metrics_port if logical else 0
+                self.ports[(role.name, "port")] = role.port if logical else 0
+            self.ports[(role.name, "metrics")] = role.metrics_port if logical else 0
         if plan.incast_control:
             for r in plan.rankers:
-                wanted[(r.name, "control")] = r.control_port if logical else 0
-        for router in plan.routers:
-            wanted[(router.name, "http")] = router.http_port
+                self.ports[(r.name, "control")] = r.control_port if logical else 0
         # Routers bind the client host; the rest loopback (`cleave serve --host` is for clients).
-        picked = iter(
-            free_ports(LOOPBACK, sum(1 for k, p in wanted.items() if not p and k[1] != "http"))
-        )
-        routers = iter(
-            free_ports(host, sum(1 for k, p in wanted.items() if not p and k[1] == "http"))
-        )
-        self.ports = {
-            k: p or next(routers if k[1] == "http" else picked) for k, p in wanted.items()
-        }
+        for router in plan.routers:
+            self.ports[(router.name, "http")] = router.http_port
 
     def listen(self, role: Shard | Ranker) -> str:
         if self.transport == "unix":

@@ -8,19 +8,20 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cleave.launch.config import ServeConfig
 from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
+from cleave.settings import IncastConfig, RankerConfig, ServeConfig, ShardConfig, flags
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
 
 
 class Binding:
-    """Where a runner puts each role: concrete addresses and ports, chosen before anything
-    starts (readiness is probed on them, and a restarted role comes back on them)."""
+    """Where a runner puts each role: addresses and ports, chosen before anything starts. A
+    port 0 is bound by the role itself, which says which (the supervisor takes it from
+    there); a restarted role comes back on the ports it had."""
 
     def listen(self, role: Shard | Ranker) -> str:
-        """The role's --listen address: `HOST:PORT` (a real port, never 0) or `unix:PATH`."""
+        """The role's --listen address: `HOST:PORT` (port 0: it binds one) or `unix:PATH`."""
         raise NotImplementedError
 
     def metrics_port(self, role: Shard | Ranker) -> int:
@@ -29,7 +30,7 @@ class Binding:
         return role.metrics_port
 
     def http(self, router: Router) -> tuple[str, int]:
-        """The router's client address and port (never 0); /ready and /live are there too."""
+        """The router's client address and port (0: it binds one); /ready and /live there."""
         raise NotImplementedError
 
     def control_port(self, role: Ranker) -> int:
@@ -108,17 +109,12 @@ class RoleSpecs:
                 str(self.bundle),
                 "--listen",
                 address,
-                "--threads",
-                str(shard.threads),
                 "--rows",
                 rows,
                 "--metrics-port",
                 str(metrics_port),
-                "--queue",
-                shard.queue,
+                *flags(shard, ShardConfig),  # --threads, --queue, --dram-budget (docs/tiers.md)
             ]
-            if shard.dram_budget:  # docs/tiers.md
-                argv += ["--dram-budget", str(shard.dram_budget)]
             if shard.ssd_tables:  # the plan's placement across tiers
                 argv += ["--ssd-tables", ",".join(shard.ssd_tables)]
             if shard.profile:  # relative to the plan file, as the bundle is
@@ -143,46 +139,16 @@ class RoleSpecs:
                 str(self.bundle),
                 "--listen",
                 address,
-                "--device",
-                r.device,
-                "--threads",
-                str(r.threads),
-                "--max-batch",
-                str(r.max_batch),
-                "--max-wait-ms",
-                str(r.max_wait_ms),
-                "--max-queue",
-                str(r.max_queue),
-                "--queue",
-                r.queue,
                 "--metrics-port",
                 str(metrics_port),
+                *flags(r, RankerConfig),
             )
             if self.plan.mode == "monolithic":
                 argv.append("--monolithic")
-            if not r.cuda_graphs:
-                argv.append("--no-cuda-graphs")
-            if r.compile:
-                argv.append("--compile")
-            if r.compile_cache:
-                argv += ["--compile-cache", r.compile_cache]
-            if not r.shared_batching:
-                argv.append("--no-shared-batching")
             if self.plan.incast_control and self.plan.mode != "monolithic":
                 port = self.binding.control_port(r)
                 self.control[r.name] = control_address(address, port)
-                argv += [
-                    "--control-port",
-                    str(port),
-                    "--incast-window-bytes",
-                    str(r.incast_window_bytes),
-                    "--incast-order",
-                    r.incast_order,
-                    "--link-gbit",
-                    str(r.link_gbit),
-                ]
-                if r.incast_adaptive:
-                    argv.append("--incast-adaptive")
+                argv += ["--incast-control", "--control-port", str(port), *flags(r, IncastConfig)]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
 
@@ -243,7 +209,7 @@ class RoleSpecs:
         rankers: list[str],
         ranker_control: dict[str, str] | None = None,
     ) -> Path:
-        from cleave.launch.router import router_config
+        from cleave.settings.router_json import router_config
 
         host, port = self.binding.http(router)
         s = self.plan.supervision

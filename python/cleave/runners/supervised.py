@@ -3,13 +3,14 @@ start them in order under one Supervisor, each gated on its `/ready` probe; watc
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleave.errors import UsageError
-from cleave.launch.supervisor import Child, Supervisor
+from cleave.launch.supervisor import Child, ChildSpec, Supervisor, port_of
 from cleave.runners.base import Runner
 from cleave.runners.roles import Binding, RoleSpecs
 
@@ -41,6 +42,19 @@ def share_internal_secret(name: str) -> None:
     value = read_internal_secret(name)
     if value is not None:
         os.environ[INTERNAL_SECRET] = value
+
+
+def _keep_ports(config: Path, router: ChildSpec) -> None:
+    """A router given port 0 bound one: its JSON takes that port, so that a restart comes back
+    on the URL the clients have (its gRPC port too)."""
+    values = json.loads(config.read_text())
+    bound = {
+        "http_port": port_of(router.probe),
+        "grpc_port": port_of(router.reported.get("grpc", "")),
+    }
+    kept = {key: port for key, port in bound.items() if values.get(key) == 0 and port}
+    if kept:
+        config.write_text(json.dumps(values | kept, indent=1))
 
 
 class SupervisedRunner(Runner):
@@ -75,13 +89,19 @@ class SupervisedRunner(Runner):
         specs = RoleSpecs(plan, self.bind(plan, plan_dir), plan_dir)
         timeout = plan.supervision.ready_timeout_s
         if plan.mode == "monolithic":
-            self.supervisor.start([specs.monolith_spec()], timeout)
+            routers = self.supervisor.start([specs.monolith_spec()], timeout)
         else:
             shards, rankers = specs.shard_specs(), specs.ranker_specs()
-            # Shards and rankers load in parallel; the routers need them ready.
+            # Shards and rankers load in parallel; the routers need them ready, at the
+            # addresses they bound (the supervisor read them from their ready lines).
             self.supervisor.start(shards + rankers, timeout)
-            self.supervisor.start(specs.router_specs(shards, rankers), timeout)
-        urls = [specs.url(router) for router in plan.routers]
+            for ranker in rankers:
+                if ranker.name in specs.control and "control" in ranker.reported:
+                    specs.control[ranker.name] = ranker.reported["control"]
+            routers = self.supervisor.start(specs.router_specs(shards, rankers), timeout)
+        for router, child in zip(plan.routers, routers, strict=True):
+            _keep_ports(specs.config_path(router.name), child.spec)
+        urls = [child.spec.probe for child in routers]  # each router's client URL
         mode = f"{len(plan.shards)} shards" if plan.mode == "disaggregated" else plan.mode
         self._say(f"model {plan.name!r}, {mode}, {len(plan.rankers)} rankers")
         self._print_metrics(self.supervisor.children)

@@ -1,8 +1,9 @@
 //! `cleave-router CONFIG.json`: the client-facing router, without Python (docs/serving.md,
 //! "Executables and images"). CONFIG.json is the router config `cleave serve` writes
 //! (crates/cleave-router/src/config.rs). Serves KServe v2 HTTP with `/ready` and `/live` on
-//! its port; prints "ready http://ADDR" for people once every backend answered (nothing reads
-//! it: launchers probe `/ready`); drains and exits 0 on SIGTERM/SIGINT.
+//! its port; prints "listening http://ADDR [grpc=ADDR]" once bound (a launcher that passed
+//! port 0 reads its ports there) and "ready http://ADDR" once every backend answered (for
+//! people: launchers probe `/ready`); drains and exits 0 on SIGTERM/SIGINT.
 //!
 //! Exit codes: 2 for a bad flag or config (`--check` only validates it), 1 when the router
 //! cannot start (port, bundle, backends never ready).

@@ -1,18 +1,22 @@
 //! The order in which requests waiting for a core are started: one policy per file behind
-//! [`RequestQueue`]. Adding a policy is adding a file and a [`QueuePolicy`] variant.
+//! [`RequestQueue`]. Adding a policy is adding a file and a [`QueuePolicy`] variant, and its
+//! name to python/cleave/settings/choices.py (a test compares the two lists).
 //!
 //! * [`Fifo`]: arrival order (Cleave's behaviour before policies existed, and the default).
 //! * [`Edf`]: earliest absolute deadline first; requests without a deadline go last, in
 //!   arrival order.
+//! * [`Lifo`]: newest first (under overload: keep the newest requests in time).
 
 mod edf;
 mod fifo;
+mod lifo;
 
 use std::fmt;
 use std::str::FromStr;
 
 pub use edf::Edf;
 pub use fifo::Fifo;
+pub use lifo::Lifo;
 
 /// What a queue needs to know about an item.
 pub trait Queued {
@@ -38,15 +42,40 @@ pub enum QueuePolicy {
     Fifo,
     /// Earliest deadline first.
     Edf,
+    /// Newest first.
+    Lifo,
 }
 
 impl QueuePolicy {
-    pub const NAMES: [&'static str; 2] = ["fifo", "edf"];
+    pub const ALL: [QueuePolicy; 3] = [QueuePolicy::Fifo, QueuePolicy::Edf, QueuePolicy::Lifo];
+    /// Older names that still parse, with the name they stand for.
+    pub const ALIASES: [(&'static str, &'static str); 1] = [("fcfs", "fifo")];
 
     pub fn as_str(self) -> &'static str {
         match self {
             QueuePolicy::Fifo => "fifo",
             QueuePolicy::Edf => "edf",
+            QueuePolicy::Lifo => "lifo",
+        }
+    }
+
+    /// Every policy's name, in declaration order.
+    pub fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|p| p.as_str()).collect()
+    }
+
+    /// The policy named `name`, or `alias` (an older name for it: callers warn that it is
+    /// deprecated).
+    pub fn parse_name(name: &str) -> Result<(QueuePolicy, Option<&'static str>), UnknownPolicy> {
+        let (canonical, alias) = match Self::ALIASES.iter().find(|(a, _)| *a == name) {
+            Some((alias, canonical)) => (*canonical, Some(*alias)),
+            None => (name, None),
+        };
+        match Self::ALL.into_iter().find(|p| p.as_str() == canonical) {
+            Some(policy) => Ok((policy, alias)),
+            None => Err(UnknownPolicy {
+                got: name.to_owned(),
+            }),
         }
     }
 
@@ -55,6 +84,7 @@ impl QueuePolicy {
         match self {
             QueuePolicy::Fifo => Box::new(Fifo::default()),
             QueuePolicy::Edf => Box::new(Edf::default()),
+            QueuePolicy::Lifo => Box::new(Lifo::default()),
         }
     }
 }
@@ -65,22 +95,27 @@ impl fmt::Display for QueuePolicy {
     }
 }
 
-/// A queue policy name that is not one of [`QueuePolicy::NAMES`].
+/// A queue policy name that is not one of [`QueuePolicy::names`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown queue policy {got:?}: expected one of \"fifo\", \"edf\"")]
+#[error("unknown queue policy {got:?}: expected one of {}", expected())]
 pub struct UnknownPolicy {
     pub got: String,
 }
 
+fn expected() -> String {
+    let quoted: Vec<String> = QueuePolicy::names()
+        .iter()
+        .map(|n| format!("{n:?}"))
+        .collect();
+    quoted.join(", ")
+}
+
+/// A name or an alias (silently: see [`QueuePolicy::parse_name`] to warn).
 impl FromStr for QueuePolicy {
     type Err = UnknownPolicy;
 
     fn from_str(s: &str) -> Result<QueuePolicy, UnknownPolicy> {
-        match s {
-            "fifo" => Ok(QueuePolicy::Fifo),
-            "edf" => Ok(QueuePolicy::Edf),
-            _ => Err(UnknownPolicy { got: s.to_owned() }),
-        }
+        QueuePolicy::parse_name(s).map(|(policy, _)| policy)
     }
 }
 
@@ -115,12 +150,46 @@ mod tests {
     }
 
     #[test]
-    fn policies_parse_by_name_and_refuse_others() {
-        for name in QueuePolicy::NAMES {
+    fn policies_parse_by_name_and_alias_and_refuse_others() {
+        for name in QueuePolicy::names() {
             assert_eq!(name.parse::<QueuePolicy>().unwrap().as_str(), name);
         }
-        let err = "lifo".parse::<QueuePolicy>().unwrap_err().to_string();
-        assert!(err.contains("\"lifo\"") && err.contains("\"edf\""), "{err}");
+        assert_eq!(
+            QueuePolicy::parse_name("fcfs").unwrap(),
+            (QueuePolicy::Fifo, Some("fcfs"))
+        );
+        assert_eq!(
+            QueuePolicy::parse_name("fifo").unwrap(),
+            (QueuePolicy::Fifo, None)
+        );
+        let err = "random".parse::<QueuePolicy>().unwrap_err().to_string();
+        assert!(
+            err.contains("\"random\"") && err.contains("\"edf\""),
+            "{err}"
+        );
+    }
+
+    /// The names and aliases are python/cleave/settings/choices.py's (through the generated
+    /// settings.json: `python -m cleave.settings --write`).
+    #[test]
+    fn names_are_the_settings_schemas() {
+        let text = include_str!("../../../../deploy/helm/cleave/files/settings.json");
+        let settings: serde_json::Value = serde_json::from_str(text).unwrap();
+        let listed = &settings["choices"]["queue_policy"];
+        let names: Vec<&str> = listed["names"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap())
+            .collect();
+        assert_eq!(names, QueuePolicy::names());
+        let aliases: Vec<(&str, &str)> = listed["aliases"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(a, n)| (a.as_str(), n.as_str().unwrap()))
+            .collect();
+        assert_eq!(aliases, QueuePolicy::ALIASES);
     }
 
     #[test]

@@ -29,6 +29,17 @@ fails the render with what was expected and what arrived. */}}
 {{- if or (empty $plan.shards) (empty $plan.rankers) (empty $plan.routers) -}}
 {{- fail (printf "plan: expected at least one shard, ranker and router, got %d, %d and %d" (len ($plan.shards | default list)) (len ($plan.rankers | default list)) (len ($plan.routers | default list))) -}}
 {{- end -}}
+{{- /* What a plan leaves out takes the settings schema's default (files/settings.json,
+generated from python/cleave/settings by `python -m cleave.settings --write`). */ -}}
+{{- $defaults := $.Files.Get "files/settings.json" | fromJson -}}
+{{- $_ := set $plan "router" ($plan.router | default dict) -}}
+{{- range $section, $roles := dict "plan" (list $plan) "router" (list $plan.router) "shard" $plan.shards "ranker" $plan.rankers -}}
+{{- range $role := $roles -}}
+{{- range $key, $value := index $defaults $section -}}
+{{- if not (hasKey $role $key) -}}{{- $_ := set $role $key $value -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $first := index $plan.rankers 0 -}}
 {{- range $i, $r := $plan.rankers -}}
 {{- range $key := list "device" "threads" "max_batch" "max_wait_ms" "max_queue" "queue" "cuda_graphs" "compile" "compile_cache" -}}
@@ -60,10 +71,10 @@ fails the render with what was expected and what arrived. */}}
 {{- if and $secret (not .Values.internalSecret.name) -}}
 {{- fail (printf "the plan's router.internal_secret_env is %q: set internalSecret.name to a Secret holding the deployment's internal secret" $secret) -}}
 {{- end -}}
-{{- $queue := (index $plan.shards 0).queue | default "fifo" -}}
+{{- $queue := (index $plan.shards 0).queue -}}
 {{- range $i, $s := $plan.shards -}}
-{{- if ne ($s.queue | default "fifo") $queue -}}
-{{- fail (printf "plan: shards[%d].queue is %v but shards[0].queue is %v: every shard pod runs one template, so the plan's shards must share their queue policy" $i ($s.queue | default "fifo") $queue) -}}
+{{- if ne $s.queue $queue -}}
+{{- fail (printf "plan: shards[%d].queue is %v but shards[0].queue is %v: every shard pod runs one template, so the plan's shards must share their queue policy" $i $s.queue $queue) -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $plan -}}

@@ -1,9 +1,9 @@
 """The order in which requests waiting in the ranker start: one policy per file behind
-`RequestQueue` (docs/serving.md, "Queue policies"). Adding a policy is adding a file and an
-entry in `POLICIES`.
+`RequestQueue` (docs/serving.md, "Queue policies"). Adding a policy is adding a file named
+after it and its name to the settings' QUEUE_POLICIES (cleave/settings/choices.py).
 
-* `fifo`: arrival order (the default, and the ranker's behaviour before policies existed);
-* `edf`: earliest absolute deadline first; requests without a deadline go last, in arrival order.
+Each file says what its policy does: `fifo.py` (arrival order, the default and the ranker's
+behaviour before policies existed), `edf.py` (earliest absolute deadline first), ...
 
 Items need three attributes: `deadline_us` (Unix µs, 0 = none), `arrived_ns` and
 `conn_id`/`request_id` (for `remove`).
@@ -11,9 +11,12 @@ Items need three attributes: `deadline_us` (Unix µs, 0 = none), `arrived_ns` an
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from cleave.settings import QUEUE_POLICIES, RankerConfig, default
 
 
 class RequestQueue(ABC):
@@ -55,10 +58,18 @@ def make_queue(policy: str) -> RequestQueue:
     return POLICIES[policy]()
 
 
+def _policy(name: str) -> type[RequestQueue]:
+    """The queue class of policy `name`: the one in cleave/ranker/queues/NAME.py."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    (cls,) = [c for c in vars(module).values() if getattr(c, "name", None) == name]
+    return cls
+
+
+# One file per name of the settings' QUEUE_POLICIES (cleave/settings/choices.py).
+POLICIES: dict[str, type[RequestQueue]] = {name: _policy(name) for name in QUEUE_POLICIES.names}
+DEFAULT_POLICY = default(RankerConfig, "queue")
+
 from cleave.ranker.queues.edf import EdfQueue  # noqa: E402 (the modules import RequestQueue)
 from cleave.ranker.queues.fifo import FifoQueue  # noqa: E402
-
-POLICIES: dict[str, type[RequestQueue]] = {"fifo": FifoQueue, "edf": EdfQueue}
-DEFAULT_POLICY = "fifo"
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "EdfQueue", "FifoQueue", "RequestQueue", "make_queue"]

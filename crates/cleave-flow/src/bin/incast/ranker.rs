@@ -135,6 +135,10 @@ pub async fn run(args: Args) -> Result<(), RankerError> {
     };
     let control = bind(args.control_port).await?;
     let data_listener = bind(args.data_port).await?;
+    // Port 0 binds a free one: say which, before "ready" (which readers wait for).
+    if let (Ok(c), Ok(d)) = (control.local_addr(), data_listener.local_addr()) {
+        println!("listening control={c} data={d}");
+    }
     let link_bps = args.link_gbit * 1e9 / 8.0;
     let window = if args.window == 0 && !args.adaptive {
         u64::MAX

@@ -66,7 +66,7 @@ struct Args {
     #[arg(long)]
     resident: bool,
     /// The order received lookups start in: "fifo" (arrival) or "edf" (earliest deadline).
-    #[arg(long, default_value = "fifo")]
+    #[arg(long, default_value = "fifo", value_parser = queue_policy)]
     queue: QueuePolicy,
     /// Bytes of DRAM this shard may use for its tables (suffixes K, M, G: powers of 1024).
     /// Tables larger than it are read from SSD behind DRAM caches of this size
@@ -104,6 +104,16 @@ struct Args {
     /// Log lines as "text" or "json" (one object per line); the level is CLEAVE_LOG's.
     #[arg(long, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+}
+
+/// A queue policy; an older name still works, with a warning on stderr.
+fn queue_policy(s: &str) -> Result<QueuePolicy, String> {
+    let (policy, alias) = QueuePolicy::parse_name(s).map_err(|e| e.to_string())?;
+    if let Some(alias) = alias {
+        let name = policy.as_str();
+        eprintln!("cleave-shard: warning: --queue {alias:?} is deprecated, use {name:?}");
+    }
+    Ok(policy)
 }
 
 fn at_least_one(s: &str) -> Result<NonZeroUsize, String> {

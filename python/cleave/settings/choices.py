@@ -1,0 +1,59 @@
+"""The enumerated values of settings, one list each. Python reads them here; the Helm chart
+and the Rust crates get them from the generated deploy/helm/cleave/files/settings.json (their
+tests compare their own names with it)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The names a setting accepts. An alias is an older name that still works, with a
+    warning, and means the name it maps to."""
+
+    names: tuple[str, ...]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def expected(self) -> str:
+        """`"fifo" or "edf"`, `"auto", "cpu" or "cuda"`: for error messages."""
+        quoted = [f'"{n}"' for n in self.names]
+        return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+    def canonical(self, value: object, key: str) -> object:
+        """`value`, or the name an alias stands for (with a FutureWarning naming `key`).
+        Anything else comes back unchanged, for the checks to report."""
+        if isinstance(value, str) and value in self.aliases:
+            name = self.aliases[value]
+            warnings.warn(
+                f"{key}: {value!r} is deprecated, use {name!r} (same behaviour)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            return name
+        return value
+
+    def parse(self, flag: str):
+        """An argparse `type` for `flag`: an alias becomes its name (with the warning); use
+        with `choices=CHOICES.names`."""
+        return lambda value: self.canonical(value, flag)
+
+
+# The order waiting requests start in at shards and rankers (cleave_wire::queue,
+# cleave/ranker/queues/). "fcfs" was the incast queue's name for fifo; it works here too.
+QUEUE_POLICIES = Choices(("fifo", "edf", "lifo"), {"fcfs": "fifo"})
+# The order a ranker grants delayed requests-to-send in (cleave_flow::queue, docs/traffic.md).
+INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
+# Internal sockets: Unix sockets (every role on one host) or TCP.
+TRANSPORTS = Choices(("unix", "tcp"))
+DEVICES = Choices(("auto", "cpu", "cuda"))
+# A plan's mode; `cleave serve`'s monolithic and router_held flags choose among the same.
+MODES = Choices(("disaggregated", "monolithic", "router-held"))

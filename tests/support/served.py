@@ -1,0 +1,93 @@
+"""Reference models served by `cleave serve`: a model, its bundle and its requests with the
+model's own scores, and the check that a deployment answers them within TOLERANCE."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import cleave
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.launch.process import ServeProcess
+from cleave.models import MODELS, RequestGenerator
+
+from support.client import closed_loop, post
+from support.processes import cli
+from support.waiting import wait_for
+
+# Small enough to build in a second or two, large enough to have every kind of feature.
+SCALES = {"dlrm": 0.002, "dcn": 0.0005, "din": 0.002, "shared": 0.01}
+TOLERANCE = 1e-5
+
+
+class Served:
+    """A model, its bundle and its request generator."""
+
+    def __init__(self, name: str, root: Path):
+        self.name = name
+        self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
+        self.model.eval()
+        self.bundle = cleave.partition(self.model, example)
+        self.dir = self.bundle.save(root / name)
+        self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
+
+    def request(self, batch: int) -> tuple[bytes, list[np.ndarray]]:
+        args = self.generator.batch(batch)
+        with torch.inference_mode():
+            want = [t.double().numpy() for t in pytree.tree_leaves(self.model(*args))]
+        return infer_body(self.bundle.named_inputs(*args)), want
+
+
+def infer_url(server: ServeProcess, served: Served) -> str:
+    return f"{server.url}/v2/models/{served.dir.name}/infer"
+
+
+def check_scores(server: ServeProcess, served: Served, batches=(1, 7, 64)) -> None:
+    for batch in batches:
+        body, want = served.request(batch)
+        status, reply = post(infer_url(server, served), body)
+        assert status == 200, reply
+        check_outputs(reply, want, (served.name, batch))
+
+
+def check_outputs(reply: dict, want: list[np.ndarray], what=None) -> None:
+    """A KServe reply's outputs equal `want` within TOLERANCE."""
+    got = outputs_of(reply)
+    assert [g.shape for g in got] == [w.shape for w in want], what
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(g - w).max() <= TOLERANCE, what
+
+
+def under_load(server: ServeProcess, served: Served, action) -> list:
+    """Runs `action` while three clients send requests; returns every result after checking
+    that each answer is exact."""
+    requests = [served.request(8) for _ in range(4)]
+    results, finish = closed_loop(infer_url(server, served), requests)
+    try:
+        wait_for(lambda: len(results) > 5, "requests to flow", 30)
+        action()
+        count = len(results)
+        wait_for(lambda: len(results) > count + 5, "requests after the change", 30)
+    finally:
+        finish()
+    for _, _, status, reply, want in results:
+        if status == 200:
+            check_outputs(reply, want)
+    return results
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    """`cleave serve ARGS` to its end (bad input: it exits at once)."""
+    return subprocess.run(cli("serve", *args), capture_output=True, text=True, timeout=60)
+
+
+def grpc_target(server: ServeProcess) -> str:
+    """The router's gRPC address (`HOST:PORT`) when it was given --grpc-port 0: what its
+    "listening http://ADDR grpc=ADDR" line says (the launcher forwards it before ready)."""
+    for line in server.log:
+        if " listening http" in line and " grpc=" in line:
+            return line.split(" grpc=", 1)[1].split()[0]
+    raise AssertionError("no router 'listening ... grpc=ADDR' line in:\n" + "\n".join(server.log))
