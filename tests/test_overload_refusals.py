@@ -28,12 +28,14 @@ import h2.connection
 import h2.events
 import pytest
 from cleave.runners.local import free_ports
-from test_front_door import BOUND_S, Router, get, post_head, read_response, wait_for
-from test_front_door_envelope import INFER as GRPC_INFER
-from test_front_door_envelope import grpc_request
-from test_router_http import MODEL, Deployment, good_request
+from support import front_door
+from support.front_door import BOUND_S, Router, get, post_head, read_response
+from support.router import MODEL, good_request
+from support.waiting import wait_for
+from tritonclient.grpc import service_pb2 as pb
 
 INFER = f"/v2/models/{MODEL}/infer"
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
 # Above the router's bound on bodies it discards (front/body.rs, DISCARD_BYTES = 64 KiB).
 LARGE = 1 << 20
 SUMMARY = re.compile(r"requests shed.*total=(\d+)")
@@ -41,10 +43,7 @@ SUMMARY = re.compile(r"requests shed.*total=(\d+)")
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overload_refusals")
-    d = Deployment(root)
-    d.root = root
-    d.base = json.loads((root / "router.json").read_text())
+    d = front_door.backends(tmp_path_factory.mktemp("overload_refusals"))
     yield d
     d.stop()
 
@@ -142,7 +141,8 @@ def test_shedding_is_summarised_in_the_log_and_counted(backends):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
     many = 2000
-    with Router(backends, max_in_flight=1, body_grace_ms=30000) as router:
+    # Only the in-flight cap sheds (the held request's slow body inflates the estimate).
+    with Router(backends, max_in_flight=1, body_grace_ms=30000, shed=False) as router:
         assert router.metric("cleave_router_max_in_flight") == 1
         held = Held(router, raw)
         assert router.metric("cleave_router_admitted_total") == 1
@@ -161,19 +161,20 @@ def test_shedding_is_summarised_in_the_log_and_counted(backends):
         assert router.metric('cleave_router_errors_total{kind="overloaded"}') == many
 
         def summaries():
-            return [int(m.group(1)) for line in router.child.log if (m := SUMMARY.search(line))]
+            return [int(m.group(1)) for line in router.child.lines if (m := SUMMARY.search(line))]
 
         wait_for(lambda: sum(summaries()) == many, "summaries that add up to the shed requests")
         lines = summaries()
-        print("\n".join(line for line in router.child.log if SUMMARY.search(line)))
+        print("\n".join(line for line in router.child.lines if SUMMARY.search(line)))
         # One line per second of shedding at most (and one for the last part second).
         assert 1 <= len(lines) <= int(elapsed) + 2, lines
-        assert not any("request shed" in line for line in router.child.log)
+        assert not any("request shed" in line for line in router.child.lines)
 
         # A request admitted that then runs out of its budget (its body never comes).
-        expired = Held(router, raw, extra="cleave-budget-ms: 200\r\n")
-        status, _, body = read_response(expired.sock)
-        expired.sock.close()
+        expired = router.connect()
+        expired.sendall(post_head(INFER, len(raw), "cleave-budget-ms: 200\r\n") + raw[:10])
+        status, _, body = read_response(expired)
+        expired.close()
         assert status == 504, body
         assert router.metric("cleave_router_expired_after_admission_total") == 1
         assert router.metric("cleave_router_admitted_total") == 2
@@ -225,6 +226,7 @@ def test_a_shed_grpc_call_leaves_its_connection_open(backends):
     port = free_ports("127.0.0.1", 1)[0]
     with Router(backends, max_in_flight=1, body_grace_ms=30000, grpc_port=port) as router:
         held = Held(router, raw)
-        message = grpc_request(good).SerializeToString()
+        # Refused before it is parsed: any message will do.
+        message = pb.ModelInferRequest(model_name=MODEL).SerializeToString()
         assert grpc_statuses_on_one_connection(port, message, 3) == ["14"] * 3  # UNAVAILABLE
         assert held.release() == 200
