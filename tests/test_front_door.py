@@ -1,6 +1,6 @@
 """The router's front door on real processes over loopback: per-connection timeouts (a head
 that trickles in, a body that stalls, an idle keep-alive connection), the connection cap,
-admission control (503 + Retry-After without reading the body), x-request-id, the health
+admission control (503 + Retry-After without parsing the body), x-request-id, the health
 schema with a ranker down, and a graceful stop that finishes the request in progress.
 
 Shards and a ranker are started once (tests/test_router_http.py's `Deployment`); each test
@@ -107,7 +107,7 @@ def test_connection_cap_refuses_the_extra_connection_only(backends):
             sock.close()
 
 
-def test_in_flight_cap_sheds_without_reading_the_body(backends):
+def test_in_flight_cap_sheds_without_parsing_the_body(backends):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
     with Router(backends, max_in_flight=1, body_grace_ms=30000) as router:
@@ -120,7 +120,8 @@ def test_in_flight_cap_sheds_without_reading_the_body(backends):
         sock.sendall(post_head("/v2/models/shared/infer", len(raw)) + raw)
         status, headers, body = read_response(sock)
         assert status == 503, body
-        assert int(headers["retry-after"]) >= 1 and headers["connection"] == "close"
+        # A small body is read and dropped: the connection stays (test_overload_refusals.py).
+        assert int(headers["retry-after"]) >= 1 and headers.get("connection") != "close"
         reply = json.loads(body)
         assert reply["stage"] == "admission" and "(max_in_flight) is 1" in reply["error"]
         sock.close()

@@ -157,6 +157,11 @@ impl Admission {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// The limit on [`Admission::in_flight`].
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
     pub fn shed_total(&self, reason: ShedReason) -> u64 {
         self.shed_total[reason as usize].load(Ordering::Relaxed)
     }

@@ -68,6 +68,7 @@ impl App {
         let refused = load(&self.door.refused);
         FrontStats {
             in_flight: self.admission.in_flight(),
+            max_in_flight: self.admission.max_in_flight(),
             connections: self.door.open.load(std::sync::atomic::Ordering::Relaxed),
             shed: ShedReason::ALL
                 .iter()

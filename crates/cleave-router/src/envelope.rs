@@ -45,8 +45,8 @@ where
     metrics.request();
     let arrival = head.arrival;
     let mut budget = Budget::new(arrival, app.default_budget_ms);
-    let mut body_read = false;
-    let result = run(app, codec, &head, receive, &mut budget, &mut body_read).await;
+    let mut admitted = false;
+    let result = run(app, codec, &head, receive, &mut budget, &mut admitted).await;
     let trace_id = cleave_wire::log::trace_id(budget.trace_id);
     let (model, protocol) = (head.model.as_str(), codec.protocol().as_str());
     let mut response = match result {
@@ -58,15 +58,19 @@ where
         Err(failure) => {
             let e = &failure.error;
             metrics.error(e.kind);
+            if admitted && e.kind == ErrorKind::Deadline {
+                metrics.expired_after_admission();
+            }
             if failure.retry_after_s.is_some() {
-                tracing::warn!(%trace_id, model, protocol, reason = %e.message, "request shed");
+                // Sheds are summarised once a second (shed_log.rs): a line each would flood.
+                tracing::debug!(%trace_id, model, protocol, reason = %e.message, "request shed");
             } else {
                 tracing::warn!(%trace_id, model, protocol, kind = ?e.kind, stage = ?e.stage, error = %e.message, "request failed");
             }
             codec.error(&failure)
         }
     };
-    codec.finish(&mut response, &trace_id, body_read);
+    codec.finish(&mut response, &trace_id);
     response
 }
 
@@ -76,7 +80,7 @@ async fn run<C, R, F>(
     head: &Head,
     receive: R,
     budget: &mut Budget,
-    body_read: &mut bool,
+    admitted: &mut bool,
 ) -> Result<C::Response, Failure>
 where
     C: Codec,
@@ -96,13 +100,14 @@ where
         .admission
         .admit(budget.start.elapsed(), budget.budget, &load)
         .map_err(shed)?;
+    *admitted = true;
+    app.router.metrics.admitted();
 
     // The body's own budget_ms is not known until it is read: reading is bounded by the
     // head's budget, else by the largest budget a body may ask for (and by the rate).
     let read_ms = asked.unwrap_or(app.max_budget_ms);
     let until = budget.start + Duration::from_secs_f64(read_ms / 1e3);
     let message = receive((until, read_ms)).await?;
-    *body_read = true;
 
     let metrics = &app.router.metrics;
     let cpu = thread_cpu();

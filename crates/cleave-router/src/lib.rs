@@ -8,7 +8,7 @@
 //!
 //! The modules import one way (tests/layers.rs checks it): `serve` wires everything;
 //! `front` (the doors) → `admin`, `envelope` → `codec`, `admission`, `app` → `pipeline` →
-//! `backend`; below them all `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
+//! `backend`; `shed_log` → `app`; below them all `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
 
 pub mod admin;
 pub mod admission;
@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod serve;
+pub mod shed_log;
 pub mod tensor;
 
 pub use config::{RouterConfig, ShardRoute};

@@ -43,6 +43,8 @@ pub struct DoorStats {
 #[derive(Clone, Debug, Default)]
 pub struct FrontStats {
     pub in_flight: usize,
+    /// The admission limit on `in_flight` (`max_in_flight`).
+    pub max_in_flight: usize,
     pub connections: usize,
     /// (reason, requests or connections refused).
     pub shed: Vec<(&'static str, u64)>,
@@ -99,6 +101,8 @@ pub struct Metrics {
     /// One per `ErrorKind::ALL`, in its order.
     errors: Vec<IntCounter>,
     requests: IntCounter,
+    admitted: IntCounter,
+    expired_after_admission: IntCounter,
 }
 
 impl Default for Metrics {
@@ -117,6 +121,17 @@ impl Metrics {
             "Inference requests received (infer and rank).",
         )?;
         registry.register(Box::new(requests.clone()))?;
+        let admitted = IntCounter::new(
+            "cleave_router_admitted_total",
+            "Inference requests admission control let in (the others are counted by \
+             cleave_router_shed_total).",
+        )?;
+        registry.register(Box::new(admitted.clone()))?;
+        let expired_after_admission = IntCounter::new(
+            "cleave_router_expired_after_admission_total",
+            "Requests admitted that then missed their budget (answered 504): work wasted.",
+        )?;
+        registry.register(Box::new(expired_after_admission.clone()))?;
         let stages = HistogramVec::new(
             HistogramOpts::new(
                 "cleave_router_stage_seconds",
@@ -168,6 +183,8 @@ impl Metrics {
                 .map(|k| errors.get_metric_with_label_values(&[k.as_str()]))
                 .collect::<prometheus::Result<_>>()?,
             requests,
+            admitted,
+            expired_after_admission,
             registry,
         })
     }
@@ -206,6 +223,14 @@ impl Metrics {
         self.requests.inc();
     }
 
+    pub fn admitted(&self) {
+        self.admitted.inc();
+    }
+
+    pub fn expired_after_admission(&self) {
+        self.expired_after_admission.inc();
+    }
+
     /// The text exposition ([`CONTENT_TYPE`]); `rankers` are (address, outstanding, EWMA
     /// latency in seconds).
     pub fn render(&self, rankers: &[(String, u64, f64)], front: &FrontStats) -> String {
@@ -232,6 +257,12 @@ impl Metrics {
             "cleave_router_in_flight",
             "Inference requests admitted and not answered yet.",
             [(vec![], front.in_flight as f64)],
+        ));
+        families.push(scrape_family(
+            MetricType::GAUGE,
+            "cleave_router_max_in_flight",
+            "The admission limit on cleave_router_in_flight (max_in_flight).",
+            [(vec![], front.max_in_flight as f64)],
         ));
         families.push(scrape_family(
             MetricType::GAUGE,
@@ -284,9 +315,12 @@ mod tests {
         m.observe(Stage::Admission, Duration::from_millis(1));
         m.error(ErrorKind::Shard);
         m.request();
+        m.admitted();
+        m.expired_after_admission();
         m.codec_cpu("parse", Protocol::Binary, thread_cpu());
         let front = FrontStats {
             in_flight: 3,
+            max_in_flight: 64,
             connections: 5,
             shed: vec![("estimate", 4)],
             closed: vec![("idle_timeout", 1)],
@@ -306,6 +340,9 @@ mod tests {
             "cleave_router_ranker_outstanding{ranker=\"127.0.0.1:9\"} 2",
             "cleave_router_ranker_latency_seconds{ranker=\"127.0.0.1:9\"} 0.004",
             "cleave_router_in_flight 3",
+            "cleave_router_max_in_flight 64",
+            "cleave_router_admitted_total 1",
+            "cleave_router_expired_after_admission_total 1",
             "cleave_router_codec_total{protocol=\"binary\",step=\"parse\"} 1",
             "cleave_router_connections 5",
             "cleave_router_shed_total{reason=\"estimate\"} 4",
@@ -320,7 +357,7 @@ mod tests {
             );
         }
         assert_eq!(m.errors(ErrorKind::Shard), 1);
-        assert!(!text.contains("admission"), "{text}");
+        assert!(!text.contains("stage=\"admission\""), "{text}");
     }
 
     #[test]

@@ -164,6 +164,7 @@ pub async fn serve(
         }
         None => None,
     };
+    tokio::spawn(crate::shed_log::summarise(app.clone(), stop_rx.clone()));
     {
         use std::io::Write;
         let mut out = std::io::stdout().lock();

@@ -42,8 +42,8 @@ impl Codec for KserveBinary {
         error_response(failure)
     }
 
-    fn finish(&self, response: &mut Response, trace_id: &str, body_read: bool) {
-        finish(response, trace_id, body_read)
+    fn finish(&self, response: &mut Response, trace_id: &str) {
+        finish(response, trace_id)
     }
 }
 

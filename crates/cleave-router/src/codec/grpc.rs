@@ -100,7 +100,7 @@ impl Codec for GrpcCodec {
         Err(status(failure))
     }
 
-    fn finish(&self, response: &mut Self::Response, trace_id: &str, _body_read: bool) {
+    fn finish(&self, response: &mut Self::Response, trace_id: &str) {
         if let Ok(id) = MetadataValue::try_from(trace_id) {
             match response {
                 Ok(r) => r.metadata_mut().insert("x-request-id", id),

@@ -41,8 +41,8 @@ impl Codec for KserveJson {
         error_response(failure)
     }
 
-    fn finish(&self, response: &mut Response, trace_id: &str, body_read: bool) {
-        finish(response, trace_id, body_read)
+    fn finish(&self, response: &mut Response, trace_id: &str) {
+        finish(response, trace_id)
     }
 }
 
@@ -108,8 +108,8 @@ impl Codec for RankForm {
         error_response(failure)
     }
 
-    fn finish(&self, response: &mut Response, trace_id: &str, body_read: bool) {
-        finish(response, trace_id, body_read)
+    fn finish(&self, response: &mut Response, trace_id: &str) {
+        finish(response, trace_id)
     }
 }
 
@@ -135,12 +135,8 @@ pub fn error_response(failure: &Failure) -> Response {
 }
 
 /// The REST door's part of [`Codec::finish`].
-pub fn finish(response: &mut Response, trace_id: &str, body_read: bool) {
-    let headers = response.headers_mut();
+pub fn finish(response: &mut Response, trace_id: &str) {
     if let Ok(id) = HeaderValue::from_str(trace_id) {
-        headers.insert("x-request-id", id);
-    }
-    if !body_read {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        response.headers_mut().insert("x-request-id", id);
     }
 }

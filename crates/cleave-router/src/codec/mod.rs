@@ -57,9 +57,9 @@ pub trait Codec {
     /// The reply to a request that failed or was shed.
     fn error(&self, failure: &Failure) -> Self::Response;
 
-    /// What every response carries: the trace id, and over HTTP/1.1, `connection: close` when
-    /// the body was left unread (it cannot be skipped to reach the next request).
-    fn finish(&self, response: &mut Self::Response, trace_id: &str, body_read: bool);
+    /// What every response carries: the trace id. (Whether an HTTP/1.1 connection stays
+    /// open after a body left unread is the REST door's: front/rest.rs.)
+    fn finish(&self, response: &mut Self::Response, trace_id: &str);
 
     /// CPU the transport spent decoding this protocol's messages outside `parse` (gRPC's
     /// protobuf codec), since the last call.

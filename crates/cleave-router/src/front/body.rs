@@ -1,6 +1,7 @@
 //! Reading a request body under three bounds: its size (413), a minimum rate once a grace
 //! period has passed (408: a client may not hold a request open by trickling its body), and
-//! the time the request may spend reading (its budget; 504 at stage `parse`).
+//! the time the request may spend reading (its budget; 504 at stage `parse`). And discarding
+//! the body of a request the router refuses, so that its connection stays usable.
 
 use std::future::poll_fn;
 use std::pin::Pin;
@@ -10,6 +11,12 @@ use axum::body::{Body, Bytes, HttpBody};
 
 use crate::app::BodyLimits;
 use crate::error::{ErrorKind, RequestError, Stage};
+
+/// The largest unread body a refusal reads and drops to keep its connection open; a larger
+/// one is answered at once and its connection closed (lingering: conn.rs).
+pub const DISCARD_BYTES: u64 = 64 << 10;
+/// How long reading such a body may take before the refusal gives up on the connection.
+pub const DISCARD_TIME: Duration = Duration::from_millis(100);
 
 /// Reads the whole body. `declared` is its Content-Length, if given; `until` is when the
 /// request's time to read runs out, with the budget it represents in ms (for the message).
@@ -69,6 +76,29 @@ pub async fn read_body(
         }
     }
     Ok(Bytes::from(data))
+}
+
+/// Reads and drops the body of a request the router will not serve (refused, or failed before
+/// its body was needed), so that the next request on the connection can be read. True when
+/// it was read to its end within [`DISCARD_BYTES`] and [`DISCARD_TIME`].
+pub async fn discard(mut body: Body, declared: Option<u64>) -> bool {
+    if declared.is_some_and(|n| n > DISCARD_BYTES) {
+        return false;
+    }
+    let read = async {
+        let mut seen = 0;
+        while let Some(frame) = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            let Ok(frame) = frame else { return false };
+            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if seen > DISCARD_BYTES {
+                return false;
+            }
+        }
+        true
+    };
+    tokio::time::timeout(DISCARD_TIME, read)
+        .await
+        .unwrap_or(false)
 }
 
 fn too_slow(limits: &BodyLimits, received: usize, elapsed: Duration) -> RequestError {
@@ -139,6 +169,19 @@ mod tests {
         ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
             std::task::Poll::Pending
         }
+    }
+
+    #[tokio::test]
+    async fn small_whole_bodies_are_discarded_others_not() {
+        let small = vec![b'x'; DISCARD_BYTES as usize];
+        assert!(discard(Body::from(small.clone()), Some(DISCARD_BYTES)).await);
+        assert!(discard(Body::from(small), None).await);
+        assert!(discard(Body::empty(), Some(0)).await);
+        // Declared too large: not read at all; chunked too large: given up while reading.
+        assert!(!discard(Body::from("x"), Some(DISCARD_BYTES + 1)).await);
+        let large = vec![b'x'; DISCARD_BYTES as usize + 1];
+        assert!(!discard(Body::from(large), None).await);
+        assert!(!discard(Body::new(Stalled), Some(5)).await);
     }
 
     #[tokio::test]

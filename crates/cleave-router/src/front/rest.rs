@@ -5,11 +5,12 @@
 //! Every failure becomes a JSON `{"error": ...}` with the status of its kind; nothing a
 //! client sends can take the process down.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use cleave_wire::health::Health;
@@ -23,7 +24,7 @@ use crate::codec::json::{error_response, json_bytes, KserveJson, RankForm};
 use crate::codec::kserve::model_metadata;
 use crate::envelope::{self, Head, BUDGET_HEADER};
 use crate::error::{ErrorKind, RequestError};
-use crate::front::body::read_body;
+use crate::front::body::{discard, read_body};
 use crate::front::conn::Arrival;
 
 pub fn routes(app: Arc<App>) -> axum::Router {
@@ -69,7 +70,9 @@ async fn rank(State(app): State<Arc<App>>, Path(name): Path<String>, request: Re
     inference(&app, name, request, Form::Rank).await
 }
 
-/// Reads the head, picks the codec, and hands the request to the envelope.
+/// Reads the head, picks the codec, and hands the request to the envelope. A body the
+/// envelope did not ask for (the request was refused or failed first) is discarded when that
+/// is cheap, so that the connection stays usable; otherwise the response closes it.
 async fn inference(app: &App, model: String, request: Request, form: Form) -> Response {
     // Without the front door (tests calling the routes directly), the handler's start.
     let arrival = request
@@ -96,8 +99,16 @@ async fn inference(app: &App, model: String, request: Request, form: Form) -> Re
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse().ok());
-    let receive = |until| read_body(body, declared, &app.body, until, arrival);
-    match (form, binary) {
+    let (mut unread, read_whole) = (Some(body), &AtomicBool::new(false));
+    let receive = |until| {
+        let body = unread.take().unwrap_or_default();
+        async move {
+            let read = read_body(body, declared, &app.body, until, arrival).await;
+            read_whole.store(read.is_ok(), Ordering::Relaxed);
+            read
+        }
+    };
+    let mut response = match (form, binary) {
         (Form::Infer, None) => envelope::handle(app, &KserveJson, head, receive).await,
         (Form::Infer, Some(header)) => {
             envelope::handle(app, &KserveBinary { header }, head, receive).await
@@ -105,7 +116,16 @@ async fn inference(app: &App, model: String, request: Request, form: Form) -> Re
         (Form::Rank, binary_header) => {
             envelope::handle(app, &RankForm { binary_header }, head, receive).await
         }
+    };
+    let reusable = match unread {
+        Some(body) => discard(body, declared).await,
+        None => read_whole.load(Ordering::Relaxed),
+    };
+    if !reusable {
+        let close = HeaderValue::from_static("close");
+        response.headers_mut().insert(header::CONNECTION, close);
     }
+    response
 }
 
 async fn server_metadata() -> Response {
