@@ -27,7 +27,6 @@ from pathlib import Path
 import h2.connection
 import h2.events
 import pytest
-from cleave.runners.local import free_ports
 from support import front_door
 from support.front_door import BOUND_S, Router, get, post_head, read_response
 from support.router import MODEL, good_request
@@ -180,7 +179,7 @@ def test_shedding_is_summarised_in_the_log_and_counted(backends):
         assert router.metric("cleave_router_admitted_total") == 2
 
 
-def grpc_statuses_on_one_connection(port: int, message: bytes, calls: int) -> list[str]:
+def grpc_statuses_on_one_connection(target: str, message: bytes, calls: int) -> list[str]:
     """`calls` ModelInfer calls one after the other over one plain HTTP/2 connection; the
     grpc-status of each. Fails if the router ends the connection."""
     conn = h2.connection.H2Connection()
@@ -190,12 +189,13 @@ def grpc_statuses_on_one_connection(port: int, message: bytes, calls: int) -> li
         (":method", "POST"),
         (":scheme", "http"),
         (":path", GRPC_INFER),
-        (":authority", f"127.0.0.1:{port}"),
+        (":authority", target),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
     ]
     statuses = []
-    with socket.create_connection(("127.0.0.1", port), timeout=BOUND_S) as sock:
+    host, port = target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=BOUND_S) as sock:
         sock.sendall(conn.data_to_send())
         for _ in range(calls):
             stream = conn.get_next_available_stream_id()
@@ -223,10 +223,10 @@ def grpc_statuses_on_one_connection(port: int, message: bytes, calls: int) -> li
 def test_a_shed_grpc_call_leaves_its_connection_open(backends):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
-    port = free_ports("127.0.0.1", 1)[0]
-    with Router(backends, max_in_flight=1, body_grace_ms=30000, grpc_port=port) as router:
+    with Router(backends, max_in_flight=1, body_grace_ms=30000, grpc_port=0) as router:
         held = Held(router, raw)
         # Refused before it is parsed: any message will do.
         message = pb.ModelInferRequest(model_name=MODEL).SerializeToString()
-        assert grpc_statuses_on_one_connection(port, message, 3) == ["14"] * 3  # UNAVAILABLE
+        statuses = grpc_statuses_on_one_connection(router.grpc_address, message, 3)
+        assert statuses == ["14"] * 3  # UNAVAILABLE
         assert held.release() == 200
