@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from cleave import _native
 from cleave.bench.loadgen import outputs_of
-from cleave.launch.config import RouterConfig
 from cleave.launch.process import ServeProcess
+from cleave.settings import RouterConfig
 from support.client import post
 from support.served import TOLERANCE, Served, infer_url
 

@@ -17,13 +17,13 @@ import torch
 from cleave.bundle import precision
 from cleave.bundle.precision import constant_linears, convert, count_flops, slow_reason
 from cleave.errors import CleaveError, UsageError
-from cleave.launch.config import ranker_cores
 from cleave.models import MODELS, RequestGenerator
 from cleave.partitioner import AccuracyError, AccuracyLimits
 from cleave.partitioner.accuracy import auc
 from cleave.ranker.local import LocalQueue
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, encode_request
 from cleave.ranker.program import load_ranker
+from cleave.settings import ranker_cores
 
 SCALE = 0.01
 LOOSE = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)

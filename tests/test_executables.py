@@ -350,9 +350,9 @@ def test_serve_prints_every_roles_metrics_url_and_a_restart_keeps_its_ports(tmp_
 def test_testbed_runner_refuses_unix_transport_before_making_anything(tmp_path):
     """Its roles would serve their probes on their namespace's loopback, out of reach."""
     from cleave.errors import UsageError
-    from cleave.launch.config import ServeConfig
     from cleave.plan import local_plan
     from cleave.runners.testbed import TestbedRunner
+    from cleave.settings import ServeConfig
 
     write_bundle(tmp_path / "bundle")
     plan = local_plan(tmp_path / "bundle", ServeConfig(transport="unix"))

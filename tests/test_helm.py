@@ -21,11 +21,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from cleave.launch.config import ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
 from cleave.plan import load_plan
 from cleave.runners import membership
+from cleave.settings import ServeConfig
 from cleave.settings.router_json import router_config
 from support.helm import (
     CHART,

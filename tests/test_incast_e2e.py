@@ -17,9 +17,9 @@ import urllib.request
 import pytest
 from cleave._native import IncastScheduler, decode_control, encode_control
 from cleave.bench.stages import metrics_endpoints, printed_all_metrics
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
+from cleave.settings import RankerConfig, ServeConfig
 from support.client import post
 from support.served import Served, check_scores, infer_url
 from support.waiting import wait_for

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 from cleave.errors import UsageError
-from cleave.launch.config import ServeConfig
 from cleave.plan import Host, make_plan
 from cleave.plan.cluster import load_cluster, load_cluster_file
 from cleave.plan.placement import Request, place
 from cleave.plan.topology import Node, build_topology, generated
+from cleave.settings import ServeConfig
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 NODE_LIST = DATA / "alibaba-openb-node-list-2023.csv"

@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 from cleave.errors import UsageError
-from cleave.launch.config import RankerConfig, RouterConfig, ServeConfig
-from cleave.launch.serve import Deployment
 from cleave.plan import (
     Host,
     Plan,
@@ -31,6 +29,8 @@ from cleave.plan import (
     save_plan,
 )
 from cleave.plan.planner import table_ranges
+from cleave.serve import Deployment
+from cleave.settings import RankerConfig, RouterConfig, ServeConfig
 
 TABLES = [  # 1000 x 64 B + 7 x 16 B + 50000 x 40 B: about 2 MB of rows
     {"name": "t0", "rows": 1000, "dim": 16, "dtype": "float32", "row_bytes": 64},

@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from cleave import serve
 from cleave.errors import UsageError
-from cleave.launch import serve
-from cleave.launch.config import ServeConfig
 from cleave.plan import local_plan, plan_from_dict, plan_to_dict
 from cleave.ranker.batcher import ERR_DEADLINE, Batcher
 from cleave.ranker.executor import DenseExecutor
@@ -24,7 +23,7 @@ from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
 from cleave.ranker.queues import POLICIES, EdfQueue, FifoQueue, make_queue
 from cleave.ranker.signature import signature
 from cleave.runners.roles import Binding, RoleSpecs
-from cleave.settings import QUEUE_POLICIES
+from cleave.settings import QUEUE_POLICIES, ServeConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.dense import DENSE_MANIFEST, Dense, dense_request

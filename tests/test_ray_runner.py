@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import Host, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.local import free_ports
+from cleave.settings import RankerConfig, ServeConfig
 from support.client import failures
 from support.served import SCALES, TOLERANCE, Served, check_scores, under_load
 from support.waiting import wait_for

@@ -14,11 +14,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.membership import MembershipError
+from cleave.settings import RankerConfig, ServeConfig
 from support.client import failures, post
 from support.served import Served, check_scores, infer_url, under_load
 from support.waiting import wait_for
@@ -241,7 +241,7 @@ def test_a_range_with_one_replica_fails_fast_naming_it_then_recovers(server, ser
 
 def test_router_config_names_the_token_variable_never_the_token(tmp_path):
     from cleave.errors import UsageError
-    from cleave.launch import config as serve_config
+    from cleave.settings import config_file
     from cleave.settings.router_json import router_config
 
     config = ServeConfig()
@@ -262,4 +262,4 @@ def test_router_config_names_the_token_variable_never_the_token(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text("[router]\nadmin_token_env = 5\n")
     with pytest.raises(UsageError, match="router.admin_token_env must be a string"):
-        serve_config.load(path)
+        config_file.load(path)

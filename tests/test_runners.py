@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
+from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
 from support.processes import descendants, namespaces_of_testbeds
 from support.served import Served, check_scores, run_serve

@@ -109,8 +109,8 @@ def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_p
 def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_path):
     """A 4-host plan under the local runner: the roles' /metrics give every stage, the
     lookup's network part included."""
-    from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.plan import emulated_hosts, make_plan, save_plan
+    from cleave.settings import RankerConfig, ServeConfig
     from support.served import Served
 
     served = Served("shared", tmp_path)

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.plan import emulated_hosts, load_plan, make_plan, save_plan
+from cleave.settings import RankerConfig, ServeConfig
 
 
 def bench(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 from cleave.errors import UsageError
-from cleave.launch import config as config_io
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
 from cleave.plan.planner import table_ranges
+from cleave.settings import config_file
 from support.waiting import wait_for
 
 # Serves GET /ready (200) in a thread on its --metrics-port (0: a free one) and says which on
@@ -287,28 +287,28 @@ def test_table_ranges_cut_every_table_into_contiguous_ranges():
 def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("shards = 3\nfail_stop = true\n[ranker]\nmax_wait_ms = 2\ndevice = 'cpu'\n")
-    config = config_io.load(path).check()
+    config = config_file.load(path).check()
     assert (config.shards, config.fail_stop, config.ranker.max_wait_ms) == (3, True, 2.0)
     assert config.rankers == 1 and config.ranker.max_batch == 256
     path.write_text("[ranker]\nthreads = true\n")
     with pytest.raises(UsageError, match=r"ranker.threads must be an integer, got bool True"):
-        config_io.load(path)
+        config_file.load(path)
     path.write_text("restart = true\n")
     with pytest.raises(UsageError, match=r"key 'restart' was removed: restarts are the default"):
-        config_io.load(path)
+        config_file.load(path)
     path.write_text("[shard]\nspeed = 1\n")
     known = "dram_budget, queue, threads"
     with pytest.raises(UsageError, match=rf"unknown key 'shard.speed'; known keys here: {known}"):
-        config_io.load(path)
+        config_file.load(path)
     path.write_text("router = 3\n")
     with pytest.raises(UsageError, match=r"\[router\] must be a table"):
-        config_io.load(path)
+        config_file.load(path)
     path.write_text("[router]\nidle_timeout_ms = 0\n")
     with pytest.raises(UsageError, match=r"router.idle_timeout_ms: expected at least 1, got 0"):
-        config_io.load(path).check()
+        config_file.load(path).check()
     path.write_text("transport = 'udp'\n")
     with pytest.raises(UsageError, match=r'transport: expected "unix" or "tcp", got \'udp\''):
-        config_io.load(path).check()
+        config_file.load(path).check()
     path.write_text("monolithic = true\nrankers = 2\n")
     with pytest.raises(UsageError, match=r"rankers: expected 1 with monolithic, got 2"):
-        config_io.load(path).check()
+        config_file.load(path).check()

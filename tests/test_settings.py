@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from cleave.errors import UsageError
-from cleave.launch import config as config_io
 from cleave.launch.supervisor import find_executable
 from cleave.plan import local_plan, plan_from_dict, plan_to_dict
 from cleave.ranker import cli as ranker_cli
@@ -30,6 +29,7 @@ from cleave.settings import (
     ServeConfig,
     ShardConfig,
     artifacts,
+    config_file,
     flags,
 )
 from cleave.settings.router_json import LAUNCHER_ONLY, router_config
@@ -210,7 +210,7 @@ def test_fcfs_is_fifo_with_a_warning_in_a_config_file(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text('[shard]\nqueue = "fcfs"\n[ranker]\nqueue = "fifo"\n')
     with pytest.warns(FutureWarning, match=r"shard\.queue: 'fcfs' is deprecated, use 'fifo'"):
-        config = config_io.load(path)
+        config = config_file.load(path)
     assert (config.shard.queue, config.ranker.queue) == ("fifo", "fifo")
     config.check()
 
@@ -239,7 +239,7 @@ def test_an_unknown_name_is_refused_naming_the_key_and_the_list(tmp_path, bundle
     path = tmp_path / "serve.toml"
     path.write_text('[ranker]\nqueue = "random"\n')
     with pytest.raises(UsageError, match=f"ranker.queue: expected {QUEUE_POLICIES.expected()}"):
-        config_io.load(path).check()
+        config_file.load(path).check()
     data = plan_to_dict(local_plan(bundle, ServeConfig()))
     data["rankers"][0]["incast_order"] = "random"
     data["transport"] = "carrier-pigeon"

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cleave.bench.loadgen import outputs_of
-from cleave.launch.config import RankerConfig, ServeConfig
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
+from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
 from support.client import post

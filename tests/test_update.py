@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cleave import _native
-from cleave.launch.config import RouterConfig
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.schema import Host, Plan, Supervision
+from cleave.settings import RouterConfig
 from cleave.update import _Shard, apply_update, write_delta
 from support.shards import ROWS as SHARD_ROWS
 from support.shards import Shard

@@ -14,7 +14,7 @@ COMMANDS = {
     "partition": ("cleave.partitioner.cli", "cut a PyTorch model into a bundle"),
     "shard": ("cleave.launch.shard", "serve embedding lookups for a bundle's tables"),
     "ranker": ("cleave.ranker.cli", "run the dense program for routers"),
-    "serve": ("cleave.launch.serve", "serve a bundle on this machine (router, shards, rankers)"),
+    "serve": ("cleave.serve", "serve a bundle on this machine (router, shards, rankers)"),
     "plan": ("cleave.plan.cli", "write or check a deployment plan: which role runs on which host"),
     "simulate": ("cleave.simulate.cli", "replay a cluster trace: fragmentation, GPUs, loaning"),
     "scale": ("cleave.runners.ray_scale", "add or remove rankers or shard replicas on Ray"),

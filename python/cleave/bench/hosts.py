@@ -129,9 +129,9 @@ def targets(args, workload, result: dict) -> dict:
         if args.incast_list:
             return _incast_targets(args, flags, result)
         return {"plan": Target(plan=args.plan, flags=flags, model=args.plan_name)}
-    from cleave.launch.config import RankerConfig, ServeConfig
-    from cleave.launch.config import load as load_config
     from cleave.plan import emulated_hosts, make_plan, save_plan
+    from cleave.settings import RankerConfig, ServeConfig
+    from cleave.settings.config_file import load as load_config
 
     config = load_config(args.config) if args.config else ServeConfig()
     if not args.config:  # the single-host bench's ranker: one torch thread

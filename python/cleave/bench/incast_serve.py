@@ -97,8 +97,8 @@ def payload_bytes(bundle_dir: Path, candidates: int) -> int:
 
 def make_testbed_plan(args, bundle_dir: Path, out: Path, window: int) -> Path:
     """Incast control off; bench serve's --incast-control turns it on in its copy."""
-    from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.plan import emulated_hosts, make_plan, save_plan
+    from cleave.settings import RankerConfig, ServeConfig
 
     hosts = emulated_hosts(args.routers + 2)
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))

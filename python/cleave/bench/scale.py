@@ -107,8 +107,8 @@ def local_cluster():
 
 def write_plan(bundle_dir: Path, rankers: int, threads: int, path: Path):
     """The router on h0, both shards on h1, the rankers on h2 (then h1, h2, ...)."""
-    from cleave.launch.config import RankerConfig, ServeConfig
     from cleave.plan import Host, make_plan, save_plan
+    from cleave.settings import RankerConfig, ServeConfig
 
     hosts = [Host(f"h{i}", cpus=NODE_CPUS, memory_gib=4.0, gpus=0) for i in range(3)]
     config = ServeConfig(ranker=RankerConfig(threads=threads, device="cpu"))

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
-from cleave.launch import config as config_io
 from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
 from cleave.plan.schema import Plan
 from cleave.plan.tiers import load_profile, parse_bytes, place_plan
+from cleave.settings import config_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--profile needs --dram-budget BYTES: the DRAM each shard may use")
     budget = parse_bytes(args.dram_budget, "--dram-budget") if args.dram_budget else None
     profile = load_profile(args.profile) if args.profile else None
-    config = config_io.load(args.config)
+    config = config_file.load(args.config)
     cluster = load_cluster_file(args.cluster) if args.cluster else None
     hosts = cluster.hosts if cluster else emulated_hosts(args.hosts)
     topology = cluster.topology if cluster else None

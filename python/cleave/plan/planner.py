@@ -9,12 +9,12 @@ from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
-from cleave.launch.config import ServeConfig
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, host_problems
 from cleave.plan.cluster import this_machine
 from cleave.plan.placement import Request, place
 from cleave.plan.schema import Host, Plan, Ranker, Router, Shard, Supervision
 from cleave.plan.topology import Topology
+from cleave.settings import ServeConfig
 from cleave.settings.router_json import deployment_mode
 
 # Logical ports, per host: role i of its kind on a host gets BASE + i; its metrics port is

@@ -130,7 +130,7 @@ def _rooflines(workload: Workload, args) -> dict:
     a ranker gets; and the float32 program on one thread, which the default budget scales by."""
     import cleave
     from cleave.bench.roofline import roofline
-    from cleave.launch.config import ServeConfig
+    from cleave.settings import ServeConfig
 
     bundle = workload.bundle
     config = ServeConfig(rankers=args.rankers)

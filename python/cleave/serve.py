@@ -20,9 +20,8 @@ from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
-from cleave.launch import config as config_io
 from cleave.launch.supervisor import ChildFailed
-from cleave.settings import QUEUE_POLICIES, TRANSPORTS
+from cleave.settings import QUEUE_POLICIES, TRANSPORTS, RouterConfig, ServeConfig, config_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> None:
+def _apply_flags(config: ServeConfig, args: argparse.Namespace) -> None:
     top = {
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
@@ -132,7 +131,7 @@ def _apply_flags(config: config_io.ServeConfig, args: argparse.Namespace) -> Non
     _apply_security(config.router, args)
 
 
-def _apply_security(router: config_io.RouterConfig, args: argparse.Namespace) -> None:
+def _apply_security(router: RouterConfig, args: argparse.Namespace) -> None:
     """--tls-cert, --tls-key, --auth-token-file: with a bundle or a plan alike."""
     for key in ("tls_cert", "tls_key", "auth_token_file"):
         value = getattr(args, key, None)
@@ -143,7 +142,7 @@ def _apply_security(router: config_io.RouterConfig, args: argparse.Namespace) ->
 class Deployment:
     """What `cleave serve BUNDLE` runs, as a plan (kept for tools that ask for its ranges)."""
 
-    def __init__(self, bundle: Path, config: config_io.ServeConfig, runtime: Path):
+    def __init__(self, bundle: Path, config: ServeConfig, runtime: Path):
         from cleave.plan import local_plan
 
         self.plan = local_plan(bundle, config)
@@ -185,7 +184,7 @@ def _plan_from_args(args: argparse.Namespace):
         bundle = Path(args.bundle)
         if not bundle.is_dir():
             raise UsageError(f"bundle {bundle} is not a directory")
-        config = config_io.load(args.config)
+        config = config_file.load(args.config)
         _apply_flags(config, args)
         config.check()
         # local_plan reads the manifest: BundleError if it is bad.

@@ -11,20 +11,14 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 from cleave.settings import (
-    RankerConfig,
-    RouterConfig,
     ServeConfig,
-    ShardConfig,
     canonical_choices,
-    ranker_cores,
 )
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-
-__all__ = ["RankerConfig", "RouterConfig", "ServeConfig", "ShardConfig", "load", "ranker_cores"]
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
