@@ -3,23 +3,17 @@ with the same-run ratios. No timing is asserted."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
+from support.bench import run_bench
+
 
 def test_quick_run_measures_both_protocols_with_ratios(tmp_path):
-    out = tmp_path / "front-door.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "front-door", "--quick"]
-        + ["--model", "shared", "--scale", "0.01", "--candidates", "16"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    result, report = run_bench(
+        tmp_path, "front-door", "--quick",
+        "--model", "shared", "--scale", "0.01", "--candidates", "16",
+    )  # fmt: skip
     assert report["benchmark"] == "front-door"
     assert list(report["deployments"]) == ["json", "binary"]
     for protocol, deployment in report["deployments"].items():

@@ -27,6 +27,7 @@ from cleave.bench.loadgen import (
 )
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
+from support.bench import run_bench
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -235,21 +236,14 @@ def test_malformed_binary_bodies_are_400s_naming_what_is_wrong(served):
 
 
 def test_bench_serve_drives_every_protocol_in_one_run_and_checks_their_scores(tmp_path):
-    out = tmp_path / "serve.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
-        + ["--protocol", "binary,grpc,json", "--model", "dlrm", "--scale", "0.002"]
-        + ["--candidates", "16", "--requests", "8"]
+    _, report = run_bench(
+        tmp_path, "serve", "--quick", "--check",
+        "--protocol", "binary,grpc,json", "--model", "dlrm", "--scale", "0.002",
+        "--candidates", "16", "--requests", "8",
         # What this checks is each protocol's plumbing and scores, not latency: a budget that a
         # machine busy with other test workers meets (25 ms by default).
-        + ["--budget-ms", "5000"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+        "--budget-ms", "5000",
+    )  # fmt: skip
     # One deployment per protocol; the first keeps its name.
     deps = report["deployments"]
     assert list(deps) == ["disaggregated", "disaggregated/grpc", "disaggregated/json"]

@@ -4,7 +4,6 @@ split of cores by measured demand, and the benchmark's roofline and dtype compar
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from cleave.ranker.local import LocalQueue
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, encode_request
 from cleave.ranker.program import load_ranker
 from cleave.settings import ranker_cores
+from support.bench import run_bench
 
 SCALE = 0.01
 LOOSE = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)
@@ -235,17 +235,11 @@ def test_partition_cli_refuses_a_failing_dtype_and_writes_nothing(tmp_path):
 
 
 def test_bench_serve_compares_a_reduced_dtype_with_float32_and_reports_the_roofline(tmp_path):
-    out = tmp_path / "serve.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
-        + ["--model", "shared", "--scale", str(SCALE), "--candidates", "16", "--requests", "4"]
-        + ["--dense-dtype", "bfloat16", "--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    result, report = run_bench(
+        tmp_path, "serve", "--quick", "--check",
+        "--model", "shared", "--scale", str(SCALE), "--candidates", "16", "--requests", "4",
+        "--dense-dtype", "bfloat16", timeout=600,
+    )  # fmt: skip
     assert set(report["deployments"]) == {"disaggregated", "disaggregated-float32"}
     assert report["bundle"]["dense_dtype"] == "bfloat16"
     assert report["budget_ms"] >= 25.0

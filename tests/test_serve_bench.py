@@ -11,20 +11,14 @@ from pathlib import Path
 
 import pytest
 from cleave.testbed import commands
+from support.bench import run_bench
 
 
 def test_bench_serve_quick_compare(tmp_path):
-    out = tmp_path / "serve.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--compare", "--check"]
-        + ["--model", "shared", "--scale", "0.01", "--candidates", "16"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    result, report = run_bench(
+        tmp_path, "serve", "--quick", "--compare", "--check",
+        "--model", "shared", "--scale", "0.01", "--candidates", "16",
+    )  # fmt: skip
     assert set(report["deployments"]) == {"monolithic", "disaggregated", "router-held"}
     for deployment in report["deployments"].values():
         assert [p["rate"] for p in deployment["rates"]] == [20.0, 40.0]
@@ -65,17 +59,8 @@ def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_inp
 
 
 def bench(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "stress.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags]
-        + ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result, json.loads(out.read_text())
+    model = ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
+    return run_bench(tmp_path, "serve", *flags, *model)
 
 
 def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
@@ -86,7 +71,7 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     assert [p["rate"] for p in dep["phases"].values()] == [16.0, 120.0, 16.0]
     assert sum(s["sent"] for s in dep["timeline"]) == sum(p["sent"] for p in dep["phases"].values())
     assert dep["idle_connections"]["opened"] == 20
-    assert "5xx other than 503" in result.stdout and (tmp_path / "stress.png").exists()
+    assert "5xx other than 503" in result.stdout and (tmp_path / "serve.png").exists()
 
     result, report = bench(tmp_path, "--soak", "0.1", "--capacity", "40")
     (dep,) = report["deployments"].values()
@@ -160,7 +145,7 @@ def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
         assert set(metrics["link_drops"]["h0"]) == {"to_host", "from_host"}
     assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
     assert "shard-host sweep, 1 Gbit/s links" in result.stdout
-    assert (tmp_path / "stress.png").stat().st_size > 10_000
+    assert (tmp_path / "serve.png").stat().st_size > 10_000
 
 
 @pytest.mark.testbed

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from cleave.bench.tier import write_table
 from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS, RequestGenerator
+from support.bench import run_bench
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -171,16 +171,8 @@ def tier_counters(server) -> dict[str, float]:
 
 
 def test_bench_tier_quick_writes_the_issue_schema(tmp_path):
-    out = tmp_path / "tier.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "tier", "--quick", "--threads", "1"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    cases = json.loads(out.read_text())["cases"]
+    proc, report = run_bench(tmp_path, "tier", "--quick", "--threads", "1", timeout=600)
+    cases = report["cases"]
     assert [c["name"] for c in cases] == ["meta", "zipf-1.2"]
     for case in cases:
         assert set(case) == KEYS, case

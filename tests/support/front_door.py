@@ -62,7 +62,8 @@ class Router:
     def refuses_connections(self) -> bool:
         try:
             socket.create_connection((self.host, self.port), timeout=BOUND_S).close()
-        except ConnectionRefusedError:
+        # Reset: the connection was in the backlog of a listener that closed before accepting it.
+        except (ConnectionRefusedError, ConnectionResetError):
             return True
         return False
 

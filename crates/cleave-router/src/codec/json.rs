@@ -1,5 +1,5 @@
-//! The JSON codecs of the REST door: KServe v2 JSON (`/infer` without binary sections) and
-//! the per-feature rank form (`/rank`), and the JSON error body every REST failure gets
+//! The per-feature rank form (`/rank`), and what every REST reply shares: the JSON error body
+//! every REST failure gets
 //! (`{"error": ..., "stage": ...}` with the status of its kind, `Retry-After` when shed).
 
 use axum::body::Bytes;
@@ -7,44 +7,13 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use crate::codec::binary::{infer_reply, InferContext};
 use crate::codec::binary_tensor::HEADER_LENGTH;
-use crate::codec::kserve::parse_infer;
 use crate::codec::rank_form::{parse_rank, NestedOutputs};
 use crate::codec::{timings, Codec, Parsed};
 use crate::error::{Failure, RequestError};
 use crate::metrics::Protocol;
 use crate::model::Model;
 use crate::pipeline::router::Inference;
-
-/// KServe v2 JSON tensors.
-pub struct KserveJson;
-
-impl Codec for KserveJson {
-    type Message = Bytes;
-    type Context = InferContext;
-    type Response = Response;
-
-    fn protocol(&self) -> Protocol {
-        Protocol::Json
-    }
-
-    fn parse(&self, model: &Model, body: Bytes) -> Result<Parsed<InferContext>, RequestError> {
-        InferContext::split(parse_infer(model, &body, None)?)
-    }
-
-    fn encode(&self, model: &Model, context: InferContext, inf: Inference) -> (Response, Protocol) {
-        infer_reply(model, context, &inf)
-    }
-
-    fn error(&self, failure: &Failure) -> Response {
-        error_response(failure)
-    }
-
-    fn finish(&self, response: &mut Response, trace_id: &str) {
-        finish(response, trace_id)
-    }
-}
 
 /// The per-feature rank form; `binary_header` is the request's binary header, which this
 /// form refuses.

@@ -1,7 +1,8 @@
 //! Codecs: each front-door protocol turns its request into the protocol-neutral inputs the
 //! pipeline takes, and the pipeline's outputs (or an error) into its reply. One file per
-//! protocol — `json` (KServe v2 JSON and the per-feature rank form), `binary` (the binary
-//! tensor extension) and `grpc` (KServe v2 gRPC) — over the format modules below them.
+//! protocol — `kserve_rest` (KServe v2 over REST: JSON tensors or the binary tensor
+//! extension), `json` (the per-feature rank form, and the REST error body) and `grpc` (KServe
+//! v2 gRPC) — over the format modules below them.
 //! Everything the protocols share (budget, admission, metrics, trace id, error mapping) is
 //! in envelope.rs, which drives a [`Codec`].
 
@@ -15,7 +16,6 @@ use crate::model::Model;
 use crate::pipeline::router::Inference;
 use crate::tensor::Tensor;
 
-pub mod binary;
 pub mod binary_tensor;
 pub mod grpc;
 pub mod grpc_tensor;
@@ -23,6 +23,7 @@ pub mod grpc_timing;
 pub mod json;
 pub mod json_tensor;
 pub mod kserve;
+pub mod kserve_rest;
 pub mod rank_form;
 
 /// One front-door protocol's request and reply forms.

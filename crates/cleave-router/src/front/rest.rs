@@ -18,9 +18,9 @@ use serde_json::json;
 
 use crate::admin;
 use crate::app::App;
-use crate::codec::binary::KserveBinary;
 use crate::codec::binary_tensor::header_length;
-use crate::codec::json::{error_response, json_bytes, KserveJson, RankForm};
+use crate::codec::json::{error_response, json_bytes, RankForm};
+use crate::codec::kserve_rest::Kserve;
 use crate::codec::kserve::model_metadata;
 use crate::envelope::{self, Head, BUDGET_HEADER};
 use crate::error::{ErrorKind, RequestError};
@@ -109,9 +109,8 @@ async fn inference(app: &App, model: String, request: Request, form: Form) -> Re
         }
     };
     let mut response = match (form, binary) {
-        (Form::Infer, None) => envelope::handle(app, &KserveJson, head, receive).await,
-        (Form::Infer, Some(header)) => {
-            envelope::handle(app, &KserveBinary { header }, head, receive).await
+        (Form::Infer, binary_header) => {
+            envelope::handle(app, &Kserve { binary_header }, head, receive).await
         }
         (Form::Rank, binary_header) => {
             envelope::handle(app, &RankForm { binary_header }, head, receive).await

@@ -15,6 +15,10 @@ use crate::pipeline::sparse::Shards;
 use crate::pipeline::validate::{check_request, show_shape, Symbols};
 use crate::tensor::Tensor;
 
+/// Past the budget, how long the lookup backstop waits for the shard client's own deadline
+/// error: a few of the timer's 1 ms ticks.
+const LOOKUP_BACKSTOP_GRACE: Duration = Duration::from_millis(5);
+
 /// What the ranker answered, with where the time went.
 #[derive(Debug)]
 pub struct Inference {
@@ -55,7 +59,10 @@ impl Router {
             Mode::Disaggregated => {
                 let lookups = std::mem::take(&mut checked.lookups);
                 let lookup = self.shards.lookup(&self.model, lookups, budget);
-                let pooled = tokio::time::timeout(budget.left(), lookup)
+                // A backstop: the shard client keeps the budget's deadline itself and says
+                // which shard was late. The grace lets its timer, armed a little later than
+                // this one, fire first, so its error (naming the shard) is the one returned.
+                let pooled = tokio::time::timeout(budget.left() + LOOKUP_BACKSTOP_GRACE, lookup)
                     .await
                     .map_err(|_| budget.expired(Stage::Lookup))??;
                 self.metrics.observe(Stage::Lookup, lookup_start.elapsed());

@@ -1,7 +1,7 @@
-//! The binary tensor data extension of the REST door: a JSON header of
-//! `Inference-Header-Content-Length` bytes followed by the raw tensors (binary_tensor.rs
-//! frames it). A request in either KServe form may ask for binary outputs, so the infer
-//! reply of both is written here.
+//! KServe v2 over REST: JSON tensors, or the binary tensor data extension (a JSON header of
+//! `Inference-Header-Content-Length` bytes followed by the raw tensors; binary_tensor.rs
+//! frames it). One codec for both bodies, told apart by that header; a request in either
+//! form may ask for binary outputs.
 
 use axum::body::Bytes;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -16,22 +16,26 @@ use crate::metrics::Protocol;
 use crate::model::Model;
 use crate::pipeline::router::Inference;
 
-/// KServe v2 with binary tensors; `header` is the JSON header's length.
-pub struct KserveBinary {
-    pub header: usize,
+/// KServe v2 REST; `binary_header`: the JSON header's length when the body carries binary
+/// tensors.
+pub struct Kserve {
+    pub binary_header: Option<usize>,
 }
 
-impl Codec for KserveBinary {
+impl Codec for Kserve {
     type Message = Bytes;
     type Context = InferContext;
     type Response = Response;
 
     fn protocol(&self) -> Protocol {
-        Protocol::Binary
+        match self.binary_header {
+            Some(_) => Protocol::Binary,
+            None => Protocol::Json,
+        }
     }
 
     fn parse(&self, model: &Model, body: Bytes) -> Result<Parsed<InferContext>, RequestError> {
-        InferContext::split(parse_infer(model, &body, Some(self.header))?)
+        InferContext::split(parse_infer(model, &body, self.binary_header)?)
     }
 
     fn encode(&self, model: &Model, context: InferContext, inf: Inference) -> (Response, Protocol) {

@@ -1,0 +1,25 @@
+"""`cleave bench NAME` as a child process, with its scratch files and JSON report under the
+test's directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_bench(
+    tmp_path: Path, name: str, *flags: str, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """Runs it to completion (exit 0 required) and returns the process and its report."""
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", name, *flags]
+        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-3000:]
+    return result, json.loads(out.read_text())
