@@ -139,7 +139,9 @@ def test_in_flight_cap_sheds_without_parsing_the_body(backends):
 def test_budget_that_cannot_be_met_is_shed_at_once(backends):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
-    with Router(backends) as router:
+    # The estimate rule judges each budget; the adaptive one judges work in flight (and a
+    # request's budget only when it would wait): tests/test_adaptive_admission.py.
+    with Router(backends, admission="estimate") as router:
         assert post(f"{router.url}/infer", good)[0] == 200  # measures the stages
         req = urllib.request.Request(
             f"{router.url}/infer",
