@@ -99,6 +99,12 @@ impl Gradient {
         })
     }
 
+    /// The least latency seen for a request of `cost` rows, in the last one or two windows.
+    pub fn no_load(&self, cost: u64) -> Option<Duration> {
+        let us = self.min.get(bucket(cost))?;
+        Some(Duration::from_secs_f64(us / 1e6))
+    }
+
     /// Brings the bounds and the idle probe up to date.
     pub fn refresh(&mut self, now: Instant, healthy: usize) {
         self.healthy = healthy.max(1);

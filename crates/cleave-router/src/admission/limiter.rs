@@ -7,7 +7,6 @@
 //!   expected service time: what would not finish in time is refused at once;
 //! * a standing queue serves the newest first (its oldest are likely to miss their budgets
 //!   anyway), an occasional one oldest first;
-//! * at most as many wait as the limit holds requests of the mean size.
 //!
 //! The wait lets a slot freed by a finished request go straight to a request that is ready,
 //! instead of idling until the next arrival (measured: docs/benchmarks.md).
@@ -72,6 +71,11 @@ impl Limiter {
         self.lock().gradient.limit()
     }
 
+    /// The least latency a request of `rows` was measured to take (`None`: none measured).
+    pub fn no_load(&self, rows: u64) -> Option<Duration> {
+        self.lock().gradient.no_load(rows)
+    }
+
     /// A new request's charge before its body is read.
     pub fn door_cost(&self) -> u64 {
         self.lock().gradient.door_cost()
@@ -99,8 +103,10 @@ impl Limiter {
             let standing = !s.waiting.is_empty() && now - s.empty_at >= INTERVAL;
             let patience = if standing { TARGET } else { INTERVAL };
             let wait = patience.min(left.saturating_sub(s.gradient.expected(rows)));
-            let room = s.gradient.limit() / s.gradient.door_cost();
-            if wait.is_zero() || s.waiting.len() as u64 >= room.max(1) {
+            // No cap on how many wait: each waits a bounded time, and `max_in_flight` bounds
+            // them all (a cap of the limit's worth of requests refused arrivals at 0.4× capacity
+            // whenever the limit sat near its floor: measured).
+            if wait.is_zero() {
                 return Err(full);
             }
             if s.waiting.is_empty() {

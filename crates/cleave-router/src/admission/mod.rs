@@ -47,7 +47,8 @@ pub enum ShedReason {
     Connections,
     /// `max_in_flight` reached.
     InFlight,
-    /// The estimated latency exceeds the request's budget (the estimate rule).
+    /// The estimated latency exceeds the request's budget (the estimate rule), or its
+    /// budget is below the no-load latency of a request its size (the adaptive rule).
     Estimate,
     /// The adaptive limit on work in flight is reached (the adaptive rule).
     Limit,
@@ -233,6 +234,11 @@ impl Admission {
         if self.shed && load.healthy > 0 {
             let cost = self.limiter.door_cost();
             let left = budget.saturating_sub(elapsed);
+            // A budget that even an idle deployment cannot meet is refused at once, whatever
+            // the load: admitted, it would only expire.
+            if let Some(no_load) = self.limiter.no_load(cost).filter(|n| *n > left) {
+                return Err(self.refuse(too_short(no_load, left)));
+            }
             self.limiter
                 .acquire(cost, true, cost, left, load.healthy)
                 .await
@@ -256,6 +262,9 @@ impl Admission {
         }
         let rows = rows.max(1);
         self.limiter.sized(rows);
+        if let Some(no_load) = self.limiter.no_load(rows).filter(|n| *n > left) {
+            return Err(self.refuse(too_short(no_load, left)));
+        }
         if rows > permit.charged {
             self.limiter
                 .acquire(rows - permit.charged, false, rows, left, load.healthy)
@@ -308,6 +317,20 @@ fn limit_shed(full: limiter::Full) -> Shed {
     }
 }
 
+fn too_short(no_load: Duration, left: Duration) -> Shed {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    Shed {
+        reason: ShedReason::Estimate,
+        message: format!(
+            "the budget cannot be met: {:.1} ms of it left, and a request of this size takes \
+             {:.1} ms with no load; retry with a larger budget",
+            ms(left),
+            ms(no_load)
+        ),
+        retry_after_s: 1,
+    }
+}
+
 /// Whole seconds until the queues should have drained: at least 1 (the admission caps it at
 /// `max_retry_after_s`).
 pub fn retry_after(drain: Duration) -> u64 {
@@ -317,6 +340,26 @@ pub fn retry_after(drain: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_budget_below_the_no_load_latency_is_refused_at_once() {
+        let a = Admission::new(64, true, Rule::Adaptive, 0.5, 60);
+        let load = RankerLoad {
+            healthy: 1,
+            ..Default::default()
+        };
+        let second = Duration::from_secs(1);
+        let mut permit = a.admit(Duration::ZERO, second, &load).await.unwrap();
+        a.fit(&mut permit, 100, second, &load).await.unwrap();
+        a.observe(&permit, Stages::default(), second); // a no-load latency above zero
+        drop(permit);
+        // All of its budget spent before admission: idle as the router is, it cannot be met.
+        let e = a.admit(second, second, &load).await.err().unwrap();
+        assert_eq!(e.reason, ShedReason::Estimate);
+        assert!(e.message.contains("cannot be met: 0.0 ms of it left"), "{}", e.message);
+        assert_eq!(a.shed_total(ShedReason::Estimate), 1);
+        assert!(a.admit(Duration::ZERO, second, &load).await.is_ok());
+    }
 
     /// The names are python/cleave/settings/choices.py's ADMISSION_RULES (through the
     /// generated settings.json: `python -m cleave.settings --write`).
