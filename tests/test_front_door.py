@@ -136,10 +136,19 @@ def test_in_flight_cap_sheds_without_parsing_the_body(backends):
         assert router.metric('cleave_router_errors_total{kind="overloaded"}') == 1
 
 
-def test_budget_that_cannot_be_met_is_shed_at_once(backends):
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        # The estimate rule: the stages' averages and queues against a share of the budget.
+        ("estimate", "exceeds 50% of the budget of 0.0 ms"),
+        # The adaptive rule: the least latency measured for a request this size.
+        ("adaptive", "the budget cannot be met: 0.0 ms of it left"),
+    ],
+)
+def test_budget_that_cannot_be_met_is_shed_at_once(backends, rule, message):
     good, _ = good_request(backends)
     raw = json.dumps(good).encode()
-    with Router(backends) as router:
+    with Router(backends, admission=rule) as router:
         assert post(f"{router.url}/infer", good)[0] == 200  # measures the stages
         req = urllib.request.Request(
             f"{router.url}/infer",
@@ -153,7 +162,7 @@ def test_budget_that_cannot_be_met_is_shed_at_once(backends):
         assert len(err.value.headers["x-request-id"]) == 16
         reply = json.loads(err.value.read())
         assert reply["stage"] == "admission"
-        assert "exceeds 50% of the budget of 0.0 ms" in reply["error"], reply
+        assert message in reply["error"], reply
         # The router stays healthy and serves requests with a budget it can meet.
         assert request(f"{router.address}/v2/health/ready")[0] == 200
         assert post(f"{router.url}/infer", good)[0] == 200

@@ -251,3 +251,19 @@ def test_an_unknown_name_is_refused_naming_the_key_and_the_list(tmp_path, bundle
     done = subprocess.run([shard, "--queue", "random"], capture_output=True, text=True, timeout=60)
     names = ", ".join(f'"{n}"' for n in QUEUE_POLICIES.names)
     assert done.returncode == 2 and f"expected one of {names}" in done.stderr, done.stderr
+
+
+def test_a_bad_admission_rule_is_refused_by_the_launcher_and_the_router(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('[router]\nadmission = "lifo"\n')
+    with pytest.raises(
+        UsageError, match='router.admission: expected "adaptive" or "estimate", got \'lifo\''
+    ):
+        config_file.load(path).check()
+    config = {"model": "m", "bundle": "b", "rankers": ["a:1"], "admission": "lifo"}
+    bad = tmp_path / "router.json"
+    bad.write_text(json.dumps(config))
+    router = find_executable("cleave-router")
+    done = subprocess.run([router, str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0, done.stderr
+    assert "unknown variant `lifo`, expected `adaptive` or `estimate`" in done.stderr, done.stderr

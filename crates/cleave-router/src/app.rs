@@ -69,6 +69,7 @@ impl App {
         FrontStats {
             in_flight: self.admission.in_flight(),
             max_in_flight: self.admission.max_in_flight(),
+            limit: self.admission.limit(),
             connections: self.door.open.load(std::sync::atomic::Ordering::Relaxed),
             shed: ShedReason::ALL
                 .iter()

@@ -81,11 +81,14 @@ pub struct RouterConfig {
     /// Inference requests in progress at most (body read included); more are shed with 503.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
-    /// Shed a request at once when the estimated wait exceeds its budget.
+    /// Shed a request at once when the admission rule says it cannot be served in time.
     #[serde(default = "default_shed")]
     pub shed: bool,
+    /// The admission rule: an adaptive limit on the work in flight, or the latency estimate.
+    #[serde(default)]
+    pub admission: crate::admission::Rule,
     /// The share of its budget a request's estimated latency may fill when it is admitted;
-    /// the rest absorbs the estimate's error (admission.rs).
+    /// the rest absorbs the estimate's error (admission/estimate.rs).
     #[serde(default = "default_admit_share")]
     pub admit_share: f64,
     /// The longest Retry-After (seconds) a shed request is told to wait.
@@ -391,6 +394,15 @@ mod tests {
                 "{e}"
             );
         }
+        assert_eq!(c.admission, crate::admission::Rule::Adaptive);
+        let c = RouterConfig::from_json(&format!("{{{base}, \"admission\": \"estimate\"}}"));
+        assert_eq!(c.unwrap().admission, crate::admission::Rule::Estimate);
+        let e = RouterConfig::from_json(&format!("{{{base}, \"admission\": \"lifo\"}}"));
+        let e = e.unwrap_err();
+        assert!(
+            e.contains("unknown variant `lifo`, expected `adaptive` or `estimate`"),
+            "{e}"
+        );
         let e = RouterConfig::from_json(&format!("{{{base}, \"max_in_flight\": -1}}"));
         assert!(e.unwrap_err().contains("expected usize"));
         let c = RouterConfig::from_json(&format!("{{{base}, \"body_grace_ms\": 0}}")).unwrap();

@@ -15,6 +15,7 @@ use crate::codec::Codec;
 use crate::error::{ErrorKind, Failure, RequestError, Stage};
 use crate::metrics::thread_cpu;
 use crate::pipeline::router::Inference;
+use crate::tensor::Tensor;
 
 /// The optional header (REST) or metadata (gRPC) that gives a request's budget before its
 /// body is read, so that admission control judges it by its own budget (docs/api.md,
@@ -96,9 +97,10 @@ where
         budget.check(Stage::Parse)?;
     }
     let load = RankerLoad::of(&app.router.rankers);
-    let _permit = app
+    let mut permit = app
         .admission
         .admit(budget.start.elapsed(), budget.budget, &load)
+        .await
         .map_err(shed)?;
     *admitted = true;
     app.router.metrics.admitted();
@@ -115,9 +117,24 @@ where
     metrics.codec_cpu_plus("parse", codec.protocol(), cpu, codec.decode_cpu());
     let parsed = parsed?;
     app.set_budget(budget, parsed.budget_ms)?;
+    // The request's own size, charged before any lookup (the adaptive rule).
+    let rows = rows(model, &parsed.inputs);
+    app.admission
+        .fit(&mut permit, rows, budget.left(), &load)
+        .await
+        .map_err(shed)?;
     let parsed_at = budget.start.elapsed();
-    let inf = app.router.infer(parsed.inputs, budget).await?;
-    app.admission.observe(stages(parsed_at, &inf));
+    let inf = match app.router.infer(parsed.inputs, budget).await {
+        Ok(inf) => inf,
+        Err(e) => {
+            if e.kind == ErrorKind::Deadline {
+                app.admission.expired(&permit, budget.budget);
+            }
+            return Err(e.into());
+        }
+    };
+    app.admission
+        .observe(&permit, stages(parsed_at, &inf), budget.budget);
     let cpu = thread_cpu();
     let (reply, protocol) = codec.encode(model, parsed.context, inf);
     metrics.codec_cpu_plus("encode", protocol, cpu, codec.encode_cpu());
@@ -129,6 +146,18 @@ fn shed(shed: Shed) -> Failure {
         error: RequestError::new(ErrorKind::Overloaded, shed.message).at(Stage::Admission),
         retry_after_s: Some(shed.retry_after_s),
     }
+}
+
+/// A request's candidates: the batch dimension of its inputs (1 when it has none).
+fn rows(model: &crate::model::Model, inputs: &[Option<Tensor>]) -> u64 {
+    model
+        .inputs
+        .iter()
+        .zip(inputs)
+        .filter(|(spec, _)| spec.is_batch_major())
+        .filter_map(|(_, t)| t.as_ref()?.dims.first().copied())
+        .max()
+        .unwrap_or(1) as u64
 }
 
 fn stages(parse: Duration, inf: &Inference) -> Stages {

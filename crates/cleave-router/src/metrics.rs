@@ -45,6 +45,8 @@ pub struct FrontStats {
     pub in_flight: usize,
     /// The admission limit on `in_flight` (`max_in_flight`).
     pub max_in_flight: usize,
+    /// The adaptive admission limit on rows in flight (none under the estimate rule).
+    pub limit: Option<u64>,
     pub connections: usize,
     /// (reason, requests or connections refused).
     pub shed: Vec<(&'static str, u64)>,
@@ -266,6 +268,13 @@ impl Metrics {
         ));
         families.push(scrape_family(
             MetricType::GAUGE,
+            "cleave_router_admission_limit",
+            "The adaptive admission limit on rows (candidates) in flight to the backends \
+             (admission = \"adaptive\").",
+            front.limit.map(|l| (vec![], l as f64)),
+        ));
+        families.push(scrape_family(
+            MetricType::GAUGE,
             "cleave_router_connections",
             "Open client connections.",
             [(vec![], front.connections as f64)],
@@ -281,7 +290,7 @@ impl Metrics {
             "cleave_router_shed_total",
             "Requests (or connections) refused at once with 503, by reason: connections \
              (max_connections), in_flight (max_in_flight), estimate (the expected latency \
-             exceeded the budget).",
+             exceeded the budget), limit (the adaptive limit on work in flight).",
             by_reason(&front.shed),
         ));
         families.push(scrape_family(
@@ -321,6 +330,7 @@ mod tests {
         let front = FrontStats {
             in_flight: 3,
             max_in_flight: 64,
+            limit: Some(1200),
             connections: 5,
             shed: vec![("estimate", 4)],
             closed: vec![("idle_timeout", 1)],
@@ -341,6 +351,7 @@ mod tests {
             "cleave_router_ranker_latency_seconds{ranker=\"127.0.0.1:9\"} 0.004",
             "cleave_router_in_flight 3",
             "cleave_router_max_in_flight 64",
+            "cleave_router_admission_limit 1200",
             "cleave_router_admitted_total 1",
             "cleave_router_expired_after_admission_total 1",
             "cleave_router_codec_total{protocol=\"binary\",step=\"parse\"} 1",

@@ -89,6 +89,7 @@ pub async fn serve(
         admission: Admission::new(
             config.max_in_flight,
             config.shed,
+            config.admission,
             config.admit_share,
             config.max_retry_after_s,
         ),

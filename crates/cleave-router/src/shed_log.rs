@@ -22,11 +22,14 @@ pub async fn summarise(app: Arc<App>, mut stop: watch::Receiver<bool>) {
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let now = app.front_stats().shed;
+        let stats = app.front_stats();
+        let now = stats.shed;
         if let Some((total, by_reason)) = summary(&last, &now) {
+            // The adaptive limit (rows in flight), 0 under the estimate rule.
             tracing::warn!(
                 total,
                 by_reason = %by_reason,
+                limit = stats.limit.unwrap_or(0),
                 interval_s = INTERVAL.as_secs_f64(),
                 "requests shed"
             );

@@ -4,6 +4,7 @@ the files made from them (docs/serving.md's settings block, the Helm chart's set
 `--check` says which is stale."""
 
 from cleave.settings.choices import (
+    ADMISSION_RULES,
     DEVICES,
     INCAST_ORDERS,
     MODES,
@@ -31,6 +32,7 @@ from cleave.settings.schema import (
 )
 
 __all__ = [
+    "ADMISSION_RULES",
     "DEVICES",
     "INCAST_ORDERS",
     "MODES",

@@ -61,6 +61,7 @@ def helm_settings() -> str:
         "queue_policy": choices.QUEUE_POLICIES,
         "incast_order": choices.INCAST_ORDERS,
         "transport": choices.TRANSPORTS,
+        "admission": choices.ADMISSION_RULES,
         "device": choices.DEVICES,
         "mode": choices.MODES,
     }

@@ -52,6 +52,9 @@ class Choices:
 QUEUE_POLICIES = Choices(("fifo", "edf", "lifo"), {"fcfs": "fifo"})
 # The order a ranker grants delayed requests-to-send in (cleave_flow::queue, docs/traffic.md).
 INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
+# The router's admission rule (crates/cleave-router/src/admission/): an adaptive limit on the
+# work in flight to the backends, or the latency estimate against the budget (the old rule).
+ADMISSION_RULES = Choices(("adaptive", "estimate"))
 # Internal sockets: Unix sockets (every role on one host) or TCP.
 TRANSPORTS = Choices(("unix", "tcp"))
 DEVICES = Choices(("auto", "cpu", "cuda"))

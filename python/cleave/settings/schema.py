@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cleave.errors import UsageError
-from cleave.settings.choices import DEVICES, INCAST_ORDERS, QUEUE_POLICIES, TRANSPORTS, Choices
+from cleave.settings.choices import (
+    ADMISSION_RULES,
+    DEVICES,
+    INCAST_ORDERS,
+    QUEUE_POLICIES,
+    TRANSPORTS,
+    Choices,
+)
 
 
 def setting(default: Any, doc: str, choices: Choices | None = None) -> Any:
@@ -107,8 +114,15 @@ class RouterConfig:
     )
     max_connections: int = setting(16384, "open client connections; more are refused with 503")
     max_in_flight: int = setting(2048, "requests in progress; more are shed with 503")
-    shed: bool = setting(True, "shed at once (503) when the expected latency exceeds the budget")
-    admit_share: float = setting(0.5, "the share of its budget a request's estimate may fill")
+    shed: bool = setting(True, "shed at once (503) when the admission rule says no")
+    admission: str = setting(
+        "adaptive",
+        "limit work in flight adaptively, or shed by a latency estimate",
+        ADMISSION_RULES,
+    )
+    admit_share: float = setting(
+        0.5, "the share of its budget a request's estimate (adaptive: latency) may fill"
+    )
     max_retry_after_s: int = setting(
         60, "the longest Retry-After (seconds) a shed request is told to wait"
     )
@@ -248,7 +262,12 @@ class ServeConfig:
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
         grpc = self.grpc_port
         need(grpc is None or 0 <= grpc < 65536, "grpc_port", "a port in 0..65535", grpc)
-        for obj, where in ((self, ""), (self.ranker, "ranker."), (self.shard, "shard.")):
+        for obj, where in (
+            (self, ""),
+            (self.router, "router."),
+            (self.ranker, "ranker."),
+            (self.shard, "shard."),
+        ):
             problems = choice_problems(obj, where)
             if problems:
                 raise UsageError(f"config {problems[0]}")

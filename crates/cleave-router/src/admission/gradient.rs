@@ -1,0 +1,390 @@
+//! The adaptive rule's arithmetic: a limit on the work in flight to the backends, in rows
+//! (candidates; a 2,048-candidate request costs 2,048, a 100-candidate one 100), moved by the
+//! gradient between the no-load latency and each finished request's latency (after Netflix's
+//! Gradient2 and Envoy's adaptive concurrency filter).
+//!
+//! * No-load latency: per request size (log2 of its rows), the least latency seen over the
+//!   current and the previous `WINDOW`, so an old minimum ages out (it cannot stick).
+//! * Each sample: `limit ← (1 − SMOOTHING) limit + SMOOTHING (limit × g + cost)` with
+//!   `g = clamp(target / latency, 0.5, 1)`, `target = min × (1 + TOLERANCE)`, at most
+//!   `share × budget` (the same share the estimate rule uses). The `cost` is the headroom: one
+//!   more request of the sample's size.
+//! * A sample taken while less than half the limit was in use says nothing about more load,
+//!   so it does not grow the limit (it may shrink it).
+//! * A request that missed its budget is a sample with `g = 0.5`.
+//! * Bounds: at least one request of the mean size per healthy ranker, at most
+//!   `max_in_flight` requests of the largest size seen. Each `PROBE_AFTER` with nothing in
+//!   flight and no sample doubles the limit (up to the bound), so a limit shrunk by a burst
+//!   does not outlive it.
+
+use std::time::{Duration, Instant};
+
+/// How much slower than the no-load latency a request may be before the limit shrinks.
+pub const TOLERANCE: f64 = 1.0;
+/// The weight of one sample's proposal in the limit.
+const SMOOTHING: f64 = 0.2;
+/// The windowed minimum's window.
+pub const WINDOW: Duration = Duration::from_secs(5);
+/// An idle limiter doubles its limit this often.
+pub const PROBE_AFTER: Duration = Duration::from_secs(1);
+const BUCKETS: usize = 32;
+
+/// One finished request, as the limit learns from it.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    /// Its rows.
+    pub cost: u64,
+    /// From its charge being topped up (parsed, about to look up) to its answer.
+    pub latency: Duration,
+    /// The most latency its budget allowed (`share × budget`).
+    pub allowed: Duration,
+    /// Rows in flight when it was topped up (itself included).
+    pub in_flight: u64,
+    /// It missed its budget.
+    pub expired: bool,
+}
+
+/// The limit and what is charged against it.
+#[derive(Debug)]
+pub struct Gradient {
+    limit: f64,
+    /// Rows charged by admitted requests.
+    in_flight: u64,
+    /// Requests holding a charge.
+    requests: usize,
+    /// Moving average of a request's rows: a request's charge before its body is read (0:
+    /// none seen yet).
+    mean_cost: f64,
+    largest_cost: u64,
+    max_in_flight: usize,
+    /// Healthy rankers, at the last decision.
+    healthy: usize,
+    min: MinWindow,
+    last_sample: Instant,
+}
+
+impl Gradient {
+    pub fn new(max_in_flight: usize, now: Instant) -> Gradient {
+        Gradient {
+            limit: 1.0,
+            in_flight: 0,
+            requests: 0,
+            mean_cost: 0.0,
+            largest_cost: 1,
+            max_in_flight: max_in_flight.max(1),
+            healthy: 1,
+            min: MinWindow::new(now),
+            last_sample: now,
+        }
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit.round() as u64
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight
+    }
+
+    /// What a request is charged before its rows are known.
+    pub fn door_cost(&self) -> u64 {
+        self.mean_cost.round().max(1.0) as u64
+    }
+
+    /// The latency a request of `cost` rows is expected to take once admitted (zero until
+    /// one of its size was measured).
+    pub fn expected(&self, cost: u64) -> Duration {
+        self.min.get(bucket(cost)).map_or(Duration::ZERO, |us| {
+            Duration::from_secs_f64(us * (1.0 + TOLERANCE) / 1e6)
+        })
+    }
+
+    /// The least latency seen for a request of `cost` rows, in the last one or two windows.
+    pub fn no_load(&self, cost: u64) -> Option<Duration> {
+        let us = self.min.get(bucket(cost))?;
+        Some(Duration::from_secs_f64(us / 1e6))
+    }
+
+    /// Brings the bounds and the idle probe up to date.
+    pub fn refresh(&mut self, now: Instant, healthy: usize) {
+        self.healthy = healthy.max(1);
+        self.min.rotate(now);
+        let idle = now.saturating_duration_since(self.last_sample);
+        if self.requests == 0 && idle >= PROBE_AFTER {
+            let periods = (idle.as_secs_f64() / PROBE_AFTER.as_secs_f64()).floor();
+            self.limit *= 2f64.powf(periods.min(32.0));
+            self.last_sample = now;
+        }
+        self.limit = self.limit.clamp(self.floor(), self.ceiling());
+    }
+
+    fn floor(&self) -> f64 {
+        self.healthy as f64 * self.mean_cost.max(1.0)
+    }
+
+    fn ceiling(&self) -> f64 {
+        (self.max_in_flight as f64 * self.largest_cost as f64).max(self.floor())
+    }
+
+    /// Whether `extra` rows more fit: under the limit, or (the floor) fewer requests than
+    /// healthy rankers hold a charge. `new`: the request holds no charge yet.
+    pub fn fits(&self, extra: u64, new: bool) -> bool {
+        let others = self.requests.saturating_sub(usize::from(!new));
+        others < self.healthy || (self.in_flight + extra) as f64 <= self.limit.round()
+    }
+
+    pub fn charge(&mut self, extra: u64, new: bool) {
+        self.in_flight += extra;
+        self.requests += usize::from(new);
+    }
+
+    /// Takes back a charge; `whole`: the request's last, it no longer holds any.
+    pub fn uncharge(&mut self, extra: u64, whole: bool) {
+        self.in_flight = self.in_flight.saturating_sub(extra);
+        self.requests = self.requests.saturating_sub(usize::from(whole));
+    }
+
+    /// A request's rows became known: counts them in the mean size.
+    pub fn sized(&mut self, rows: u64) {
+        let rows_f = rows.max(1) as f64;
+        self.mean_cost = if self.mean_cost == 0.0 {
+            rows_f
+        } else {
+            self.mean_cost + 0.1 * (rows_f - self.mean_cost)
+        };
+        self.largest_cost = self.largest_cost.max(rows);
+    }
+
+    pub fn observe(&mut self, s: Sample, now: Instant) {
+        self.min.rotate(now);
+        self.last_sample = now;
+        let us = s.latency.as_secs_f64() * 1e6;
+        let b = bucket(s.cost);
+        if !s.expired {
+            self.min.record(b, us);
+        }
+        let g = if s.expired {
+            0.5
+        } else {
+            let min = self.min.get(b).unwrap_or(us);
+            let target = (min * (1.0 + TOLERANCE)).min(s.allowed.as_secs_f64() * 1e6);
+            (target / us.max(1.0)).clamp(0.5, 1.0)
+        };
+        let app_limited = (s.in_flight as f64) < self.limit / 2.0;
+        if app_limited && g >= 1.0 {
+            return;
+        }
+        let proposed = self.limit * g + s.cost as f64;
+        self.limit = (1.0 - SMOOTHING) * self.limit + SMOOTHING * proposed;
+        self.limit = self.limit.clamp(self.floor(), self.ceiling());
+    }
+}
+
+/// Request sizes by powers of two: their no-load latencies differ.
+fn bucket(cost: u64) -> usize {
+    ((64 - cost.max(1).leading_zeros()) as usize).min(BUCKETS - 1)
+}
+
+/// The least latency (µs) per size over the current and the previous window.
+#[derive(Debug)]
+struct MinWindow {
+    current: [f64; BUCKETS],
+    previous: [f64; BUCKETS],
+    started: Instant,
+}
+
+impl MinWindow {
+    fn new(now: Instant) -> MinWindow {
+        MinWindow {
+            current: [f64::INFINITY; BUCKETS],
+            previous: [f64::INFINITY; BUCKETS],
+            started: now,
+        }
+    }
+
+    fn rotate(&mut self, now: Instant) {
+        let age = now.saturating_duration_since(self.started);
+        if age < WINDOW {
+            return;
+        }
+        self.previous = if age < 2 * WINDOW {
+            self.current
+        } else {
+            [f64::INFINITY; BUCKETS]
+        };
+        self.current = [f64::INFINITY; BUCKETS];
+        self.started = now;
+    }
+
+    fn record(&mut self, b: usize, us: f64) {
+        self.current[b] = self.current[b].min(us);
+    }
+
+    fn get(&self, b: usize) -> Option<f64> {
+        Some(self.current[b].min(self.previous[b])).filter(|m| m.is_finite())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn sample(cost: u64, latency: Duration, in_flight: u64) -> Sample {
+        Sample {
+            cost,
+            latency,
+            allowed: Duration::from_secs(1),
+            in_flight,
+            expired: false,
+        }
+    }
+
+    /// A limiter with one healthy ranker whose limit grew on fast 100-row requests.
+    fn grown(now: Instant) -> Gradient {
+        let mut g = Gradient::new(2048, now);
+        g.refresh(now, 1);
+        g.sized(100);
+        for _ in 0..200 {
+            let busy = g.limit();
+            g.observe(sample(100, 5 * MS, busy), now);
+        }
+        g
+    }
+
+    #[test]
+    fn grows_while_latency_stays_at_the_minimum() {
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.refresh(now, 1);
+        let start = g.limit();
+        let g2 = grown(now);
+        assert!(g2.limit() > 20 * 100, "{} from {start}", g2.limit());
+        // A sample while less than half the limit is used does not grow it.
+        let before = g2.limit();
+        g.observe(sample(100, 5 * MS, 0), now);
+        let mut g2 = g2;
+        g2.observe(sample(100, 5 * MS, before / 4), now);
+        assert_eq!(g2.limit(), before);
+    }
+
+    #[test]
+    fn shrinks_under_a_rising_gradient_down_to_the_floor() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        let before = g.limit();
+        let busy = g.limit();
+        g.observe(sample(100, 40 * MS, busy), now); // 8× the minimum: g = 0.5
+        assert!(g.limit() < before, "{} !< {before}", g.limit());
+        let mut last = g.limit();
+        for _ in 0..500 {
+            g.observe(sample(100, 40 * MS, last), now);
+            assert!(g.limit() <= last);
+            last = g.limit();
+        }
+        // Two healthy rankers: the floor is two requests of the mean size (100 rows).
+        g.refresh(now, 2);
+        for _ in 0..100 {
+            g.observe(
+                Sample {
+                    expired: true,
+                    ..sample(100, 40 * MS, 10)
+                },
+                now,
+            );
+        }
+        assert_eq!(g.limit(), 200);
+    }
+
+    #[test]
+    fn never_above_max_in_flight_requests_of_the_largest_size() {
+        let now = Instant::now();
+        let mut g = Gradient::new(4, now);
+        g.refresh(now, 1);
+        g.sized(100);
+        for _ in 0..1000 {
+            let busy = g.limit();
+            g.observe(sample(100, 5 * MS, busy), now);
+        }
+        assert_eq!(g.limit(), 400);
+    }
+
+    #[test]
+    fn the_budget_bounds_the_latency_target() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        let before = g.limit();
+        // Within twice the minimum, but past what the request's budget allows.
+        let s = Sample {
+            allowed: 6 * MS,
+            ..sample(100, 9 * MS, before)
+        };
+        g.observe(s, now);
+        assert!(g.limit() < before);
+    }
+
+    #[test]
+    fn an_idle_limiter_recovers_from_a_burst_without_samples() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        for _ in 0..500 {
+            let busy = g.limit();
+            g.observe(sample(100, 100 * MS, busy), now);
+        }
+        // At g = 0.5 the headroom of one request holds it at two requests.
+        let shrunk = g.limit();
+        assert_eq!(shrunk, 200);
+        // Three idle seconds (nothing in flight, no sample): doubled three times.
+        g.refresh(now + 3 * PROBE_AFTER, 1);
+        assert_eq!(g.limit(), 1600);
+        // Not while a request is in flight.
+        g.charge(100, true);
+        g.refresh(now + 6 * PROBE_AFTER, 1);
+        assert_eq!(g.limit(), 1600);
+    }
+
+    #[test]
+    fn requests_cost_their_rows_and_the_floor_admits_one_per_ranker() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        g.limit = 1000.0;
+        assert_eq!(g.door_cost(), 100);
+        g.charge(100, true);
+        g.charge(800, false); // topped up to 900 rows
+        assert!(g.fits(100, true));
+        assert!(!g.fits(101, true));
+        // A 2,048-row request fits only alone (or within the floor).
+        g.uncharge(900, true);
+        assert_eq!((g.in_flight(), g.fits(2048, true)), (0, true));
+        g.charge(100, true);
+        assert!(
+            g.fits(1948, false),
+            "its own top-up: it is the ranker's one request"
+        );
+        g.charge(100, true);
+        assert!(!g.fits(1948, false));
+        // The door charge follows the sizes seen.
+        for _ in 0..100 {
+            g.sized(2048);
+        }
+        assert_eq!(g.door_cost(), 2048);
+    }
+
+    #[test]
+    fn the_minimum_ages_out_after_two_windows() {
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.observe(sample(100, MS, 0), now);
+        assert_eq!(g.expected(100), 2 * MS);
+        g.observe(sample(100, 10 * MS, 0), now + WINDOW);
+        assert_eq!(g.expected(100), 2 * MS, "the previous window still counts");
+        g.observe(sample(100, 10 * MS, 0), now + 2 * WINDOW);
+        assert_eq!(g.expected(100), 20 * MS);
+        assert_eq!(
+            g.expected(2048),
+            Duration::ZERO,
+            "another size: not measured"
+        );
+    }
+}

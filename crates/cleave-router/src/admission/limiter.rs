@@ -1,0 +1,243 @@
+//! The adaptive rule's gate: charges requests against the gradient's limit (gradient.rs), and
+//! lets a request that does not fit wait briefly for a slot, as Facebook's "Fail at Scale"
+//! queues do (CoDel + adaptive LIFO):
+//!
+//! * a request waits at most `INTERVAL` (100 ms), or `TARGET` (5 ms) while the queue is
+//!   standing (not empty for `INTERVAL`), and never longer than its budget leaves after the
+//!   expected service time: what would not finish in time is refused at once;
+//! * a standing queue serves the newest first (its oldest are likely to miss their budgets
+//!   anyway), an occasional one oldest first;
+//!
+//! The wait lets a slot freed by a finished request go straight to a request that is ready,
+//! instead of idling until the next arrival (measured: docs/benchmarks.md).
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::gradient::{Gradient, Sample};
+
+/// The longest wait while the queue empties now and then.
+pub const INTERVAL: Duration = Duration::from_millis(100);
+/// The longest wait while the queue is standing.
+pub const TARGET: Duration = Duration::from_millis(5);
+
+pub struct Limiter {
+    state: Mutex<State>,
+}
+
+struct State {
+    gradient: Gradient,
+    waiting: VecDeque<Waiter>,
+    /// When the queue was last empty.
+    empty_at: Instant,
+    next_id: u64,
+}
+
+struct Waiter {
+    id: u64,
+    extra: u64,
+    new: bool,
+    grant: oneshot::Sender<()>,
+}
+
+/// Why a request was not let in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Full {
+    pub limit: u64,
+    pub in_flight: u64,
+}
+
+impl Limiter {
+    pub fn new(max_in_flight: usize) -> Limiter {
+        let now = Instant::now();
+        Limiter {
+            state: Mutex::new(State {
+                gradient: Gradient::new(max_in_flight, now),
+                waiting: VecDeque::new(),
+                empty_at: now,
+                next_id: 0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.lock().gradient.limit()
+    }
+
+    /// The least latency a request of `rows` was measured to take (`None`: none measured).
+    pub fn no_load(&self, rows: u64) -> Option<Duration> {
+        self.lock().gradient.no_load(rows)
+    }
+
+    /// A new request's charge before its body is read.
+    pub fn door_cost(&self) -> u64 {
+        self.lock().gradient.door_cost()
+    }
+
+    /// Charges `extra` rows (a new request's door charge, or a top-up), waiting for room
+    /// within what `left` of the budget allows.
+    pub async fn acquire(
+        &self,
+        extra: u64,
+        new: bool,
+        rows: u64,
+        left: Duration,
+        healthy: usize,
+    ) -> Result<(), Full> {
+        let (id, granted, wait) = {
+            let mut s = self.lock();
+            let now = Instant::now();
+            s.gradient.refresh(now, healthy);
+            if s.waiting.is_empty() && s.gradient.fits(extra, new) {
+                s.gradient.charge(extra, new);
+                return Ok(());
+            }
+            let full = s.full();
+            let standing = !s.waiting.is_empty() && now - s.empty_at >= INTERVAL;
+            let patience = if standing { TARGET } else { INTERVAL };
+            let wait = patience.min(left.saturating_sub(s.gradient.expected(rows)));
+            // No cap on how many wait: each waits a bounded time, and `max_in_flight` bounds
+            // them all (a cap of the limit's worth of requests refused arrivals at 0.4× capacity
+            // whenever the limit sat near its floor: measured).
+            if wait.is_zero() {
+                return Err(full);
+            }
+            if s.waiting.is_empty() {
+                s.empty_at = now;
+            }
+            let (grant, granted) = oneshot::channel();
+            let id = s.next_id;
+            s.next_id += 1;
+            s.waiting.push_back(Waiter {
+                id,
+                extra,
+                new,
+                grant,
+            });
+            (id, granted, wait)
+        };
+        let mut granted = granted;
+        if let Ok(Ok(())) = tokio::time::timeout(wait, &mut granted).await {
+            return Ok(());
+        }
+        // Granted between the timer and this lock, or still waiting: decided under the lock.
+        let mut s = self.lock();
+        if granted.try_recv().is_ok() {
+            return Ok(());
+        }
+        s.waiting.retain(|w| w.id != id);
+        Err(s.full())
+    }
+
+    /// Gives back a request's whole charge, and lets waiting requests in.
+    pub fn release(&self, cost: u64) {
+        let mut s = self.lock();
+        s.gradient.uncharge(cost, true);
+        s.grant(Instant::now());
+    }
+
+    /// Takes back part of a request's charge (it is smaller than charged at the door).
+    pub fn refund(&self, extra: u64) {
+        let mut s = self.lock();
+        s.gradient.uncharge(extra, false);
+        s.grant(Instant::now());
+    }
+
+    pub fn sized(&self, rows: u64) {
+        self.lock().gradient.sized(rows);
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.lock().gradient.in_flight()
+    }
+
+    pub fn observe(&self, sample: Sample) {
+        let mut s = self.lock();
+        let now = Instant::now();
+        s.gradient.observe(sample, now);
+        s.grant(now);
+    }
+}
+
+impl State {
+    fn full(&self) -> Full {
+        Full {
+            limit: self.gradient.limit(),
+            in_flight: self.gradient.in_flight(),
+        }
+    }
+
+    /// Lets waiting requests in while they fit: newest first while the queue is standing.
+    fn grant(&mut self, now: Instant) {
+        loop {
+            let standing = now - self.empty_at >= INTERVAL;
+            let next = if standing {
+                self.waiting.back()
+            } else {
+                self.waiting.front()
+            };
+            let Some(w) = next else {
+                self.empty_at = now;
+                return;
+            };
+            // One whose request was dropped (the client left) is skipped.
+            if !w.grant.is_closed() && !self.gradient.fits(w.extra, w.new) {
+                return;
+            }
+            let w = if standing {
+                self.waiting.pop_back()
+            } else {
+                self.waiting.pop_front()
+            };
+            let Some(w) = w else { return };
+            if w.grant.is_closed() {
+                continue;
+            }
+            self.gradient.charge(w.extra, w.new);
+            if w.grant.send(()).is_err() {
+                self.gradient.uncharge(w.extra, w.new);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[tokio::test]
+    async fn a_request_that_does_not_fit_waits_for_a_slot_or_is_refused() {
+        let l = Limiter::new(64);
+        let first = l.acquire(1, true, 1, Duration::from_secs(1), 1).await;
+        assert_eq!(first, Ok(()), "the floor: one request per ranker");
+        // No budget left to wait: refused at once.
+        let e = l.acquire(1, true, 1, Duration::ZERO, 1).await.unwrap_err();
+        assert_eq!((e.in_flight, e.limit), (1, 1));
+        // With budget: it waits, and gets the slot the first one frees.
+        let l = std::sync::Arc::new(l);
+        let waiter = {
+            let l = l.clone();
+            tokio::spawn(async move { l.acquire(1, true, 1, Duration::from_secs(1), 1).await })
+        };
+        while l.lock().waiting.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        l.release(1);
+        assert_eq!(waiter.await.unwrap(), Ok(()));
+        assert_eq!(l.in_flight(), 1);
+        // Nothing frees a slot: it gives up after INTERVAL and leaves the queue.
+        let e = l.acquire(1, true, 1, Duration::from_secs(1), 1).await;
+        assert!(e.is_err());
+        assert!(l.lock().waiting.is_empty());
+        assert!(MS < INTERVAL);
+    }
+}
