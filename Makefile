@@ -41,13 +41,12 @@ demo: $(STAMP)
 
 test: lint test-rust test-python
 
-# pytest-xdist workers: `make test-python PYTEST_WORKERS=4` takes about 12 min here instead of
-# about 20, but on 2 cores some tests that load a deployment then miss their budgets (one or two
-# per run, measured): until they are independent of load, `make test` (CI) runs one process
-# (0: no workers). A module with testbed tests runs under a lock the workers share
-# (tests/conftest.py), so no two count namespaces at once. docs/testing.md.
-PYTEST_WORKERS ?= 0
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS)
+# pytest-xdist: 4 workers (most of a test's time is spent waiting for the processes it
+# starts, so more workers than cores pay), each taking whole modules, longest first
+# (tests/conftest.py). A module with testbed tests runs under a lock the workers share.
+# PYTEST_WORKERS=0 runs one process. docs/testing.md.
+PYTEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests
@@ -63,7 +62,7 @@ test-python: $(STAMP) tools
 
 # The edit loop: the suite without its testbed, Ray and slow tests (markers in pyproject.toml).
 test-fast: $(STAMP) tools
-	$(PY) -m pytest -q -n 4 -m "not slow and not testbed and not ray"
+	$(PYTEST) -m "not slow and not testbed and not ray"
 
 bench: $(STAMP)
 	$(VENV)/bin/cleave bench lookup --json out/bench-lookup.json

@@ -14,6 +14,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support.helm import HELM  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
+# The modules that take longest, longest first (serial seconds on a 2-core machine, measured
+# 2026-11: docs/testing.md). Parallel runs hand whole modules to workers (--dist loadfile) in
+# collection order, so these start at once instead of ending the run alone. Only the run's
+# length depends on this list.
+LONGEST_FIRST = [
+    "test_serve_bench.py",  # 230
+    "test_ray_runner.py",  # 127
+    "test_dense_precision.py",  # 88
+    "test_serve.py",  # 84
+    "test_binary_tensors.py",  # 71
+    "test_incast_bench.py",  # 59
+    "test_serve_bench_testbed.py",  # 50
+    "test_serve_bench_routers.py",  # 48
+    "test_partition.py",  # 42
+    "test_tier.py",  # 40
+    "test_executables.py",  # 37
+    "test_testbed_serve.py",  # 37
+    "test_grpc_clients.py",  # 37
+    "test_update.py",  # 36
+    "test_tritonclient.py",  # 29
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within
+
 
 @pytest.fixture(scope="module", autouse=True)
 def testbed_lock(request, tmp_path_factory):

@@ -3,15 +3,10 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-from cleave.testbed import commands
-from support.bench import run_bench
+from support.bench import run_bench, serve_bench
 
 
 def test_bench_serve_quick_compare(tmp_path):
@@ -40,17 +35,10 @@ def test_bench_serve_quick_compare(tmp_path):
 def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_input_model(
     tmp_path,
 ):
-    out = tmp_path / "din.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "bench", "serve", "--quick", "--check"]
-        + ["--model", "din", "--scale", "0.002", "--candidates", "16"]
-        + ["--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    _, report = run_bench(
+        tmp_path, "serve", "--quick", "--check",
+        "--model", "din", "--scale", "0.002", "--candidates", "16",
+    )  # fmt: skip
     assert set(report["deployments"]) == {"disaggregated", "disaggregated-per-request"}
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
     assert {"max_rate_joined_over_per_request", "max_goodput_joined_over_per_request"} <= set(
@@ -58,14 +46,9 @@ def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_inp
     )
 
 
-def bench(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
-    model = ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
-    return run_bench(tmp_path, "serve", *flags, *model)
-
-
 def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     flags = ["--capacity", "40", "--duration", "1", "--idle-connections", "20"]
-    result, report = bench(tmp_path, "--overload", *flags, "--idle-wait-s", "1")
+    result, report = serve_bench(tmp_path, "--overload", *flags, "--idle-wait-s", "1")
     (dep,) = report["deployments"].values()
     assert list(dep["phases"]) == ["before", "burst", "after"]
     assert [p["rate"] for p in dep["phases"].values()] == [16.0, 120.0, 16.0]
@@ -73,7 +56,7 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     assert dep["idle_connections"]["opened"] == 20
     assert "5xx other than 503" in result.stdout and (tmp_path / "serve.png").exists()
 
-    result, report = bench(tmp_path, "--soak", "0.1", "--capacity", "40")
+    result, report = serve_bench(tmp_path, "--soak", "0.1", "--capacity", "40")
     (dep,) = report["deployments"].values()
     roles = {name.split()[0] for name in dep["processes"]}
     assert {"router", "shard-0", "ranker-0"} <= roles
@@ -85,7 +68,7 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
 def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_path):
     # Every request gets 504 (the budget is 1 µs): the report says so, with "-" latencies.
     # One deployment: each probe that misses its budget restarts it.
-    result, report = bench(tmp_path, "--quick", "--budget-ms", "0.001")
+    result, report = serve_bench(tmp_path, "--quick", "--budget-ms", "0.001")
     for dep in report["deployments"].values():
         assert dep["single"]["p50_ms"] is None and dep["single"]["errors"]["http_504"] > 0
         assert dep["max_rate_within_budget"] == 0.0
@@ -103,7 +86,7 @@ def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_pat
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
     plan = make_plan(served.dir, emulated_hosts(4), 2, 1, 1, 1, serve_config=config)
     path = save_plan(plan, tmp_path / "plan.yaml")
-    result, report = bench(tmp_path, "--quick", "--check", "--plan", str(path))
+    result, report = serve_bench(tmp_path, "--quick", "--check", "--plan", str(path))
     (dep,) = report["deployments"].values()
     assert report["runner"] == "local" and report["max_abs_diff"] <= 1e-5
     metrics = dep["rates"][0]["metrics"]
@@ -132,47 +115,3 @@ def test_bench_serve_refuses_flags_that_disagree(tmp_path):
             timeout=120,
         )
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
-
-
-@pytest.mark.testbed
-@pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
-def test_bench_serve_shard_host_sweep_on_the_testbed(tmp_path):
-    result, report = bench(tmp_path, "--quick", "--shard-hosts", "1,2")
-    assert list(report["deployments"]) == ["1 shard host", "2 shard hosts"]
-    assert report["runner"] == "testbed" and report["link_gbit"] == 1.0
-    for dep in report["deployments"].values():
-        metrics = dep["rates"][0]["metrics"]
-        assert "lookup_network_us" in metrics["stages_us"]
-        assert set(metrics["link_drops"]["h0"]) == {"to_host", "from_host"}
-    assert "max_rate_2_shard_hosts_over_first" in report["ratios"]
-    assert "shard-host sweep, 1 Gbit/s links" in result.stdout
-    assert (tmp_path / "serve.png").stat().st_size > 10_000
-
-
-@pytest.mark.testbed
-@pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or "")
-def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
-    from support.processes import descendants, namespaces_of_testbeds
-    from support.waiting import wait_for
-
-    before = namespaces_of_testbeds()
-    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--shard-hosts", "1"]
-    argv += ["--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8"]
-    argv += ["--rates", "20", "--duration", "600", "--workdir", str(tmp_path / "work")]
-    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(
-            lambda: namespaces_of_testbeds() - before or bench.poll() is not None,
-            "the deployment's testbed to be up",
-            240,
-        )
-        roles = descendants(bench.pid)
-        bench.send_signal(signal.SIGTERM)
-        _, stderr = bench.communicate(timeout=120)
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
-    assert bench.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert namespaces_of_testbeds() - before == set()
-    assert roles and not [pid for pid in roles if Path(f"/proc/{pid}").exists()]

@@ -9,6 +9,7 @@ import io
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from cleave.errors import UsageError
@@ -84,6 +85,54 @@ def test_start_waits_for_ready_probes_and_stop_goes_newest_group_first(tmp_path)
     stopped = record.read_text().split()
     assert stopped[0] == "router" and sorted(stopped[1:]) == ["ranker-0", "shard-0"]
     assert "[shard-0] starting up" in log.getvalue()
+
+
+class OverlapLog:
+    """A log that counts writes made while another is in progress (a text stream is not
+    thread-safe: overlapping writes can run one line into the next)."""
+
+    def __init__(self):
+        self.busy, self.overlaps, self.writes = False, 0, []
+
+    def write(self, text: str) -> None:
+        if self.busy:
+            self.overlaps += 1
+        self.busy = True
+        time.sleep(0.0005)  # widens the window an unlocked writer would race in
+        self.writes.append(text)
+        self.busy = False
+
+    def flush(self) -> None:
+        pass
+
+
+CHATTY = """
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    for i in range(100):
+        print(f"out {i}", flush=True)
+        print(f"err {i}", file=sys.stderr, flush=True)
+    serve_ready()
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_each_line_of_every_child_is_logged_whole_in_one_write():
+    log = OverlapLog()
+    sup = Supervisor(log=log)
+    try:
+        sup.start([child("shard-0", CHATTY), child("shard-1", CHATTY)], 30)
+        # The pipes' readers may still be behind the children's ready lines.
+        last = [f"[{n}] {s} 99\n" for n in ("shard-0", "shard-1") for s in ("out", "err")]
+        wait_for(lambda: all(line in log.writes for line in last), "every line logged", 30)
+    finally:
+        sup.stop(10)
+    assert log.overlaps == 0
+    for name in ("shard-0", "shard-1"):
+        for stream in ("out", "err"):
+            for i in range(100):
+                assert f"[{name}] {stream} {i}\n" in log.writes, (name, stream, i)
 
 
 def test_child_exiting_before_ready_is_named_with_its_output():

@@ -23,3 +23,12 @@ def run_bench(
     )
     assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-3000:]
     return result, json.loads(out.read_text())
+
+
+# A small model: `cleave bench serve` in a few seconds a deployment.
+SMALL_MODEL = ("--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8")
+
+
+def serve_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`cleave bench serve FLAGS` on the small model."""
+    return run_bench(tmp_path, "serve", *flags, *SMALL_MODEL)

@@ -120,8 +120,7 @@ where
     // The request's own size, charged before any lookup (the adaptive rule).
     let rows = rows(model, &parsed.inputs);
     app.admission
-        .fit(&mut permit, rows, budget.left(), &load)
-        .await
+        .fit(&mut permit, rows, budget.left())
         .map_err(shed)?;
     let parsed_at = budget.start.elapsed();
     let inf = match app.router.infer(parsed.inputs, budget).await {

@@ -42,7 +42,7 @@ LOAD = 0.8
 CONTROL_PORT = 7400  # the priority class matches it; data ports follow it
 PORT_SPAN = 40  # cases use CONTROL_PORT + 1 + 2i (data) so no TIME_WAIT is ever in the way
 CREDIT_PROBE_MS = 10
-READY_TIMEOUT_S = 15.0
+READY_TIMEOUT_S = 120.0  # a ranker imports torch: many seconds on a busy machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -191,6 +191,10 @@ class Supervisor:
     def __init__(self, fail_stop: bool = False, log=None, env: dict | None = None):
         self.fail_stop = fail_stop
         self.log = log or sys.stderr
+        # Every line goes out in one write under this lock: a text stream is not thread-safe,
+        # and the readers of each child's two pipes and the supervisor's messages share it
+        # (unlocked, a role's line once ran into the next one's prefix: measured).
+        self._log_lock = threading.Lock()
         self.env = env
         self.children: list[Child] = []
         self.groups: list[list[str]] = []  # names, one list per start() call
@@ -247,12 +251,7 @@ class Supervisor:
                 child.spec.take_reported(line)
                 child.said_ready.set()
             child.tail.append(line)
-            try:
-                # One write per line: the stdout and stderr readers share the log.
-                self.log.write(f"[{child.spec.name}] {line}\n")
-                self.log.flush()
-            except (ValueError, OSError):  # our stderr is gone; keep draining the pipe
-                pass
+            self.emit(f"[{child.spec.name}] {line}")
 
     def wait_ready(self, children: list[Child], timeout_s: float) -> None:
         """Blocks until every child's /ready answered 200; raises ChildFailed naming the
@@ -298,7 +297,7 @@ class Supervisor:
                         continue
                     what = f"{child.describe()} {_describe_exit(code)}"
                     if self.fail_stop:
-                        self._say(f"{what}; stopping the deployment (fail-stop){child.output()}")
+                        self.say(f"{what}; stopping the deployment (fail-stop){child.output()}")
                         return 1
                     self._schedule(child, f"{what}{child.output()}")
                 elif recovery.starting is None:
@@ -317,14 +316,14 @@ class Supervisor:
         self._attempts[name] = attempt
         delay = backoff_s(attempt)
         self._recovering[name] = _Recovery(attempt, time.monotonic() + delay)
-        self._say(f"{what}\n  restarting it in {delay:.1f} s (restart {attempt} in a row)")
+        self.say(f"{what}\n  restarting it in {delay:.1f} s (restart {attempt} in a row)")
 
     def _follow_start(self, child: Child, recovery: _Recovery, ready_timeout_s: float) -> None:
         name = child.spec.name
         if child.ready.is_set():
             del self._recovering[name]
             self.restarts[name] = self.restarts.get(name, 0) + 1
-            self._say(f"{child.describe()} is ready again")
+            self.say(f"{child.describe()} is ready again")
             return
         code = child.proc.poll()
         if code is None and time.monotonic() < recovery.ready_by:
@@ -338,11 +337,17 @@ class Supervisor:
         del self._recovering[name]
         self._schedule(child, f"restart failed: {child.describe()} {why}{child.output()}")
 
-    def _say(self, message: str) -> None:
+    def emit(self, line: str) -> None:
+        """Writes one whole line to the log."""
         try:
-            print(f"cleave serve: {message}", file=self.log, flush=True)
-        except (ValueError, OSError):
+            with self._log_lock:
+                self.log.write(line + "\n")
+                self.log.flush()
+        except (ValueError, OSError):  # our stderr is gone; the deployment goes on
             pass
+
+    def say(self, message: str) -> None:
+        self.emit(f"cleave serve: {message}")
 
     # -- stopping ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -364,12 +369,7 @@ class Supervisor:
                 try:
                     child.proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    print(
-                        f"cleave serve: {child.describe()} did not stop in {timeout_s:.0f} s; "
-                        "killing it",
-                        file=self.log,
-                        flush=True,
-                    )
+                    self.say(f"{child.describe()} did not stop in {timeout_s:.0f} s; killing it")
                     child.proc.kill()
                     child.proc.wait()
                 codes[child.spec.name] = child.proc.returncode

@@ -126,10 +126,7 @@ class SupervisedRunner(Runner):
 
     # -- messages ------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
-        try:
-            print(f"cleave serve: {message}", file=self.log, flush=True)
-        except (ValueError, OSError):  # our stderr is gone; the deployment goes on
-            pass
+        self.supervisor.say(message)
 
     def _print_metrics(self, children: list[Child]) -> None:
         """Where each role's /metrics is (its /ready and /live beside it), one line a role,

@@ -1,26 +1,40 @@
 //! The adaptive rule's arithmetic: a limit on the work in flight to the backends, in rows
 //! (candidates; a 2,048-candidate request costs 2,048, a 100-candidate one 100), moved by the
-//! gradient between the no-load latency and each finished request's latency (after Netflix's
-//! Gradient2 and Envoy's adaptive concurrency filter).
+//! gradient between a request size's usual latency and each finished request's latency (after
+//! Netflix's Gradient2 and Envoy's adaptive concurrency filter).
 //!
-//! * No-load latency: per request size (log2 of its rows), the least latency seen over the
-//!   current and the previous `WINDOW`, so an old minimum ages out (it cannot stick).
+//! * Usual latency: per request size (log2 of its rows), a slow moving average of the
+//!   latencies seen, pulled down quickly when requests run much faster than it (the queues
+//!   drained). A latency that stays high becomes the usual one: the limit does not collapse
+//!   on a machine that is slow for reasons more load does not change (measured: a limit that
+//!   compared with the least latency seen sank to one request per ranker on a busy machine
+//!   and refused requests far below capacity).
 //! * Each sample: `limit ← (1 − SMOOTHING) limit + SMOOTHING (limit × g + cost)` with
-//!   `g = clamp(target / latency, 0.5, 1)`, `target = min × (1 + TOLERANCE)`, at most
-//!   `share × budget` (the same share the estimate rule uses). The `cost` is the headroom: one
-//!   more request of the sample's size.
-//! * A sample taken while less than half the limit was in use says nothing about more load,
-//!   so it does not grow the limit (it may shrink it).
+//!   `g = clamp(target / latency, 0.5, 1)`, `target = usual × TOLERANCE`, at most
+//!   `share × budget` (the same share the estimate rule uses): the budget bounds the queues
+//!   however the usual latency drifts. The `cost` is the headroom: one more request of the
+//!   sample's size, so the limit keeps probing upwards while latency holds.
+//! * A sample taken while less than half the limit was in use says nothing about the limit:
+//!   it is not applied (unless it missed its budget).
 //! * A request that missed its budget is a sample with `g = 0.5`.
 //! * Bounds: at least one request of the mean size per healthy ranker, at most
 //!   `max_in_flight` requests of the largest size seen. Each `PROBE_AFTER` with nothing in
 //!   flight and no sample doubles the limit (up to the bound), so a limit shrunk by a burst
 //!   does not outlive it.
+//! * The no-load latency (the least latency of the current and previous `WINDOW`, so an old
+//!   one ages out) is what a request's budget must cover to be admitted; the usual latency,
+//!   what a waiting request must leave time for.
 
 use std::time::{Duration, Instant};
 
-/// How much slower than the no-load latency a request may be before the limit shrinks.
-pub const TOLERANCE: f64 = 1.0;
+/// How much slower than the usual latency a request may be before the limit shrinks
+/// (Gradient2's default).
+pub const TOLERANCE: f64 = 1.5;
+/// The weight of one sample in the usual latency.
+const USUAL_WEIGHT: f64 = 0.02;
+/// A sample this many times faster than the usual latency pulls it down by `USUAL_DECAY`.
+const DRAINED: f64 = 2.0;
+const USUAL_DECAY: f64 = 0.95;
 /// The weight of one sample's proposal in the limit.
 const SMOOTHING: f64 = 0.2;
 /// The windowed minimum's window.
@@ -60,6 +74,8 @@ pub struct Gradient {
     /// Healthy rankers, at the last decision.
     healthy: usize,
     min: MinWindow,
+    /// Per request size, the usual latency in µs (0: none seen).
+    usual: [f64; BUCKETS],
     last_sample: Instant,
 }
 
@@ -74,6 +90,7 @@ impl Gradient {
             max_in_flight: max_in_flight.max(1),
             healthy: 1,
             min: MinWindow::new(now),
+            usual: [0.0; BUCKETS],
             last_sample: now,
         }
     }
@@ -91,12 +108,10 @@ impl Gradient {
         self.mean_cost.round().max(1.0) as u64
     }
 
-    /// The latency a request of `cost` rows is expected to take once admitted (zero until
-    /// one of its size was measured).
+    /// The latency a request of `cost` rows usually takes once admitted (zero until one of
+    /// its size was measured).
     pub fn expected(&self, cost: u64) -> Duration {
-        self.min.get(bucket(cost)).map_or(Duration::ZERO, |us| {
-            Duration::from_secs_f64(us * (1.0 + TOLERANCE) / 1e6)
-        })
+        Duration::from_secs_f64(self.usual[bucket(cost)] / 1e6)
     }
 
     /// The least latency seen for a request of `cost` rows, in the last one or two windows.
@@ -158,22 +173,30 @@ impl Gradient {
     pub fn observe(&mut self, s: Sample, now: Instant) {
         self.min.rotate(now);
         self.last_sample = now;
-        let us = s.latency.as_secs_f64() * 1e6;
+        let us = s.latency.as_secs_f64().max(1e-6) * 1e6;
         let b = bucket(s.cost);
         if !s.expired {
             self.min.record(b, us);
+            let usual = &mut self.usual[b];
+            *usual = if *usual == 0.0 {
+                us
+            } else {
+                *usual + USUAL_WEIGHT * (us - *usual)
+            };
+            if *usual > DRAINED * us {
+                *usual *= USUAL_DECAY;
+            }
+        }
+        let app_limited = (s.in_flight as f64) < self.limit / 2.0;
+        if app_limited && !s.expired {
+            return;
         }
         let g = if s.expired {
             0.5
         } else {
-            let min = self.min.get(b).unwrap_or(us);
-            let target = (min * (1.0 + TOLERANCE)).min(s.allowed.as_secs_f64() * 1e6);
-            (target / us.max(1.0)).clamp(0.5, 1.0)
+            let target = (self.usual[b] * TOLERANCE).min(s.allowed.as_secs_f64() * 1e6);
+            (target / us).clamp(0.5, 1.0)
         };
-        let app_limited = (s.in_flight as f64) < self.limit / 2.0;
-        if app_limited && g >= 1.0 {
-            return;
-        }
         let proposed = self.limit * g + s.cost as f64;
         self.limit = (1.0 - SMOOTHING) * self.limit + SMOOTHING * proposed;
         self.limit = self.limit.clamp(self.floor(), self.ceiling());
@@ -270,19 +293,32 @@ mod tests {
     }
 
     #[test]
-    fn shrinks_under_a_rising_gradient_down_to_the_floor() {
+    fn shrinks_under_a_rising_latency_and_a_lasting_one_becomes_the_usual() {
         let now = Instant::now();
         let mut g = grown(now);
         let before = g.limit();
-        let busy = g.limit();
-        g.observe(sample(100, 40 * MS, busy), now); // 8× the minimum: g = 0.5
+        g.observe(sample(100, 40 * MS, before), now); // 8× the usual: g = 0.5
         assert!(g.limit() < before, "{} !< {before}", g.limit());
-        let mut last = g.limit();
-        for _ in 0..500 {
-            g.observe(sample(100, 40 * MS, last), now);
-            assert!(g.limit() <= last);
-            last = g.limit();
+        // A machine that stays slow: the usual latency follows, and the limit stops falling
+        // and grows again instead of sinking to the floor.
+        let mut lowest = g.limit();
+        for _ in 0..1000 {
+            let busy = g.limit();
+            g.observe(sample(100, 40 * MS, busy), now);
+            lowest = lowest.min(g.limit());
         }
+        assert!(lowest > 100, "sank to {lowest}");
+        assert!(
+            g.limit() > lowest,
+            "{} never grew back from {lowest}",
+            g.limit()
+        );
+    }
+
+    #[test]
+    fn requests_past_their_budget_shrink_it_to_the_floor() {
+        let now = Instant::now();
+        let mut g = grown(now);
         // Two healthy rankers: the floor is two requests of the mean size (100 rows).
         g.refresh(now, 2);
         for _ in 0..100 {
@@ -295,6 +331,15 @@ mod tests {
             );
         }
         assert_eq!(g.limit(), 200);
+    }
+
+    #[test]
+    fn a_noisy_sample_while_little_is_in_flight_changes_nothing() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        let before = g.limit();
+        g.observe(sample(100, 400 * MS, before / 4), now);
+        assert_eq!(g.limit(), before);
     }
 
     #[test]
@@ -330,7 +375,12 @@ mod tests {
         let mut g = grown(now);
         for _ in 0..500 {
             let busy = g.limit();
-            g.observe(sample(100, 100 * MS, busy), now);
+            // Past what the budget allows (whatever the usual latency becomes): g = 0.5.
+            let s = Sample {
+                allowed: 10 * MS,
+                ..sample(100, 100 * MS, busy)
+            };
+            g.observe(s, now);
         }
         // At g = 0.5 the headroom of one request holds it at two requests.
         let shrunk = g.limit();
@@ -376,15 +426,14 @@ mod tests {
         let now = Instant::now();
         let mut g = Gradient::new(2048, now);
         g.observe(sample(100, MS, 0), now);
-        assert_eq!(g.expected(100), 2 * MS);
+        assert_eq!(g.no_load(100), Some(MS));
         g.observe(sample(100, 10 * MS, 0), now + WINDOW);
-        assert_eq!(g.expected(100), 2 * MS, "the previous window still counts");
+        assert_eq!(g.no_load(100), Some(MS), "the previous window still counts");
         g.observe(sample(100, 10 * MS, 0), now + 2 * WINDOW);
-        assert_eq!(g.expected(100), 20 * MS);
-        assert_eq!(
-            g.expected(2048),
-            Duration::ZERO,
-            "another size: not measured"
-        );
+        assert_eq!(g.no_load(100), Some(10 * MS));
+        assert_eq!(g.no_load(2048), None, "another size: not measured");
+        // The usual latency moves slowly towards what is seen.
+        let usual = g.expected(100);
+        assert!(MS < usual && usual < 10 * MS, "{usual:?}");
     }
 }

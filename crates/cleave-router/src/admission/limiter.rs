@@ -2,9 +2,9 @@
 //! lets a request that does not fit wait briefly for a slot, as Facebook's "Fail at Scale"
 //! queues do (CoDel + adaptive LIFO):
 //!
-//! * a request waits at most `INTERVAL` (100 ms), or `TARGET` (5 ms) while the queue is
-//!   standing (not empty for `INTERVAL`), and never longer than its budget leaves after the
-//!   expected service time: what would not finish in time is refused at once;
+//! * a request waits at most what its budget leaves after the usual service time (what
+//!   would not finish in time is refused at once), and at most `TARGET` (5 ms) while the queue
+//!   is standing (not empty for `INTERVAL`, 100 ms): overload, when waiting only adds latency;
 //! * a standing queue serves the newest first (its oldest are likely to miss their budgets
 //!   anyway), an occasional one oldest first;
 //!
@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 
 use super::gradient::{Gradient, Sample};
 
-/// The longest wait while the queue empties now and then.
+/// How long the queue must stay non-empty to count as standing.
 pub const INTERVAL: Duration = Duration::from_millis(100);
 /// The longest wait while the queue is standing.
 pub const TARGET: Duration = Duration::from_millis(5);
@@ -38,8 +38,7 @@ struct State {
 
 struct Waiter {
     id: u64,
-    extra: u64,
-    new: bool,
+    rows: u64,
     grant: oneshot::Sender<()>,
 }
 
@@ -81,28 +80,22 @@ impl Limiter {
         self.lock().gradient.door_cost()
     }
 
-    /// Charges `extra` rows (a new request's door charge, or a top-up), waiting for room
-    /// within what `left` of the budget allows.
-    pub async fn acquire(
-        &self,
-        extra: u64,
-        new: bool,
-        rows: u64,
-        left: Duration,
-        healthy: usize,
-    ) -> Result<(), Full> {
+    /// Charges a new request's `rows` (its door charge), waiting for room within what `left`
+    /// of the budget allows.
+    pub async fn acquire(&self, rows: u64, left: Duration, healthy: usize) -> Result<(), Full> {
         let (id, granted, wait) = {
             let mut s = self.lock();
             let now = Instant::now();
             s.gradient.refresh(now, healthy);
-            if s.waiting.is_empty() && s.gradient.fits(extra, new) {
-                s.gradient.charge(extra, new);
+            if s.waiting.is_empty() && s.gradient.fits(rows, true) {
+                s.gradient.charge(rows, true);
                 return Ok(());
             }
             let full = s.full();
             let standing = !s.waiting.is_empty() && now - s.empty_at >= INTERVAL;
-            let patience = if standing { TARGET } else { INTERVAL };
-            let wait = patience.min(left.saturating_sub(s.gradient.expected(rows)));
+            // What its budget leaves after the usual service time; a standing queue, TARGET.
+            let slack = left.saturating_sub(s.gradient.expected(rows));
+            let wait = if standing { slack.min(TARGET) } else { slack };
             // No cap on how many wait: each waits a bounded time, and `max_in_flight` bounds
             // them all (a cap of the limit's worth of requests refused arrivals at 0.4× capacity
             // whenever the limit sat near its floor: measured).
@@ -115,12 +108,7 @@ impl Limiter {
             let (grant, granted) = oneshot::channel();
             let id = s.next_id;
             s.next_id += 1;
-            s.waiting.push_back(Waiter {
-                id,
-                extra,
-                new,
-                grant,
-            });
+            s.waiting.push_back(Waiter { id, rows, grant });
             (id, granted, wait)
         };
         let mut granted = granted;
@@ -141,6 +129,11 @@ impl Limiter {
         let mut s = self.lock();
         s.gradient.uncharge(cost, true);
         s.grant(Instant::now());
+    }
+
+    /// Adds to a request's charge, limit or not.
+    pub fn top_up(&self, extra: u64) {
+        self.lock().gradient.charge(extra, false);
     }
 
     /// Takes back part of a request's charge (it is smaller than charged at the door).
@@ -188,7 +181,7 @@ impl State {
                 return;
             };
             // One whose request was dropped (the client left) is skipped.
-            if !w.grant.is_closed() && !self.gradient.fits(w.extra, w.new) {
+            if !w.grant.is_closed() && !self.gradient.fits(w.rows, true) {
                 return;
             }
             let w = if standing {
@@ -200,9 +193,9 @@ impl State {
             if w.grant.is_closed() {
                 continue;
             }
-            self.gradient.charge(w.extra, w.new);
+            self.gradient.charge(w.rows, true);
             if w.grant.send(()).is_err() {
-                self.gradient.uncharge(w.extra, w.new);
+                self.gradient.uncharge(w.rows, true);
             }
         }
     }
@@ -217,16 +210,16 @@ mod tests {
     #[tokio::test]
     async fn a_request_that_does_not_fit_waits_for_a_slot_or_is_refused() {
         let l = Limiter::new(64);
-        let first = l.acquire(1, true, 1, Duration::from_secs(1), 1).await;
+        let first = l.acquire(1, Duration::from_secs(1), 1).await;
         assert_eq!(first, Ok(()), "the floor: one request per ranker");
         // No budget left to wait: refused at once.
-        let e = l.acquire(1, true, 1, Duration::ZERO, 1).await.unwrap_err();
+        let e = l.acquire(1, Duration::ZERO, 1).await.unwrap_err();
         assert_eq!((e.in_flight, e.limit), (1, 1));
         // With budget: it waits, and gets the slot the first one frees.
         let l = std::sync::Arc::new(l);
         let waiter = {
             let l = l.clone();
-            tokio::spawn(async move { l.acquire(1, true, 1, Duration::from_secs(1), 1).await })
+            tokio::spawn(async move { l.acquire(1, Duration::from_secs(1), 1).await })
         };
         while l.lock().waiting.is_empty() {
             tokio::task::yield_now().await;
@@ -234,10 +227,9 @@ mod tests {
         l.release(1);
         assert_eq!(waiter.await.unwrap(), Ok(()));
         assert_eq!(l.in_flight(), 1);
-        // Nothing frees a slot: it gives up after INTERVAL and leaves the queue.
-        let e = l.acquire(1, true, 1, Duration::from_secs(1), 1).await;
+        // Nothing frees a slot: it gives up when its budget would run out, and leaves the queue.
+        let e = l.acquire(1, 20 * MS, 1).await;
         assert!(e.is_err());
         assert!(l.lock().waiting.is_empty());
-        assert!(MS < INTERVAL);
     }
 }

@@ -4,9 +4,8 @@
 //!
 //! Two rules, chosen by the router's `admission` setting (docs/api.md, "Admission control"):
 //! * `adaptive` (the default): an adaptive limit on the rows in flight to the backends
-//!   (gradient.rs), with a short CoDel-bounded wait for a slot (limiter.rs). A request is
-//!   charged the mean request's rows at the door and topped up to its own rows once parsed;
-//!   one that then does not fit is refused the same way, before any lookup.
+//!   (gradient.rs), with a CoDel-bounded wait for a slot (limiter.rs). A request is charged
+//!   the mean request's rows at the door and topped up to its own rows once parsed.
 //! * `estimate`: an estimate of the request's latency from stage averages against a share of
 //!   its budget (estimate.rs).
 //!
@@ -240,7 +239,7 @@ impl Admission {
                 return Err(self.refuse(too_short(no_load, left)));
             }
             self.limiter
-                .acquire(cost, true, cost, left, load.healthy)
+                .acquire(cost, left, load.healthy)
                 .await
                 .map_err(|f| self.refuse(limit_shed(f)))?;
             permit.charged = cost;
@@ -249,14 +248,8 @@ impl Admission {
     }
 
     /// Tops a request's charge up (or down) to its `rows` once parsed, before any lookup; a
-    /// request that does not fit (after a short wait) is refused like one at the door.
-    pub async fn fit(
-        &self,
-        permit: &mut Permit<'_>,
-        rows: u64,
-        left: Duration,
-        load: &RankerLoad,
-    ) -> Result<(), Shed> {
+    /// request whose budget left is below the no-load latency of its size is refused.
+    pub fn fit(&self, permit: &mut Permit<'_>, rows: u64, left: Duration) -> Result<(), Shed> {
         if permit.charged == 0 {
             return Ok(());
         }
@@ -265,11 +258,11 @@ impl Admission {
         if let Some(no_load) = self.limiter.no_load(rows).filter(|n| *n > left) {
             return Err(self.refuse(too_short(no_load, left)));
         }
+        // Never a wait here: a request that held its door charge while waiting for more
+        // could wait on another doing the same (hold and wait), and both expire (measured:
+        // 504s at the parse stage). Past the limit, the next arrivals wait instead.
         if rows > permit.charged {
-            self.limiter
-                .acquire(rows - permit.charged, false, rows, left, load.healthy)
-                .await
-                .map_err(|f| self.refuse(limit_shed(f)))?;
+            self.limiter.top_up(rows - permit.charged);
         } else {
             self.limiter.refund(permit.charged - rows);
         }
@@ -350,13 +343,17 @@ mod tests {
         };
         let second = Duration::from_secs(1);
         let mut permit = a.admit(Duration::ZERO, second, &load).await.unwrap();
-        a.fit(&mut permit, 100, second, &load).await.unwrap();
+        a.fit(&mut permit, 100, second).unwrap();
         a.observe(&permit, Stages::default(), second); // a no-load latency above zero
         drop(permit);
         // All of its budget spent before admission: idle as the router is, it cannot be met.
         let e = a.admit(second, second, &load).await.err().unwrap();
         assert_eq!(e.reason, ShedReason::Estimate);
-        assert!(e.message.contains("cannot be met: 0.0 ms of it left"), "{}", e.message);
+        assert!(
+            e.message.contains("cannot be met: 0.0 ms of it left"),
+            "{}",
+            e.message
+        );
         assert_eq!(a.shed_total(ShedReason::Estimate), 1);
         assert!(a.admit(Duration::ZERO, second, &load).await.is_ok());
     }
