@@ -4,15 +4,16 @@
 //! Netflix's Gradient2 and Envoy's adaptive concurrency filter).
 //!
 //! * Usual latency: per request size (log2 of its rows), a slow moving average of the
-//!   latencies seen, pulled down quickly when requests run much faster than it (the queues
-//!   drained). A latency that stays high becomes the usual one: the limit does not collapse
-//!   on a machine that is slow for reasons more load does not change (measured: a limit that
-//!   compared with the least latency seen sank to one request per ranker on a busy machine
-//!   and refused requests far below capacity).
+//!   latencies seen while less than half the limit was in use (so it measures the machine,
+//!   not the queues the limit lets build), pulled down quickly when requests run much faster
+//!   than it (the queues drained). On a machine slow for reasons more load does not change,
+//!   the usual latency follows, and the limit does not collapse (measured: a limit compared
+//!   with the least latency seen sank to one request per ranker on a busy machine and refused
+//!   requests far below capacity).
 //! * Each sample: `limit ← (1 − SMOOTHING) limit + SMOOTHING (limit × g + cost)` with
-//!   `g = clamp(target / latency, 0.5, 1)`, `target = usual × TOLERANCE`, at most
-//!   `share × budget` (the same share the estimate rule uses): the budget bounds the queues
-//!   however the usual latency drifts. The `cost` is the headroom: one more request of the
+//!   `g = clamp(target / latency, 0.5, 1)`, `target = usual × TOLERANCE`, at least
+//!   `TARGET_FLOOR` of and at most the `share × budget` the request's budget allows (the same
+//!   share the estimate rule uses). The `cost` is the headroom: one more request of the
 //!   sample's size, so the limit keeps probing upwards while latency holds.
 //! * A sample taken while less than half the limit was in use says nothing about the limit:
 //!   it is not applied (unless it missed its budget).
@@ -35,6 +36,9 @@ const USUAL_WEIGHT: f64 = 0.02;
 /// A sample this many times faster than the usual latency pulls it down by `USUAL_DECAY`.
 const DRAINED: f64 = 2.0;
 const USUAL_DECAY: f64 = 0.95;
+/// The latency target is at least this share of what the budget allows: a latency that far
+/// within the budget is no reason to refuse work, however it compares with the usual one.
+const TARGET_FLOOR: f64 = 0.2;
 /// The weight of one sample's proposal in the limit.
 const SMOOTHING: f64 = 0.2;
 /// The windowed minimum's window.
@@ -42,6 +46,11 @@ pub const WINDOW: Duration = Duration::from_secs(5);
 /// An idle limiter doubles its limit this often.
 pub const PROBE_AFTER: Duration = Duration::from_secs(1);
 const BUCKETS: usize = 32;
+/// Until the first sample is applied, the limit is at least this many requests of the mean
+/// size per healthy ranker: a fresh router knows nothing yet, and refusing a handful of
+/// concurrent first requests would be a cold-start error (measured: 503s to 6 concurrent
+/// requests on a just-started deployment).
+const INITIAL_REQUESTS: f64 = 16.0;
 
 /// One finished request, as the limit learns from it.
 #[derive(Clone, Copy, Debug)]
@@ -76,6 +85,8 @@ pub struct Gradient {
     min: MinWindow,
     /// Per request size, the usual latency in µs (0: none seen).
     usual: [f64; BUCKETS],
+    /// A sample has moved the limit.
+    learnt: bool,
     last_sample: Instant,
 }
 
@@ -91,6 +102,7 @@ impl Gradient {
             healthy: 1,
             min: MinWindow::new(now),
             usual: [0.0; BUCKETS],
+            learnt: false,
             last_sample: now,
         }
     }
@@ -129,6 +141,9 @@ impl Gradient {
             let periods = (idle.as_secs_f64() / PROBE_AFTER.as_secs_f64()).floor();
             self.limit *= 2f64.powf(periods.min(32.0));
             self.last_sample = now;
+        }
+        if !self.learnt {
+            self.limit = self.limit.max(INITIAL_REQUESTS * self.floor());
         }
         self.limit = self.limit.clamp(self.floor(), self.ceiling());
     }
@@ -175,28 +190,34 @@ impl Gradient {
         self.last_sample = now;
         let us = s.latency.as_secs_f64().max(1e-6) * 1e6;
         let b = bucket(s.cost);
+        let app_limited = (s.in_flight as f64) < self.limit / 2.0;
         if !s.expired {
             self.min.record(b, us);
             let usual = &mut self.usual[b];
-            *usual = if *usual == 0.0 {
-                us
-            } else {
-                *usual + USUAL_WEIGHT * (us - *usual)
-            };
+            // Learnt only where the limit queues nothing, so that it measures the machine,
+            // not the queues the limit lets build.
+            if *usual == 0.0 {
+                *usual = us;
+            } else if app_limited {
+                *usual += USUAL_WEIGHT * (us - *usual);
+            }
             if *usual > DRAINED * us {
                 *usual *= USUAL_DECAY;
             }
         }
-        let app_limited = (s.in_flight as f64) < self.limit / 2.0;
         if app_limited && !s.expired {
             return;
         }
         let g = if s.expired {
             0.5
         } else {
-            let target = (self.usual[b] * TOLERANCE).min(s.allowed.as_secs_f64() * 1e6);
+            let allowed = s.allowed.as_secs_f64() * 1e6;
+            let target = (self.usual[b] * TOLERANCE)
+                .max(allowed * TARGET_FLOOR)
+                .min(allowed);
             (target / us).clamp(0.5, 1.0)
         };
+        self.learnt = true;
         let proposed = self.limit * g + s.cost as f64;
         self.limit = (1.0 - SMOOTHING) * self.limit + SMOOTHING * proposed;
         self.limit = self.limit.clamp(self.floor(), self.ceiling());
@@ -292,27 +313,47 @@ mod tests {
         assert_eq!(g2.limit(), before);
     }
 
+    /// A sample with `in_flight` rows in use whose budget allows 100 ms (a floor of 20 ms).
+    fn tight(latency: Duration, in_flight: u64) -> Sample {
+        Sample {
+            allowed: 100 * MS,
+            ..sample(100, latency, in_flight)
+        }
+    }
+
     #[test]
-    fn shrinks_under_a_rising_latency_and_a_lasting_one_becomes_the_usual() {
+    fn shrinks_when_latency_rises_under_load() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        let mut last = g.limit();
+        for _ in 0..500 {
+            g.observe(tight(40 * MS, last), now); // 40 ms against a target of 20: g = 0.5
+            assert!(g.limit() <= last, "{} > {last}", g.limit());
+            last = g.limit();
+        }
+        // At g = 0.5 the headroom of one request holds it at two requests.
+        assert_eq!(last, 200);
+    }
+
+    #[test]
+    fn a_slow_machine_at_low_load_becomes_the_usual_latency() {
+        let now = Instant::now();
+        let mut g = grown(now);
+        for _ in 0..300 {
+            g.observe(tight(40 * MS, 0), now); // little in flight: the machine is slow
+        }
+        let before = g.limit();
+        g.observe(tight(40 * MS, before), now);
+        assert!(g.limit() >= before, "{} < {before}", g.limit());
+    }
+
+    #[test]
+    fn a_latency_far_within_the_budget_does_not_shrink_it() {
         let now = Instant::now();
         let mut g = grown(now);
         let before = g.limit();
-        g.observe(sample(100, 40 * MS, before), now); // 8× the usual: g = 0.5
-        assert!(g.limit() < before, "{} !< {before}", g.limit());
-        // A machine that stays slow: the usual latency follows, and the limit stops falling
-        // and grows again instead of sinking to the floor.
-        let mut lowest = g.limit();
-        for _ in 0..1000 {
-            let busy = g.limit();
-            g.observe(sample(100, 40 * MS, busy), now);
-            lowest = lowest.min(g.limit());
-        }
-        assert!(lowest > 100, "sank to {lowest}");
-        assert!(
-            g.limit() > lowest,
-            "{} never grew back from {lowest}",
-            g.limit()
-        );
+        g.observe(sample(100, 40 * MS, before), now); // 8x the usual, 4% of 1 s
+        assert!(g.limit() >= before, "{} < {before}", g.limit());
     }
 
     #[test]
@@ -331,6 +372,26 @@ mod tests {
             );
         }
         assert_eq!(g.limit(), 200);
+    }
+
+    #[test]
+    fn a_fresh_limiter_admits_several_requests_per_ranker_until_it_learns() {
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.sized(100);
+        g.refresh(now, 2);
+        assert_eq!(
+            g.limit(),
+            3200,
+            "16 requests of 100 rows for each of 2 rankers"
+        );
+        g.observe(tight(5 * MS, 0), now); // at low load: the usual latency, the limit as it was
+        assert_eq!(g.limit(), 3200);
+        for _ in 0..50 {
+            g.observe(tight(40 * MS, 3200), now); // past the target under load: shrinks
+        }
+        g.refresh(now, 2);
+        assert!(g.limit() < 3200, "{}", g.limit());
     }
 
     #[test]
