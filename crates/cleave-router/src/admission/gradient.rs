@@ -156,11 +156,10 @@ impl Gradient {
         (self.max_in_flight as f64 * self.largest_cost as f64).max(self.floor())
     }
 
-    /// Whether `extra` rows more fit: under the limit, or (the floor) fewer requests than
-    /// healthy rankers hold a charge. `new`: the request holds no charge yet.
-    pub fn fits(&self, extra: u64, new: bool) -> bool {
-        let others = self.requests.saturating_sub(usize::from(!new));
-        others < self.healthy || (self.in_flight + extra) as f64 <= self.limit.round()
+    /// Whether a new request of `rows` fits: under the limit, or (the floor) fewer requests
+    /// than healthy rankers hold a charge.
+    pub fn fits(&self, rows: u64) -> bool {
+        self.requests < self.healthy || (self.in_flight + rows) as f64 <= self.limit.round()
     }
 
     pub fn charge(&mut self, extra: u64, new: bool) {
@@ -298,7 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn grows_while_latency_stays_at_the_minimum() {
+    fn grows_while_latency_stays_at_the_usual() {
         let now = Instant::now();
         let mut g = Gradient::new(2048, now);
         g.refresh(now, 1);
@@ -463,18 +462,13 @@ mod tests {
         assert_eq!(g.door_cost(), 100);
         g.charge(100, true);
         g.charge(800, false); // topped up to 900 rows
-        assert!(g.fits(100, true));
-        assert!(!g.fits(101, true));
-        // A 2,048-row request fits only alone (or within the floor).
+        assert!(g.fits(100));
+        assert!(!g.fits(101));
+        // A 2,048-row request fits only alone (the floor: one request per ranker).
         g.uncharge(900, true);
-        assert_eq!((g.in_flight(), g.fits(2048, true)), (0, true));
-        g.charge(100, true);
-        assert!(
-            g.fits(1948, false),
-            "its own top-up: it is the ranker's one request"
-        );
-        g.charge(100, true);
-        assert!(!g.fits(1948, false));
+        assert_eq!((g.in_flight(), g.fits(2048)), (0, true));
+        g.charge(2048, true);
+        assert!(!g.fits(1));
         // The door charge follows the sizes seen.
         for _ in 0..100 {
             g.sized(2048);

@@ -88,7 +88,7 @@ impl Limiter {
             let mut s = self.lock();
             let now = Instant::now();
             s.gradient.refresh(now, healthy);
-            if s.waiting.is_empty() && s.gradient.fits(rows, true) {
+            if s.waiting.is_empty() && s.gradient.fits(rows) {
                 s.gradient.charge(rows, true);
                 return Ok(());
             }
@@ -184,7 +184,7 @@ impl State {
                 return;
             };
             // One whose request was dropped (the client left) is skipped.
-            if !w.grant.is_closed() && !self.gradient.fits(w.rows, true) {
+            if !w.grant.is_closed() && !self.gradient.fits(w.rows) {
                 return;
             }
             let w = if standing {
