@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 from cleave.bench.loadgen import codec_counters
 from cleave.launch.process import ServeProcess
-from support.served import SCALES, grpc_target
+from support.served import SCALES, grpc_target, roomy_budget
 from support.triton import served_model, triton_round_trips
 
 pytestmark = pytest.mark.filterwarnings(
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings(
 def test_grpc_clients_get_the_models_scores(tmp_path, name):
     bundle_dir, requests = served_model(tmp_path, name)
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--grpc-port", "0"]
-    with ServeProcess(bundle_dir, *flags) as server:
+    with ServeProcess(bundle_dir, *flags, *roomy_budget(tmp_path)) as server:
         target = grpc_target(server)
         model_name = bundle_dir.name
         with grpcclient.InferenceServerClient(url=target) as client:

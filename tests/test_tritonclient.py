@@ -15,7 +15,7 @@ import tritonclient.http.aio as aioclient
 from cleave.bench.loadgen import codec_counters
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS
-from support.served import SCALES
+from support.served import SCALES, roomy_budget
 from support.triton import served_model, triton_round_trips
 
 pytestmark = pytest.mark.filterwarnings(
@@ -32,7 +32,7 @@ def test_every_reference_model_is_covered():
 def test_tritonclient_http_sync_and_async_get_the_models_scores(tmp_path, name):
     bundle_dir, requests = served_model(tmp_path, name)
     flags = ["--shards", "1", "--rankers", "1", "--threads", "1"]
-    with ServeProcess(bundle_dir, *flags) as server:
+    with ServeProcess(bundle_dir, *flags, *roomy_budget(tmp_path)) as server:
         url = server.url.removeprefix("http://")
         model_name = bundle_dir.name
         with httpclient.InferenceServerClient(url=url) as client:

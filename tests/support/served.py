@@ -84,6 +84,14 @@ def run_serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cli("serve", *args), capture_output=True, text=True, timeout=60)
 
 
+def roomy_budget(tmp_path: Path) -> list[str]:
+    """`cleave serve` flags for a 20 s budget: for tests of plumbing and scores, not latency,
+    which a machine busy with other test workers must still pass (docs/testing.md)."""
+    config = tmp_path / "roomy-budget.toml"
+    config.write_text("[router]\nbudget_ms = 20000\n")
+    return ["--config", str(config)]
+
+
 def grpc_target(server: ServeProcess) -> str:
     """The router's gRPC address (`HOST:PORT`) when it was given --grpc-port 0: what its
     "listening http://ADDR grpc=ADDR" line says (the launcher forwards it before ready)."""
