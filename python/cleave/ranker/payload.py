@@ -88,6 +88,8 @@ def _read_tensors(
         if offset + 8 * ndim > size:
             raise PayloadError(f"{where}: {ndim} dims need {8 * ndim} bytes, payload ends")
         dims = struct.unpack_from(f"<{ndim}Q", buf, offset)
+        if any(d >= 1 << 63 for d in dims):  # torch shapes are int64; a 0 dim hides it from numel
+            raise PayloadError(f"{where}: shape {list(dims)} has a dim past 2^63 - 1")
         offset += 8 * ndim
         numel = 1
         for d in dims:

@@ -286,10 +286,15 @@ mod tests {
 
     /// A limiter with one healthy ranker whose limit grew on fast 100-row requests.
     fn grown(now: Instant) -> Gradient {
-        let mut g = Gradient::new(2048, now);
+        grown_on(2048, 200, now)
+    }
+
+    /// `samples` fast 100-row requests, each taken with the whole limit in use.
+    fn grown_on(max_in_flight: usize, samples: usize, now: Instant) -> Gradient {
+        let mut g = Gradient::new(max_in_flight, now);
         g.refresh(now, 1);
         g.sized(100);
-        for _ in 0..200 {
+        for _ in 0..samples {
             let busy = g.limit();
             g.observe(sample(100, 5 * MS, busy), now);
         }
@@ -404,14 +409,7 @@ mod tests {
 
     #[test]
     fn never_above_max_in_flight_requests_of_the_largest_size() {
-        let now = Instant::now();
-        let mut g = Gradient::new(4, now);
-        g.refresh(now, 1);
-        g.sized(100);
-        for _ in 0..1000 {
-            let busy = g.limit();
-            g.observe(sample(100, 5 * MS, busy), now);
-        }
+        let g = grown_on(4, 1000, Instant::now());
         assert_eq!(g.limit(), 400);
     }
 
