@@ -93,7 +93,7 @@ def test_quick_end_to_end_bench_serves_both_ways_and_writes_ratios(tmp_path):
             sent = point["sent_by_router"]
             assert len(sent) == 2 and min(sent) > 0 and sum(sent) == point["sent"], point
             counted = point["metrics"]["requests_by_router"]
-            assert len(counted) == 2 and min(counted.values()) > 0, counted
+            assert len(counted) == 2 and min(counted.values()) > 0, (counted, point["errors"])
     ratios = result["ratios"]
     assert {"max_goodput_incast_on_over_off", "max_rate_incast_on_over_off"} <= set(ratios)
     assert set(ratios["goodput_incast_on_over_off_by_rate"]) == {"10.0"}

@@ -88,6 +88,8 @@ pub struct Gradient {
     /// A sample has moved the limit.
     learnt: bool,
     last_sample: Instant,
+    /// Per request size, when one was last admitted past the no-load check.
+    admitted: [Option<Instant>; BUCKETS],
 }
 
 impl Gradient {
@@ -104,6 +106,7 @@ impl Gradient {
             usual: [0.0; BUCKETS],
             learnt: false,
             last_sample: now,
+            admitted: [None; BUCKETS],
         }
     }
 
@@ -130,6 +133,34 @@ impl Gradient {
     pub fn no_load(&self, cost: u64) -> Option<Duration> {
         let us = self.min.get(bucket(cost))?;
         Some(Duration::from_secs_f64(us / 1e6))
+    }
+
+    /// The no-load latency of a request of `cost` rows when the `left` of its budget is below
+    /// it: the request would only expire. But a refusal measures nothing, so a minimum taken
+    /// while the machine was busy would refuse every request of that size for up to two
+    /// windows (measured: a router refused all of its requests under the parallel CI
+    /// suite). So one goes through as a probe when nothing but its own `own` rows is in
+    /// flight, no request of its size was admitted for `PROBE_AFTER`, and `left` is at least
+    /// half the minimum: at most one request a second is risked, and only on a bet that the
+    /// machine got up to twice as fast.
+    pub fn beyond_reach(
+        &self,
+        cost: u64,
+        left: Duration,
+        own: u64,
+        now: Instant,
+    ) -> Option<Duration> {
+        let no_load = self.no_load(cost).filter(|n| *n > left)?;
+        let quiet = self.in_flight <= own;
+        let stale = self.admitted[bucket(cost)]
+            .is_none_or(|t| now.saturating_duration_since(t) >= PROBE_AFTER);
+        let near = left * 2 >= no_load;
+        (!(quiet && stale && near)).then_some(no_load)
+    }
+
+    /// A request of `cost` rows was admitted past the no-load check.
+    pub fn admitted(&mut self, cost: u64, now: Instant) {
+        self.admitted[bucket(cost)] = Some(now);
     }
 
     /// Brings the bounds and the idle probe up to date.
@@ -472,6 +503,37 @@ mod tests {
             g.sized(2048);
         }
         assert_eq!(g.door_cost(), 2048);
+    }
+
+    #[test]
+    fn a_request_beyond_reach_goes_through_as_a_probe_once_a_second_when_idle() {
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.observe(sample(100, 30 * MS, 0), now); // measured on a busy machine
+        g.admitted(100, now);
+        let left = 25 * MS;
+        assert_eq!(g.beyond_reach(100, 30 * MS, 0, now), None, "within reach");
+        assert_eq!(
+            g.beyond_reach(100, left, 0, now),
+            Some(30 * MS),
+            "one just went through"
+        );
+        let later = now + PROBE_AFTER;
+        assert_eq!(
+            g.beyond_reach(100, left, 0, later),
+            None,
+            "idle for a second: a probe"
+        );
+        // Not while another request is in flight (its own charge aside), nor far out of reach.
+        g.charge(100, true);
+        assert_eq!(g.beyond_reach(100, left, 0, later), Some(30 * MS));
+        assert_eq!(g.beyond_reach(100, left, 100, later), None);
+        assert_eq!(g.beyond_reach(100, 14 * MS, 100, later), Some(30 * MS));
+        // The probe's own measurement corrects the minimum.
+        g.admitted(100, later);
+        g.observe(sample(100, 5 * MS, 100), later);
+        assert_eq!(g.beyond_reach(100, left, 100, later), None);
+        assert_eq!(g.no_load(100), Some(5 * MS));
     }
 
     #[test]

@@ -71,9 +71,12 @@ impl Limiter {
         self.lock().gradient.limit()
     }
 
-    /// The least latency a request of `rows` was measured to take (`None`: none measured).
-    pub fn no_load(&self, rows: u64) -> Option<Duration> {
-        self.lock().gradient.no_load(rows)
+    /// The least latency a request of `rows` was measured to take, when the `left` of its
+    /// budget is below it (gradient.rs: a probe may go through); `own`: rows it holds.
+    pub fn beyond_reach(&self, rows: u64, left: Duration, own: u64) -> Option<Duration> {
+        self.lock()
+            .gradient
+            .beyond_reach(rows, left, own, Instant::now())
     }
 
     /// A new request's charge before its body is read.
@@ -148,6 +151,10 @@ impl Limiter {
 
     pub fn sized(&self, rows: u64) {
         self.lock().gradient.sized(rows);
+    }
+
+    pub fn admitted(&self, rows: u64) {
+        self.lock().gradient.admitted(rows, Instant::now());
     }
 
     pub fn in_flight(&self) -> u64 {

@@ -234,8 +234,8 @@ impl Admission {
             let cost = self.limiter.door_cost();
             let left = budget.saturating_sub(elapsed);
             // A budget that even an idle deployment cannot meet is refused at once, whatever
-            // the load: admitted, it would only expire.
-            if let Some(no_load) = self.limiter.no_load(cost).filter(|n| *n > left) {
+            // the load: admitted, it would only expire (but for a rare probe: gradient.rs).
+            if let Some(no_load) = self.limiter.beyond_reach(cost, left, 0) {
                 return Err(self.refuse(too_short(no_load, left)));
             }
             self.limiter
@@ -255,9 +255,10 @@ impl Admission {
         }
         let rows = rows.max(1);
         self.limiter.sized(rows);
-        if let Some(no_load) = self.limiter.no_load(rows).filter(|n| *n > left) {
+        if let Some(no_load) = self.limiter.beyond_reach(rows, left, permit.charged) {
             return Err(self.refuse(too_short(no_load, left)));
         }
+        self.limiter.admitted(rows);
         // Never a wait here: a request that held its door charge while waiting for more
         // could wait on another doing the same (hold and wait), and both expire (measured:
         // 504s at the parse stage). Past the limit, the next arrivals wait instead.
