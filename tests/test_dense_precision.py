@@ -120,7 +120,7 @@ def test_reduced_dtype_without_labels_or_with_bad_labels_is_a_clear_error(model,
     net, example = model
     with pytest.raises(UsageError, match="needs a labelled set"):
         cleave.partition(net, example, dense_dtype="bfloat16")
-    with pytest.raises(UsageError, match="dense dtype must be one of"):
+    with pytest.raises(UsageError, match='dense dtype must be "float32", "bfloat16" or "int8"'):
         cleave.partition(net, example, dense_dtype="float8")
     (args, labels) = labelled[0]
     with pytest.raises(UsageError, match="labels, but the model's first output has"):

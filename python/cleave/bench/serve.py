@@ -44,6 +44,7 @@ from cleave.bench.harness.workload import Workload, parse_protocols, print_roofl
 from cleave.bench.machine import go_realtime
 from cleave.bench.plot import plot_hosts, plot_results
 from cleave.errors import UsageError
+from cleave.settings.choices import DENSE_DTYPES
 
 __all__ = [
     "Target",
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dense-dtype",
-        choices=["float32", "bfloat16", "int8"],
+        choices=DENSE_DTYPES.names,
         default="float32",
         help="serve a bundle with this dense precision (refused if it fails its accuracy "
         "check); a reduced one is compared with the float32 bundle served the same way",

@@ -22,15 +22,15 @@ import torch
 from torch import fx
 
 from cleave.errors import UsageError
+from cleave.settings.choices import DENSE_DTYPES
 
-DENSE_DTYPES = ("float32", "bfloat16", "int8")
 # The CPU feature flags (/proc/cpuinfo) that make each reduced precision fast.
 FAST_ON = {"bfloat16": ("avx512_bf16", "amx_bf16"), "int8": ("avx512_vnni", "avx_vnni", "amx_int8")}
 
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DENSE_DTYPES:
-        raise UsageError(f"dense dtype must be one of {', '.join(DENSE_DTYPES)}, got {dtype!r}")
+        raise UsageError(f"dense dtype must be {DENSE_DTYPES.expected()}, got {dtype!r}")
     return dtype
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import BundleError
+from cleave.settings.choices import TABLE_DTYPES
 
-TABLE_DTYPES = ("float32", "float16", "int8_rowwise", "int4_rowwise")
 # Codes per row-wise type: the largest code, and the bytes its codes take for `dim` elements.
 _ROWWISE = {"int8_rowwise": (255, lambda dim: dim), "int4_rowwise": (15, lambda dim: -(-dim // 2))}
 _CRC_CHUNK = 64 << 20
@@ -27,7 +27,7 @@ def row_bytes(dtype: str, dim: int) -> int:
         return 2 * dim
     if dtype in _ROWWISE:
         return _ROWWISE[dtype][1](dim) + 8
-    raise BundleError(f"table dtype must be one of {', '.join(TABLE_DTYPES)}, got {dtype!r}")
+    raise BundleError(f"table dtype must be {TABLE_DTYPES.expected()}, got {dtype!r}")
 
 
 def encode(weight: np.ndarray, dtype: str) -> np.ndarray:

@@ -7,9 +7,9 @@ import importlib
 import json
 import sys
 
-from cleave.bundle.precision import DENSE_DTYPES
 from cleave.errors import UsageError
 from cleave.partitioner.accuracy import REFERENCE_SAMPLES
+from cleave.settings.choices import DENSE_DTYPES, TABLE_DTYPE_SHORT_NAMES, TABLE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table-dtype",
         default="float32",
-        choices=["float32", "float16", "int8_rowwise", "int8", "int4_rowwise", "int4"],
+        choices=[*TABLE_DTYPES, *TABLE_DTYPE_SHORT_NAMES],
         help="storage type of the embedding tables (int8 = int8_rowwise, int4 = int4_rowwise)",
     )
     parser.add_argument(
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from cleave.partitioner import AccuracyLimits, partition
 
     model, example = load_factory(args.model)
-    dtype = {"int8": "int8_rowwise", "int4": "int4_rowwise"}.get(args.table_dtype, args.table_dtype)
+    dtype = TABLE_DTYPE_SHORT_NAMES.get(args.table_dtype, args.table_dtype)
     labelled, typical = load_labelled(args)
     bundle = partition(
         model,

@@ -64,6 +64,8 @@ def helm_settings() -> str:
         "admission": choices.ADMISSION_RULES,
         "device": choices.DEVICES,
         "mode": choices.MODES,
+        "table_dtype": choices.TABLE_DTYPES,
+        "dense_dtype": choices.DENSE_DTYPES,
     }
     values = {
         "generated": "by `python -m cleave.settings --write` from python/cleave/settings",

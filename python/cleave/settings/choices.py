@@ -58,5 +58,11 @@ ADMISSION_RULES = Choices(("adaptive", "estimate"))
 # Internal sockets: Unix sockets (every role on one host) or TCP.
 TRANSPORTS = Choices(("unix", "tcp"))
 DEVICES = Choices(("auto", "cpu", "cuda"))
+# How a bundle stores its embedding tables (cleave/bundle/tables.py, cleave_embed::bundle), and
+# the shorter names `cleave partition --table-dtype` also takes for the row-wise ones.
+TABLE_DTYPES = Choices(("float32", "float16", "int8_rowwise", "int4_rowwise"))
+TABLE_DTYPE_SHORT_NAMES = {"int8": "int8_rowwise", "int4": "int4_rowwise"}
+# The precision a bundle's dense program runs at (cleave/bundle/precision.py).
+DENSE_DTYPES = Choices(("float32", "bfloat16", "int8"))
 # A plan's mode; `cleave serve`'s monolithic and router_held flags choose among the same.
 MODES = Choices(("disaggregated", "monolithic", "router-held"))
