@@ -76,7 +76,9 @@ fn table_files_in_every_storage_type() {
 fn table_dtype_names_are_the_settings_schemas() {
     let text = include_str!("../../../deploy/helm/cleave/files/settings.json");
     let settings: serde_json::Value = serde_json::from_str(text).unwrap();
-    let names = settings["choices"]["table_dtype"]["names"].as_array().unwrap();
+    let names = settings["choices"]["table_dtype"]["names"]
+        .as_array()
+        .unwrap();
     assert!(!names.is_empty());
     for name in names {
         let dtype: TableDtype = serde_json::from_value(name.clone()).unwrap();
