@@ -11,12 +11,18 @@
 //! serialized request messages, the replies the serialized response messages. Python's asyncio
 //! gRPC client spent more CPU per call than the router it measured.
 //!
+//! With [`Run::closed`] it runs closed loop instead: a fixed number of clients, each sending its
+//! next request when its last one answered (how a deployment's capacity is measured, with no
+//! schedule to fall behind).
+//!
 //! [`shard`] drives one embedding shard over its wire protocol (`cleave bench shard`), open or
 //! closed loop.
 
 mod grpc;
 pub mod shard;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,7 +37,7 @@ use hyper_util::rt::TokioExecutor;
 pub struct Outcome {
     /// Which body was sent.
     pub body: usize,
-    /// Its send time from the start of the run.
+    /// Its send time from the start of the run (closed loop: when it was sent).
     pub scheduled_s: f64,
     /// How late the client sent it.
     pub lag_s: f64,
@@ -46,8 +52,9 @@ pub struct Outcome {
     pub reply: Option<Bytes>,
 }
 
-/// One run: POST `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start.
-/// `url` is `http://...` (HTTP/1.1) or `grpc://HOST:PORT/package.Service/Method`.
+/// One run: POST `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start (or, with
+/// `closed`, the bodies of `order` in turn, closed loop). `url` is `http://...` (HTTP/1.1) or
+/// `grpc://HOST:PORT/package.Service/Method`.
 pub struct Run {
     pub url: String,
     pub bodies: Vec<Bytes>,
@@ -59,13 +66,29 @@ pub struct Run {
     pub order: Vec<usize>,
     pub timeout: Duration,
     pub keep_replies: bool,
+    /// Closed loop instead of `times_s` (which must then be empty).
+    pub closed: Option<ClosedLoop>,
+}
+
+/// `clients` clients, each sending its next request when its last one answered, for `duration`.
+#[derive(Clone, Copy, Debug)]
+pub struct ClosedLoop {
+    pub clients: usize,
+    pub duration: Duration,
 }
 
 impl Run {
     /// Runs the schedule to the end (every request answered or timed out).
     pub fn execute(mut self) -> Result<Vec<Outcome>, String> {
         let (uri, grpc) = parse_url(&self.url)?;
-        if self.times_s.len() != self.order.len() {
+        if let Some(closed) = self.closed {
+            if !self.times_s.is_empty() || self.order.is_empty() || closed.clients == 0 {
+                return Err(
+                    "a closed loop takes no send times, at least one body index and one client"
+                        .into(),
+                );
+            }
+        } else if self.times_s.len() != self.order.len() {
             return Err(format!(
                 "{} send times but {} body indices",
                 self.times_s.len(),
@@ -97,7 +120,11 @@ impl Run {
                 *body = grpc::frame(body)?;
             }
         }
-        Ok(runtime.block_on(self.drive(uri, grpc)))
+        let run = Arc::new(self);
+        Ok(match run.closed {
+            Some(closed) => runtime.block_on(run.drive_closed(uri, grpc, closed)),
+            None => runtime.block_on(run.drive(uri, grpc)),
+        })
     }
 
     /// The POST of body `body`, with its headers (checked valid by `execute`).
@@ -122,14 +149,8 @@ impl Run {
             .expect("a POST of a parsed URI with checked headers is a valid request")
     }
 
-    async fn drive(self, uri: Uri, grpc: bool) -> Vec<Outcome> {
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder.http2_only(grpc);
-        // As gRPC's own clients do: an HTTP/2 request is several frames, and Nagle's
-        // algorithm held the last one back until the server's delayed ACK (milliseconds).
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client: Client<_, Full<Bytes>> = builder.build(connector);
+    async fn drive(self: Arc<Self>, uri: Uri, grpc: bool) -> Vec<Outcome> {
+        let client = http_client(grpc);
         let start = tokio::time::Instant::now() + Duration::from_millis(50);
         let mut tasks = Vec::with_capacity(self.times_s.len());
         for (&at, &body) in self.times_s.iter().zip(&self.order) {
@@ -137,43 +158,11 @@ impl Run {
             tokio::time::sleep_until(scheduled).await;
             let lag_s = scheduled.elapsed().as_secs_f64();
             let request = self.request(&uri, body, grpc);
-            let client = client.clone();
-            let (timeout, keep) = (self.timeout, self.keep_replies);
+            let (client, run) = (client.clone(), self.clone());
             tasks.push(tokio::spawn(async move {
-                let mut outcome = Outcome {
-                    body,
-                    scheduled_s: at,
-                    lag_s,
-                    latency_s: 0.0,
-                    status: 0,
-                    error: String::new(),
-                    reply: None,
-                };
-                let exchange = async {
-                    let response = client.request(request).await.map_err(|e| e.to_string())?;
-                    let status = response.status().as_u16();
-                    let (head, body) = response.into_parts();
-                    let collected = body.collect().await.map_err(|e| e.to_string())?;
-                    if !grpc {
-                        return Ok::<_, String>((status, String::new(), collected.to_bytes()));
-                    }
-                    let trailers = collected.trailers().cloned();
-                    let message = grpc::message(collected.to_bytes());
-                    let failure = grpc::failure(&head.headers, trailers.as_ref());
-                    Ok((status, failure, message))
-                };
-                match tokio::time::timeout(timeout, exchange).await {
-                    Ok(Ok((status, failure, bytes))) => {
-                        outcome.status = status;
-                        if keep && status == 200 && failure.is_empty() {
-                            outcome.reply = Some(bytes);
-                        }
-                        outcome.error = failure;
-                    }
-                    Ok(Err(e)) => outcome.error = format!("connection: {e}"),
-                    Err(_) => outcome.error = "timeout".into(),
-                }
-                outcome.latency_s = scheduled.elapsed().as_secs_f64();
+                let mut outcome = run.exchange(&client, request, body, scheduled, grpc).await;
+                outcome.scheduled_s = at;
+                outcome.lag_s = lag_s;
                 outcome
             }));
         }
@@ -185,6 +174,103 @@ impl Run {
         }
         outcomes
     }
+
+    async fn drive_closed(
+        self: Arc<Self>,
+        uri: Uri,
+        grpc: bool,
+        closed: ClosedLoop,
+    ) -> Vec<Outcome> {
+        let client = http_client(grpc);
+        let start = tokio::time::Instant::now();
+        let end = start + closed.duration;
+        let next = Arc::new(AtomicUsize::new(0)); // the clients take `order` in turn
+        let clients: Vec<_> = (0..closed.clients)
+            .map(|_| {
+                let (client, run, uri, next) =
+                    (client.clone(), self.clone(), uri.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut outcomes = Vec::new();
+                    while tokio::time::Instant::now() < end {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let body = run.order[k % run.order.len()];
+                        let sent = tokio::time::Instant::now();
+                        let mut outcome = run
+                            .exchange(&client, run.request(&uri, body, grpc), body, sent, grpc)
+                            .await;
+                        outcome.scheduled_s = (sent - start).as_secs_f64();
+                        outcomes.push(outcome);
+                    }
+                    outcomes
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::new();
+        for client in clients {
+            outcomes.extend(client.await.unwrap_or_default());
+        }
+        outcomes.sort_by(|a, b| a.scheduled_s.total_cmp(&b.scheduled_s));
+        outcomes
+    }
+
+    /// Sends one request and waits for the whole answer (or the timeout); latency counts from
+    /// `since`.
+    async fn exchange(
+        &self,
+        client: &HttpClient,
+        request: hyper::Request<Full<Bytes>>,
+        body: usize,
+        since: tokio::time::Instant,
+        grpc: bool,
+    ) -> Outcome {
+        let mut outcome = Outcome {
+            body,
+            scheduled_s: 0.0,
+            lag_s: 0.0,
+            latency_s: 0.0,
+            status: 0,
+            error: String::new(),
+            reply: None,
+        };
+        let exchange = async {
+            let response = client.request(request).await.map_err(|e| e.to_string())?;
+            let status = response.status().as_u16();
+            let (head, body) = response.into_parts();
+            let collected = body.collect().await.map_err(|e| e.to_string())?;
+            if !grpc {
+                return Ok::<_, String>((status, String::new(), collected.to_bytes()));
+            }
+            let trailers = collected.trailers().cloned();
+            let message = grpc::message(collected.to_bytes());
+            let failure = grpc::failure(&head.headers, trailers.as_ref());
+            Ok((status, failure, message))
+        };
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(Ok((status, failure, bytes))) => {
+                outcome.status = status;
+                if self.keep_replies && status == 200 && failure.is_empty() {
+                    outcome.reply = Some(bytes);
+                }
+                outcome.error = failure;
+            }
+            Ok(Err(e)) => outcome.error = format!("connection: {e}"),
+            Err(_) => outcome.error = "timeout".into(),
+        }
+        outcome.latency_s = since.elapsed().as_secs_f64();
+        outcome
+    }
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn http_client(grpc: bool) -> HttpClient {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.http2_only(grpc);
+    // As gRPC's own clients do: an HTTP/2 request is several frames, and Nagle's algorithm
+    // held the last one back until the server's delayed ACK (milliseconds).
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    builder.build(connector)
 }
 
 /// The URI to send to and whether the run speaks gRPC.

@@ -63,6 +63,7 @@ fn run(
         order,
         timeout: Duration::from_millis(timeout_ms),
         keep_replies: true,
+        closed: None,
     }
     .execute()
 }
@@ -139,6 +140,7 @@ fn grpc_calls_carry_messages_and_statuses() {
         order: vec![0, 1, 0],
         timeout: Duration::from_secs(5),
         keep_replies: true,
+        closed: None,
     }
     .execute()
     .unwrap();
@@ -172,6 +174,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
         order: vec![0],
         timeout: Duration::from_millis(10),
         keep_replies: false,
+        closed: None,
     };
     assert!(r
         .execute()
@@ -185,6 +188,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
         order: vec![0],
         timeout: Duration::from_millis(10),
         keep_replies: false,
+        closed: None,
     };
     assert!(r
         .execute()
@@ -198,9 +202,61 @@ fn bad_input_is_refused_before_anything_is_sent() {
         order: vec![0],
         timeout: Duration::from_millis(10),
         keep_replies: false,
+        closed: None,
     };
     assert!(r
         .execute()
         .unwrap_err()
         .contains("header name \"bad name\""));
+}
+
+#[test]
+fn a_closed_loop_keeps_at_most_its_clients_in_flight_and_cycles_the_bodies() {
+    let port = server("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+    let closed = cleave_loadgen::ClosedLoop {
+        clients: 3,
+        duration: Duration::from_millis(300),
+    };
+    let out = Run {
+        url: format!("http://127.0.0.1:{port}/x"),
+        bodies: vec![Bytes::from_static(b"{}"), Bytes::from_static(b"[]")],
+        headers: vec![],
+        times_s: vec![],
+        order: vec![0, 1],
+        timeout: Duration::from_secs(5),
+        keep_replies: false,
+        closed: Some(closed),
+    }
+    .execute()
+    .unwrap();
+    assert!(out.len() > 3, "{} requests", out.len());
+    assert!(out.iter().all(|o| o.status == 200 && o.error.is_empty()));
+    assert!(
+        out.iter().all(|o| o.scheduled_s < 0.3),
+        "none sent after the duration"
+    );
+    // Sent in order of time; at each send, at most 3 requests (itself included) unanswered.
+    for (i, o) in out.iter().enumerate() {
+        let open = out[..i]
+            .iter()
+            .filter(|p| p.scheduled_s + p.latency_s > o.scheduled_s + 1e-7)
+            .count();
+        assert!(open < 3, "{open} in flight before request {i}");
+    }
+    let second = out.iter().filter(|o| o.body == 1).count();
+    assert!(second > 0 && second < out.len(), "both bodies, in turn");
+    // Closed-loop input that cannot run.
+    let e = Run {
+        url: format!("http://127.0.0.1:{port}/x"),
+        bodies: vec![Bytes::from_static(b"{}")],
+        headers: vec![],
+        times_s: vec![0.0],
+        order: vec![0],
+        timeout: Duration::from_secs(1),
+        keep_replies: false,
+        closed: Some(closed),
+    }
+    .execute()
+    .unwrap_err();
+    assert!(e.contains("closed loop takes no send times"), "{e}");
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use cleave_loadgen::Run;
+use cleave_loadgen::{ClosedLoop, Run};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -23,11 +23,13 @@ type Row = (usize, f64, f64, f64, u16, String, Option<Py<PyBytes>>);
 
 /// POSTs `bodies[order[i]]` to `url` at `times_s[i]` seconds from the start, whether or not
 /// earlier requests have answered; each request may take `timeout_s`. `headers[i]` are extra
-/// request headers of `bodies[i]`.
+/// request headers of `bodies[i]`. With `clients` > 0 it runs closed loop instead for
+/// `closed_s` seconds: `clients` clients sending the bodies of `order` in turn, each when its
+/// last request answered (`times_s` empty).
 // The arguments are Python keyword arguments; a struct would only move them.
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (url, bodies, times_s, order, timeout_s=10.0, keep_replies=false, headers=None))]
+#[pyo3(signature = (url, bodies, times_s, order, timeout_s=10.0, keep_replies=false, headers=None, clients=0, closed_s=0.0))]
 fn http_load(
     py: Python<'_>,
     url: String,
@@ -37,8 +39,18 @@ fn http_load(
     timeout_s: f64,
     keep_replies: bool,
     headers: Option<Vec<Vec<(String, String)>>>,
+    clients: usize,
+    closed_s: f64,
 ) -> PyResult<Vec<Row>> {
     let timeout: Duration = duration(timeout_s, "timeout_s")?;
+    let closed = if clients > 0 {
+        Some(ClosedLoop {
+            clients,
+            duration: duration(closed_s, "closed_s")?,
+        })
+    } else {
+        None
+    };
     let run = Run {
         url,
         bodies: bodies.into_iter().map(Bytes::from).collect(),
@@ -47,6 +59,7 @@ fn http_load(
         order,
         timeout,
         keep_replies,
+        closed,
     };
     let outcomes = py.detach(|| run.execute()).map_err(PyValueError::new_err)?;
     Ok(outcomes

@@ -277,6 +277,22 @@ def open_loop_phases(
         offset += duration_s
     times = np.concatenate(pieces) if pieces else np.zeros(0)
     order = np.random.default_rng(seed + 1).integers(0, len(bodies), size=len(times))
+    return _native_load(url, bodies, times.tolist(), order.tolist(), timeout_s, replies, check)
+
+
+def closed_loop(
+    url: str, bodies: Sequence[bytes], clients: int, duration_s: float, timeout_s: float = 10.0
+) -> list[Sample]:
+    """`clients` clients for `duration_s`, each sending its next body (in a seeded random
+    order) when its last one answered: how many a deployment answers when the client never
+    waits on a schedule. A sample's `scheduled_s` is its send time."""
+    order = np.random.default_rng(0).integers(0, len(bodies), size=max(1024, len(bodies)))
+    rows = dict(clients=clients, closed_s=duration_s)
+    return _native_load(url, bodies, [], order.tolist(), timeout_s, False, None, **rows)
+
+
+def _native_load(url, bodies, times, order, timeout_s, replies, check, **closed) -> list[Sample]:
+    """The Rust generator's run (cleave._native.http_load), as samples."""
     from cleave._native import http_load
 
     parse = parse_reply
@@ -287,11 +303,12 @@ def open_loop_phases(
     rows = http_load(
         url,
         [bytes(b) for b in bodies],
-        times.tolist(),
-        order.tolist(),
+        times,
+        order,
         timeout_s,
         keep_replies=replies or check is not None,
         headers=[list(getattr(b, "headers", {}).items()) for b in bodies],
+        **closed,
     )
     samples = []
     for index, scheduled, lag, latency, status, error, reply in rows:

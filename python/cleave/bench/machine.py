@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
@@ -45,3 +46,49 @@ def go_realtime() -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     except (AttributeError, OSError) as err:
         raise UsageError(f"--realtime needs SCHED_FIFO (root or CAP_SYS_NICE): {err}") from None
+
+
+def parse_pin(spec: str) -> tuple[list[int] | None, list[int] | None]:
+    """`--pin SERVER:CLIENT` as two CPU lists ("0-2,5:3"); "auto": every allowed core but
+    the last for the server, the last for the client (no pinning on one core); "off": none."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "off" or (spec == "auto" and len(allowed) < 2):
+        return None, None
+    if spec == "auto":
+        return allowed[:-1], allowed[-1:]
+    try:
+        server, client = (_cpu_list(part) for part in spec.split(":"))
+    except ValueError:
+        raise UsageError(
+            f"--pin: expected SERVER:CLIENT CPU lists such as 0-2:3, auto or off, got {spec!r}"
+        ) from None
+    if not set(server) <= set(allowed) or not set(client) <= set(allowed):
+        raise UsageError(f"--pin {spec}: this process may use CPUs {allowed} only")
+    if set(server) & set(client):
+        raise UsageError(f"--pin {spec}: the server and the client share CPUs")
+    return server, client
+
+
+def _cpu_list(text: str) -> list[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(text)
+    return sorted(cpus)
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None):
+    """This thread on `cpus` (None: as it is) for the block; threads and processes it starts
+    meanwhile keep them (a deployment started inside stays on its cores)."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

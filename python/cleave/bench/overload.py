@@ -1,57 +1,49 @@
-"""`cleave bench serve --overload` and `--soak MINUTES`: how a deployment behaves past its
-capacity and over time.
+"""`cleave bench serve --overload`: how a deployment behaves past its capacity.
 
-Overload: Poisson load at 40% of the capacity, a burst at 3× it, then 40% again, with a 2 s
-client timeout. Reported per second and per phase: answers by status, client timeouts, and
-the latency of the 200s; the burst's 200s per second against the capacity; and how long after
-the burst the deployment answered every request 200 again. Optionally many idle connections
-are held open during the run (they must not slow valid requests), and afterwards the bench
-waits for the router's idle timeout to close them.
+Capacity C is what it answers closed loop: 8 clients, each sending its next request when its
+last one answered, no budget (unless --capacity gives it). Then, for each burst factor X
+(--bursts, default 1.5, 3 and 10): Poisson load at 0.4 C, X·C, then 0.4 C again, --duration
+seconds each, with a 2 s client timeout. Reported per burst: the 200s within the budget per
+second against C (goodput / C), work admitted that then expired (the router's counters),
+refusals, connection resets and client timeouts, how long after the burst every request was
+answered 200 again, and the router's CPU per refusal.
 
-Soak: a constant load for MINUTES while the resident memory and open files of every process
-of the deployment are sampled; after a warm-up, each process's RSS must stay flat.
+The server and the load generator are pinned to separate cores (--pin, default all but the
+last core for the server, the last for the client) so that sending the excess does not come
+out of the server's cores. Optionally many idle connections are held open during the run
+(they must not slow valid requests), and afterwards the bench waits for the router's idle
+timeout to close them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-PHASES = (("before", 0.4), ("burst", 3.0), ("after", 0.4))
+# Relative to the burst: 0.4 C before and after it.
+QUIET = 0.4
 CLIENT_TIMEOUT_S = 2.0
-
-
-def run(targets: dict, workload, result: dict, args, log) -> int:
-    """`cleave bench serve --overload` or `--soak` on its one deployment: measure, print, write."""
-    from cleave.bench.harness.summary import write_outputs
-    from cleave.bench.plot import plot_stress
-
-    ((name, target),) = targets.items()
-    log(f"{name}:")
-    with target:
-        report = (overload if args.overload else soak)(target, workload, args, log)
-    result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
-    result["deployments"][name] = report
-    (print_overload if args.overload else print_soak)(report)
-    write_outputs(result, args, plot_stress, log)
-    return 0
+CAPACITY_CLIENTS = 8
 
 
 def capacity_of(target, workload, args, log) -> float:
-    """The highest rate whose p99 stays within --budget-ms (the serving search), unless given."""
+    """Requests/s answered 200 by `CAPACITY_CLIENTS` closed-loop clients for --duration
+    seconds (after as long a warm-up), unless --capacity gives it."""
     if args.capacity:
         return float(args.capacity)
-    from cleave.bench.harness.measurement import measure
+    from cleave.bench.loadgen import closed_loop
 
-    log("  measuring capacity (the highest rate within the budget):")
-    deployment = measure(target, workload, args, log, single=False, find_max=True)
-    return deployment["max_rate_within_budget"]
+    url = target.infer_url(workload)
+    log(f"  capacity: {CAPACITY_CLIENTS} closed-loop clients, {args.duration:g} s")
+    closed_loop(url, workload.bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    samples = closed_loop(url, workload.bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    ok = sum(1 for s in samples if not s.error)
+    log(f"  capacity C = {ok / args.duration:.1f}/s ({len(samples) - ok} errors)")
+    return ok / args.duration
 
 
 def timeline(samples, duration_s: float) -> list[dict]:
@@ -76,73 +68,168 @@ def timeline(samples, duration_s: float) -> list[dict]:
 
 
 def overload(target, workload, args, log) -> dict:
-    from cleave.bench.harness.summary import summarize
-    from cleave.bench.loadgen import open_loop_phases
-
     capacity = capacity_of(target, workload, args, log)
     if capacity <= 0:
         raise RuntimeError("capacity measured as 0 requests/s: nothing to overload")
-    phases = [(name, factor * capacity, args.duration) for name, factor in PHASES]
+    budget_ms = workload.sent_budget_ms or router_budget_ms()
     idle = IdleConnections(target.url, args.idle_connections) if args.idle_connections else None
-    log(
-        f"  overload: {', '.join(f'{n} {r:.0f}/s for {d:g} s' for n, r, d in phases)}"
-        + (f", {args.idle_connections} idle connections open" if idle else "")
-    )
+    result: dict = {
+        "capacity_rps": capacity,
+        "capacity_clients": None if args.capacity else CAPACITY_CLIENTS,
+        "budget_ms": budget_ms,
+        "client_timeout_s": CLIENT_TIMEOUT_S,
+        "bursts": {},
+    }
     try:
         if idle:
             idle.open()
-        samples = open_loop_phases(
-            target.infer_url(workload),
-            workload.bodies,
-            [(rate, duration) for _, rate, duration in phases],
-            timeout_s=CLIENT_TIMEOUT_S,
-            replies=False,
-        )
-        idle_report = idle.wait_closed(args.idle_wait_s) if idle else None
+        for factor in args.burst_list:
+            result["bursts"][f"{factor:g}"] = burst(target, workload, args, log, capacity, factor)
+        if idle:
+            result["idle_connections"] = idle.wait_closed(args.idle_wait_s)
     finally:
         if idle:
             idle.close()
-    result: dict = {"capacity_rps": capacity, "client_timeout_s": CLIENT_TIMEOUT_S, "phases": {}}
-    start = 0.0
-    for name, rate, duration in phases:
-        inside = [s for s in samples if start <= s.scheduled_s < start + duration]
-        summary = summarize(inside, duration, args.budget_ms)
-        summary["rate"] = rate
-        summary["ok_over_capacity"] = summary["throughput_rps"] / capacity
-        result["phases"][name] = summary
-        start += duration
-    burst_end = 2 * args.duration
-    late = [s for s in samples if s.scheduled_s >= burst_end and s.error]
-    result["every_200_after_burst_s"] = (
-        max(s.scheduled_s for s in late) - burst_end if late else 0.0
-    )
-    result["errors_5xx_other"] = sum(
-        1 for s in samples if s.error.startswith("http_5") and s.error not in ("http_503",)
-    )
-    result["client_timeouts"] = sum(1 for s in samples if s.error == "timeout")
-    result["timeline"] = timeline(samples, 3 * args.duration)
-    if idle_report:
-        result["idle_connections"] = idle_report
     return result
 
 
-def print_overload(result: dict) -> None:
-    print(f"capacity {result['capacity_rps']:.1f}/s, client timeout {result['client_timeout_s']} s")
-    print(
-        f"{'phase':<8} {'rate/s':>8} {'200/s':>8} {'/cap':>6} {'p50 ms':>8} {'p99 ms':>8}  errors"
-    )
-    for name, p in result["phases"].items():
-        p50 = f"{p['p50_ms']:8.1f}" if p["p50_ms"] is not None else f"{'-':>8}"
-        p99 = f"{p['p99_ms']:8.1f}" if p["p99_ms"] is not None else f"{'-':>8}"
-        print(
-            f"{name:<8} {p['rate']:8.1f} {p['throughput_rps']:8.1f} "
-            f"{p['ok_over_capacity']:6.2f} {p50} {p99}  {p['errors'] or ''}"
+def router_budget_ms() -> float:
+    """The budget of a request that names none: the router's default."""
+    from cleave.settings import RouterConfig
+
+    return RouterConfig().budget_ms
+
+
+def burst(target, workload, args, log, capacity: float, factor: float) -> dict:
+    """0.4 C, `factor`·C, 0.4 C for --duration seconds each, in one open-loop run."""
+    from cleave.bench.harness.summary import summarize
+    from cleave.bench.loadgen import open_loop_phases
+    from cleave.bench.stages import admission_counts, scrape
+
+    d = args.duration
+    phases = [("before", QUIET), ("burst", factor), ("after", QUIET)]
+    log(f"  {factor:g}x burst: " + ", ".join(f"{n} {f * capacity:.0f}/s" for n, f in phases))
+    budget_ms = workload.sent_budget_ms or router_budget_ms()
+    before = scrape(target.endpoints)
+    with RouterCpu(target) as cpu:
+        samples = open_loop_phases(
+            target.infer_url(workload),
+            workload.bodies,
+            [(f * capacity, d) for _, f in phases],
+            timeout_s=CLIENT_TIMEOUT_S,
+            replies=False,
         )
-    print(
-        f"5xx other than 503: {result['errors_5xx_other']}, client timeouts: "
-        f"{result['client_timeouts']}, every answer 200 from "
-        f"{result['every_200_after_burst_s']:.1f} s after the burst"
+    counts = admission_counts(before, scrape(target.endpoints))
+    report: dict = {"factor": factor, "phases": {}, **counts}
+    for i, (name, f) in enumerate(phases):
+        inside = [s for s in samples if i * d <= s.scheduled_s < (i + 1) * d]
+        summary = summarize(inside, d, budget_ms)
+        summary["rate"] = f * capacity
+        summary["goodput_over_capacity"] = summary["goodput_rps"] / capacity
+        summary["router_cpu_s"] = cpu.between(i * d, (i + 1) * d)
+        report["phases"][name] = summary
+    admitted = counts.get("admitted")
+    report["expired_after_admission_pct"] = (
+        100 * counts["expired_after_admission"] / admitted if admitted else None
     )
+    late = [s for s in samples if s.scheduled_s >= 2 * d and s.error]
+    report["every_200_after_burst_s"] = max(s.scheduled_s for s in late) - 2 * d if late else 0.0
+    report["connection_errors"] = sum(1 for s in samples if s.error == "connection")
+    report["client_timeouts"] = sum(1 for s in samples if s.error == "timeout")
+    report["router_cpu_us_per_refusal"] = cpu_per_refusal(report["phases"])
+    report["timeline"] = timeline(samples, 3 * d)
+    p = report["phases"]["burst"]
+    log(
+        f"    burst: {p['goodput_over_capacity']:.2f} C within {budget_ms:g} ms, errors "
+        f"{p['errors'] or 0}; every 200 from {report['every_200_after_burst_s']:.1f} s after"
+    )
+    return report
+
+
+def cpu_per_refusal(phases: dict) -> float | None:
+    """The router's CPU µs per refused request: the quiet phase gives its CPU per answered
+    request; what the burst spent beyond that many answers, over the burst's refusals."""
+    quiet, peak = phases["before"], phases["burst"]
+    answered = quiet["sent"] - quiet["errors"].get("http_503", 0)
+    refused = peak["errors"].get("http_503", 0)
+    if not answered or not refused or quiet["router_cpu_s"] is None or peak["router_cpu_s"] is None:
+        return None
+    per_answer = quiet["router_cpu_s"] / answered
+    admitted = peak["sent"] - refused
+    return max(0.0, peak["router_cpu_s"] - per_answer * admitted) / refused * 1e6
+
+
+class RouterCpu:
+    """The router process's CPU time, sampled every 0.1 s on a thread of its own while a run
+    goes on; `between(a, b)` is the CPU seconds spent between a and b seconds into it."""
+
+    EVERY_S = 0.1
+
+    def __init__(self, target):
+        from cleave.bench.harness.processes import role_pid
+
+        root = target.server.proc.pid if target.server else None
+        self.pid = role_pid(root, "router") if root else None
+        self.points: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RouterCpu:
+        # The load generator's run starts 50 ms after its call (cleave-loadgen).
+        self.start = time.monotonic() + 0.05
+        if self.pid:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(10)
+
+    def _run(self) -> None:
+        from cleave.bench.harness.processes import cpu_seconds
+
+        while not self.stop.wait(self.EVERY_S):
+            used = cpu_seconds(self.pid)
+            if used is None:
+                return
+            self.points.append((time.monotonic() - self.start, used))
+
+    def between(self, a: float, b: float) -> float | None:
+        if len(self.points) < 2:
+            return None
+        t, used = zip(*self.points, strict=True)
+        return float(np.interp(b, t, used) - np.interp(a, t, used))
+
+
+def print_overload(result: dict) -> None:
+    clients = result["capacity_clients"]
+    how = f"{clients} closed-loop clients" if clients else "given"
+    print(
+        f"capacity C {result['capacity_rps']:.1f}/s ({how}); goodput within "
+        f"{result['budget_ms']:g} ms; client timeout {result['client_timeout_s']} s"
+    )
+    print(
+        f"{'burst':>5} {'phase':<7} {'rate/s':>8} {'good/s':>8} {'/C':>5} {'p50 ms':>8} "
+        f"{'p99 ms':>8}  errors"
+    )
+    for factor, b in result["bursts"].items():
+        for name, p in b["phases"].items():
+            p50 = f"{p['p50_ms']:8.1f}" if p["p50_ms"] is not None else f"{'-':>8}"
+            p99 = f"{p['p99_ms']:8.1f}" if p["p99_ms"] is not None else f"{'-':>8}"
+            print(
+                f"{factor + 'x':>5} {name:<7} {p['rate']:8.1f} {p['goodput_rps']:8.1f} "
+                f"{p['goodput_over_capacity']:5.2f} {p50} {p99}  {p['errors'] or ''}"
+            )
+        wasted = b["expired_after_admission_pct"]
+        cpu = b["router_cpu_us_per_refusal"]
+        print(
+            f"{factor + 'x':>5} expired after admission: "
+            f"{'-' if wasted is None else f'{wasted:.2f}%'}, connection errors: "
+            f"{b['connection_errors']}, client timeouts: {b['client_timeouts']}, every answer "
+            f"200 from {b['every_200_after_burst_s']:.1f} s after the burst, router CPU per "
+            f"refusal: {'-' if cpu is None else f'{cpu:.0f} µs'}"
+        )
     if "idle_connections" in result:
         i = result["idle_connections"]
         print(
@@ -209,149 +296,3 @@ class IdleConnections:
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
-# -- soak ----------------------------------------------------------------------------------
-
-
-def process_tree(pid: int) -> dict[int, str]:
-    """`pid` and its descendants, each with a short name from its command line."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        names[int(entry.name)] = _role(argv)
-    tree, frontier = {pid: names.get(pid, "serve")}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, p in parents.items():
-            if p == parent and child not in tree:
-                tree[child] = names[child]
-                frontier.append(child)
-    return tree
-
-
-def _role(argv: list[str]) -> str:
-    line = " ".join(argv)
-    if argv and Path(argv[0]).name == "cleave-router":
-        return "router"
-    for arg in argv:
-        stem = Path(arg).stem
-        if stem.startswith(("shard-", "ranker-")):
-            return stem
-    if " serve " in f" {line} ":
-        return "serve"
-    return Path(argv[0]).name if argv and argv[0] else "?"
-
-
-def sample_process(pid: int) -> tuple[int, int] | None:
-    """(RSS bytes, open files) of a process, None once it is gone."""
-    try:
-        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, ValueError, IndexError):
-        return None
-    return rss_pages * os.sysconf("SC_PAGE_SIZE"), fds
-
-
-class MemorySampler:
-    """Samples RSS and open files of a process tree every `every_s` on a thread of its own."""
-
-    def __init__(self, pid: int | None, every_s: float = 5.0):
-        self.pid, self.every_s = pid, every_s
-        self.series: dict[str, dict] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.start = time.monotonic()
-
-    def __enter__(self) -> MemorySampler:
-        if self.pid:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join(30)
-
-    def _run(self) -> None:
-        while True:
-            now = time.monotonic() - self.start
-            for p, name in process_tree(self.pid).items():
-                got = sample_process(p)
-                if got:
-                    entry = self.series.setdefault(f"{name} ({p})", {"t": [], "rss": [], "fds": []})
-                    entry["t"].append(round(now, 1))
-                    entry["rss"].append(got[0])
-                    entry["fds"].append(got[1])
-            if self.stop.wait(self.every_s):
-                return
-
-
-def soak(target, workload, args, log) -> dict:
-    from cleave.bench.harness.summary import summarize
-    from cleave.bench.loadgen import open_loop
-
-    capacity = capacity_of(target, workload, args, log)
-    rate = 0.4 * capacity
-    minutes = args.soak
-    window_s = 60.0 if minutes >= 2 else 15.0
-    windows = []
-    log(f"  soak: {rate:.1f}/s (40% of {capacity:.1f}/s) for {minutes:g} min")
-    pid = target.server.proc.pid if target.server else None  # none for --url
-    end = time.monotonic() + minutes * 60
-    with MemorySampler(pid) as sampler:
-        while (duration := min(window_s, end - time.monotonic())) >= 1.0:
-            samples = open_loop(
-                target.infer_url(workload),
-                workload.bodies,
-                rate,
-                duration,
-                timeout_s=CLIENT_TIMEOUT_S,
-                seed=len(windows),
-            )
-            point = summarize(samples, duration, args.budget_ms)
-            windows.append(point)
-            log(
-                f"    {len(windows):3d}: {point['throughput_rps']:.1f}/s ok, p99 "
-                f"{point['p99_ms'] or 0:.1f} ms, errors {point['errors'] or 0}"
-            )
-    return {
-        "capacity_rps": capacity,
-        "rate": rate,
-        "minutes": minutes,
-        "windows": windows,
-        "errors": sum(sum(w["errors"].values()) for w in windows),
-        "processes": {name: flatness(entry) for name, entry in sampler.series.items()},
-    }
-
-
-def flatness(entry: dict, warmup: float = 0.2) -> dict:
-    """After the first `warmup` share of the samples: the largest RSS deviation from their
-    median, in percent, and the range of open files."""
-    n = len(entry["rss"])
-    rest = entry["rss"][int(n * warmup) :] or entry["rss"]
-    median = float(np.median(rest))
-    fds = entry["fds"][int(n * warmup) :] or entry["fds"]
-    return {
-        **entry,
-        "rss_median_mib": median / 2**20,
-        "rss_max_dev_pct": 100 * max(abs(r - median) for r in rest) / median if median else None,
-        "fds_min": min(fds),
-        "fds_max": max(fds),
-    }
-
-
-def print_soak(result: dict) -> None:
-    print(f"soak: {result['rate']:.1f}/s for {result['minutes']:g} min, {result['errors']} errors")
-    print(f"{'process':<24} {'RSS MiB':>8} {'max dev %':>10} {'files':>9}")
-    for name, p in result["processes"].items():
-        dev = f"{p['rss_max_dev_pct']:10.2f}" if p["rss_max_dev_pct"] is not None else "-"
-        print(f"{name:<24} {p['rss_median_mib']:8.1f} {dev} {p['fds_min']:4d}-{p['fds_max']:<4d}")

@@ -102,14 +102,24 @@ def plot_results(result: dict, path: str | Path) -> Path:
 
 
 def plot_stress(result: dict, path: str | Path) -> Path:
-    """--overload: answers per second by status (stacked) and the 200s' p99, over time.
-    --soak: each process's resident memory over time."""
+    """--overload: per burst, answers per second by status (stacked) and the 200s' p99, over
+    time. --soak: each process's resident memory over time."""
     plt = pyplot()
 
     ((name, report),) = result["deployments"].items()
-    fig, ax = plt.subplots(figsize=(11, 5))
-    if "timeline" in report:
-        seconds = report["timeline"]
+    if "bursts" not in report:
+        fig, ax = plt.subplots(figsize=(11, 5))
+        for proc, entry in report["processes"].items():
+            ax.plot(entry["t"], [r / 2**20 for r in entry["rss"]], marker=".", label=proc)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_title(f"{name}: soak at {report['rate']:.0f} requests/s")
+        ax.legend(loc="upper left", fontsize="small")
+        return save_figure(fig, path, dpi=100)
+    bursts = report["bursts"]
+    fig, axes = plt.subplots(1, len(bursts), figsize=(6 * len(bursts), 5), squeeze=False)
+    for ax, (factor, burst) in zip(axes[0], bursts.items(), strict=True):
+        seconds = burst["timeline"]
         t = [s["t"] for s in seconds]
         keys = sorted({k for s in seconds for k in s["counts"]}, key=lambda k: (k != "200", k))
         bottom = [0] * len(t)
@@ -123,14 +133,8 @@ def plot_stress(result: dict, path: str | Path) -> Path:
         right = ax.twinx()
         right.plot(t, [s["p99_ms"] for s in seconds], color="black", marker=".", label="p99")
         right.set_ylabel("p99 of the 200s (ms)")
-        ax.set_title(f"{name}: overload burst at 3x capacity")
-    else:
-        for proc, entry in report["processes"].items():
-            ax.plot(entry["t"], [r / 2**20 for r in entry["rss"]], marker=".", label=proc)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("RSS (MiB)")
-        ax.set_title(f"{name}: soak at {report['rate']:.0f} requests/s")
-    ax.legend(loc="upper left", fontsize="small")
+        ax.set_title(f"{name}: burst at {factor}x capacity")
+        ax.legend(loc="upper left", fontsize="small")
     return save_figure(fig, path, dpi=100)
 
 

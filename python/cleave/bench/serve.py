@@ -41,7 +41,7 @@ from cleave.bench.harness.summary import (
 )
 from cleave.bench.harness.target import Target, serve_flags
 from cleave.bench.harness.workload import Workload, parse_protocols, print_roofline
-from cleave.bench.machine import go_realtime
+from cleave.bench.machine import go_realtime, parse_pin, pinned
 from cleave.bench.plot import plot_hosts, plot_results
 from cleave.errors import UsageError
 from cleave.settings.choices import DENSE_DTYPES
@@ -149,8 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stress.add_argument(
         "--overload",
         action="store_true",
-        help="40%% of capacity, a 3x burst, 40%% again, --duration seconds each (2 s client "
-        "timeout; requests carry no budget, the router's default applies)",
+        help="capacity C closed loop (8 clients), then per --bursts factor X: 40%% of C, X·C, "
+        "40%% again, --duration seconds each (2 s client timeout; requests carry --budget-ms "
+        "if given, else the router's default applies)",
     )
     stress.add_argument(
         "--soak",
@@ -160,6 +161,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--capacity", type=float, help="requests/s for --overload/--soak (default: search)"
+    )
+    parser.add_argument(
+        "--bursts",
+        default="1.5,3,10",
+        help="--overload: burst factors over the capacity, comma-separated (default 1.5,3,10)",
+    )
+    parser.add_argument(
+        "--pin",
+        default="auto",
+        metavar="SERVER:CLIENT",
+        help="--overload/--soak: CPU lists for the deployment and for the load generator, "
+        "e.g. 0-2:3 (default auto: every allowed core but the last for the deployment, the "
+        "last for the generator; off: no pinning)",
     )
     parser.add_argument(
         "--idle-connections",
@@ -312,10 +326,37 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--overload and --soak measure one deployment: drop --compare")
     if args.idle_connections < 0 or args.capacity is not None and args.capacity <= 0:
         raise UsageError("--idle-connections must be >= 0 and --capacity > 0")
+    try:
+        args.burst_list = [float(b) for b in args.bursts.split(",") if b.strip()]
+    except ValueError:
+        args.burst_list = []
+    if not args.burst_list or min(args.burst_list) <= 0:
+        raise UsageError(f"--bursts: expected factors > 0 separated by commas, got {args.bursts!r}")
+    args.pin_cpus = parse_pin(args.pin) if args.overload or args.soak else (None, None)
     args.protocols = parse_protocols(args.protocol)
     if len(args.protocols) > 1 and (args.overload or args.soak):
         raise UsageError("--overload and --soak measure one deployment: give one --protocol")
     vars(args).update(hosts.deployment_settings(args))
+
+
+def _stress(targets: dict, workload: Workload, result: dict, args, log) -> int:
+    """--overload or --soak on the one deployment, server and load generator on the cores
+    --pin gives each: measure, print, write."""
+    from cleave.bench import overload, soak
+    from cleave.bench.plot import plot_stress
+
+    ((name, target),) = targets.items()
+    log(f"{name}:")
+    server_cpus, client_cpus = args.pin_cpus
+    target.cpus = server_cpus
+    result["layout"] = {"server_cpus": server_cpus, "client_cpus": client_cpus}
+    with target, pinned(client_cpus):
+        report = (overload.overload if args.overload else soak.soak)(target, workload, args, log)
+    result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
+    result["deployments"][name] = report
+    (overload.print_overload if args.overload else soak.print_soak)(report)
+    write_outputs(result, args, plot_stress, log)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -340,9 +381,7 @@ def run(args: argparse.Namespace) -> int:
         go_realtime()  # children inherit it: the router, shards and rankers run under it too
     targets = _targets(args, workload, result)
     if args.overload or args.soak:
-        from cleave.bench import overload
-
-        return overload.run(targets, workload, result, args, log)
+        return _stress(targets, workload, result, args, log)
     paired = {}
     if len(targets) > 1:  # both up (idle ones cost nothing), single requests in turns
         log("single-request latency, deployments in alternating rounds:")

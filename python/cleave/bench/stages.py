@@ -122,6 +122,9 @@ def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, di
                     values["shard.count"] = sample.value
                 elif sample.name == "cleave_shard_response_bytes_total":
                     values["shard.response_bytes"] = sample.value
+                elif sample.name in _ADMISSION:  # shed: summed over the reasons
+                    key = f"admission.{_ADMISSION[sample.name]}"
+                    values[key] = values.get(key, 0.0) + sample.value
                 elif sample.name in _CODEC:  # router CPU per step (parse, encode) and protocol
                     labels = sample.labels
                     key = (
@@ -133,6 +136,20 @@ def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, di
 
 
 _CODEC = {"cleave_router_codec_cpu_seconds_total": "sum", "cleave_router_codec_total": "count"}
+_ADMISSION = {
+    "cleave_router_admitted_total": "admitted",
+    "cleave_router_shed_total": "shed",
+    "cleave_router_expired_after_admission_total": "expired_after_admission",
+}
+
+
+def admission_counts(before: dict, after: dict) -> dict[str, int]:
+    """What every router admitted, shed, and let expire after admitting, between two scrapes."""
+    routers = [r for r in after if any(k.startswith("admission.") for k in after[r])]
+    return {
+        name: int(sum(_delta(before, after, r, f"admission.{name}") for r in routers))
+        for name in _ADMISSION.values()
+    }
 
 
 def _delta(before: dict, after: dict, role: str, key: str) -> float:

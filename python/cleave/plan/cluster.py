@@ -71,9 +71,9 @@ def machine_gpus() -> int:
 
 
 def this_machine(name: str) -> Host:
-    """This machine as one host (os.cpu_count(), as `cleave serve` counts cores)."""
+    """This machine as one host: the cores this process may use, as `cleave serve` counts."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Host(name, os.cpu_count() or 1, round(memory / (1 << 30), 3), machine_gpus())
+    return Host(name, len(os.sched_getaffinity(0)), round(memory / (1 << 30), 3), machine_gpus())
 
 
 def emulated_hosts(count: int) -> list[Host]:

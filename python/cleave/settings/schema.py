@@ -324,7 +324,9 @@ class ServeConfig:
         bundle's measured demand (manifest dense.demand; docs/serving.md, "Cores")."""
         if self.ranker.threads:
             return self.ranker.threads
-        return ranker_cores(os.cpu_count() or 1, self.rankers, self.monolithic, demand)
+        # The cores this process may use (taskset, cgroups' cpusets), not the machine's.
+        cores = len(os.sched_getaffinity(0))
+        return ranker_cores(cores, self.rankers, self.monolithic, demand)
 
 
 def ranker_cores(cores: int, rankers: int, monolithic: bool, demand: dict | None) -> int:

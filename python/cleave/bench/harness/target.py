@@ -41,6 +41,7 @@ class Target:
         # --protocol grpc: the port given to `cleave serve --grpc-port` (in `flags`).
         self.grpc_port = _grpc_port(self.flags)
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
+        self.cpus: list[int] | None = None  # the cores the deployment runs on (None: any)
 
     @property
     def restartable(self) -> bool:
@@ -50,6 +51,7 @@ class Target:
         from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
 
         if self.restartable:
+            from cleave.bench.machine import pinned
             from cleave.launch.process import ServeProcess
 
             where = [self.bundle] if self.plan is None else [None, "--plan", str(self.plan)]
@@ -59,7 +61,8 @@ class Target:
                 url_flags = ["--url-file", str(self._url_dir / "urls")]
             self.server = ServeProcess(*where, *self.flags, *url_flags)
             try:
-                self.server.start()
+                with pinned(self.cpus):  # every role started inherits them
+                    self.server.start()
             except BaseException:  # SIGTERM while it starts, say: stop what has started
                 self.stop()
                 raise

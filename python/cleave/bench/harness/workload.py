@@ -75,9 +75,11 @@ class Workload:
             self.roofline = _rooflines(self, args)
             if self.budget_ms is None:
                 self.budget_ms = default_budget_ms(self.roofline)
-        # Overload and soak runs send no budget: the router's default is what they test.
+        # Overload and soak runs send a budget only when given one: else the router's default
+        # is what they test.
         stress = getattr(args, "overload", False) or getattr(args, "soak", None)
-        body_budget = None if stress else self.budget_ms
+        body_budget = args.budget_ms if stress else self.budget_ms
+        self.sent_budget_ms = body_budget
         protocols = getattr(args, "protocols", ["json"])
         self.bodies_for: dict[str, list] = {p: [] for p in protocols}
         self.expected, self.model_expected = [], []

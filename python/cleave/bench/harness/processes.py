@@ -1,0 +1,68 @@
+"""The processes of a deployment a benchmark started, read from /proc: which role each is,
+their memory, open files and CPU time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """`pid` and its descendants, each with a short name from its command line."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        names[int(entry.name)] = _role(argv)
+    tree, frontier = {pid: names.get(pid, "serve")}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, p in parents.items():
+            if p == parent and child not in tree:
+                tree[child] = names[child]
+                frontier.append(child)
+    return tree
+
+
+def _role(argv: list[str]) -> str:
+    line = " ".join(argv)
+    if argv and Path(argv[0]).name == "cleave-router":
+        return "router"
+    for arg in argv:
+        stem = Path(arg).stem
+        if stem.startswith(("shard-", "ranker-")):
+            return stem
+    if " serve " in f" {line} ":
+        return "serve"
+    return Path(argv[0]).name if argv and argv[0] else "?"
+
+
+def sample_process(pid: int) -> tuple[int, int] | None:
+    """(RSS bytes, open files) of a process, None once it is gone."""
+    try:
+        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, ValueError, IndexError):
+        return None
+    return rss_pages * os.sysconf("SC_PAGE_SIZE"), fds
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of a process so far, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def role_pid(root: int, role: str) -> int | None:
+    """The first process of `role` ("router", "shard-0", ...) under `root`."""
+    return next((pid for pid, name in process_tree(root).items() if name == role), None)

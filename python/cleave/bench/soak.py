@@ -1,0 +1,109 @@
+"""`cleave bench serve --soak MINUTES`: a constant load at 40% of the capacity for MINUTES
+while the resident memory and open files of every process of the deployment are sampled;
+after a warm-up, each process's RSS must stay flat."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from cleave.bench.harness.processes import process_tree, sample_process
+from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
+
+
+class MemorySampler:
+    """Samples RSS and open files of a process tree every `every_s` on a thread of its own."""
+
+    def __init__(self, pid: int | None, every_s: float = 5.0):
+        self.pid, self.every_s = pid, every_s
+        self.series: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.start = time.monotonic()
+
+    def __enter__(self) -> MemorySampler:
+        if self.pid:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic() - self.start
+            for p, name in process_tree(self.pid).items():
+                got = sample_process(p)
+                if got:
+                    entry = self.series.setdefault(f"{name} ({p})", {"t": [], "rss": [], "fds": []})
+                    entry["t"].append(round(now, 1))
+                    entry["rss"].append(got[0])
+                    entry["fds"].append(got[1])
+            if self.stop.wait(self.every_s):
+                return
+
+
+def soak(target, workload, args, log) -> dict:
+    from cleave.bench.harness.summary import summarize
+    from cleave.bench.loadgen import open_loop
+
+    capacity = capacity_of(target, workload, args, log)
+    rate = 0.4 * capacity
+    minutes = args.soak
+    window_s = 60.0 if minutes >= 2 else 15.0
+    windows = []
+    log(f"  soak: {rate:.1f}/s (40% of {capacity:.1f}/s) for {minutes:g} min")
+    pid = target.server.proc.pid if target.server else None  # none for --url
+    end = time.monotonic() + minutes * 60
+    with MemorySampler(pid) as sampler:
+        while (duration := min(window_s, end - time.monotonic())) >= 1.0:
+            samples = open_loop(
+                target.infer_url(workload),
+                workload.bodies,
+                rate,
+                duration,
+                timeout_s=CLIENT_TIMEOUT_S,
+                seed=len(windows),
+            )
+            point = summarize(samples, duration, args.budget_ms)
+            windows.append(point)
+            log(
+                f"    {len(windows):3d}: {point['throughput_rps']:.1f}/s ok, p99 "
+                f"{point['p99_ms'] or 0:.1f} ms, errors {point['errors'] or 0}"
+            )
+    return {
+        "capacity_rps": capacity,
+        "rate": rate,
+        "minutes": minutes,
+        "windows": windows,
+        "errors": sum(sum(w["errors"].values()) for w in windows),
+        "processes": {name: flatness(entry) for name, entry in sampler.series.items()},
+    }
+
+
+def flatness(entry: dict, warmup: float = 0.2) -> dict:
+    """After the first `warmup` share of the samples: the largest RSS deviation from their
+    median, in percent, and the range of open files."""
+    n = len(entry["rss"])
+    rest = entry["rss"][int(n * warmup) :] or entry["rss"]
+    median = float(np.median(rest))
+    fds = entry["fds"][int(n * warmup) :] or entry["fds"]
+    return {
+        **entry,
+        "rss_median_mib": median / 2**20,
+        "rss_max_dev_pct": 100 * max(abs(r - median) for r in rest) / median if median else None,
+        "fds_min": min(fds),
+        "fds_max": max(fds),
+    }
+
+
+def print_soak(result: dict) -> None:
+    print(f"soak: {result['rate']:.1f}/s for {result['minutes']:g} min, {result['errors']} errors")
+    print(f"{'process':<24} {'RSS MiB':>8} {'max dev %':>10} {'files':>9}")
+    for name, p in result["processes"].items():
+        dev = f"{p['rss_max_dev_pct']:10.2f}" if p["rss_max_dev_pct"] is not None else "-"
+        print(f"{name:<24} {p['rss_median_mib']:8.1f} {dev} {p['fds_min']:4d}-{p['fds_max']:<4d}")
