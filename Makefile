@@ -22,18 +22,27 @@ $(STAMP): $(SOURCES)
 		$(VENV)/bin/
 	touch $@
 
-# Tools the chart checks need (tests/test_helm.py), built project-locally into .tools/bin from
-# the Go module proxy; the stamp names the version, so a second run builds nothing and a new
-# pin rebuilds. Needs `go` on PATH.
-HELM_VERSION := v3.22.0
-HELM_STAMP   := .tools/helm-$(HELM_VERSION).stamp
+# Tools built project-locally into .tools/bin from the Go module proxy: helm for the chart
+# checks (tests/test_helm.py), vegeta as the independent load generator of `cleave bench serve
+# --overload --generator vegeta`. Each stamp names the version, so a second run builds nothing
+# and a new pin rebuilds. Needs `go` on PATH.
+HELM_VERSION   := v3.22.0
+HELM_STAMP     := .tools/helm-$(HELM_VERSION).stamp
+VEGETA_VERSION := v12.12.0
+VEGETA_STAMP   := .tools/vegeta-$(VEGETA_VERSION).stamp
 
-tools: $(HELM_STAMP)
+tools: $(HELM_STAMP) $(VEGETA_STAMP)
 
 $(HELM_STAMP):
 	@command -v go >/dev/null || { echo "make tools: needs go on PATH to build helm"; exit 2; }
 	mkdir -p .tools/bin
 	GOBIN=$(abspath .tools/bin) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	touch $@
+
+$(VEGETA_STAMP):
+	@command -v go >/dev/null || { echo "make tools: needs go on PATH to build vegeta"; exit 2; }
+	mkdir -p .tools/bin
+	GOBIN=$(abspath .tools/bin) go install github.com/tsenart/vegeta/v12@$(VEGETA_VERSION)
 	touch $@
 
 demo: $(STAMP)

@@ -168,3 +168,30 @@ def test_bench_serve_refuses_bad_stress_flags(flags, message):
     argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
+    """The independent generator (vegeta, built by `make tools`) sends the bursts; its
+    results are read back into the same report."""
+    flags = ["--capacity", "40", "--duration", "1", "--bursts", "3", "--generator", "vegeta"]
+    result, report = serve_bench(tmp_path, "--overload", *flags)
+    (dep,) = report["deployments"].values()
+    assert dep["generator"] == "vegeta" and list(dep["bursts"]) == ["3"]
+    burst = dep["bursts"]["3"]
+    # vegeta sends at a constant rate: each phase's rate times its second.
+    assert [p["sent"] for p in burst["phases"].values()] == [16, 120, 16]
+    assert burst["admitted"] <= 152 <= burst["admitted"] + burst["shed"], burst
+    assert burst["phases"]["before"]["goodput_rps"] > 0
+    assert "bursts sent by vegeta" in result.stdout
+
+
+def test_vegeta_results_say_what_failed():
+    import socket
+
+    from cleave.bench import vegeta
+
+    with socket.socket() as held:  # bound, never listening: every connection is refused
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}/x"
+        samples = vegeta.open_loop_phases(url, [b"{}"], [(20, 0.5)], 1.0)
+    assert len(samples) == 10 and {s.error for s in samples} == {"connection"}

@@ -32,15 +32,16 @@ CAPACITY_CLIENTS = 8
 
 def capacity_of(target, workload, args, log) -> float:
     """Requests/s answered 200 by `CAPACITY_CLIENTS` closed-loop clients for --duration
-    seconds (after as long a warm-up), unless --capacity gives it."""
+    seconds (after as long a warm-up), with no budget, unless --capacity gives it."""
     if args.capacity:
         return float(args.capacity)
     from cleave.bench.loadgen import closed_loop
 
     url = target.infer_url(workload)
     log(f"  capacity: {CAPACITY_CLIENTS} closed-loop clients, {args.duration:g} s")
-    closed_loop(url, workload.bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
-    samples = closed_loop(url, workload.bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    bodies = workload.unbudgeted
+    closed_loop(url, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    samples = closed_loop(url, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
     ok = sum(1 for s in samples if not s.error)
     log(f"  capacity C = {ok / args.duration:.1f}/s ({len(samples) - ok} errors)")
     return ok / args.duration
@@ -78,6 +79,7 @@ def overload(target, workload, args, log) -> dict:
         "capacity_clients": None if args.capacity else CAPACITY_CLIENTS,
         "budget_ms": budget_ms,
         "client_timeout_s": CLIENT_TIMEOUT_S,
+        "generator": args.generator,
         "bursts": {},
     }
     try:
@@ -102,6 +104,7 @@ def router_budget_ms() -> float:
 
 def burst(target, workload, args, log, capacity: float, factor: float) -> dict:
     """0.4 C, `factor`·C, 0.4 C for --duration seconds each, in one open-loop run."""
+    from cleave.bench import vegeta
     from cleave.bench.harness.summary import summarize
     from cleave.bench.loadgen import open_loop_phases
     from cleave.bench.stages import admission_counts, scrape
@@ -111,14 +114,14 @@ def burst(target, workload, args, log, capacity: float, factor: float) -> dict:
     log(f"  {factor:g}x burst: " + ", ".join(f"{n} {f * capacity:.0f}/s" for n, f in phases))
     budget_ms = workload.sent_budget_ms or router_budget_ms()
     before = scrape(target.endpoints)
+    url, rates = target.infer_url(workload), [(f * capacity, d) for _, f in phases]
     with RouterCpu(target) as cpu:
-        samples = open_loop_phases(
-            target.infer_url(workload),
-            workload.bodies,
-            [(f * capacity, d) for _, f in phases],
-            timeout_s=CLIENT_TIMEOUT_S,
-            replies=False,
-        )
+        if args.generator == "vegeta":
+            samples = vegeta.open_loop_phases(url, workload.bodies, rates, CLIENT_TIMEOUT_S)
+        else:
+            samples = open_loop_phases(
+                url, workload.bodies, rates, timeout_s=CLIENT_TIMEOUT_S, replies=False
+            )
     counts = admission_counts(before, scrape(target.endpoints))
     report: dict = {"factor": factor, "phases": {}, **counts}
     for i, (name, f) in enumerate(phases):
@@ -207,7 +210,8 @@ def print_overload(result: dict) -> None:
     how = f"{clients} closed-loop clients" if clients else "given"
     print(
         f"capacity C {result['capacity_rps']:.1f}/s ({how}); goodput within "
-        f"{result['budget_ms']:g} ms; client timeout {result['client_timeout_s']} s"
+        f"{result['budget_ms']:g} ms; client timeout {result['client_timeout_s']} s; "
+        f"bursts sent by {result['generator']}"
     )
     print(
         f"{'burst':>5} {'phase':<7} {'rate/s':>8} {'good/s':>8} {'/C':>5} {'p50 ms':>8} "

@@ -168,6 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--overload: burst factors over the capacity, comma-separated (default 1.5,3,10)",
     )
     parser.add_argument(
+        "--generator",
+        choices=["cleave", "vegeta"],
+        default="cleave",
+        help="--overload: the bursts' load generator: the project's (Poisson arrivals) or "
+        "vegeta, an independent one (constant rate; on PATH or in $VEGETA)",
+    )
+    parser.add_argument(
         "--pin",
         default="auto",
         metavar="SERVER:CLIENT",
@@ -333,6 +340,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.burst_list or min(args.burst_list) <= 0:
         raise UsageError(f"--bursts: expected factors > 0 separated by commas, got {args.bursts!r}")
     args.pin_cpus = parse_pin(args.pin) if args.overload or args.soak else (None, None)
+    if args.overload and args.generator == "vegeta":
+        from cleave.bench import vegeta
+
+        vegeta.binary()  # before anything starts
     args.protocols = parse_protocols(args.protocol)
     if len(args.protocols) > 1 and (args.overload or args.soak):
         raise UsageError("--overload and --soak measure one deployment: give one --protocol")

@@ -80,6 +80,8 @@ class Workload:
         stress = getattr(args, "overload", False) or getattr(args, "soak", None)
         body_budget = args.budget_ms if stress else self.budget_ms
         self.sent_budget_ms = body_budget
+        # The capacity of an overload run is measured with no budget (overload.py).
+        self.unbudgeted: list = []
         protocols = getattr(args, "protocols", ["json"])
         self.bodies_for: dict[str, list] = {p: [] for p in protocols}
         self.expected, self.model_expected = [], []
@@ -89,6 +91,8 @@ class Workload:
                 named = bundle.named_inputs(*inputs)
                 for protocol, bodies in self.bodies_for.items():
                     bodies.append(build_body(named, body_budget, protocol))
+                if stress:
+                    self.unbudgeted.append(build_body(named, None, protocols[0]))
                 flat = [t.double().numpy() for t in pytree.tree_leaves(model(*inputs))]
                 self.model_expected.append(flat)
                 if bundle.dense_dtype == "float32":

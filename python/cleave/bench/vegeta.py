@@ -1,0 +1,88 @@
+"""An independent open-loop load generator for `cleave bench serve --overload --generator
+vegeta`: vegeta (github.com/tsenart/vegeta: $VEGETA, else the checkout's .tools/bin, which
+`make tools` fills, else PATH) sends each phase at a
+constant rate, one attack per phase, and its results come back as the project generator's
+samples, so every number of the overload report is computed the same way for both."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from cleave.bench.loadgen import Sample
+from cleave.errors import UsageError
+
+
+def binary() -> str:
+    """The vegeta executable, or a UsageError that says how to get one."""
+    built = Path(__file__).resolve().parents[3] / ".tools" / "bin" / "vegeta"
+    found = os.environ.get("VEGETA") or (str(built) if built.exists() else shutil.which("vegeta"))
+    if not found:
+        raise UsageError(
+            "--generator vegeta: no vegeta in $VEGETA, .tools/bin or on PATH: `make tools` "
+            "builds it (or `go install github.com/tsenart/vegeta/v12@v12.12.0`)"
+        )
+    return found
+
+
+def open_loop_phases(
+    url: str, bodies: Sequence[bytes], phases: Sequence[tuple[float, float]], timeout_s: float
+) -> list[Sample]:
+    """Each phase's (rate, seconds) as one vegeta attack, in turn; a sample's `scheduled_s`
+    counts from the first attack's first request. The bodies go round-robin."""
+    vegeta = binary()
+    with tempfile.TemporaryDirectory(prefix="cleave-vegeta-") as tmp:
+        targets = Path(tmp) / "targets.json"
+        with targets.open("w") as f:
+            for body in bodies:
+                headers = {k: [v] for k, v in getattr(body, "headers", {}).items()}
+                headers.setdefault("Content-Type", ["application/json"])
+                line = {"method": "POST", "url": url, "header": headers}
+                line["body"] = base64.b64encode(bytes(body)).decode()
+                f.write(json.dumps(line) + "\n")
+        rows = []
+        for i, (rate, seconds) in enumerate(phases):
+            out = Path(tmp) / f"phase-{i}.bin"
+            attack = [vegeta, "attack", "-format=json", f"-targets={targets}"]
+            attack += [f"-rate={max(1, round(rate))}/1s", f"-duration={seconds}s"]
+            attack += [f"-timeout={timeout_s}s", "-max-body=0", f"-output={out}"]
+            subprocess.run(attack, check=True, capture_output=True, timeout=seconds + 60)
+            encoded = subprocess.run(
+                [vegeta, "encode", "--to", "csv", str(out)],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            rows.append((i, list(csv.reader(encoded.stdout.splitlines()))))
+    return _samples(rows, [seconds for _, seconds in phases], len(bodies))
+
+
+def _samples(rows, durations: list[float], bodies: int) -> list[Sample]:
+    """vegeta's CSV rows (nanosecond timestamp, status, latency ns, bytes out, bytes in,
+    error, body, name, sequence, ...) of each phase as samples, each phase placed after the
+    ones before it."""
+    samples = []
+    offset = 0.0
+    for i, phase in rows:
+        first = min((int(r[0]) for r in phase), default=0)
+        for r in phase:
+            status, error = int(r[1]), r[5]
+            at = offset + (int(r[0]) - first) / 1e9
+            sample = Sample(int(r[8]) % bodies, at, 0.0, int(r[2]) / 1e9, status)
+            if status and status != 200:
+                sample.error = f"http_{status}"
+            elif not status:  # no answer: vegeta's own timeout, or the connection failed
+                timeout = "Timeout" in error or "deadline exceeded" in error
+                sample.error = "timeout" if timeout else "connection"
+            samples.append(sample)
+        offset += durations[i]
+    samples.sort(key=lambda s: s.scheduled_s)
+    return samples
