@@ -4,7 +4,7 @@
 //!
 //! * a request waits at most `INTERVAL` (100 ms), or `TARGET` (5 ms) while the queue is
 //!   standing (not empty for `INTERVAL`: overload, when waiting only adds latency), and never
-//!   longer than its budget leaves after the usual service time: what would not finish in
+//!   longer than its budget leaves after 1.5 times the usual service time: what would not finish in
 //!   time is refused at once;
 //! * a standing queue serves the newest first (its oldest are likely to miss their budgets
 //!   anyway), an occasional one oldest first;
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::gradient::{Gradient, Sample};
+use super::gradient::{Gradient, Sample, TOLERANCE};
 
 /// The longest wait, and how long the queue must stay non-empty to count as standing.
 pub const INTERVAL: Duration = Duration::from_millis(100);
@@ -97,10 +97,12 @@ impl Limiter {
             }
             let full = s.full();
             let standing = !s.waiting.is_empty() && now - s.empty_at >= INTERVAL;
-            // What its budget leaves after the usual service time, and at most INTERVAL
-            // (TARGET in a standing queue): a longer wait ends late in its budget (measured:
-            // waits up to the whole budget ran into 504s and a p99 near the budget).
-            let slack = left.saturating_sub(s.gradient.expected(rows));
+            // What its budget leaves after the tolerated service time (1.5 times the usual:
+            // a request served in its usual time is the median, and half of those would
+            // expire), and at most INTERVAL (TARGET in a standing queue): a longer
+            // wait ends late in its budget (measured: waits up to the whole budget ran into
+            // 504s and a p99 near the budget).
+            let slack = left.saturating_sub(s.gradient.expected(rows).mul_f64(TOLERANCE));
             let wait = slack.min(if standing { TARGET } else { INTERVAL });
             // No cap on how many wait: each waits a bounded time, and `max_in_flight` bounds
             // them all (a cap of the limit's worth of requests refused arrivals at 0.4× capacity
@@ -242,5 +244,26 @@ mod tests {
         let e = l.acquire(1, Duration::from_secs(1), 1).await;
         assert!(e.is_err());
         assert!(l.lock().waiting.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waits_only_if_it_can_still_finish_at_a_tolerated_latency() {
+        let l = Limiter::new(64);
+        l.observe(Sample {
+            cost: 1,
+            latency: Duration::from_millis(10), // the usual latency of a 1-row request
+            allowed: Duration::from_secs(1),
+            in_flight: 16,
+            expired: false,
+        });
+        assert_eq!(l.acquire(16, Duration::from_secs(1), 1).await, Ok(()));
+        // 14 ms left: 4 ms more than the usual latency, less than 1.5 times it. Waiting, it
+        // would likely expire: it is refused at once.
+        let start = tokio::time::Instant::now();
+        assert!(l.acquire(1, Duration::from_millis(14), 1).await.is_err());
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // 20 ms left: it waits its 5 ms of slack, then gives up.
+        assert!(l.acquire(1, Duration::from_millis(20), 1).await.is_err());
+        assert_eq!(start.elapsed(), Duration::from_millis(5));
     }
 }
