@@ -19,9 +19,10 @@ from support.served import SCALES, Served  # noqa: E402
 # collection order, so these start at once instead of ending the run alone. Only the run's
 # length depends on this list.
 LONGEST_FIRST = [
-    "test_serve_bench.py",  # 230
+    "test_serve_bench.py",  # 190
     "test_ray_runner.py",  # 127
     "test_dense_precision.py",  # 88
+    "test_serve_bench_overload.py",  # 80
     "test_serve.py",  # 84
     "test_binary_tensors.py",  # 71
     "test_incast_bench.py",  # 59

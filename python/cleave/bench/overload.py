@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from cleave.bench.harness.processes import Sampler, cpu_seconds, role_pid
+
 # Relative to the burst: 0.4 C before and after it.
 QUIET = 0.4
 CLIENT_TIMEOUT_S = 2.0
@@ -162,41 +164,24 @@ def cpu_per_refusal(phases: dict) -> float | None:
     return max(0.0, peak["router_cpu_s"] - per_answer * admitted) / refused * 1e6
 
 
-class RouterCpu:
-    """The router process's CPU time, sampled every 0.1 s on a thread of its own while a run
-    goes on; `between(a, b)` is the CPU seconds spent between a and b seconds into it."""
-
-    EVERY_S = 0.1
+class RouterCpu(Sampler):
+    """The router process's CPU time, sampled every 0.1 s while a run goes on;
+    `between(a, b)` is the CPU seconds spent between a and b seconds into it."""
 
     def __init__(self, target):
-        from cleave.bench.harness.processes import role_pid
-
         root = target.server.proc.pid if target.server else None
-        self.pid = role_pid(root, "router") if root else None
+        super().__init__(role_pid(root, "router") if root else None, every_s=0.1)
         self.points: list[tuple[float, float]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> RouterCpu:
-        # The load generator's run starts 50 ms after its call (cleave-loadgen).
-        self.start = time.monotonic() + 0.05
-        if self.pid:
-            self.thread.start()
-        return self
+        self.start = time.monotonic() + 0.05  # the load generator starts 50 ms after its call
+        return super().__enter__()
 
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join(10)
-
-    def _run(self) -> None:
-        from cleave.bench.harness.processes import cpu_seconds
-
-        while not self.stop.wait(self.EVERY_S):
-            used = cpu_seconds(self.pid)
-            if used is None:
-                return
-            self.points.append((time.monotonic() - self.start, used))
+    def sample(self, now: float) -> bool:
+        used = cpu_seconds(self.pid)
+        if used is not None:
+            self.points.append((now, used))
+        return used is not None
 
     def between(self, a: float, b: float) -> float | None:
         if len(self.points) < 2:

@@ -4,47 +4,30 @@ after a warm-up, each process's RSS must stay flat."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 
-from cleave.bench.harness.processes import process_tree, sample_process
+from cleave.bench.harness.processes import Sampler, process_tree, sample_process
 from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
 
 
-class MemorySampler:
-    """Samples RSS and open files of a process tree every `every_s` on a thread of its own."""
+class MemorySampler(Sampler):
+    """Samples RSS and open files of a process tree every `every_s`."""
 
     def __init__(self, pid: int | None, every_s: float = 5.0):
-        self.pid, self.every_s = pid, every_s
+        super().__init__(pid, every_s)
         self.series: dict[str, dict] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.start = time.monotonic()
 
-    def __enter__(self) -> MemorySampler:
-        if self.pid:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join(30)
-
-    def _run(self) -> None:
-        while True:
-            now = time.monotonic() - self.start
-            for p, name in process_tree(self.pid).items():
-                got = sample_process(p)
-                if got:
-                    entry = self.series.setdefault(f"{name} ({p})", {"t": [], "rss": [], "fds": []})
-                    entry["t"].append(round(now, 1))
-                    entry["rss"].append(got[0])
-                    entry["fds"].append(got[1])
-            if self.stop.wait(self.every_s):
-                return
+    def sample(self, now: float) -> bool:
+        for p, name in process_tree(self.pid).items():
+            got = sample_process(p)
+            if got:
+                entry = self.series.setdefault(f"{name} ({p})", {"t": [], "rss": [], "fds": []})
+                entry["t"].append(round(now, 1))
+                entry["rss"].append(got[0])
+                entry["fds"].append(got[1])
+        return True
 
 
 def soak(target, workload, args, log) -> dict:

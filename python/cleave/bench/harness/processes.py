@@ -4,6 +4,8 @@ their memory, open files and CPU time."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 
@@ -66,3 +68,31 @@ def cpu_seconds(pid: int) -> float | None:
 def role_pid(root: int, role: str) -> int | None:
     """The first process of `role` ("router", "shard-0", ...) under `root`."""
     return next((pid for pid, name in process_tree(root).items() if name == role), None)
+
+
+class Sampler:
+    """Calls `sample(seconds since start)` every `every_s` on a thread of its own while in
+    its `with` block (not at all without a `pid`); `sample` returns False to stop early."""
+
+    def __init__(self, pid: int | None, every_s: float):
+        self.pid, self.every_s = pid, every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.start = time.monotonic()
+
+    def __enter__(self):
+        if self.pid:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(30)
+
+    def _run(self) -> None:
+        while self.sample(time.monotonic() - self.start) and not self.stop.wait(self.every_s):
+            pass
+
+    def sample(self, now: float) -> bool:
+        raise NotImplementedError
