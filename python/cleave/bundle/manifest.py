@@ -13,9 +13,9 @@ VERSION = 1
 MANIFEST = "manifest.json"
 
 POOLINGS = ("sum", "mean", "max", "none")
-LAYOUTS = ("offsets", "fixed", "gather")
+LAYOUTS = ("offsets", "fixed", "gather", "kjt")
 TRANSFORMS = ("remainder", "fmod", "cast")
-INPUT_ROLES = ("ids", "offsets", "weights", "dense", "both", "unused")
+INPUT_ROLES = ("ids", "offsets", "weights", "lengths", "dense", "both", "unused")
 
 _REQUIRED = {
     "inputs": list,

@@ -421,7 +421,8 @@ pub fn infer_response(
     }
 }
 
-/// `GET /v2/models/{name}`: inputs and outputs, -1 for symbolic sizes.
+/// `GET /v2/models/{name}`: inputs and outputs, -1 for symbolic sizes; a model with
+/// KeyedJaggedTensor inputs lists each KJT's keys in order under `parameters.kjts`.
 pub fn model_metadata(model: &Model) -> Value {
     let tensors = |specs: &[TensorSpec]| -> Vec<Value> {
         specs
@@ -435,13 +436,31 @@ pub fn model_metadata(model: &Model) -> Value {
             })
             .collect()
     };
-    serde_json::json!({
+    let mut metadata = serde_json::json!({
         "name": model.name,
         "versions": ["1"],
         "platform": "cleave",
         "inputs": tensors(&model.inputs),
         "outputs": tensors(&model.outputs),
-    })
+    });
+    if !model.kjts.is_empty() {
+        let input = |i: usize| model.inputs[i].name.clone();
+        let kjts: Map<String, Value> = model
+            .kjts
+            .iter()
+            .map(|k| {
+                let kjt = serde_json::json!({
+                    "keys": k.keys,
+                    "values": input(k.values),
+                    "lengths": input(k.lengths),
+                    "weights": k.weights.map(input),
+                });
+                (k.name.clone(), kjt)
+            })
+            .collect();
+        metadata["parameters"] = serde_json::json!({ "kjts": kjts });
+    }
+    metadata
 }
 
 #[cfg(test)]
