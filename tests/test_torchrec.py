@@ -23,6 +23,8 @@ from cleave.models import torchrec_models as tm
 from support.client import post
 from support.served import TOLERANCE, check_outputs, grpc_target, roomy_budget
 from support.triton import triton_inputs
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tritonclient.utils import InferenceServerException
 
@@ -218,3 +220,25 @@ def test_variable_batch_kjts_are_refused():
     )
     with pytest.raises(UnsupportedModelError, match="variable-batch"):
         cleave.partition(model, (dense[:2], variable))
+
+
+class Unpooled(torch.nn.Module):
+    """TorchRec's EmbeddingCollection: a KJT key's rows, unpooled, to the dense side."""
+
+    def __init__(self):
+        super().__init__()
+        table = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
+        self.collection = EmbeddingCollection(tables=[table])
+        self.top = torch.nn.Linear(4, 1)
+
+    def forward(self, kjt):
+        return self.top(self.collection(kjt)["f"].to_padded_dense(3).sum(1))
+
+
+def test_embedding_collections_are_refused_naming_the_lookup():
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 2, 1])
+    )
+    with pytest.raises(UnsupportedModelError, match="EmbeddingCollection, unpooled") as err:
+        cleave.partition(Unpooled().eval(), (kjt,))
+    assert "aten.embedding" in str(err.value)

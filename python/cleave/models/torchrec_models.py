@@ -121,3 +121,9 @@ def requests(spec: Spec, batch: int, generator: torch.Generator) -> tuple:
         keys=list(keys), values=values, weights=weights, lengths=lengths.reshape(-1)
     )
     return torch.randn(batch, spec.dense_features, generator=generator), kjt
+
+
+def small_dlrm() -> tuple[torch.nn.Module, tuple]:
+    """`cleave partition --model cleave.models.torchrec_models:small_dlrm`: TorchRec's DLRM
+    over the test tables (`small()`), for the README's example."""
+    return build("dlrm", small())

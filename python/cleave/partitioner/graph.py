@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from cleave.errors import UnsupportedModelError
-from cleave.partitioner.kjt import KjtFields, KjtKey, kjt_bag
+from cleave.partitioner.kjt import KjtFields, KjtKey, kjt_bag, reads_kjt, refuse_unpooled
 from cleave.partitioner.nodes import op_name, where
 
 aten = torch.ops.aten
@@ -114,6 +114,8 @@ def find_seam(ep: torch.export.ExportedProgram, kjts: KjtFields | None = None) -
         if node.target in EMBEDDING_BAG_OPS:
             lookups.append(_bag_lookup(node, params, user_inputs, kjts))
         elif node.target in EMBEDDING_OPS:
+            if kjts and reads_kjt(node.args[1], kjts):
+                refuse_unpooled(node)
             lookups.extend(_embedding_lookups(node, params, user_inputs))
     if not lookups:
         raise UnsupportedModelError(

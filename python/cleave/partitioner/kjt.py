@@ -72,7 +72,7 @@ def kjt_bag(lookup: fx.Node, args: dict, kjts: KjtFields) -> KjtBag | None:
     ids = _quiet(args["indices"])
     values, index = _segment(ids, kjts, "values", lookup)
     if values is None:
-        if _reads_kjt(args["indices"], kjts):
+        if reads_kjt(args["indices"], kjts):
             _refuse(lookup, ids, "ids")
         return None
     kjt, _ = kjts[values.name]
@@ -104,7 +104,7 @@ def _segment(node: fx.Node, kjts: KjtFields, field: str, lookup: fx.Node):
         return None, None
     source = _quiet(split.args[0])
     if source.op != "placeholder" or source.name not in kjts:
-        if _reads_kjt(source, kjts):
+        if reads_kjt(source, kjts):
             _refuse(lookup, source, field)
         return None, None
     kjt, got = kjts[source.name]
@@ -174,7 +174,7 @@ def _offsets_key(node: fx.Node, kjts: KjtFields):
     return placeholder, node.args[1]
 
 
-def _reads_kjt(node: fx.Node, kjts: KjtFields) -> bool:
+def reads_kjt(node: fx.Node, kjts: KjtFields) -> bool:
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -185,6 +185,14 @@ def _reads_kjt(node: fx.Node, kjts: KjtFields) -> bool:
             return True
         stack.extend(n.all_input_nodes)
     return False
+
+
+def refuse_unpooled(lookup: fx.Node) -> None:
+    raise UnsupportedModelError(
+        f"{op_name(lookup)}{where(lookup)} reads a KeyedJaggedTensor key row by row (TorchRec's "
+        "EmbeddingCollection, unpooled): Cleave serves pooled KJT lookups "
+        "(EmbeddingBagCollection) so far; each key's jagged rows would cross the seam"
+    )
 
 
 def _refuse(lookup: fx.Node, node: fx.Node, what: str):
