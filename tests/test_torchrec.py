@@ -109,6 +109,26 @@ def test_served_scores_over_json_binary_and_grpc(deployment):
         assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
 
 
+@pytest.mark.parametrize(
+    "name, weighted", [("dlrm", False), ("dlrm_projection", True), ("deepfm", False)]
+)
+def test_each_architecture_serves_torchrecs_scores(tmp_path, name, weighted):
+    """The other architectures, one deployment each, over REST JSON."""
+    spec = tm.small(weighted)
+    model, example = tm.build(name, spec)
+    bundle_dir = cleave.partition(model, example).save(tmp_path / name)
+    generator = torch.Generator().manual_seed(9)
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1"]
+    with ServeProcess(bundle_dir, *flags, *roomy_budget(tmp_path)) as server:
+        for batch in (1, 33):
+            args = tm.requests(spec, batch, generator)
+            status, reply = post(
+                f"{server.url}/v2/models/{name}/infer", request_body(bundle_dir, *args)
+            )
+            assert status == 200, reply
+            check_outputs(reply, scores(model, args), (name, batch))
+
+
 def test_metadata_lists_the_kjt_inputs_and_keys(deployment):
     server, bundle_dir, _, _ = deployment
     with urllib.request.urlopen(f"{server.url}/v2/models/{bundle_dir.name}", timeout=10) as r:
