@@ -16,6 +16,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from cleave.bench.loadgen import infer_body
 from cleave.client import request_body, request_inputs
 from cleave.errors import UnsupportedModelError
 from cleave.launch.process import ServeProcess
@@ -106,7 +107,19 @@ def test_served_scores_over_json_binary_and_grpc(deployment):
         assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
         with grpcclient.InferenceServerClient(url=grpc_target(server)) as rpc:
             result = rpc.infer(name, triton_inputs(grpcclient, arrays))
+            assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
+            # TorchRec's INT32 values and lengths are taken as they are.
+            narrow = {
+                k: v.astype(np.int32) if v.dtype == np.int64 else v for k, v in arrays.items()
+            }
+            result = rpc.infer(name, triton_inputs(grpcclient, narrow))
+            assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
+        result = http.infer(name, triton_inputs(httpclient, narrow))
         assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
+        narrow = {k: torch.from_numpy(v) for k, v in narrow.items()}
+        status, reply = post(url, infer_body(narrow))
+        assert status == 200, reply
+        check_outputs(reply, want, ("json, int32", args[0].shape[0]))
 
 
 @pytest.mark.parametrize(
@@ -182,8 +195,6 @@ def bad_kjts(bundle_dir):
 def test_bad_kjts_get_a_400_naming_input_and_key(deployment):
     server, bundle_dir, model, requests = deployment
     url = f"{server.url}/v2/models/{bundle_dir.name}/infer"
-    from cleave.bench.loadgen import infer_body
-
     for what, named, words in bad_kjts(bundle_dir):
         status, reply = post(url, infer_body(named))
         assert status == 400, (what, reply)

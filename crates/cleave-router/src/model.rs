@@ -14,6 +14,9 @@ pub struct TensorSpec {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<Dim>,
+    /// A KJT's values or lengths: sent as INT32 or INT64 (TorchRec makes either), held as
+    /// `dtype` once decoded.
+    pub either_int: bool,
 }
 
 impl TensorSpec {
@@ -30,6 +33,7 @@ impl TensorSpec {
             name: meta.name.clone(),
             dtype,
             shape: meta.shape.clone(),
+            either_int: false,
         })
     }
 
@@ -42,6 +46,20 @@ impl TensorSpec {
                 Dim::Symbol(_) => -1,
             })
             .collect()
+    }
+
+    /// The dtype a request's tensor is decoded as, given the datatype it declares: the
+    /// spec's own, or the declared integer width of a KJT's values and lengths.
+    pub fn sent_as(&self, datatype: &str) -> TensorSpec {
+        let dtype = match datatype {
+            "INT32" if self.either_int => DType::I32,
+            "INT64" if self.either_int => DType::I64,
+            _ => self.dtype,
+        };
+        TensorSpec {
+            dtype,
+            ..self.clone()
+        }
     }
 
     /// Whether the leading dimension is the batch (`"B"`): one row per candidate.
@@ -152,6 +170,14 @@ impl Model {
             .iter()
             .map(|b| TensorSpec::from_meta(b, "boundary tensor"))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut inputs = inputs;
+        for k in &m.kjts {
+            for name in [&k.values, &k.lengths] {
+                if let Some(spec) = inputs.iter_mut().find(|i| i.name == *name) {
+                    spec.either_int = spec.dtype.is_integer();
+                }
+            }
+        }
         let mut input_index = HashMap::new();
         for (i, spec) in inputs.iter().enumerate() {
             if input_index.insert(spec.name.clone(), i).is_some() {

@@ -105,6 +105,26 @@ pub struct Tensor {
 
 impl Tensor {
     /// A tensor over `data`; `None` when the byte count does not match dtype and dims.
+    /// The same integers as `dtype` (I32 or I64): a KJT's values or lengths sent at the
+    /// other width. Values past i32 cannot be narrowed: `None`.
+    pub fn to_int(self, dtype: DType) -> Option<Tensor> {
+        if self.dtype == dtype {
+            return Some(self);
+        }
+        let values = self.to_i64()?;
+        match dtype {
+            DType::I64 => Some(Tensor::from_i64(self.dims, &values)),
+            DType::I32 => {
+                let mut data = Vec::with_capacity(values.len() * 4);
+                for v in values {
+                    data.extend(i32::try_from(v).ok()?.to_le_bytes());
+                }
+                Tensor::new(DType::I32, self.dims, data)
+            }
+            _ => None,
+        }
+    }
+
     pub fn new(dtype: DType, dims: Vec<usize>, data: Vec<u8>) -> Option<Tensor> {
         let bytes = numel(&dims)?.checked_mul(dtype.itemsize())?;
         (bytes == data.len()).then_some(Tensor { dtype, dims, data })

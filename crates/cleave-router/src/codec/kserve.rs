@@ -11,7 +11,7 @@ use crate::codec::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
 use crate::codec::json_tensor::{JsonData, JsonElements};
 use crate::error::RequestError;
 use crate::model::{Model, TensorSpec};
-use crate::pipeline::validate::check_declared;
+use crate::pipeline::validate::{check_declared, to_held};
 use crate::tensor::{DType, Tensor};
 
 /// An infer request, parsed and converted, not yet checked as a whole.
@@ -249,6 +249,17 @@ pub fn names(specs: &[TensorSpec]) -> String {
 }
 
 fn convert_input(
+    held: &TensorSpec,
+    input: RawInput,
+    framed: bool,
+    sections: &mut Sections,
+) -> Result<Tensor, RequestError> {
+    let spec = &held.sent_as(&input.datatype);
+    let tensor = decode_input(spec, input, framed, sections)?;
+    to_held(held, tensor)
+}
+
+fn decode_input(
     spec: &TensorSpec,
     input: RawInput,
     framed: bool,

@@ -277,6 +277,24 @@ pub fn check_declared(
     Ok(())
 }
 
+/// A decoded tensor as the model holds it: a KJT's values or lengths sent at the other
+/// integer width become the manifest's.
+pub fn to_held(spec: &TensorSpec, tensor: Tensor) -> Result<Tensor, RequestError> {
+    if tensor.dtype == spec.dtype {
+        return Ok(tensor);
+    }
+    let sent = tensor.dtype;
+    tensor.to_int(spec.dtype).ok_or_else(|| {
+        RequestError::input(
+            &spec.name,
+            format!(
+                "a value sent as {sent} does not fit the model's {}",
+                spec.dtype
+            ),
+        )
+    })
+}
+
 /// Checks a full set of inputs (indexed like `model.inputs`; `None` = not given).
 pub fn check_request(model: &Model, given: Vec<Option<Tensor>>) -> Result<Checked, RequestError> {
     let missing: Vec<&str> = model
