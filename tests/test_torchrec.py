@@ -273,3 +273,12 @@ def test_embedding_collections_are_refused_naming_the_lookup():
     with pytest.raises(UnsupportedModelError, match="EmbeddingCollection, unpooled") as err:
         cleave.partition(Unpooled().eval(), (kjt,))
     assert "aten.embedding" in str(err.value)
+
+
+def test_a_model_quantized_by_torchrec_is_refused_pointing_to_table_dtype():
+    from torchrec.inference.modules import quantize_inference_model
+
+    model, example = tm.build("dlrm", tm.small())
+    with pytest.raises(UnsupportedModelError, match="quantize_inference_model") as err:
+        cleave.partition(quantize_inference_model(model), example)
+    assert "--table-dtype" in str(err.value)

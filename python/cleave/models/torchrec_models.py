@@ -62,12 +62,14 @@ def small(weighted: bool = False) -> Spec:
     )
 
 
-def criteo_kaggle() -> Spec:
+def criteo_kaggle(scale: float = 1.0) -> Spec:
     """The Criteo Kaggle shape of TorchRec's DLRM example: 26 sparse features (table sizes of
-    the day's data capped at 1M rows), dim 16, 13 dense features."""
+    the day's data capped at 1M rows), dim 16, 13 dense features. `scale` shrinks every
+    table, keeping at least 16 rows (or its real size, if smaller)."""
     rows = [1460, 583, 1_000_000, 800_000, 305, 24, 12517, 633, 3, 93145, 5683, 1_000_000]
     rows += [3194, 27, 14992, 1_000_000, 10, 5652, 2173, 4, 1_000_000, 18, 15, 286181, 105]
     rows += [142572]
+    rows = [min(r, max(16, int(r * scale))) for r in rows]
     tables = tuple(Table(f"t_cat_{i}", r, (f"cat_{i}",)) for i, r in enumerate(rows))
     return Spec(tables=tables, dim=16, max_bag=1, mlp=(512, 256))
 

@@ -170,6 +170,14 @@ def _quiet_specialization():
 def _explain(err: Exception) -> str:
     text = str(err)
     where = _user_frame(text)
+    if "ScriptObject" in text and "fbgemm" in text:
+        return (
+            "the model holds fbgemm kernel state (TorchScript objects), as a TorchRec model "
+            "converted by torchrec.inference's quantize_inference_model does; it does not "
+            "export. Partition the float model instead and quantize its tables with "
+            "--table-dtype int8|int4 (partition(..., table_dtype='int8_rowwise')). "
+            f"(torch.export: {_first_line(text)})"
+        )
     if _DATA_DEPENDENT.search(text):
         return (
             "the model's forward branches on, or sizes a tensor by, the *values* of a tensor"
