@@ -282,3 +282,17 @@ def test_a_model_quantized_by_torchrec_is_refused_pointing_to_table_dtype():
     with pytest.raises(UnsupportedModelError, match="quantize_inference_model") as err:
         cleave.partition(quantize_inference_model(model), example)
     assert "--table-dtype" in str(err.value)
+
+
+def test_quantization_bench_compares_both_ways(tmp_path, capsys):
+    """`cleave bench torchrec-quant`, tiny: both quantizations are measured, and int4 costs
+    more than int8 both ways (it has 15 steps per row where int8 has 255)."""
+    from cleave.cli import main
+
+    out = tmp_path / "quant.json"
+    argv = ["bench", "torchrec-quant", "--scale", "0.0001", "--batches", "1", "--batch", "64"]
+    assert main([*argv, "--json", str(out)]) == 0
+    diff = json.loads(out.read_text())["score_diff"]
+    for way in ("cleave", "torchrec_fbgemm"):
+        assert 0 < diff["int8"][way]["mean"] < diff["int4"][way]["mean"] < 0.01, diff
+    assert "TorchRec max" in capsys.readouterr().out
