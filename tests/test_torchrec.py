@@ -123,15 +123,21 @@ def test_served_scores_over_json_binary_and_grpc(deployment):
 
 
 @pytest.mark.parametrize(
-    "name, weighted", [("dlrm", False), ("dlrm_projection", True), ("deepfm", False)]
+    "name, weighted, mode",
+    [
+        ("dlrm", False, "--monolithic"),
+        ("dlrm_projection", True, "--router-held"),
+        ("deepfm", False, None),
+    ],
 )
-def test_each_architecture_serves_torchrecs_scores(tmp_path, name, weighted):
-    """The other architectures, one deployment each, over REST JSON."""
+def test_each_architecture_serves_torchrecs_scores(tmp_path, name, weighted, mode):
+    """The other architectures, one deployment each, over REST JSON; also the monolithic
+    baseline and the tables held by the router."""
     spec = tm.small(weighted)
     model, example = tm.build(name, spec)
     bundle_dir = cleave.partition(model, example).save(tmp_path / name)
     generator = torch.Generator().manual_seed(9)
-    flags = ["--shards", "1", "--rankers", "1", "--threads", "1"]
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", *([mode] if mode else [])]
     with ServeProcess(bundle_dir, *flags, *roomy_budget(tmp_path)) as server:
         for batch in (1, 33):
             args = tm.requests(spec, batch, generator)

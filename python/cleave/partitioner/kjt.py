@@ -109,7 +109,8 @@ def _segment(node: fx.Node, kjts: KjtFields, field: str, lookup: fx.Node):
         return None, None
     kjt, got = kjts[source.name]
     sizes = split.args[1]
-    if got != field or len(sizes) != len(kjt.keys) or split.kwargs.get("dim", 0) != 0:
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if got != field or len(sizes) != len(kjt.keys) or dim != 0:
         _refuse(lookup, split, field)
     lengths = _lengths_placeholder(kjt, kjts)
     for j, size in enumerate(sizes):
