@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import linecache
 import logging
 import re
@@ -34,7 +35,7 @@ def dynamic_shapes(args: tuple):
     KJTs and the batch they share with the other inputs (module docstring)."""
     stride = _kjt_batch(args)
     batch = Dim("B") if stride is not None else None
-    count = iter(range(1 << 30))
+    count = itertools.count()
 
     def spec(x):
         if kjt_io.is_kjt(x):
