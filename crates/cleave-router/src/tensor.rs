@@ -202,6 +202,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn integers_change_width_only_when_they_fit() {
+        let narrow = Tensor::new(
+            DType::I32,
+            vec![2],
+            [7i32, -3].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+        .unwrap();
+        let wide = narrow.clone().to_int(DType::I64).unwrap();
+        assert_eq!(wide.dtype, DType::I64);
+        assert_eq!(wide.to_i64(), Some(vec![7, -3]));
+        assert_eq!(wide.clone().to_int(DType::I32).unwrap().data, narrow.data);
+        let big = Tensor::from_i64(vec![1], &[1 << 40]);
+        assert!(big.to_int(DType::I32).is_none());
+        assert!(Tensor::from_i64(vec![1], &[1]).to_int(DType::F32).is_none());
+    }
+
+    #[test]
     fn names_round_trip() {
         for d in DType::ALL {
             assert_eq!(DType::from_wire_code(d.wire_code()), Some(d));
