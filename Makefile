@@ -3,6 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SOURCES := pyproject.toml Cargo.toml $(shell find crates -name '*.rs' -o -name Cargo.toml)
+TORCHREC := torchrec==1.9.2
 export PYO3_PYTHON := $(abspath $(PY))
 
 .PHONY: demo test test-fast lint test-rust test-python bench setup tools clean
@@ -10,13 +11,15 @@ export PYO3_PYTHON := $(abspath $(PY))
 setup: $(STAMP)
 
 # One pip install builds the native module (maturin, release) and installs every dependency;
-# then the standalone executables (cleave-shard, cleave-router, cleave-incast: no Python in
+# TorchRec follows with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names
+# the CPU build and what TorchRec imports: docs/dependencies.md); then the standalone executables (cleave-shard, cleave-router, cleave-incast: no Python in
 # them) are built in release and installed next to the `cleave` script, where the launcher
 # looks first.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ray]'
+	$(PY) -m pip install -q -e '.[dev,ray,torchrec]'
+	$(PY) -m pip install -q --no-deps $(TORCHREC)
 	cargo build --release --bins -p cleave-shard -p cleave-router -p cleave-flow
 	install -m 755 target/release/cleave-shard target/release/cleave-router target/release/cleave-incast \
 		$(VENV)/bin/

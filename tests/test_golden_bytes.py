@@ -223,3 +223,23 @@ def test_kserve_binary_response_of_the_router():
         )
         assert out["parameters"] == {"binary_data_size": len(raw(want))}
         np.testing.assert_array_equal(out["data"], tensor(want).numpy())
+
+
+def test_kjt_requests_split_by_key_as_the_router_splits_them():
+    """tests/golden/kjt_split.json: the reference executor cuts a KJT request into each key's
+    ids, bags and weights as crates/cleave-router/tests/golden.rs finds the router does."""
+    from cleave.bundle.reference import kjt_segments
+
+    case = content("kjt_split")
+    request = case["request"]
+    inputs = {
+        "p.values": torch.tensor(request["p.values"]),
+        "p.weights": torch.tensor(request["p.weights"]),
+        "p.lengths": torch.tensor(request["p.lengths"]),
+    }
+    segments = kjt_segments(case["manifest"]["kjts"][0], inputs)
+    for key, want in case["lookups"].items():
+        got = segments[key]
+        assert got["ids"].tolist() == want["ids"], key
+        assert got["offsets"].tolist() == want["bags"], key
+        assert got["weights"].tolist() == want["weights"], key

@@ -32,6 +32,10 @@ BENCHMARKS = {
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
+    "torchrec-quant": (
+        "cleave.bench.torchrec_quant",
+        "a TorchRec DLRM's score cost of int8/int4 tables, Cleave's vs TorchRec's quantization",
+    ),
 }
 
 

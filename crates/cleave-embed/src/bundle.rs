@@ -39,6 +39,21 @@ pub struct Manifest {
     pub dense: Option<DenseMeta>,
     #[serde(default)]
     pub shared_inputs: Vec<String>,
+    /// TorchRec KeyedJaggedTensor arguments, served as `<name>.values`, `.lengths`, `.weights`.
+    #[serde(default)]
+    pub kjts: Vec<KjtMeta>,
+}
+
+/// A KeyedJaggedTensor argument: key `k`'s bag for sample `b` has `lengths[k * B + b]` ids,
+/// and each key's ids follow the previous key's in `values` (docs/bundle.md, "kjts").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KjtMeta {
+    pub name: String,
+    pub keys: Vec<String>,
+    pub values: String,
+    pub lengths: String,
+    #[serde(default)]
+    pub weights: Option<String>,
 }
 
 /// One embedding table file.
@@ -130,6 +145,11 @@ pub struct FeatureMeta {
     pub weights: Option<String>,
     pub pooling: FeaturePooling,
     pub output: String,
+    /// Layout `kjt`: the KeyedJaggedTensor (a `kjts` name) and the key this feature reads.
+    #[serde(default)]
+    pub kjt: Option<String>,
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 /// An element-wise step applied to ids before the lookup.
@@ -177,6 +197,8 @@ pub enum Layout {
     Offsets,
     Fixed,
     Gather,
+    /// One key of a KeyedJaggedTensor: its segment of the `values` and `lengths`.
+    Kjt,
 }
 
 /// A feature's pooling mode as written in the manifest.
@@ -329,12 +351,47 @@ impl Manifest {
                     f.name
                 ));
             }
+            if f.layout == Layout::Kjt {
+                self.check_kjt_feature(f)?;
+            }
             if f.weights.is_some() && f.pooling != FeaturePooling::Sum {
                 return Err(format!(
                     "feature {:?}: per-sample weights need pooling \"sum\", found {:?}",
                     f.name, f.pooling
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl Manifest {
+    /// A `kjt` feature names a listed KJT and one of its keys, and reads its tensors.
+    fn check_kjt_feature(&self, f: &FeatureMeta) -> Result<(), String> {
+        let kjt = self
+            .kjts
+            .iter()
+            .find(|k| Some(&k.name) == f.kjt.as_ref())
+            .ok_or_else(|| {
+                format!(
+                    "feature {:?}: layout \"kjt\" names KJT {:?}, which is not in \"kjts\"",
+                    f.name, f.kjt
+                )
+            })?;
+        if !f.key.as_ref().is_some_and(|key| kjt.keys.contains(key)) {
+            return Err(format!(
+                "feature {:?}: key {:?} is not among KJT {:?}'s keys {:?}",
+                f.name, f.key, kjt.name, kjt.keys
+            ));
+        }
+        if f.ids != kjt.values || (f.weights.is_some() && f.weights != kjt.weights) {
+            return Err(format!(
+                "feature {:?}: ids and weights must be KJT {:?}'s values and weights",
+                f.name, kjt.name
+            ));
+        }
+        if f.pooling == FeaturePooling::None {
+            return Err(format!("feature {:?}: a KJT feature is pooled", f.name));
         }
         Ok(())
     }

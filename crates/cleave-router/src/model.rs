@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use cleave_embed::bundle::{Dim, FeatureMeta, Layout, Manifest, TensorMeta, Transform};
+use cleave_embed::bundle::{Dim, FeatureMeta, KjtMeta, Layout, Manifest, TensorMeta, Transform};
 
 use crate::tensor::DType;
 
@@ -14,6 +14,9 @@ pub struct TensorSpec {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<Dim>,
+    /// A KJT's values or lengths: sent as INT32 or INT64 (TorchRec makes either), held as
+    /// `dtype` once decoded.
+    pub either_int: bool,
 }
 
 impl TensorSpec {
@@ -30,6 +33,7 @@ impl TensorSpec {
             name: meta.name.clone(),
             dtype,
             shape: meta.shape.clone(),
+            either_int: false,
         })
     }
 
@@ -42,6 +46,20 @@ impl TensorSpec {
                 Dim::Symbol(_) => -1,
             })
             .collect()
+    }
+
+    /// The dtype a request's tensor is decoded as, given the datatype it declares: the
+    /// spec's own, or the declared integer width of a KJT's values and lengths.
+    pub fn sent_as(&self, datatype: &str) -> TensorSpec {
+        let dtype = match datatype {
+            "INT32" if self.either_int => DType::I32,
+            "INT64" if self.either_int => DType::I64,
+            _ => self.dtype,
+        };
+        TensorSpec {
+            dtype,
+            ..self.clone()
+        }
     }
 
     /// Whether the leading dimension is the batch (`"B"`): one row per candidate.
@@ -70,6 +88,18 @@ pub struct Feature {
     pub pooling: Option<cleave_embed::Pooling>,
     /// Index into [`Model::boundary`].
     pub output: usize,
+    /// Layout `kjt`: (index into [`Model::kjts`], the key's position among its keys).
+    pub kjt: Option<(usize, usize)>,
+}
+
+/// A KeyedJaggedTensor argument, its tensors resolved to indices into [`Model::inputs`].
+#[derive(Debug, Clone)]
+pub struct KjtGroup {
+    pub name: String,
+    pub keys: Vec<String>,
+    pub values: usize,
+    pub lengths: usize,
+    pub weights: Option<usize>,
 }
 
 /// Where a dense-program input comes from.
@@ -110,6 +140,7 @@ pub struct Model {
     pub features: Vec<Feature>,
     pub dense: Vec<DenseSource>,
     pub jagged: Vec<JaggedGroup>,
+    pub kjts: Vec<KjtGroup>,
     /// Per input: in manifest `shared_inputs`.
     pub shared: Vec<bool>,
     input_index: HashMap<String, usize>,
@@ -139,6 +170,14 @@ impl Model {
             .iter()
             .map(|b| TensorSpec::from_meta(b, "boundary tensor"))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut inputs = inputs;
+        for k in &m.kjts {
+            for name in [&k.values, &k.lengths] {
+                if let Some(spec) = inputs.iter_mut().find(|i| i.name == *name) {
+                    spec.either_int = spec.dtype.is_integer();
+                }
+            }
+        }
         let mut input_index = HashMap::new();
         for (i, spec) in inputs.iter().enumerate() {
             if input_index.insert(spec.name.clone(), i).is_some() {
@@ -151,6 +190,11 @@ impl Model {
                 .copied()
                 .ok_or_else(|| format!("{what} {name:?} is not among the inputs"))
         };
+        let kjts = m
+            .kjts
+            .iter()
+            .map(|k| resolve_kjt(k, &inputs, &input))
+            .collect::<Result<Vec<_>, _>>()?;
         let features = m
             .features
             .iter()
@@ -210,6 +254,7 @@ impl Model {
             features,
             dense,
             jagged,
+            kjts,
             shared,
             input_index,
         })
@@ -218,6 +263,39 @@ impl Model {
     pub fn input_index(&self, name: &str) -> Option<usize> {
         self.input_index.get(name).copied()
     }
+}
+
+fn resolve_kjt(
+    k: &KjtMeta,
+    inputs: &[TensorSpec],
+    input: &dyn Fn(&str, &str) -> Result<usize, String>,
+) -> Result<KjtGroup, String> {
+    let where_ = format!("KJT {:?}", k.name);
+    let values = input(&k.values, &format!("{where_}: values"))?;
+    let lengths = input(&k.lengths, &format!("{where_}: lengths"))?;
+    let weights = k
+        .weights
+        .as_deref()
+        .map(|w| input(w, &format!("{where_}: weights")))
+        .transpose()?;
+    for i in [values, lengths] {
+        if !inputs[i].dtype.is_integer() || inputs[i].shape.len() != 1 {
+            return Err(format!(
+                "{where_}: {:?} must be a 1-D integer input",
+                inputs[i].name
+            ));
+        }
+    }
+    if k.keys.is_empty() {
+        return Err(format!("{where_} has no keys"));
+    }
+    Ok(KjtGroup {
+        name: k.name.clone(),
+        keys: k.keys.clone(),
+        values,
+        lengths,
+        weights,
+    })
 }
 
 fn resolve_feature(
@@ -288,6 +366,11 @@ fn resolve_feature(
                 "{where_}: layout \"fixed\" needs 2-D ids, found {rank}-D"
             ))
         }
+        Layout::Kjt if kjt_key(f, m).is_none() => {
+            return Err(format!(
+                "{where_}: layout \"kjt\" needs a KJT of \"kjts\" and one of its keys"
+            ))
+        }
         _ => {}
     }
     Ok(Feature {
@@ -303,7 +386,21 @@ fn resolve_feature(
         transform: f.transform.clone(),
         pooling: f.pooling.pooling(),
         output,
+        kjt: kjt_key(f, m),
     })
+}
+
+/// (KJT index, key index) of a `kjt` feature; the manifest reader checked that both exist.
+fn kjt_key(f: &FeatureMeta, m: &Manifest) -> Option<(usize, usize)> {
+    let group = m
+        .kjts
+        .iter()
+        .position(|k| Some(&k.name) == f.kjt.as_ref())?;
+    let key = m.kjts[group]
+        .keys
+        .iter()
+        .position(|k| Some(k) == f.key.as_ref())?;
+    Some((group, key))
 }
 
 #[cfg(test)]

@@ -105,6 +105,26 @@ pub struct Tensor {
 
 impl Tensor {
     /// A tensor over `data`; `None` when the byte count does not match dtype and dims.
+    /// The same integers as `dtype` (I32 or I64): a KJT's values or lengths sent at the
+    /// other width. Values past i32 cannot be narrowed: `None`.
+    pub fn to_int(self, dtype: DType) -> Option<Tensor> {
+        if self.dtype == dtype {
+            return Some(self);
+        }
+        let values = self.to_i64()?;
+        match dtype {
+            DType::I64 => Some(Tensor::from_i64(self.dims, &values)),
+            DType::I32 => {
+                let mut data = Vec::with_capacity(values.len() * 4);
+                for v in values {
+                    data.extend(i32::try_from(v).ok()?.to_le_bytes());
+                }
+                Tensor::new(DType::I32, self.dims, data)
+            }
+            _ => None,
+        }
+    }
+
     pub fn new(dtype: DType, dims: Vec<usize>, data: Vec<u8>) -> Option<Tensor> {
         let bytes = numel(&dims)?.checked_mul(dtype.itemsize())?;
         (bytes == data.len()).then_some(Tensor { dtype, dims, data })
@@ -180,6 +200,23 @@ pub fn numel(dims: &[usize]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integers_change_width_only_when_they_fit() {
+        let narrow = Tensor::new(
+            DType::I32,
+            vec![2],
+            [7i32, -3].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+        .unwrap();
+        let wide = narrow.clone().to_int(DType::I64).unwrap();
+        assert_eq!(wide.dtype, DType::I64);
+        assert_eq!(wide.to_i64(), Some(vec![7, -3]));
+        assert_eq!(wide.clone().to_int(DType::I32).unwrap().data, narrow.data);
+        let big = Tensor::from_i64(vec![1], &[1 << 40]);
+        assert!(big.to_int(DType::I32).is_none());
+        assert!(Tensor::from_i64(vec![1], &[1]).to_int(DType::F32).is_none());
+    }
 
     #[test]
     fn names_round_trip() {

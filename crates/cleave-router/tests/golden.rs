@@ -266,3 +266,70 @@ fn kserve_binary_response_of_the_router() {
     }
     sections.finish().unwrap();
 }
+
+/// tests/golden/kjt_split.json: a KJT request cut into each key's ids, bags and weights as
+/// the Python reference executor cuts it (tests/test_golden_bytes.py checks the same file).
+#[test]
+fn kjt_requests_split_by_key_as_python_splits_them() {
+    use cleave_router::pipeline::validate::check_request;
+
+    let case = golden::content("kjt_split");
+    let text = case["manifest"].to_string();
+    let manifest = Manifest::parse(&text, Path::new("kjt_split.json")).unwrap();
+    let model = Model::from_manifest("kjt", &manifest).unwrap();
+    let request = &case["request"];
+    let ints = |name: &str| -> Vec<i64> {
+        let v = request[name].as_array().unwrap();
+        v.iter().map(|x| x.as_i64().unwrap()).collect()
+    };
+    let values = ints("p.values");
+    let lengths = ints("p.lengths");
+    let weights: Vec<f32> = request["p.weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
+    let batch = lengths.len() / 3;
+    let given = vec![
+        Some(Tensor::from_f32(vec![batch, 2], &vec![0.0; batch * 2])),
+        Some(Tensor::from_i64(vec![values.len()], &values)),
+        Some(Tensor::from_f32(vec![weights.len()], &weights)),
+        Some(Tensor::from_i64(vec![lengths.len()], &lengths)),
+    ];
+    let checked = check_request(&model, given).unwrap();
+    for lookup in &checked.lookups {
+        let feature = &model.features[lookup.feature];
+        let want = &case["lookups"][&feature.name];
+        let as_i64 = |v: &Value| -> Vec<i64> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect()
+        };
+        assert_eq!(lookup.ids, as_i64(&want["ids"]), "{}", feature.name);
+        let bags: Vec<i64> = lookup
+            .bags
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|&b| b as i64)
+            .collect();
+        assert_eq!(bags, as_i64(&want["bags"]), "{}", feature.name);
+        let w: Vec<f64> = lookup
+            .weights
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let want_w: Vec<f64> = want["weights"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(w, want_w, "{}", feature.name);
+    }
+}

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from cleave.bundle import kjt as kjt_io
 from cleave.bundle import manifest as manifest_io
 from cleave.bundle import tables as table_io
 from cleave.bundle.reference import run_sparse
@@ -102,13 +103,7 @@ class Bundle:
     # -- running it ------------------------------------------------------------------------
     def named_inputs(self, *args) -> dict[str, torch.Tensor]:
         """The model's forward arguments -> tensors by manifest input name."""
-        leaves = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        names = self.input_names
-        if len(leaves) != len(names):
-            raise CleaveError(
-                f"expected {len(names)} input tensors ({', '.join(names)}), got {len(leaves)}"
-            )
-        return dict(zip(names, leaves, strict=True))
+        return kjt_io.named_inputs(self.input_names, args)
 
     def sparse_reference(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The boundary tensors of a request, computed with the reference executor."""

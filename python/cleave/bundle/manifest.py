@@ -13,9 +13,9 @@ VERSION = 1
 MANIFEST = "manifest.json"
 
 POOLINGS = ("sum", "mean", "max", "none")
-LAYOUTS = ("offsets", "fixed", "gather")
+LAYOUTS = ("offsets", "fixed", "gather", "kjt")
 TRANSFORMS = ("remainder", "fmod", "cast")
-INPUT_ROLES = ("ids", "offsets", "weights", "dense", "both", "unused")
+INPUT_ROLES = ("ids", "offsets", "weights", "lengths", "dense", "both", "unused")
 
 _REQUIRED = {
     "inputs": list,
@@ -93,9 +93,13 @@ def check(manifest: dict, path: Path) -> None:
         where = f"feature {f.get('name')!r}"
         if f.get("table") not in tables:
             fail(f"{where} names table {f.get('table')!r}, which the manifest does not list")
-        for key in ("ids", "offsets", "weights"):
+        for key in ("ids", "offsets", "weights", "lengths"):
             if f.get(key) is not None and f[key] not in inputs:
                 fail(f"{where}: {key} input {f[key]!r} is not among the inputs")
+        if f.get("layout") == "kjt":
+            keys = {k["name"]: k["keys"] for k in manifest.get("kjts", [])}
+            if f.get("key") not in keys.get(f.get("kjt"), []):
+                fail(f"{where}: key {f.get('key')!r} of KJT {f.get('kjt')!r} is not in 'kjts'")
         if f.get("pooling") not in POOLINGS:
             fail(f"{where}: pooling must be one of {POOLINGS}, found {f.get('pooling')!r}")
         if f.get("layout") not in LAYOUTS:

@@ -59,13 +59,45 @@ def lookup(feature: dict, inputs: Mapping[str, torch.Tensor], table: torch.Tenso
     )
 
 
+def kjt_segments(kjt: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, dict]:
+    """Each key's ids, offsets (with the final one) and weights of a KJT input (docs/bundle.md,
+    "kjts"): key k's bags are lengths[k*B : (k+1)*B], its ids the values they cover."""
+    keys = kjt["keys"]
+    lengths = inputs[kjt["lengths"]].to(torch.int64).view(len(keys), -1)
+    sizes = lengths.sum(dim=1).tolist()
+    values = inputs[kjt["values"]].split(sizes)
+    weights = inputs[kjt["weights"]].split(sizes) if kjt.get("weights") else [None] * len(keys)
+    zero = torch.zeros(len(keys), 1, dtype=torch.int64)
+    offsets = torch.cat([zero, lengths.cumsum(dim=1)], dim=1)
+    return {
+        key: {"ids": values[k], "offsets": offsets[k], "weights": weights[k]}
+        for k, key in enumerate(keys)
+    }
+
+
+def _kjt_inputs(feature: dict, segments: dict) -> tuple[dict, dict]:
+    """A KJT feature as the offsets-layout feature over its key's segment."""
+    seg = segments[feature["kjt"]][feature["key"]]
+    names = {
+        "ids": "ids",
+        "offsets": "offsets",
+        "weights": "weights" if feature["weights"] else None,
+    }
+    as_offsets = {**feature, **names, "layout": "offsets", "include_last_offset": True}
+    return as_offsets, seg
+
+
 def run_sparse(
     manifest: dict,
     inputs: Mapping[str, torch.Tensor],
     table: Callable[[str], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """All boundary tensors of one request: lookups, plus inputs that cross as they are."""
-    out = {f["output"]: lookup(f, inputs, table(f["table"])) for f in manifest["features"]}
+    segments = {k["name"]: kjt_segments(k, inputs) for k in manifest.get("kjts", [])}
+    out = {}
+    for f in manifest["features"]:
+        feature, given = _kjt_inputs(f, segments) if f["layout"] == "kjt" else (f, inputs)
+        out[f["output"]] = lookup(feature, given, table(f["table"]))
     for b in manifest["boundary"]:
         if b["name"] not in out and b["name"] in inputs:
             out[b["name"]] = inputs[b["name"]]

@@ -11,12 +11,14 @@ import sys
 import torch
 
 from cleave.bundle import Bundle
+from cleave.bundle import kjt as kjt_io
 from cleave.bundle.precision import check_dtype, count_flops, slow_reason
 from cleave.errors import UsageError
 from cleave.partitioner.accuracy import AccuracyError, AccuracyLimits, batch_rows, demand, measure
-from cleave.partitioner.capture import capture, input_names
+from cleave.partitioner.capture import capture, input_names, kjt_inputs
 from cleave.partitioner.emit import emit
 from cleave.partitioner.graph import find_seam
+from cleave.partitioner.kjt import kjt_fields
 
 __all__ = ["AccuracyError", "AccuracyLimits", "partition"]
 
@@ -48,9 +50,11 @@ def partition(
             "(labelled=[(forward args, labels), ...]; CLI: --labelled PKG.MODULE:FUNCTION, "
             "automatic for the reference models)"
         )
+    example_inputs = kjt_io.normalize(example_inputs)  # a KJT built from offsets: lengths
     program = capture(model, example_inputs)
-    seam = find_seam(program)
-    bundle = emit(program, example_inputs, input_names(model, example_inputs), seam, table_dtype)
+    names, kjts = input_names(model, example_inputs), kjt_inputs(model, example_inputs)
+    seam = find_seam(program, kjt_fields(program, names, kjts))
+    bundle = emit(program, example_inputs, names, seam, table_dtype, kjts)
     dense = bundle.manifest["dense"]
     inputs = bundle.named_inputs(*example_inputs)
     values = {**inputs, **bundle.sparse_reference(inputs)}

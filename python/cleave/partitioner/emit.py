@@ -12,24 +12,33 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from cleave.bundle import Bundle
+from cleave.bundle import kjt as kjt_io
 from cleave.bundle import tables as table_io
 from cleave.bundle.manifest import FORMAT, VERSION
 from cleave.bundle.reference import run_sparse
 from cleave.errors import UnsupportedModelError
 from cleave.partitioner.batched import BATCHED_PROGRAM, export_batched, per_request_inputs
-from cleave.partitioner.capture import dynamic_shapes
+from cleave.partitioner.capture import KjtInput, dynamic_shapes
 from cleave.partitioner.graph import Lookup, Seam
 
 
 def emit(
-    ep: torch.export.ExportedProgram, args: tuple, names: list[str], seam: Seam, table_dtype: str
+    ep: torch.export.ExportedProgram,
+    args: tuple,
+    names: list[str],
+    seam: Seam,
+    table_dtype: str,
+    kjts: list[KjtInput] = (),
 ) -> Bundle:
-    """`names`: the model's flat input names, in export's user-input order."""
+    """`names`: the model's flat input names, in export's user-input order; `kjts`: the
+    KeyedJaggedTensor arguments among them."""
     table_io.row_bytes(table_dtype, 1)  # validates the dtype name early
     sig = ep.graph_signature
     output = next(n for n in ep.graph.nodes if n.op == "output")
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    placeholders = dict(zip(names, (by_name[n] for n in sig.user_inputs), strict=True))
+    # A KJT's absent fields (offsets, weights, ...) are None among the user inputs.
+    users = [by_name[n] for n in sig.user_inputs if n is not None]
+    placeholders = dict(zip(names, users, strict=True))
     input_name = {node: name for name, node in placeholders.items()}
     state = {**ep.state_dict, **ep.constants}
     sources = {
@@ -66,7 +75,8 @@ def emit(
 
     features, boundary = [], []
     for lk in seam.lookups:
-        name = _unique(input_name[lk.ids], {f["name"] for f in features})
+        base = lk.kjt.name if lk.kjt else input_name[lk.ids]
+        name = _unique(base, {f["name"] for f in features})
         features.append(_feature(name, lk, table_of, input_name))
         boundary.append(
             {
@@ -83,9 +93,9 @@ def emit(
 
     roles = {n: set() for n in names}
     for f in features:
-        for key, role in (("ids", "ids"), ("offsets", "offsets"), ("weights", "weights")):
-            if f[key]:
-                roles[f[key]].add(role)
+        for role in ("ids", "offsets", "weights", "lengths"):
+            if f.get(role):
+                roles[f[role]].add(role)
     for n in dense_model_inputs:
         roles[n].add("dense")
     inputs = [
@@ -120,6 +130,7 @@ def emit(
         "boundary": boundary,
         "dense": {"program": "dense.pt2", "inputs": dense_inputs},
         "shared_inputs": shared,
+        "kjts": [_kjt_meta(k) for k in kjts],
         "partition": {"dense_ops": len(seam.dense_nodes), "from_seeds": seam.seeded},
     }
 
@@ -127,7 +138,7 @@ def emit(
     node_of = {n: placeholders[n] for n in dense_model_inputs}
     node_of.update({f["output"]: lk.output for f, lk in zip(features, seam.lookups, strict=True)})
     module = _dense_module(ep, seam, [node_of[n] for n in dense_inputs], dense_inputs, sources)
-    example = dict(zip(names, pytree.tree_leaves(args), strict=True))
+    example = dict(zip(names, kjt_io.flat_tensors(args), strict=True))
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
@@ -184,6 +195,22 @@ def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.Graph
 
 
 def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
+    if lk.kjt is not None:  # key k's segment of a KJT (docs/bundle.md, "kjts")
+        return {
+            "name": name,
+            "table": table_of[lk.table.name],
+            "ids": input_name[lk.ids],
+            "transform": [],
+            "layout": "kjt",
+            "kjt": lk.kjt.kjt.name,
+            "key": lk.kjt.name,
+            "lengths": input_name[lk.kjt.lengths],
+            "offsets": None,
+            "include_last_offset": False,
+            "weights": input_name[lk.weights] if lk.weights is not None else None,
+            "pooling": lk.pooling,
+            "output": f"{name}_pooled",
+        }
     return {
         "name": name,
         "table": table_of[lk.table.name],
@@ -195,6 +222,14 @@ def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
         "weights": input_name[lk.weights] if lk.weights is not None else None,
         "pooling": lk.pooling,
         "output": f"{name}_{'rows' if lk.layout == 'gather' else 'pooled'}",
+    }
+
+
+def _kjt_meta(kjt: KjtInput) -> dict:
+    return {
+        "name": kjt.name,
+        "keys": list(kjt.keys),
+        **{field: kjt.input(field) if field in kjt.fields else None for field in kjt_io.FIELDS},
     }
 
 

@@ -10,6 +10,11 @@
    side runs only its explicit op set.
 3. Constant subgraphs (no model input, no parameter) are folded once, at partition time.
 
+A TorchRec KeyedJaggedTensor (KJT) reaches its lookups as segments: key k's ids are
+`split_with_sizes(values, per-key length sums)[k]`, its offsets `cumsum(lengths[k])` after a
+zero. Those two patterns (kjt.py) are recognised as "key k of the KJT"; the router cuts the
+segments natively from `values` and `lengths` (docs/partitioning.md, "TorchRec models").
+
 Sizes are compared on the example inputs' sizes (Prism's size-aware transfer): an embedding
 read per position whose poolings together would be larger than its rows crosses unpooled.
 """
@@ -23,6 +28,8 @@ import torch
 from torch import fx
 
 from cleave.errors import UnsupportedModelError
+from cleave.partitioner.kjt import KjtFields, KjtKey, kjt_bag, reads_kjt, refuse_unpooled
+from cleave.partitioner.nodes import op_name, where
 
 aten = torch.ops.aten
 
@@ -72,6 +79,7 @@ class Lookup:
     offsets: fx.Node | None = None
     weights: fx.Node | None = None
     include_last_offset: bool = False
+    kjt: KjtKey | None = None  # layout "kjt": which KJT and key
 
 
 @dataclass
@@ -82,21 +90,6 @@ class Seam:
     seeded: int  # dense operators reached from the seeds (the rest were attached)
 
 
-def op_name(node: fx.Node) -> str:
-    target = node.target
-    name = getattr(target, "__name__", str(target))
-    schema = getattr(target, "_schema", None)
-    return f"aten.{schema.name.split('::')[-1]}" if schema is not None else name
-
-
-def where(node: fx.Node) -> str:
-    """The user's source line that produced a node, when export recorded it."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-    lines = [ln for ln in lines if "/torch/" not in ln and '"<' not in ln]
-    return f" ({lines[-1]})" if lines else ""
-
-
 def size_hint(value) -> int:
     if isinstance(value, int):
         return value
@@ -105,7 +98,9 @@ def size_hint(value) -> int:
     return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
 
 
-def find_seam(ep: torch.export.ExportedProgram) -> Seam:
+def find_seam(ep: torch.export.ExportedProgram, kjts: KjtFields | None = None) -> Seam:
+    """`kjts`: the placeholders that are fields of KJT arguments (kjt.py)."""
+    kjts = kjts or {}
     graph = ep.graph
     sig = ep.graph_signature
     params = set(sig.inputs_to_parameters) | set(sig.inputs_to_buffers)
@@ -117,8 +112,10 @@ def find_seam(ep: torch.export.ExportedProgram) -> Seam:
         if node.op != "call_function":
             continue
         if node.target in EMBEDDING_BAG_OPS:
-            lookups.append(_bag_lookup(node, params, user_inputs))
+            lookups.append(_bag_lookup(node, params, user_inputs, kjts))
         elif node.target in EMBEDDING_OPS:
+            if kjts and reads_kjt(node.args[1], kjts):
+                refuse_unpooled(node)
             lookups.extend(_embedding_lookups(node, params, user_inputs))
     if not lookups:
         raise UnsupportedModelError(
@@ -216,7 +213,7 @@ def _trace_ids(node: fx.Node, lookup: fx.Node, user_inputs: set[str], what: str)
     return node, steps[::-1], flattened
 
 
-def _bag_lookup(node: fx.Node, params: set[str], user_inputs: set[str]) -> Lookup:
+def _bag_lookup(node: fx.Node, params: set[str], user_inputs: set[str], kjts: KjtFields) -> Lookup:
     names = ["weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse"]
     names += ["per_sample_weights", "include_last_offset", "padding_idx"]
     defaults = [None, None, None, False, 0, False, None, False, None]
@@ -236,8 +233,11 @@ def _bag_lookup(node: fx.Node, params: set[str], user_inputs: set[str]) -> Looku
             )
     output = next((u for u in node.users if u.args[1] == 0), node)
     table = _table(a["weight"], params, node)
-    ids, transform, flattened = _trace_ids(a["indices"], node, user_inputs, "ids")
     pooling = _BAG_MODES[a["mode"]]
+    bag = kjt_bag(node, a, kjts) if kjts else None
+    if bag is not None:
+        return Lookup(output, table, bag.values, "kjt", pooling, weights=bag.weights, kjt=bag.key)
+    ids, transform, flattened = _trace_ids(a["indices"], node, user_inputs, "ids")
     weights = None
     if a["per_sample_weights"] is not None:
         weights, _, _ = _trace_ids(a["per_sample_weights"], node, user_inputs, "weights")

@@ -16,7 +16,7 @@ use crate::codec::grpc::pb::{
 use crate::codec::kserve::{input_shape, input_slot, output_index, InferRequest};
 use crate::error::RequestError;
 use crate::model::{Model, TensorSpec};
-use crate::pipeline::validate::check_declared;
+use crate::pipeline::validate::{check_declared, to_held};
 use crate::tensor::{DType, Tensor};
 
 /// A decoded request, and whether it sent its tensors raw (the reply then does too).
@@ -100,6 +100,16 @@ fn describe(p: &InferParameter) -> String {
 }
 
 fn convert_input(
+    held: &TensorSpec,
+    input: InferInputTensor,
+    raw: Option<Bytes>,
+) -> Result<Tensor, RequestError> {
+    let spec = &held.sent_as(&input.datatype);
+    let tensor = decode_input(spec, input, raw)?;
+    to_held(held, tensor)
+}
+
+fn decode_input(
     spec: &TensorSpec,
     input: InferInputTensor,
     raw: Option<Bytes>,

@@ -11,7 +11,7 @@ use crate::codec::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
 use crate::codec::json_tensor::{JsonData, JsonElements};
 use crate::error::RequestError;
 use crate::model::{Model, TensorSpec};
-use crate::pipeline::validate::check_declared;
+use crate::pipeline::validate::{check_declared, to_held};
 use crate::tensor::{DType, Tensor};
 
 /// An infer request, parsed and converted, not yet checked as a whole.
@@ -249,6 +249,17 @@ pub fn names(specs: &[TensorSpec]) -> String {
 }
 
 fn convert_input(
+    held: &TensorSpec,
+    input: RawInput,
+    framed: bool,
+    sections: &mut Sections,
+) -> Result<Tensor, RequestError> {
+    let spec = &held.sent_as(&input.datatype);
+    let tensor = decode_input(spec, input, framed, sections)?;
+    to_held(held, tensor)
+}
+
+fn decode_input(
     spec: &TensorSpec,
     input: RawInput,
     framed: bool,
@@ -421,7 +432,8 @@ pub fn infer_response(
     }
 }
 
-/// `GET /v2/models/{name}`: inputs and outputs, -1 for symbolic sizes.
+/// `GET /v2/models/{name}`: inputs and outputs, -1 for symbolic sizes; a model with
+/// KeyedJaggedTensor inputs lists each KJT's keys in order under `parameters.kjts`.
 pub fn model_metadata(model: &Model) -> Value {
     let tensors = |specs: &[TensorSpec]| -> Vec<Value> {
         specs
@@ -435,13 +447,31 @@ pub fn model_metadata(model: &Model) -> Value {
             })
             .collect()
     };
-    serde_json::json!({
+    let mut metadata = serde_json::json!({
         "name": model.name,
         "versions": ["1"],
         "platform": "cleave",
         "inputs": tensors(&model.inputs),
         "outputs": tensors(&model.outputs),
-    })
+    });
+    if !model.kjts.is_empty() {
+        let input = |i: usize| model.inputs[i].name.clone();
+        let kjts: Map<String, Value> = model
+            .kjts
+            .iter()
+            .map(|k| {
+                let kjt = serde_json::json!({
+                    "keys": k.keys,
+                    "values": input(k.values),
+                    "lengths": input(k.lengths),
+                    "weights": k.weights.map(input),
+                });
+                (k.name.clone(), kjt)
+            })
+            .collect();
+        metadata["parameters"] = serde_json::json!({ "kjts": kjts });
+    }
+    metadata
 }
 
 #[cfg(test)]

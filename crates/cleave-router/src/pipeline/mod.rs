@@ -3,6 +3,7 @@
 //! `held`, the router's own tables), `router` packs the payload and sends it to a ranker.
 
 pub mod held;
+pub mod kjt;
 pub mod router;
 pub mod sparse;
 pub mod validate;

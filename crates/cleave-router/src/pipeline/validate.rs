@@ -11,6 +11,7 @@ use cleave_embed::bundle::{Dim, Layout, Transform};
 
 use crate::error::RequestError;
 use crate::model::{Feature, Model, TensorSpec};
+use crate::pipeline::kjt::{self, KjtSplit};
 use crate::tensor::Tensor;
 
 /// The sizes the symbols of one request take, with the tensor that first fixed each.
@@ -276,6 +277,24 @@ pub fn check_declared(
     Ok(())
 }
 
+/// A decoded tensor as the model holds it: a KJT's values or lengths sent at the other
+/// integer width become the manifest's.
+pub fn to_held(spec: &TensorSpec, tensor: Tensor) -> Result<Tensor, RequestError> {
+    if tensor.dtype == spec.dtype {
+        return Ok(tensor);
+    }
+    let sent = tensor.dtype;
+    tensor.to_int(spec.dtype).ok_or_else(|| {
+        RequestError::input(
+            &spec.name,
+            format!(
+                "a value sent as {sent} does not fit the model's {}",
+                spec.dtype
+            ),
+        )
+    })
+}
+
 /// Checks a full set of inputs (indexed like `model.inputs`; `None` = not given).
 pub fn check_request(model: &Model, given: Vec<Option<Tensor>>) -> Result<Checked, RequestError> {
     let missing: Vec<&str> = model
@@ -315,11 +334,16 @@ pub fn check_request(model: &Model, given: Vec<Option<Tensor>>) -> Result<Checke
     }
     // Every input is in: expressions still waiting can be checked now, naming their input.
     symbols.resolve().map_err(RequestError::invalid)?;
+    let kjts = model
+        .kjts
+        .iter()
+        .map(|g| kjt::split(model, g, &inputs))
+        .collect::<Result<Vec<_>, _>>()?;
     let lookups = model
         .features
         .iter()
         .enumerate()
-        .map(|(i, f)| prepare_lookup(model, i, f, &inputs, &mut symbols))
+        .map(|(i, f)| prepare_lookup(model, i, f, &inputs, &kjts, &mut symbols))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Checked {
         inputs,
@@ -338,14 +362,20 @@ fn prepare_lookup(
     index: usize,
     f: &Feature,
     inputs: &[Tensor],
+    kjts: &[KjtSplit],
     symbols: &mut Symbols,
 ) -> Result<Lookup, RequestError> {
     let ids_name = &model.inputs[f.ids].name;
+    if let Some((group, key)) = f.kjt {
+        let lookup = kjt_lookup(index, f, ids_name, &kjts[group], key)?;
+        check_output(model, f, ids_name, &lookup.out_dims, symbols)?;
+        return Ok(lookup);
+    }
     let ids_t = &inputs[f.ids];
     let raw = ids_t
         .to_i64()
         .ok_or_else(|| RequestError::input(ids_name, "ids must be integers"))?;
-    let ids = transform_ids(&raw, f, ids_name)?;
+    let ids = transform_ids(&raw, f, ids_name, 0)?;
 
     let weights = match f.weights {
         None => None,
@@ -393,21 +423,9 @@ fn prepare_lookup(
             dims.push(f.dim);
             (None, dims)
         }
+        Layout::Kjt => unreachable!("KJT features return above"),
     };
-    let out = &model.boundary[f.output];
-    let what = format!("boundary tensor {:?}", out.name);
-    symbols
-        .check(&out.shape, &out_dims, &what)
-        .and_then(|()| symbols.resolve())
-        .map_err(|e| {
-            RequestError::invalid(format!(
-                "feature {:?} (ids {ids_name:?}) makes its output {:?} with shape {out_dims:?}, \
-             which does not fit {}: {e}",
-                f.name,
-                out.name,
-                show_shape(&out.shape)
-            ))
-        })?;
+    check_output(model, f, ids_name, &out_dims, symbols)?;
     Ok(Lookup {
         feature: index,
         ids,
@@ -417,8 +435,58 @@ fn prepare_lookup(
     })
 }
 
-/// Applies the feature's transform and checks every id against the table's rows.
-fn transform_ids(raw: &[i64], f: &Feature, input: &str) -> Result<Vec<i64>, RequestError> {
+/// Key `key`'s lookup: its segment of the KJT's values (and weights) and its bags.
+fn kjt_lookup(
+    index: usize,
+    f: &Feature,
+    values_name: &str,
+    kjt: &KjtSplit,
+    key: usize,
+) -> Result<Lookup, RequestError> {
+    let segment = kjt.segments[key].clone();
+    let ids = transform_ids(&kjt.values[segment.clone()], f, values_name, segment.start)?;
+    let bags = kjt.bags[key].clone();
+    Ok(Lookup {
+        feature: index,
+        ids,
+        out_dims: vec![bags.len() - 1, f.dim],
+        bags: Some(bags),
+        weights: kjt.weights.as_ref().map(|w| w[segment].to_vec()),
+    })
+}
+
+/// Checks a lookup's output dims against its boundary tensor's shape and the symbols.
+fn check_output(
+    model: &Model,
+    f: &Feature,
+    ids_name: &str,
+    out_dims: &[usize],
+    symbols: &mut Symbols,
+) -> Result<(), RequestError> {
+    let out = &model.boundary[f.output];
+    let what = format!("boundary tensor {:?}", out.name);
+    symbols
+        .check(&out.shape, out_dims, &what)
+        .and_then(|()| symbols.resolve())
+        .map_err(|e| {
+            RequestError::invalid(format!(
+                "feature {:?} (ids {ids_name:?}) makes its output {:?} with shape {out_dims:?}, \
+             which does not fit {}: {e}",
+                f.name,
+                out.name,
+                show_shape(&out.shape)
+            ))
+        })
+}
+
+/// Applies the feature's transform and checks every id against the table's rows. `first`:
+/// the position of `raw[0]` in its input (a KJT key's segment starts inside the values).
+fn transform_ids(
+    raw: &[i64],
+    f: &Feature,
+    input: &str,
+    first: usize,
+) -> Result<Vec<i64>, RequestError> {
     let mut out = Vec::with_capacity(raw.len());
     for (position, &id) in raw.iter().enumerate() {
         let mut v = id;
@@ -435,12 +503,16 @@ fn transform_ids(raw: &[i64], f: &Feature, input: &str) -> Result<Vec<i64>, Requ
                     show_transform(&f.transform)
                 )
             };
+            let of = if f.kjt.is_some() { "key" } else { "feature" };
             return Err(RequestError::input(
                 input,
                 format!(
-                    "id {id} at position {position}{after} is outside table {:?} of feature \
-                     {:?}, rows [0, {})",
-                    f.table, f.name, f.rows
+                    "id {id} at position {}{after} is outside table {:?} of {of} {:?}, rows \
+                     [0, {})",
+                    first + position,
+                    f.table,
+                    f.name,
+                    f.rows
                 ),
             ));
         }
