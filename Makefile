@@ -12,9 +12,9 @@ setup: $(STAMP)
 
 # One pip install builds the native module (maturin, release) and installs every dependency;
 # TorchRec follows with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names
-# the CPU build and what TorchRec imports: docs/dependencies.md); then the standalone executables (cleave-shard, cleave-router, cleave-incast: no Python in
-# them) are built in release and installed next to the `cleave` script, where the launcher
-# looks first.
+# the CPU build and what TorchRec imports: docs/dependencies.md); then the standalone
+# executables (cleave-shard, cleave-router, cleave-incast: no Python in them) are built in
+# release and installed next to the `cleave` script, where the launcher looks first.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
