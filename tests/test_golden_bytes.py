@@ -137,7 +137,7 @@ def test_update_frame_payloads(name):
     check_encoded(name, update._message(spec["header"], bytes(spec["data"])))
 
 
-@pytest.mark.parametrize("dtype", tables.TABLE_DTYPES)
+@pytest.mark.parametrize("dtype", tables.TABLE_DTYPES.names)
 def test_table_files(dtype):
     name = f"table_{dtype}"
     spec = content(name)

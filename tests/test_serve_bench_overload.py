@@ -90,9 +90,12 @@ def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
     (dep,) = report["deployments"].values()
     assert dep["generator"] == "vegeta" and list(dep["bursts"]) == ["3"]
     burst = dep["bursts"]["3"]
-    # vegeta sends at a constant rate: each phase's rate times its second.
-    assert [p["sent"] for p in burst["phases"].values()] == [16, 120, 16]
-    assert burst["admitted"] <= 152 <= burst["admitted"] + burst["shed"], burst
+    # vegeta sends at a constant rate, each phase's rate times its second at most (fewer when
+    # it falls behind on a busy machine), and its every result comes back.
+    sent = [p["sent"] for p in burst["phases"].values()]
+    assert all(0 < got <= most for got, most in zip(sent, [16, 120, 16], strict=True)), sent
+    assert sum(s["sent"] for s in burst["timeline"]) == sum(sent)
+    assert burst["admitted"] <= sum(sent) <= burst["admitted"] + burst["shed"], burst
     assert burst["phases"]["before"]["goodput_rps"] > 0
     assert "bursts sent by vegeta" in result.stdout
 
