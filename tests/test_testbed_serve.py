@@ -22,7 +22,7 @@ from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
-from support.client import post
+from support.client import post_retrying
 from support.served import SCALES, TOLERANCE, Served, check_scores, infer_url
 from support.waiting import wait_for
 
@@ -70,10 +70,13 @@ def test_scores_equal_the_original_model_across_hosts(model, bundles, tmp_path):
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         assert server.url.startswith("http://198.1"), server.url
         check_scores(server, served)
-        # Concurrent clients: batching across hosts must not mix rows up.
+        # Concurrent clients: batching across hosts must not mix rows up. A shed request is
+        # retried, as clients do: admission on a machine busy with other tests is not what
+        # this checks (one was shed at 59 rows of a limit of 38 under the parallel suite).
         bodies = [served.request(b) for b in (3, 5, 9, 17, 2, 30)]
+        url = infer_url(server, served)
         with ThreadPoolExecutor(6) as pool:
-            replies = list(pool.map(lambda bw: post(infer_url(server, served), bw[0]), bodies))
+            replies = list(pool.map(lambda bw: post_retrying(url, bw[0]), bodies))
         for (status, reply), (_, want) in zip(replies, bodies, strict=True):
             assert status == 200, reply
             for g, w in zip(outputs_of(reply), want, strict=True):

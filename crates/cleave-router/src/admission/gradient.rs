@@ -188,9 +188,13 @@ impl Gradient {
     }
 
     /// Whether a new request of `rows` fits: under the limit, or (the floor) fewer requests
-    /// than healthy rankers hold a charge.
+    /// than healthy rankers hold a charge, or, before any sample moved the limit, fewer than
+    /// `INITIAL_REQUESTS` per healthy ranker whatever their sizes.
     pub fn fits(&self, rows: u64) -> bool {
-        self.requests < self.healthy || (self.in_flight + rows) as f64 <= self.limit.round()
+        let fresh = !self.learnt && (self.requests as f64) < INITIAL_REQUESTS * self.healthy as f64;
+        self.requests < self.healthy
+            || fresh
+            || (self.in_flight + rows) as f64 <= self.limit.round()
     }
 
     pub fn charge(&mut self, extra: u64, new: bool) {
@@ -422,6 +426,15 @@ mod tests {
         );
         g.observe(tight(5 * MS, 0), now); // at low load: the usual latency, the limit as it was
         assert_eq!(g.limit(), 3200);
+        // Counted in requests, not rows: 32 requests larger than the mean go in (measured: 6
+        // concurrent requests larger than the first ones, refused at 59 rows of 38).
+        for _ in 0..32 {
+            assert!(g.fits(300));
+            g.charge(300, true);
+        }
+        assert!(!g.fits(300), "the 33rd waits");
+        g.uncharge(32 * 300, false);
+        g.requests = 0;
         for _ in 0..50 {
             g.observe(tight(40 * MS, 3200), now); // past the target under load: shrinks
         }
