@@ -88,7 +88,9 @@ def overload(target, workload, args, log) -> dict:
         if idle:
             idle.open()
         for factor in args.burst_list:
-            result["bursts"][f"{factor:g}"] = burst(target, workload, args, log, capacity, factor)
+            result["bursts"][f"{factor:g}"] = burst(
+                target, workload, args, log, capacity, factor, budget_ms
+            )
         if idle:
             result["idle_connections"] = idle.wait_closed(args.idle_wait_s)
     finally:
@@ -104,7 +106,7 @@ def router_budget_ms() -> float:
     return RouterConfig().budget_ms
 
 
-def burst(target, workload, args, log, capacity: float, factor: float) -> dict:
+def burst(target, workload, args, log, capacity: float, factor: float, budget_ms: float) -> dict:
     """0.4 C, `factor`·C, 0.4 C for --duration seconds each, in one open-loop run."""
     from cleave.bench import vegeta
     from cleave.bench.harness.summary import summarize
@@ -114,7 +116,6 @@ def burst(target, workload, args, log, capacity: float, factor: float) -> dict:
     d = args.duration
     phases = [("before", QUIET), ("burst", factor), ("after", QUIET)]
     log(f"  {factor:g}x burst: " + ", ".join(f"{n} {f * capacity:.0f}/s" for n, f in phases))
-    budget_ms = workload.sent_budget_ms or router_budget_ms()
     before = scrape(target.endpoints)
     url, rates = target.infer_url(workload), [(f * capacity, d) for _, f in phases]
     with RouterCpu(target) as cpu:

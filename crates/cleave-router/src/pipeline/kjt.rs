@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use super::validate::{quoted, weights_like};
 use crate::error::RequestError;
 use crate::model::{KjtGroup, Model};
 use crate::tensor::Tensor;
@@ -37,7 +38,7 @@ pub fn split(model: &Model, group: &KjtGroup, inputs: &[Tensor]) -> Result<KjtSp
                 "{} lengths, expected a multiple of {keys}: one bag per key ({}) and sample, \
                  key-major",
                 lengths.len(),
-                show_keys(&group.keys)
+                quoted(&group.keys)
             ),
         ));
     }
@@ -82,26 +83,12 @@ pub fn split(model: &Model, group: &KjtGroup, inputs: &[Tensor]) -> Result<KjtSp
             ),
         ));
     }
-    let weights = match group.weights {
-        None => None,
-        Some(w) => {
-            let (name, t) = (&model.inputs[w].name, &inputs[w]);
-            if t.dims != values_t.dims {
-                return Err(RequestError::input(
-                    name,
-                    format!(
-                        "shape {:?}, expected the shape of {values_name:?}, {:?}: one weight per \
-                         value",
-                        t.dims, values_t.dims
-                    ),
-                ));
-            }
-            Some(
-                t.to_f32()
-                    .ok_or_else(|| RequestError::input(name, "weights must be floats"))?,
-            )
-        }
-    };
+    let weights = weights_like(model, inputs, group.weights, values_t, |dims| {
+        format!(
+            "shape {dims:?}, expected the shape of {values_name:?}, {:?}: one weight per value",
+            values_t.dims
+        )
+    })?;
     let values = values_t.to_i64().expect("integer values (checked at load)");
     Ok(KjtSplit {
         values,
@@ -109,11 +96,6 @@ pub fn split(model: &Model, group: &KjtGroup, inputs: &[Tensor]) -> Result<KjtSp
         segments,
         bags,
     })
-}
-
-fn show_keys(keys: &[String]) -> String {
-    let q: Vec<String> = keys.iter().map(|k| format!("{k:?}")).collect();
-    q.join(", ")
 }
 
 fn per_key(keys: &[String], segments: &[Range<usize>]) -> String {

@@ -352,9 +352,29 @@ pub fn check_request(model: &Model, given: Vec<Option<Tensor>>) -> Result<Checke
     })
 }
 
-fn quoted(names: &[&str]) -> String {
-    let q: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+/// `"a", "b"`: names for an error message.
+pub(super) fn quoted<S: AsRef<str>>(names: &[S]) -> String {
+    let q: Vec<String> = names.iter().map(|n| format!("{:?}", n.as_ref())).collect();
     q.join(", ")
+}
+
+/// Per-id weights from input `w` (none without one), which must have the shape of `like`;
+/// `mismatch` says, given the weights' shape, what was expected.
+pub(super) fn weights_like(
+    model: &Model,
+    inputs: &[Tensor],
+    w: Option<usize>,
+    like: &Tensor,
+    mismatch: impl FnOnce(&[usize]) -> String,
+) -> Result<Option<Vec<f32>>, RequestError> {
+    let Some(w) = w else { return Ok(None) };
+    let (name, t) = (&model.inputs[w].name, &inputs[w]);
+    if t.dims != like.dims {
+        return Err(RequestError::input(name, mismatch(&t.dims)));
+    }
+    t.to_f32()
+        .map(Some)
+        .ok_or_else(|| RequestError::input(name, "weights must be floats"))
 }
 
 fn prepare_lookup(
@@ -377,25 +397,12 @@ fn prepare_lookup(
         .ok_or_else(|| RequestError::input(ids_name, "ids must be integers"))?;
     let ids = transform_ids(&raw, f, ids_name, 0)?;
 
-    let weights = match f.weights {
-        None => None,
-        Some(w) => {
-            let (name, t) = (&model.inputs[w].name, &inputs[w]);
-            if t.dims != ids_t.dims {
-                return Err(RequestError::input(
-                    name,
-                    format!(
-                        "weights have shape {:?}, expected the shape of ids {ids_name:?}, {:?}",
-                        t.dims, ids_t.dims
-                    ),
-                ));
-            }
-            Some(
-                t.to_f32()
-                    .ok_or_else(|| RequestError::input(name, "weights must be floats"))?,
-            )
-        }
-    };
+    let weights = weights_like(model, inputs, f.weights, ids_t, |dims| {
+        format!(
+            "weights have shape {dims:?}, expected the shape of ids {ids_name:?}, {:?}",
+            ids_t.dims
+        )
+    })?;
 
     let (bags, out_dims) = match f.layout {
         Layout::Offsets => {
