@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_map
 
 # Small tables keep the file fast; DCN's dense half dominates its cost whatever the scale.
 SMALL = {"dlrm": 0.001, "dcn": 0.0001, "din": 0.001, "shared": 0.001}
-NAMES = sorted(MODELS)
+# TorchRec's reference models are tests/test_torchrec.py's.
+NAMES = sorted(name for name, entry in MODELS.items() if not entry.torchrec)
 
 
 def build(name: str, seed: int = 0, batch: int = 5):

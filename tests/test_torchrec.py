@@ -236,6 +236,33 @@ class HashedIds(torch.nn.Module):
         return self.model(dense, hashed)
 
 
+def test_the_eager_baseline_runs_the_saved_model_over_the_bundles_inputs(tmp_path):
+    """`--eager-model`: the model as its author saved it, fed the bundle's flat inputs (the
+    KJT rebuilt from them) scores as the model; a file that holds no module, or a model whose
+    arguments are not each a tensor or a KJT, is refused saying what was expected."""
+    from cleave.bundle.kjt import flat_tensors
+    from cleave.errors import UsageError
+    from cleave.ranker.eager import load_eager
+
+    spec = tm.small(weighted=True)
+    model, example = tm.build("dlrm_dcn", spec)
+    manifest = cleave.partition(model, example).manifest
+    torch.save(model, tmp_path / "model.pt")
+    eager = load_eager(tmp_path / "model.pt", manifest)
+    args = tm.requests(spec, 7, torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        (got,) = eager(*flat_tensors(args))
+    assert torch.equal(got, model(*args))
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "state.pt")
+    with pytest.raises(UsageError, match="expected a saved torch.nn.Module, got dict"):
+        load_eager(tmp_path / "state.pt", manifest)
+    torch.save(torch.nn.Bilinear(2, 2, 1), tmp_path / "three.pt")  # forward(input1, input2)
+    with pytest.raises(
+        UsageError, match=r"takes 2 arguments \(input1, input2\), but the bundle's inputs make 4"
+    ):
+        load_eager(tmp_path / "three.pt", {**manifest, "kjts": []})
+
+
 def test_ids_rewritten_between_the_kjt_and_the_lookup_are_refused():
     model, example = tm.build("dlrm", tm.small())
     with pytest.raises(UnsupportedModelError) as err:

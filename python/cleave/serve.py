@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run a shared-input model one request per batch (default: joined when the "
         "bundle has a batched program)",
     )
+    parser.add_argument(
+        "--eager-model",
+        metavar="MODEL.pt",
+        help="with --monolithic: run this torch.save'd model eagerly, the eager baseline",
+    )
     parser.add_argument("--max-batch", type=int, help="ranker batch rows at most")
     parser.add_argument("--max-wait-ms", type=float, help="ranker batching wait")
     parser.add_argument(
@@ -117,6 +122,7 @@ def _apply_flags(config: ServeConfig, args: argparse.Namespace) -> None:
         "threads": args.threads,
         "compile": args.compile,
         "shared_batching": args.shared_batching,
+        "eager_model": args.eager_model,
         "max_batch": args.max_batch,
         "max_wait_ms": args.max_wait_ms,
     }
@@ -160,6 +166,7 @@ _LAYOUT_FLAGS = (
     "threads",
     "compile",
     "shared_batching",
+    "eager_model",
     "max_batch",
     "max_wait_ms",
     "queue",

@@ -230,6 +230,13 @@ RATIOS = (
         "disaggregated-float32",
         ratio_of(single_p50),
     ),
+    Ratio(
+        "single_p50_disagg_over_torchrec", "disaggregated", "torchrec-eager", ratio_of(single_p50)
+    ),
+    Ratio("max_rate_disagg_over_torchrec", "disaggregated", "torchrec-eager", ratio_of(max_rate)),
+    Ratio(
+        "max_goodput_disagg_over_torchrec", "disaggregated", "torchrec-eager", ratio_of(max_goodput)
+    ),
     Ratio("single_p50_held_over_disagg", "router-held", "disaggregated", ratio_of(single_p50)),
     Ratio("max_rate_held_over_disagg", "router-held", "disaggregated", ratio_of(max_rate)),
     Ratio("max_goodput_held_over_disagg", "router-held", "disaggregated", ratio_of(max_goodput)),
@@ -288,6 +295,12 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
         names = ["monolithic"] if args.monolithic else ["disaggregated"]
     bundle = workload.bundle_dir
     targets = {}
+    if workload.eager_model is not None and not args.monolithic:
+        # TorchRec's model run as it is, eagerly, in one process: the baseline (first).
+        flags = serve_flags(args, "monolithic", first)
+        targets["torchrec-eager"] = Target(
+            bundle, [*flags, "--eager-model", str(workload.eager_model)], protocol=first
+        )
     for protocol in args.protocols:  # the first's keep their names; others' are NAME/PROTOCOL
         for name in names:
             flags = serve_flags(args, name, protocol)
@@ -370,6 +383,32 @@ def _stress(targets: dict, workload: Workload, result: dict, args, log) -> int:
     return 0
 
 
+def _measure_all(targets: dict[str, Target], workload: Workload, args, log) -> dict:
+    """Each deployment measured: single requests of all in alternating rounds (all up: idle
+    ones cost nothing), then each one's rates alone on the machine. A --quick smoke run keeps
+    them all up instead of starting each again."""
+    paired = {}
+    if len(targets) > 1:
+        log("single-request latency, deployments in alternating rounds:")
+        for target in targets.values():
+            target.start()
+        paired = paired_single(targets, workload, args, log)
+        if not args.quick:
+            for target in targets.values():
+                target.stop()
+    deployments = {}
+    for name, target in targets.items():
+        log(f"{name}:")
+        if not target.running:
+            target.start()
+        deployments[name] = measure(target, workload, args, log, single=not paired)
+        if not args.quick:
+            target.stop()
+        if paired:
+            deployments[name]["single"] = paired[name]
+    return deployments
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
 
@@ -393,23 +432,11 @@ def run(args: argparse.Namespace) -> int:
     targets = _targets(args, workload, result)
     if args.overload or args.soak:
         return _stress(targets, workload, result, args, log)
-    paired = {}
-    if len(targets) > 1:  # both up (idle ones cost nothing), single requests in turns
-        log("single-request latency, deployments in alternating rounds:")
-        try:
-            for target in targets.values():
-                target.start()
-            paired = paired_single(targets, workload, args, log)
-        finally:
-            for target in targets.values():
-                target.stop()
-    for name, target in targets.items():
-        log(f"{name}:")
-        with target:  # alone on the machine while loaded
-            deployment = measure(target, workload, args, log, single=not paired)
-        if paired:
-            deployment["single"] = paired[name]
-        result["deployments"][name] = deployment
+    try:
+        result["deployments"] = _measure_all(targets, workload, args, log)
+    finally:
+        for target in targets.values():
+            target.stop()
     deps = result["deployments"]
     declared = [*RATIOS, *_protocol_ratios(args.protocols, args.monolithic), *hosts.INCAST_RATIOS]
     ratios = same_run_ratios(deps, declared)

@@ -2,7 +2,8 @@
 
 Each factory returns `(model, example_inputs)` and takes `scale` (shrinks every table) and
 `seed`. `MODELS` maps a short name to the factory, its sparse features and its request
-layout; `RequestGenerator(name)` draws requests for it. See docs/models.md.
+layout; `RequestGenerator(name)` draws requests for it. The `torchrec_*` entries are TorchRec's
+own models (cleave.models.torchrec_models), imported only when used. See docs/models.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ModelEntry:
     features: Callable[[float], list[Feature]]
     assemble: Callable[[Draw, int], tuple]
     default_scale: float
+    torchrec: bool = False  # TorchRec's model: its forward takes a KeyedJaggedTensor
 
     def generator(self, **kwargs) -> RequestGenerator:
         return RequestGenerator(self.name, **kwargs)
@@ -57,3 +59,32 @@ MODELS: dict[str, ModelEntry] = {
         ("shared", shared_weighted, shared_tables),
     ]
 }
+
+
+def _torchrec(attr: str, *bound) -> Callable:
+    """cleave.models.torchrec_models.ATTR, imported at the first call: TorchRec loads only
+    where one of its models is used."""
+
+    def call(*args, **kwargs):
+        from cleave.models import torchrec_models
+
+        return getattr(torchrec_models, attr)(*bound, *args, **kwargs)
+
+    return call
+
+
+# TorchRec's own models over the Criteo Kaggle tables (torchrec.models.dlrm, .deepfm); at the
+# default scale 0.27 M rows, 16 MiB of tables (scale 1: the Kaggle sizes capped at 1 M rows).
+for _name, _architecture in [
+    ("torchrec_dlrm", "dlrm"),
+    ("torchrec_dcn", "dlrm_dcn"),
+    ("torchrec_deepfm", "deepfm"),
+]:
+    MODELS[_name] = ModelEntry(
+        _name,
+        _torchrec("reference", _architecture),
+        _torchrec("features"),
+        _torchrec("request"),
+        0.05,
+        torchrec=True,
+    )

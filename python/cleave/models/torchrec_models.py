@@ -4,20 +4,27 @@
 
 `build(name, spec)` returns `(model, example_inputs)`; `spec` says the tables (rows, dim,
 pooling, the keys each serves, weighted or not) and the KJT's key order, which need not be the
-tables' order. `requests(spec, batch, generator)` draws forward arguments. Importing this
-module imports TorchRec: the partitioner's side only, never a served process.
+tables' order. `requests(spec, batch, generator)` draws forward arguments. Over the Criteo
+Kaggle tables, `reference(name, scale, seed)`, `features` and `request` are what
+`cleave.models.MODELS` registers as `torchrec_dlrm`, `torchrec_dcn` and `torchrec_deepfm`.
+Importing this module imports TorchRec: the partitioner's and the benchmarks' side only, never
+a served process (but the eager baseline's ranker, which runs the TorchRec model itself).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torchrec.models.deepfm import SimpleDeepFMNN
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from cleave.models.feature import Feature
+from cleave.models.requests import Draw
 
 ARCHITECTURES = ("dlrm", "dlrm_dcn", "dlrm_projection", "deepfm")
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
@@ -72,6 +79,33 @@ def criteo_kaggle(scale: float = 1.0) -> Spec:
     rows = [min(r, max(16, int(r * scale))) for r in rows]
     tables = tuple(Table(f"t_cat_{i}", r, (f"cat_{i}",)) for i, r in enumerate(rows))
     return Spec(tables=tables, dim=16, max_bag=1, mlp=(512, 256))
+
+
+def reference(name: str, scale: float, seed: int = 0):
+    """TorchRec model `name` over the Criteo Kaggle tables at `scale`, with an example: a
+    reference model of `cleave.models.MODELS`."""
+    return build(name, criteo_kaggle(scale), seed)
+
+
+def features(scale: float) -> list[Feature]:
+    """The reference models' sparse features: one id per bag, as Criteo's."""
+    spec = criteo_kaggle(scale)
+    return [
+        Feature(key, t.name, t.rows, t.rows, spec.dim, pooling=1.0)
+        for t in spec.tables
+        for key in t.keys
+    ]
+
+
+def request(draw: Draw, batch: int) -> tuple:
+    """One request of the reference models: dense features and a KJT of the drawn ids."""
+    keys = list(draw.features)
+    lengths = [draw.lengths(key, batch) for key in keys]
+    values = torch.cat([draw.ids(key, int(n.sum())) for key, n in zip(keys, lengths, strict=True)])
+    kjt = KeyedJaggedTensor(
+        keys=keys, values=values, lengths=torch.from_numpy(np.concatenate(lengths))
+    )
+    return draw.dense(batch, criteo_kaggle().dense_features), kjt
 
 
 def build(name: str, spec: Spec, seed: int = 0) -> tuple[torch.nn.Module, tuple]:

@@ -65,6 +65,7 @@ def _ranker_settings(config: ServeConfig) -> dict:
         "compile": c.compile,
         "compile_cache": c.compile_cache,
         "shared_batching": c.shared_batching,
+        "eager_model": c.eager_model,
         "queue": c.queue,
     }
 

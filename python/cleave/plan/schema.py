@@ -81,6 +81,7 @@ class Ranker:
     compile: bool = same_as(RankerConfig, "compile")
     compile_cache: str = same_as(RankerConfig, "compile_cache")
     shared_batching: bool = same_as(RankerConfig, "shared_batching")
+    eager_model: str = same_as(RankerConfig, "eager_model")
     queue: str = same_as(RankerConfig, "queue")
     # Incast control (docs/traffic.md): the control port routers ask before sending a large
     # payload, on the ranker's host; 0: none. Used when the plan's `incast_control` is on.

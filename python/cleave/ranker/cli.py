@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run a shared-input model one request per batch even when the bundle has a "
         "batched program",
     )
+    parser.add_argument("--eager-model", metavar="MODEL.pt", **_flag(RankerConfig, "eager_model"))
     parser.add_argument(
         "--with-router",
         metavar="CONFIG.json",
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.link_gbit > 0:
         raise UsageError(f"--link-gbit must be > 0, got {args.link_gbit}")
+    if args.eager_model and not args.monolithic:
+        raise UsageError("--eager-model runs the whole model: it needs --monolithic")
 
     from cleave._native import FrameServer, WireError
     from cleave.ranker.program import load_ranker
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         compile_cache=args.compile_cache,
         shared_batching=not args.no_shared_batching,
+        eager_model=args.eager_model,
     )
     try:
         server = FrameServer(args.listen)

@@ -94,11 +94,14 @@ def load_ranker(
     compile: bool = False,
     compile_cache: str | None = None,
     shared_batching: bool = True,
+    eager_model: str = "",
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
     or with `monolithic` for the whole model (lookups in PyTorch + the dense program).
     `shared_batching`: join requests of a shared-input model when the bundle has the batched
-    program for it (cleave.partitioner.batched); otherwise such a model runs one per batch."""
+    program for it (cleave.partitioner.batched); otherwise such a model runs one per batch.
+    `eager_model`: with `monolithic`, the saved original model run eagerly instead of the
+    bundle's programs (cleave.ranker.eager)."""
     from cleave.bundle import load_bundle
     from cleave.bundle.precision import slow_reason
 
@@ -123,6 +126,10 @@ def load_ranker(
     if compile:
         dense = compile_program(dense, compile_cache)
     module = bundle.full_module(dense) if monolithic else dense
+    if eager_model:
+        from cleave.ranker.eager import load_eager
+
+        module = load_eager(eager_model, bundle.manifest)
     sig = signature(bundle.manifest, monolithic, batched)
     executor = DenseExecutor(
         module, sig, device, threads, max_batch=max_batch, cuda_graphs=cuda_graphs

@@ -196,6 +196,9 @@ class RankerConfig:
     shared_batching: bool = setting(
         True, "join a shared-input model's requests (bundle permitting; see Batching)"
     )
+    eager_model: str = setting(
+        "", "monolithic only: run this torch.save'd model eagerly (see The eager baseline)"
+    )
 
 
 @dataclass
@@ -259,6 +262,12 @@ class ServeConfig:
         if self.monolithic:  # the baseline is one process: one ranker loop beside the router
             need(self.rankers == 1, "rankers", "1 with monolithic", self.rankers)
             need(not self.router_held, "router_held", "false with monolithic", True)
+        need(
+            self.monolithic or not self.ranker.eager_model,
+            "ranker.eager_model",
+            '"" without monolithic (the eager baseline is a monolithic deployment)',
+            self.ranker.eager_model,
+        )
         need(0 <= self.http_port < 65536, "http_port", "a port in 0..65535", self.http_port)
         grpc = self.grpc_port
         need(grpc is None or 0 <= grpc < 65536, "grpc_port", "a port in 0..65535", grpc)

@@ -49,7 +49,8 @@ def measure(
     """Single-request latency (unless measured elsewhere), then each rate of the sweep, and the
     search for the highest rate within budget (--search, unless `find_max` says). A deployment
     that missed its budget is restarted before the next probe, so no probe inherits another's
-    backlog (or a wedged connection: see docs/benchmarks.md, "Serving")."""
+    backlog (or a wedged connection: see docs/benchmarks.md, "Serving"); after the last one it
+    is not (its caller stops it)."""
     from cleave.bench.loadgen import open_loop_spread, sequential
     from cleave.bench.stages import breakdown, scrape
 
@@ -70,10 +71,16 @@ def measure(
         s = result["single"]
         log(f"  single request: p50 {ms(s['p50_ms'])} ms  p99 {ms(s['p99_ms'])} ms")
 
+    missed = False  # the last probe missed its budget: restart before the next
+
     def probe(rate: float) -> dict:
+        nonlocal missed
         for point in result["rates"]:  # the search may come back to a rate of the sweep
             if point["rate"] == rate:
                 return point
+        if missed:
+            target.restart()
+            warm_up()
         before = scrape(target.endpoints, target.links)
         urls = target.infer_urls(workload)
         samples = open_loop_spread(urls, bodies, rate, args.duration, seed=int(rate), check=check)
@@ -92,9 +99,7 @@ def measure(
             f"  {rate:8.1f}/s: {point['throughput_rps']:8.1f}/s ok, p50 "
             f"{ms(point['p50_ms'])} ms, p99 {ms(point['p99_ms'])} ms, errors {point['errors']}"
         )
-        if not point["within_budget"] and target.restartable:
-            target.restart()
-            warm_up()
+        missed = not point["within_budget"] and target.restartable
         return point
 
     for rate in args.rate_list:

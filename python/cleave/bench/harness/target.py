@@ -44,6 +44,11 @@ class Target:
         self.cpus: list[int] | None = None  # the cores the deployment runs on (None: any)
 
     @property
+    def running(self) -> bool:
+        """Started here and not stopped (a deployment someone else runs never is)."""
+        return self.server is not None
+
+    @property
     def restartable(self) -> bool:
         return self.bundle is not None or self.plan is not None
 

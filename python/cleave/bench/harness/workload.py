@@ -67,6 +67,11 @@ class Workload:
             cleave.partition(model, example).save(base, overwrite=True)
         generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
         self.bundle = bundle
+        # TorchRec's model as its author would save it, for the eager baseline's ranker.
+        self.eager_model = None
+        if entry.torchrec:
+            self.eager_model = self.bundle_dir.with_name(f"{self.bundle_dir.name}-model.pt")
+            torch.save(model, self.eager_model)
         self.inputs = [generator.batch(args.candidates) for _ in range(args.requests)]
         self.roofline = None
         # The latency budget (SLO): --budget-ms, else one the dense program's time gives.
