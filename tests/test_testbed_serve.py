@@ -23,7 +23,7 @@ from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
 from support.client import post_retrying
-from support.served import SCALES, TOLERANCE, Served, check_scores, infer_url
+from support.served import SCALES, TOLERANCE, Served, check_outputs, check_scores, infer_url
 from support.waiting import wait_for
 
 pytestmark = [
@@ -36,14 +36,14 @@ BUDGET_MS = 500
 SLACK_S = 5.0  # for a loaded 2-core machine, not a performance claim: a hang takes 30 s
 
 
-def plan_on_testbed(served: Served, root: Path) -> Path:
+def plan_on_testbed(bundle_dir: Path, root: Path) -> Path:
     """Router on h0, each range on both shard hosts h1 and h2 (K = 2), the ranker on h3."""
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
-    plan = make_plan(served.dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
+    plan = make_plan(bundle_dir, emulated_hosts(4), 2, 2, 1, 1, serve_config=config)
     assert {s.host for s in plan.shards} == {"h1", "h2"}
     for group in {s.group for s in plan.shards}:
         assert sorted(s.host for s in plan.shards if s.group == group) == ["h1", "h2"]
-    return save_plan(plan, root / f"{served.name}.yaml")
+    return save_plan(plan, root / f"{bundle_dir.name}.yaml")
 
 
 class Bundles(dict):
@@ -66,7 +66,7 @@ def bundles(tmp_path_factory) -> Bundles:
 @pytest.mark.parametrize("model", sorted(SCALES))
 def test_scores_equal_the_original_model_across_hosts(model, bundles, tmp_path):
     served = bundles[model]
-    plan = plan_on_testbed(served, tmp_path)
+    plan = plan_on_testbed(served.dir, tmp_path)
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         assert server.url.startswith("http://198.1"), server.url
         check_scores(server, served)
@@ -119,9 +119,33 @@ def host_addresses(server: ServeProcess) -> dict[str, str]:
     raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
 
 
+def test_a_torchrec_model_scores_across_hosts(tmp_path):
+    """TorchRec's weighted DLRM_DCN (a table shared by two keys, the KJT's keys out of the
+    tables' order) on the same plan: each key's ids reach its table's shard hosts."""
+    import cleave
+    import torch
+    from cleave.client import request_body
+    from cleave.models import torchrec_models as tm
+
+    spec = tm.small(weighted=True)
+    model, example = tm.build("dlrm_dcn", spec)
+    bundle_dir = cleave.partition(model, example).save(tmp_path / "tr_dcn")
+    plan = plan_on_testbed(bundle_dir, tmp_path)
+    generator = torch.Generator().manual_seed(3)
+    with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
+        for batch in (1, 9):
+            args = tm.requests(spec, batch, generator)
+            body = request_body(bundle_dir, *args, budget_ms=BUDGET_MS)
+            status, reply = post_retrying(f"{server.url}/v2/models/tr_dcn/infer", body)
+            assert status == 200, reply
+            with torch.inference_mode():
+                want = [model(*args).double().numpy()]
+            check_outputs(reply, want, batch)
+
+
 def test_a_shard_host_link_down_under_load_fails_over(bundles, tmp_path):
     served = bundles["shared"]
-    plan = plan_on_testbed(served, tmp_path)  # the default shard_timeout_ms
+    plan = plan_on_testbed(served.dir, tmp_path)  # the default shard_timeout_ms
     requests = [served.request(16) for _ in range(4)]
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed") as server:
         url = infer_url(server, served)
