@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from support.cli import refused
+
 
 def test_quick_bench_writes_json_and_a_table(tmp_path):
     out = tmp_path / "bench-shard.json"
@@ -33,7 +35,4 @@ def test_quick_bench_writes_json_and_a_table(tmp_path):
 
 
 def test_bad_fractions_are_a_usage_error(tmp_path):
-    argv = [sys.executable, "-m", "cleave.cli", "bench", "shard", "--fractions", "0.5,x"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert "--fractions must be numbers" in r.stderr
+    assert "--fractions must be numbers" in refused("bench", "shard", "--fractions", "0.5,x")

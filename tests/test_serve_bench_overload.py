@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from support.bench import serve_bench
+from support.cli import refused
 
 
 def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
@@ -77,9 +76,7 @@ def test_pin_layouts_parse_and_refuse_bad_specs(monkeypatch):
     ],
 )
 def test_bench_serve_refuses_bad_stress_flags(flags, message):
-    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert message in refused("bench", "serve", *flags)
 
 
 def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
