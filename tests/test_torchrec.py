@@ -306,6 +306,9 @@ def test_embedding_collections_are_refused_naming_the_lookup():
     with pytest.raises(UnsupportedModelError, match="EmbeddingCollection, unpooled") as err:
         cleave.partition(Unpooled().eval(), (kjt,))
     assert "aten.embedding" in str(err.value)
+    # `to_padded_dense` is named by its fbgemm operator, and where the model calls it.
+    assert "through fbgemm.jagged_to_padded_dense" in str(err.value)
+    assert "test_torchrec.py" in str(err.value)
 
 
 def test_a_model_quantized_by_torchrec_is_refused_pointing_to_table_dtype():

@@ -189,11 +189,33 @@ def reads_kjt(node: fx.Node, kjts: KjtFields) -> bool:
 
 
 def refuse_unpooled(lookup: fx.Node) -> None:
+    fbgemm = _first_fbgemm_user(lookup)
+    through = (
+        f"; its rows reach the dense side through {op_name(fbgemm)}{where(fbgemm)}, an fbgemm "
+        "operator, which the served side does not run"
+        if fbgemm is not None
+        else ""
+    )
     raise UnsupportedModelError(
         f"{op_name(lookup)}{where(lookup)} reads a KeyedJaggedTensor key row by row (TorchRec's "
         "EmbeddingCollection, unpooled): Cleave serves pooled KJT lookups "
-        "(EmbeddingBagCollection) so far; each key's jagged rows would cross the seam"
+        f"(EmbeddingBagCollection) so far; each key's jagged rows would cross the seam{through}"
     )
+
+
+def _first_fbgemm_user(node: fx.Node) -> fx.Node | None:
+    """The nearest operator of fbgemm's (`to_padded_dense` emits
+    fbgemm.jagged_to_padded_dense) that `node`'s result flows into, if any."""
+    stack, seen = list(node.users), set()
+    while stack:
+        n = stack.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and str(n.target).startswith("fbgemm."):
+            return n
+        stack.extend(n.users)
+    return None
 
 
 def _refuse(lookup: fx.Node, node: fx.Node, what: str):

@@ -9,7 +9,8 @@ def op_name(node: fx.Node) -> str:
     target = node.target
     name = getattr(target, "__name__", str(target))
     schema = getattr(target, "_schema", None)
-    return f"aten.{schema.name.split('::')[-1]}" if schema is not None else name
+    # "aten::embedding" -> aten.embedding; other namespaces (fbgemm::...) keep theirs.
+    return schema.name.replace("::", ".") if schema is not None else name
 
 
 def where(node: fx.Node) -> str:
