@@ -23,6 +23,7 @@ LONGEST_FIRST = [
     "test_ray_runner.py",  # 127
     "test_dense_precision.py",  # 88
     "test_serve_bench_overload.py",  # 80
+    "test_serve_bench_torchrec.py",  # 80 alone
     "test_serve.py",  # 84
     "test_binary_tensors.py",  # 71
     "test_incast_bench.py",  # 59
