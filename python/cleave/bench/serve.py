@@ -44,7 +44,7 @@ from cleave.bench.harness.workload import Workload, parse_protocols, print_roofl
 from cleave.bench.machine import go_realtime, parse_pin, pinned
 from cleave.bench.plot import plot_hosts, plot_results
 from cleave.errors import UsageError
-from cleave.settings.choices import DENSE_DTYPES
+from cleave.settings.choices import DENSE_DTYPES, DEVICES
 
 __all__ = [
     "Target",
@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile", action="store_true", help="rankers compile their dense program (CPU)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES.names,
+        help="the rankers' device in the disaggregated and router-held deployments (default: "
+        "cleave serve's); the monolithic baseline runs on the CPU",
     )
     parser.add_argument("--candidates", type=int, default=100, help="rows per request")
     parser.add_argument(

@@ -143,6 +143,8 @@ def serve_flags(args, mode: str, protocol: str = "json") -> list[str]:
         flags += ["--threads", str(args.threads)]
     if args.compile:
         flags.append("--compile")
+    if getattr(args, "device", None) and mode != "monolithic":  # the monolith is CPU-only
+        flags += ["--device", args.device]
     if mode != "disaggregated":
         flags.append(f"--{mode}")
     return flags
