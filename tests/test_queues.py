@@ -171,20 +171,23 @@ def test_edf_batcher_starts_the_earliest_deadline_first():
 
 def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed():
     for policy in POLICIES:
-        queue, batcher, runs = make_batcher(policy, batch_ns=50_000_000)  # batches take 50 ms
+        # Batches take 50 s on the batcher's clock: the doomed request's 10 s left (on the
+        # wall clock its deadline is in) cannot pass on a busy machine before it is looked at
+        # (10 ms did, and it was dropped as late instead of as unable to make it).
+        queue, batcher, runs = make_batcher(policy, batch_ns=50_000_000_000)
         first = submit(queue, 2, 0)
         while not first.done():
             batcher.step()
-        assert batcher.compute_ewma_us == 50_000 and runs == [2]
+        assert batcher.compute_ewma_us == 50_000_000 and runs == [2]
         now_us = int(time.time() * 1e6)
-        doomed = submit(queue, 3, 1, deadline_us=now_us + 10_000)  # 10 ms left
-        fine = submit(queue, 4, 2, deadline_us=now_us + 60_000_000)
+        doomed = submit(queue, 3, 1, deadline_us=now_us + 10_000_000)  # 10 s left
+        fine = submit(queue, 4, 2, deadline_us=now_us + 600_000_000)
         while not (doomed.done() and fine.done()):
             batcher.step()
         with pytest.raises(RankerError) as err:
             doomed.result()
         assert err.value.code == ERR_DEADLINE, policy
-        assert "cannot be met" in err.value.message and "50000 us" in err.value.message
+        assert "cannot be met" in err.value.message and "50000000 us" in err.value.message
         assert decode_response(fine.result()).batch_requests == 1
         assert runs == [2, 4], f"{policy}: the doomed request's 3 rows were computed"
         s = batcher.stats
