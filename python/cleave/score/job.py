@@ -1,0 +1,107 @@
+"""A `cleave score` job from start to end: the checks before any rank starts, the progress
+record (a resumed job starts where every rank had got to), the ranks (in this process, or
+`ranks` processes), the merge into the output, and a summary."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cleave.bundle import manifest as manifest_io
+from cleave.errors import UsageError
+from cleave.score.input import InputFiles, Schema, check_input
+from cleave.score.output import Job, check_output, merge, resume_iteration
+from cleave.score.ranks import RankGroup
+
+__all__ = ["prepare", "run"]
+
+
+def prepare(
+    bundle: str | Path,
+    input: str | Path,
+    output: str | Path,
+    *,
+    ranks: int = 1,
+    lag: int = 0,
+    batch_size: int = 1024,
+    key: str | None = None,
+    threads: int | None = None,
+    timeout_s: float = 30.0,
+    chunk: int = 16,
+    inject: dict | None = None,
+) -> tuple[Job, str]:
+    """The job, checked (model, input, output) and placed against its progress record, and
+    a note (resumed, or an old record removed). UsageError before any rank starts."""
+    if ranks < 1 or lag < 0 or batch_size < 1 or chunk < 1:
+        raise UsageError(
+            f"--ranks ({ranks}) and --batch-size ({batch_size}) must be at least 1, --lag "
+            f"({lag}) at least 0"
+        )
+    manifest = manifest_io.read(Path(bundle))
+    schema = Schema(manifest)
+    output = Path(output).absolute()
+    check_output(output)
+    reserved = [name for name, _ in schema.outputs]
+    if (key or "row") in reserved:
+        raise UsageError(f"the key column {key or 'row'!r} has the name of a model output")
+    files = InputFiles(input)
+    check_input(schema, files, key)
+    cores = os.cpu_count() or 1
+    job = Job(
+        bundle=str(Path(bundle).absolute()),
+        input=str(Path(input).absolute()),
+        output=str(output),
+        ranks=ranks,
+        batch_size=batch_size,
+        rows=files.rows,
+        key=key,
+        lag=lag,
+        chunk=chunk,
+        threads=threads or max(1, cores // ranks),
+        timeout_s=timeout_s,
+        inject=inject or {},
+    )
+    job.fingerprint = job.what()
+    job.start, note = resume_iteration(job)
+    job.save()
+    return job, note
+
+
+def run(
+    job: Job, processes: bool, on_event: Callable[[int, dict], None] = lambda r, e: None
+) -> dict:
+    """Scores the job (in this process when `processes` is False and it has one rank, else
+    in rank processes), merges the output, and returns the summary: rows, seconds, rows/s,
+    each rank's statistics."""
+    began = time.perf_counter()
+    if processes:
+        store = job.work / f"store-{os.getpid()}-{time.time_ns()}"
+        group = RankGroup(job.work / "job.json", job.ranks, job.threads, store)
+        try:
+            group.watch(on_event, grace_s=job.timeout_s + 5)
+        finally:
+            group.stop()
+            store.unlink(missing_ok=True)
+        stats = [s.stats for s in group.states]
+    else:
+        import torch
+
+        from cleave.score.pipeline import RankScorer
+
+        torch.set_num_threads(job.threads)
+        scorer = RankScorer(
+            job, 0, 1, on_report=lambda kind, **e: on_event(0, {"event": kind, **e})
+        )
+        stats = [scorer.run()]
+    merge(job)
+    rows = sum(s["rows"] for s in stats)
+    scoring = max((s["seconds"] for s in stats), default=0.0)  # from ranks up to last batch
+    return {
+        "rows": rows,
+        "seconds": time.perf_counter() - began,  # with start-up (loading the bundle) and merge
+        "scoring_s": scoring,
+        "rows_per_s": rows / scoring if scoring else 0.0,
+        "ranks": stats,
+    }
