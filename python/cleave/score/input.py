@@ -141,19 +141,23 @@ class Schema:
 
     def describe(self, key: str | None = None) -> str:
         """The columns a file must have, and those the output gets: `--print-schema`."""
-        lines = [f"{'column':<24} {'type':<22} feeds"]
+        first = key or "row"
+        rows = [("column", "type", "feeds")]
         for c in self.columns.values():
             note = " (every row the same length)" if c.symbolic else ""
-            lines.append(f"{c.name:<24} {c.arrow_type:<22} {', '.join(c.feeds)}{note}")
-        lines.append("")
-        lines.append(f"{'output column':<24} {'type':<22}")
-        first = key or "row"
-        what = "copied from the input" if key else "the input row's index"
-        lines.append(f"{first:<24} {'(as in input)' if key else 'int64':<22} {what}")
+            rows.append((c.name, c.arrow_type, ", ".join(c.feeds) + note))
+        rows += [("", "", ""), ("output column", "type", "")]
+        rows.append(
+            (
+                first,
+                "(as in input)" if key else "int64",
+                "copied from the input" if key else "the input row's index",
+            )
+        )
         for name, width in self.outputs:
-            kind = "float" if width == 1 else f"list<float>[{width}]"
-            lines.append(f"{name:<24} {kind:<22} model output")
-        return "\n".join(lines)
+            rows.append((name, "float" if width == 1 else f"list<float>[{width}]", "model output"))
+        w = max(len(r[0]) for r in rows) + 2
+        return "\n".join(f"{a:<{w}}{b:<22}{c}".rstrip() for a, b, c in rows)
 
 
 def _width(rest: list) -> tuple[int | None, bool]:
