@@ -32,6 +32,7 @@ BENCHMARKS = {
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
+    "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
     "torchrec-quant": (
         "cleave.bench.torchrec_quant",

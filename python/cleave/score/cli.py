@@ -59,14 +59,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.input or not args.output:
         raise UsageError("--input and --output are required (or --print-schema)")
-    from cleave.score.job import prepare
-    from cleave.score.job import run as run_job
+    from cleave.score import job as score_job
 
-    job, note = prepare(
-        args.bundle,
-        args.input,
-        args.output,
-        ranks=args.ranks or 1,
+    options = dict(
+        bundle=args.bundle,
+        input=args.input,
+        output=args.output,
         lag=args.lag,
         batch_size=args.batch_size,
         key=args.key,
@@ -75,10 +73,18 @@ def run(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         inject=parse_inject(args.inject),
     )
+    if args.ranks is None and score_job.under_torchrun():
+        bar = ProgressBar(seen=1)
+        done = score_job.run_torchrun(options, bar.update)
+        if done:
+            bar.close()
+            print(describe(done[1], done[0]))
+        return 0
+    job, note = score_job.prepare(**options, ranks=args.ranks or 1)
     if note:
         print(note, file=sys.stderr, flush=True)
-    bar = ProgressBar(job.rows, job.start * job.ranks * job.batch_size)
-    summary = run_job(job, processes=args.ranks is not None, on_event=bar.update)
+    bar = ProgressBar(min(job.rows, job.start * job.ranks * job.batch_size))
+    summary = score_job.run(job, processes=args.ranks is not None, on_event=bar.update)
     bar.close()
     print(describe(summary, job))
     return 0
@@ -93,28 +99,32 @@ def parse_inject(text: str | None) -> dict:
 
 
 class ProgressBar:
-    """Rows scored so far on stderr: redrawn in place on a terminal, a line per 10 % else."""
+    """Rows scored so far on stderr: redrawn in place on a terminal, a line per 10 % else.
+    `ranks`: the ranks whose reports it sees (every one; under torchrun only rank 0's, whose
+    rows it counts for all)."""
 
-    def __init__(self, rows: int, already: int):
-        self.rows, self.already = rows, min(already, rows)
+    def __init__(self, already: int = 0, seen: int | None = None):
+        self.already, self.seen = already, seen
         self.done: dict[int, int] = {}
         self.began = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.shown = -1
 
     def update(self, rank: int, event: dict) -> None:
-        if event["event"] != "batch":
+        if event["event"] != "batch" or (self.seen is not None and rank >= self.seen):
             return
         self.done[rank] = event["rows"]
-        rows = min(self.rows, self.already + sum(self.done.values()))
-        tenth = 10 * rows // self.rows
+        scale = event["ranks"] / self.seen if self.seen else 1
+        total = event["total"]
+        rows = min(total, self.already + int(sum(self.done.values()) * scale))
+        tenth = 10 * rows // total
         if self.tty or tenth > self.shown:
             self.shown = tenth
             rate = (rows - self.already) / max(time.monotonic() - self.began, 1e-9)
             bar = "#" * (3 * tenth) + "." * (30 - 3 * tenth)
             end = "\r" if self.tty else "\n"
             print(
-                f"[{bar}] {rows}/{self.rows} rows, {rate:,.0f} rows/s",
+                f"[{bar}] {rows}/{total} rows, {rate:,.0f} rows/s",
                 end=end,
                 file=sys.stderr,
                 flush=True,

@@ -225,17 +225,6 @@ class InputFiles:
             self._cache[key] = self.parquet[i].read_row_group(g, columns=columns)
         return self._cache[key]
 
-    def where(self, row: int) -> tuple[Path, int]:
-        """The file a global row is in, and its row there."""
-        base = 0
-        for first, i, g in self.groups:
-            if g == 0:
-                base = first
-            size = self.parquet[i].metadata.row_group(g).num_rows
-            if first <= row < first + size:
-                return self.files[i], row - base
-        return self.files[-1], row - base
-
 
 def check_input(schema: Schema, files: InputFiles, key: str | None) -> None:
     """Every problem a rank would meet, found before any starts: a column missing or of the

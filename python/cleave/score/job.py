@@ -78,7 +78,7 @@ def run(
     began = time.perf_counter()
     if processes:
         store = job.work / f"store-{os.getpid()}-{time.time_ns()}"
-        group = RankGroup(job.work / "job.json", job.ranks, job.threads, store)
+        group = RankGroup(job.work / "job.json", job.ranks, job.threads, store, job.start)
         try:
             group.watch(on_event, grace_s=job.timeout_s + 5)
         finally:
@@ -94,8 +94,59 @@ def run(
         scorer = RankScorer(
             job, 0, 1, on_report=lambda kind, **e: on_event(0, {"event": kind, **e})
         )
+        scorer.warm()
         stats = [scorer.run()]
     merge(job)
+    return _summary(stats, began)
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or another launcher with its environment): every process is a
+    rank, the rendezvous is env://."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[Job, dict] | None:
+    """This process as one rank of a torchrun job over `options` (prepare's arguments; the
+    output on a file system every rank sees): rank 0 checks the input and writes the progress
+    record while the others wait, every rank scores, rank 0 merges. The job and its summary
+    on rank 0, None on the others."""
+    import torch
+    import torch.distributed as dist
+
+    from cleave.score.pipeline import RankScorer
+    from cleave.score.ranks import init_group
+
+    began = time.perf_counter()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0's checks read the whole input: the others wait for them up to an hour.
+    init_group(rank, world, None, startup_s=3600)
+    message: list = [None]
+    if rank == 0:
+        try:
+            message = [prepare(**options, ranks=world)[0]]
+        except UsageError as err:
+            message = [str(err)]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], str):
+        raise UsageError(message[0] if rank == 0 else f"rank 0 refused the job: {message[0]}")
+    job = message[0]
+    torch.set_num_threads(job.threads)
+    scorer = RankScorer(
+        job, rank, world, on_report=lambda kind, **e: on_event(rank, {"event": kind, **e})
+    )
+    scorer.warm()
+    dist.barrier()
+    stats = scorer.run()
+    gathered = [None] * world
+    dist.gather_object(stats, gathered if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+    merge(job)
+    return job, _summary(gathered, began)
+
+
+def _summary(stats: list[dict], began: float) -> dict:
     rows = sum(s["rows"] for s in stats)
     scoring = max((s["seconds"] for s in stats), default=0.0)  # from ranks up to last batch
     return {

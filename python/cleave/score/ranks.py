@@ -27,27 +27,33 @@ class RankFailed(CleaveError):
 
 
 def table_owners(manifest: dict, world: int) -> dict[str, int]:
-    """Table-wise sharding: each table whole on one rank, the largest first onto the rank with
-    the fewest bytes so far (ties to the lower rank), so every rank count splits the tables
-    the same way whoever computes it."""
-    load = [0] * world
+    """Table-wise sharding: each table whole on one rank. Largest table first, each onto the
+    rank with the fewest lookups so far (the features reading its tables: the pooling work
+    per sample), then the fewest bytes, then the lowest rank; the same split wherever it is
+    computed."""
+    lookups = {t["name"]: 0 for t in manifest["tables"]}
+    for f in manifest["features"]:
+        lookups[f["table"]] += 1
+    work = [(0, 0)] * world  # (lookups, bytes) per rank
     owners = {}
     for table in sorted(manifest["tables"], key=lambda t: (-t["rows"] * t["row_bytes"], t["name"])):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        rank = min(range(world), key=lambda r: (work[r], r))
         owners[table["name"]] = rank
-        load[rank] += table["rows"] * table["row_bytes"]
+        size = table["rows"] * table["row_bytes"]
+        work[rank] = (work[rank][0] + lookups[table["name"]], work[rank][1] + size)
     return owners
 
 
-def init_group(rank: int, world: int, store: Path | None, timeout_s: float) -> None:
+def init_group(rank: int, world: int, store: Path | None, startup_s: float) -> None:
     """Joins the job's gloo process group: through a FileStore at `store` (ranks on one
-    machine: no port to pick), else torchrun's rendezvous (env://). Point-to-point waits carry
-    their own timeout (the collective's); this one bounds start-up."""
+    machine: no port to pick), else torchrun's rendezvous (env://). `startup_s` bounds the
+    group's own collectives (start-up, the barriers); point-to-point waits carry the
+    collective's short timeout."""
     import torch.distributed as dist
 
     if world == 1:
         return
-    timeout = datetime.timedelta(seconds=max(timeout_s, 60.0))
+    timeout = datetime.timedelta(seconds=startup_s)
     if store is not None:
         file_store = dist.FileStore(str(store), world)
         dist.init_process_group(
@@ -67,9 +73,7 @@ def report(kind: str, **fields) -> None:
 @dataclass
 class RankState:
     pid: int
-    done_batches: int = 0  # batches this rank finished
-    rows: int = 0
-    working_on: int | None = None  # the global batch it was on
+    working_on: int  # the global batch it is on
     error: str = ""
     stats: dict = field(default_factory=dict)
 
@@ -78,7 +82,7 @@ class RankGroup:
     """`world` rank processes on this machine (`python -m cleave.score.pipeline`), each
     reporting on its stdout; `watch` follows them to the end."""
 
-    def __init__(self, job_file: Path, world: int, threads: int, store: Path):
+    def __init__(self, job_file: Path, world: int, threads: int, store: Path, start: int = 0):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the name
         self.procs = [
@@ -104,7 +108,7 @@ class RankGroup:
             )
             for r in range(world)
         ]
-        self.states = [RankState(p.pid) for p in self.procs]
+        self.states = [RankState(p.pid, start * world + r) for r, p in enumerate(self.procs)]
         self.events: queue.Queue = queue.Queue()
         self.stderr: list[list[str]] = [[] for _ in self.procs]
         for r, p in enumerate(self.procs):
@@ -140,8 +144,7 @@ class RankGroup:
             state = self.states[rank]
             kind = event["event"]
             if kind == "batch":
-                state.done_batches, state.rows = event["done"], event["rows"]
-                state.working_on = event.get("next")
+                state.working_on = event["next"]
             elif kind == "error":
                 state.error = event["message"]
             elif kind == "done":
@@ -164,8 +167,7 @@ class RankGroup:
         else:
             tail = "\n".join(self.stderr[rank][-15:])
             how = f"exited with code {code}:\n{tail}"
-        where = f" during batch {state.working_on}" if state.working_on is not None else ""
-        return f"rank {rank} (pid {state.pid}){where} {how}"
+        return f"rank {rank} (pid {state.pid}) during batch {state.working_on} {how}"
 
     def _failure(self, failed: list[tuple[int, str]]) -> str:
         # The first to fail is the cause: the others failed because it did (they name it).
