@@ -44,9 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(IMBALANCES),
         help=f"comma-separated, of {', '.join(IMBALANCES)}",
     )
-    parser.add_argument("--rows", type=int, default=65536, help="input rows")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--delay-ms", type=float, default=20.0, help="d: the mean delay")
+    parser.add_argument("--rows", type=int, default=32768, help="input rows")
+    parser.add_argument("--batch-size", type=int, default=64)
+    # d well above a batch's work on 4 ranks sharing 2 cores (20-30 ms), so that the delays,
+    # not the cores, decide what a lag saves
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="d: the mean delay")
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median kept")
     parser.add_argument(

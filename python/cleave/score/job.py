@@ -5,6 +5,8 @@ record (a resumed job starts where every rank had got to), the ranks (in this pr
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,11 +81,13 @@ def run(
     if processes:
         store = job.work / f"store-{os.getpid()}-{time.time_ns()}"
         group = RankGroup(job.work / "job.json", job.ranks, job.threads, store, job.start)
+        stopped = _on_sigterm()
         try:
             group.watch(on_event, grace_s=job.timeout_s + 5)
         finally:
-            group.stop()
+            group.stop()  # a launcher stopped (SIGTERM, ^C) stops its ranks
             store.unlink(missing_ok=True)
+            stopped()
         stats = [s.stats for s in group.states]
     else:
         import torch
@@ -98,6 +102,18 @@ def run(
         stats = [scorer.run()]
     merge(job)
     return _summary(stats, began)
+
+
+def _on_sigterm() -> Callable[[], None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread until the returned undo is called."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def under_torchrun() -> bool:
