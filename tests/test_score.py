@@ -200,8 +200,8 @@ def test_bad_input_is_refused_before_any_rank_starts(shared, tmp_path):
 def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two_ranks, tmp_path):
     out = tmp_path / "scores.parquet"
     args = [*_args(shared, out), "--ranks", "2", "--lag", "2", "--threads", "1", "--chunk", "2"]
-    # rank 1 sleeps 0.1 s a batch, so the job is still running when its first chunks are in
-    job = Process(cli("score", *args, "--inject", "straggler:0.1"), name="cleave score")
+    # rank 1 sleeps 0.3 s a batch, so the job still runs for seconds when its first chunks are in
+    job = Process(cli("score", *args, "--inject", "straggler:0.3"), name="cleave score")
     progress = out.with_name(out.name + ".progress")
     wait_for(
         lambda: len(list(progress.glob("rank*-chunk000000.parquet"))) == 2,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleave.bench.harness.summary import nearest_rank, write_json
+from cleave.bench.harness.summary import nearest_rank, write_outputs
 from cleave.bench.machine import describe
 from cleave.errors import UsageError
 
@@ -139,12 +139,7 @@ def run(args: argparse.Namespace) -> int:
         one, two = [c for c in result["cases"] if c.get("kind") == "throughput"]
         result["two_ranks_over_one"] = two["rows_per_s"] / one["rows_per_s"]
     print_table(result)
-    if args.json:
-        write_json(result, args.json)
-        log(f"wrote {args.json}")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
-        log(f"wrote {plot_cases(result, plot)}")
+    write_outputs(result, args, plot_cases, log)
     return 0
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
-from cleave.errors import UsageError
+from cleave.errors import CleaveError, UsageError
 from cleave.score.input import InputFiles, Schema, check_input
 from cleave.score.output import Job, check_output, merge, resume_iteration
 from cleave.score.ranks import RankGroup
@@ -50,7 +50,6 @@ def prepare(
         raise UsageError(f"the key column {key or 'row'!r} has the name of a model output")
     files = InputFiles(input)
     check_input(schema, files, key)
-    cores = os.cpu_count() or 1
     job = Job(
         bundle=str(Path(bundle).absolute()),
         input=str(Path(input).absolute()),
@@ -61,7 +60,7 @@ def prepare(
         key=key,
         lag=lag,
         chunk=chunk,
-        threads=threads or max(1, cores // ranks),
+        threads=threads or max(1, _cores() // ranks),
         timeout_s=timeout_s,
         inject=inject or {},
     )
@@ -139,9 +138,11 @@ def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[
     init_group(rank, world, None, startup_s=3600)
     message: list = [None]
     if rank == 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
+        options = {**options, "threads": options.get("threads") or max(1, _cores() // local)}
         try:
             message = [prepare(**options, ranks=world)[0]]
-        except UsageError as err:
+        except CleaveError as err:
             message = [str(err)]
     dist.broadcast_object_list(message, src=0)
     if isinstance(message[0], str):
@@ -160,6 +161,10 @@ def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[
         return None
     merge(job)
     return job, _summary(gathered, began)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def _summary(stats: list[dict], began: float) -> dict:

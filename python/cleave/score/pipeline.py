@@ -209,13 +209,11 @@ class RankScorer:
 
     def _finish(self, it: int, table, sent: tuple, iteration: int) -> pa.Table | None:
         rows, counts = sent
-        expect = [
-            sum(
-                self.dims[f.name] * (rows if f.pooling != "none" else int(counts[f.name].sum()))
-                for f in features
-            )
-            for features in self.by_owner
-        ]
+
+        def size(f) -> int:  # floats of f's rows from its owner: a row per bag, or per id
+            return self.dims[f.name] * (rows if f.pooling != "none" else int(counts[f.name].sum()))
+
+        expect = [sum(size(f) for f in features) for features in self.by_owner]
         t = time.perf_counter()
         got = self.pooled.wait(it, expect)
         self.times["wait_pooled"] += time.perf_counter() - t
@@ -226,17 +224,10 @@ class RankScorer:
         for owner, features in enumerate(self.by_owner):
             at = 0
             for f in features:
-                size = self.dims[f.name] * (
-                    rows if f.pooling != "none" else int(counts[f.name].sum())
-                )
-                block = got[owner][at : at + size]
-                at += size
-                shape = (
-                    [rows, *f.shape, self.dims[f.name]]
-                    if f.pooling == "none"
-                    else [rows, self.dims[f.name]]
-                )
-                values[f.output] = block.reshape(shape)
+                block = got[owner][at : at + size(f)]
+                at += size(f)
+                shape = [rows, *f.shape] if f.pooling == "none" else [rows]
+                values[f.output] = block.reshape(*shape, self.dims[f.name])
         with torch.inference_mode():
             outputs = self.bundle.run_dense(values, self.dense)
         columns = {}
