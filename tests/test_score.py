@@ -17,6 +17,7 @@ from cleave.errors import UsageError
 from cleave.models import MODELS, RequestGenerator
 from cleave.models import torchrec_models as tm
 from cleave.score import job as score_job
+from support.bench import run_bench
 from support.processes import Process, child_processes, cli
 from support.score import run_score, scores, write_input
 from support.served import SCALES, TOLERANCE
@@ -224,3 +225,20 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
     assert "resuming from batch " in rerun.stderr and "resuming from batch 0" not in rerun.stderr
     assert out.read_bytes() == two_ranks.read_bytes()  # the file a clean run writes
     assert not progress.exists()
+
+
+def test_bench_score_reports_cases_against_lag_0(tmp_path):
+    """`cleave bench score` end to end, smallest: two ranks, random delays, lags 0 and 1."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2"]
+    flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512"]
+    _, report = run_bench(tmp_path, "score", *flags)
+    cases = report["cases"]
+    assert [(c["imbalance"], c["ranks"], c["lag"]) for c in cases] == [
+        ("random_delay", 2, 0),
+        ("random_delay", 2, 1),
+    ]
+    for c in cases:
+        assert c["rows"] == 512 and c["per_batch_s"] > 0 and c["mean_delay_s"] > 0
+        assert c["same_scores_as_lag0"]
+    assert cases[1]["bound_s"] == pytest.approx(report["delay_s"] / 3)
+    assert (tmp_path / "score.png").exists()

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.rows, args.batch_size, args.delay_ms, args.repeats = 2048, 64, 5.0, 1
+        args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
     lags = [int(x) for x in args.lags.split(",")]
     imbalances = args.imbalance.split(",")
     if lags[0] != 0 or any(k < 0 for k in lags) or not set(imbalances) <= set(IMBALANCES):
@@ -193,11 +193,8 @@ def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
 
     out = work / f"scores-{imbalance}-r{ranks}-k{lag}.parquet"
     out.unlink(missing_ok=True)
-    inject = (
-        {"kind": imbalance, "delay_s": d, "seed": 1}
-        if "delay" in imbalance or (imbalance == "straggler")
-        else {}
-    )
+    delayed = imbalance in ("random_delay", "straggler")
+    inject = {"kind": imbalance, "delay_s": d, "seed": 1} if delayed else {}
     job, _ = score_job.prepare(
         bundle_dir,
         data,

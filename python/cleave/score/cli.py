@@ -95,6 +95,8 @@ def parse_inject(text: str | None) -> dict:
         return {}
     kind, _, rest = text.partition(":")
     delay, _, seed = rest.partition(":")
+    if kind not in ("random_delay", "straggler"):
+        raise UsageError(f"--inject {text!r}: random_delay or straggler, then :SECONDS[:SEED]")
     return {"kind": kind, "delay_s": float(delay or 0), "seed": int(seed or 0)}
 
 

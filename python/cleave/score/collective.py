@@ -236,6 +236,7 @@ class BoundedLagAlltoallv:
 
     def _peer_error(self, peer: int, iteration: int, what: str, err: Exception) -> PeerError:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first.split(". This is typically")[0]  # gloo's advice to read the peer's logs
         return PeerError(
             f"rank {self.rank}: rank {peer} failed during iteration {iteration} (its {what} "
             f"did not complete: {first})",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from cleave.score.input import InputFiles, Schema, check_input
 from cleave.score.output import Job, check_output, merge, resume_iteration
 from cleave.score.ranks import RankGroup
 
-__all__ = ["prepare", "run"]
+__all__ = ["prepare", "run", "run_torchrun", "under_torchrun"]
 
 
 def prepare(
@@ -141,7 +142,10 @@ def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
         options = {**options, "threads": options.get("threads") or max(1, _cores() // local)}
         try:
-            message = [prepare(**options, ranks=world)[0]]
+            job, note = prepare(**options, ranks=world)
+            message = [job]
+            if note:
+                print(note, file=sys.stderr, flush=True)
         except CleaveError as err:
             message = [str(err)]
     dist.broadcast_object_list(message, src=0)
