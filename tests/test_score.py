@@ -222,7 +222,8 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
     assert not out.exists() and progress.exists()
     rerun = run_score(*args)
     assert rerun.returncode == 0, rerun.stderr
-    assert "resuming from batch " in rerun.stderr and "resuming from batch 0" not in rerun.stderr
+    assert "resuming from iteration " in rerun.stderr, rerun.stderr
+    assert "resuming from iteration 0 " not in rerun.stderr
     assert out.read_bytes() == two_ranks.read_bytes()  # the file a clean run writes
     assert not progress.exists()
 

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     job, note = score_job.prepare(**options, ranks=args.ranks or 1)
     if note:
         print(note, file=sys.stderr, flush=True)
-    bar = ProgressBar(min(job.rows, job.start * job.ranks * job.batch_size))
+    done = min(job.rows, job.start * job.ranks * job.batch_size)  # a resumed job's, about
+    bar = ProgressBar(done)
     summary = score_job.run(job, processes=args.ranks is not None, on_event=bar.update)
     bar.close()
     print(describe(summary, job))

@@ -142,7 +142,9 @@ class BoundedLagAlltoallv:
             slot.sent[peer] = n = data.numel()
             first = min(n, slot.caps[peer])
             header = torch.tensor([iteration, n], dtype=torch.int64).view(torch.uint8)
-            message = torch.cat([header, data[:first].view(torch.uint8)])
+            # (an empty tensor may have any stride, which a byte view refuses)
+            body = data[:first].view(torch.uint8) if first else torch.empty(0, dtype=torch.uint8)
+            message = torch.cat([header, body])
             slot.sends.append((peer, "header", self._isend(message, peer, self._head_tag), message))
             if n > first:
                 rest = data[first:]

@@ -51,7 +51,10 @@ def prepare(
         raise UsageError(f"the key column {key or 'row'!r} has the name of a model output")
     files = InputFiles(input)
     check_input(schema, files, key)
+    batches = -(-files.rows // batch_size)
+    group_rows = max(files.parquet[i].metadata.row_group(g).num_rows for _, i, g in files.groups)
     job = Job(
+        block=max(1, min(group_rows // batch_size, -(-batches // ranks))),
         bundle=str(Path(bundle).absolute()),
         input=str(Path(input).absolute()),
         output=str(output),
@@ -80,7 +83,7 @@ def run(
     began = time.perf_counter()
     if processes:
         store = job.work / f"store-{os.getpid()}-{time.time_ns()}"
-        group = RankGroup(job.work / "job.json", job.ranks, job.threads, store, job.start)
+        group = RankGroup(job, store)
         stopped = _on_sigterm()
         try:
             group.watch(on_event, grace_s=job.timeout_s + 5)

@@ -43,6 +43,7 @@ class Job:
     chunk: int = 16  # iterations per chunk file
     threads: int = 1
     timeout_s: float = 30.0
+    block: int = 1  # consecutive batches a rank scores in a row (about a row group's)
     start: int = 0  # the iteration every rank starts from (a resumed job's)
     inject: dict = field(default_factory=dict)  # cleave bench score's delays
     fingerprint: str = ""
@@ -53,7 +54,21 @@ class Job:
 
     @property
     def iterations(self) -> int:
-        return -(-self.batches // self.ranks)
+        """Per rank: whole blocks, the last ones possibly past the end (empty batches)."""
+        blocks = -(-self.batches // self.block)
+        return -(-blocks // self.ranks) * self.block
+
+    def batch(self, rank: int, iteration: int) -> int:
+        """The global batch a rank scores in an iteration: blocks of `block` batches go
+        round-robin over the ranks, so a rank decodes the row groups it scores, not every
+        one (which rank scores a batch changes no score)."""
+        blocks, within = divmod(iteration, self.block)
+        return (blocks * self.ranks + rank) * self.block + within
+
+    def scorer(self, batch: int) -> tuple[int, int]:
+        """The (rank, iteration) that scores a global batch: `batch`'s inverse."""
+        block, within = divmod(batch, self.block)
+        return block % self.ranks, (block // self.ranks) * self.block + within
 
     @property
     def chunks(self) -> int:
@@ -85,7 +100,8 @@ class Job:
         for f in sorted(inputs.iterdir()) if inputs.is_dir() else [inputs]:
             st = f.stat()
             h.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\n".encode())
-        h.update(f"{self.batch_size} {self.ranks} {self.key} {self.chunk} {self.rows}".encode())
+        shape = (self.batch_size, self.ranks, self.key, self.chunk, self.rows, self.block)
+        h.update(repr(shape).encode())
         return h.hexdigest()
 
 
@@ -139,7 +155,10 @@ def resume_iteration(job: Job) -> tuple[int, str]:
             done = min(_chunks_done(job, r) for r in range(job.ranks))
             start = done * job.chunk
             if start:
-                return start, f"resuming from batch {start * job.ranks} (progress in {work})"
+                return start, (
+                    f"resuming from iteration {start} of {job.iterations}, every rank's "
+                    f"batches before it scored (progress in {work})"
+                )
             return 0, ""
         shutil.rmtree(work)
         work.mkdir()
@@ -165,7 +184,7 @@ def merge(job: Job) -> Path:
     writer = None
     try:
         for batch in range(job.batches):
-            rank, iteration = batch % job.ranks, batch // job.ranks
+            rank, iteration = job.scorer(batch)
             chunk = iteration // job.chunk
             if readers.get(rank, (None,))[0] != chunk:
                 readers[rank] = chunk, pq.ParquetFile(chunk_path(job, rank, chunk))

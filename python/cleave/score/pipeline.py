@@ -1,7 +1,8 @@
 """One rank of a `cleave score` job (docs/score.md, "Ranks").
 
-Rank r scores global batches r, r + N, r + 2N, ... (batch b is input rows [b*B, (b+1)*B)), one
-per iteration, and owns whole tables (`ranks.table_owners`). Iteration i, with lag K:
+Rank r scores one global batch per iteration (batch b is input rows [b*B, (b+1)*B)): blocks of
+about a row group's batches go round-robin over the ranks (`Job.batch`). It owns whole tables
+(`ranks.table_owners`). Iteration i, with lag K:
 
 1. read batch i, send each owner its bags' ids (the ids collective, iteration i);
 2. as an owner: receive every rank's ids of iteration i - K, pool them with Cleave's engine
@@ -133,7 +134,7 @@ class RankScorer:
         }
 
     def _batch(self, iteration: int) -> int:
-        return iteration * self.world + self.rank
+        return self.job.batch(self.rank, iteration)
 
     def _delay(self, iteration: int) -> None:
         """cleave bench score's injected imbalance: a sleep before the iteration's work."""

@@ -79,11 +79,12 @@ class RankState:
 
 
 class RankGroup:
-    """`world` rank processes on this machine (`python -m cleave.score.pipeline`), each
+    """A job's rank processes on this machine (`python -m cleave.score.pipeline`), each
     reporting on its stdout; `watch` follows them to the end."""
 
-    def __init__(self, job_file: Path, world: int, threads: int, store: Path, start: int = 0):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    def __init__(self, job, store: Path):
+        world = job.ranks
+        env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the name
         self.procs = [
             subprocess.Popen(
@@ -91,7 +92,7 @@ class RankGroup:
                     sys.executable,
                     "-m",
                     "cleave.score.pipeline",
-                    str(job_file),
+                    str(job.work / "job.json"),
                     "--rank",
                     str(r),
                     "--world",
@@ -108,7 +109,7 @@ class RankGroup:
             )
             for r in range(world)
         ]
-        self.states = [RankState(p.pid, start * world + r) for r, p in enumerate(self.procs)]
+        self.states = [RankState(p.pid, job.batch(r, job.start)) for r, p in enumerate(self.procs)]
         self.events: queue.Queue = queue.Queue()
         self.stderr: list[list[str]] = [[] for _ in self.procs]
         for r, p in enumerate(self.procs):
