@@ -14,8 +14,7 @@ Each case scores the same Parquet input with `--ranks` rank processes at one lag
 
 Reported per case: rows/s, per-batch time (each rank's scoring time over its batches, the
 mean over ranks: BLS's latency) with the percentiles of single iterations, and the scores'
-equality with lag 0's; the same-run comparison is lag 0 of the same imbalance. `--throughput`
-adds 1 and 2 ranks of one thread each (balanced, lag 0).
+equality with lag 0's; the same-run comparison is lag 0 of the same imbalance.
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-ms", type=float, default=50.0, help="d: the mean delay")
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median kept")
-    parser.add_argument(
-        "--throughput",
-        action="store_true",
-        help="also 1 and 2 ranks of one thread each, balanced, lag 0",
-    )
     parser.add_argument("--workdir", default="out/bench-score", help="bundle, input, outputs")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the plot here (default: next to --json)")
@@ -120,24 +114,6 @@ def run(args: argparse.Namespace) -> int:
             )
             if base:
                 case["delay_cost_s"] = case["per_batch_s"] - base["per_batch_s"]
-    if args.throughput:
-        for ranks in (1, 2):
-            case = _case(
-                bundle_dir,
-                inputs["balanced"],
-                work,
-                "balanced",
-                ranks,
-                0,
-                argparse.Namespace(**{**vars(args), "threads": 1}),
-                d,
-            )
-            case.pop("_output")
-            case["kind"] = "throughput"
-            log(_line(case))
-            result["cases"].append(case)
-        one, two = [c for c in result["cases"] if c.get("kind") == "throughput"]
-        result["two_ranks_over_one"] = two["rows_per_s"] / one["rows_per_s"]
     print_table(result)
     write_outputs(result, args, plot_cases, log)
     return 0
@@ -179,7 +155,7 @@ def _prepare(args, work: Path, log) -> tuple[Path, dict[str, Path]]:
     rng = np.random.default_rng(2)
     batches = -(-args.rows // args.batch_size)
     per_batch = rng.integers(1, HOT_MAX_IDS + 1, batches)
-    lengths = np.minimum(np.repeat(per_batch, args.batch_size)[: args.rows], HOT_MAX_IDS)
+    lengths = np.repeat(per_batch, args.batch_size)[: args.rows]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     ids = rng.integers(0, largest["rows"], int(offsets[-1]))
     bags = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
@@ -274,8 +250,6 @@ def print_table(result: dict) -> None:
             f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8}  "
             f"{same}"
         )
-    if "two_ranks_over_one" in result:
-        print(f"2 ranks over 1 rank (one thread each): {result['two_ranks_over_one']:.2f}x rows/s")
     print(
         f"d = {result['delay_s'] * 1e3:g} ms; batch {result['batch_size']} rows; "
         f"{result['machine']['cores']} cores ({result['machine']['cpu']})"
@@ -288,7 +262,7 @@ def plot_cases(result: dict, path: str | Path) -> Path:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    cases = [c for c in result["cases"] if c.get("kind") != "throughput"]
+    cases = result["cases"]
     for imbalance in dict.fromkeys(c["imbalance"] for c in cases):
         mine = [c for c in cases if c["imbalance"] == imbalance]
         ax.plot(
