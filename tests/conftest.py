@@ -29,6 +29,7 @@ LONGEST_FIRST = [
     "test_incast_bench.py",  # 59
     "test_serve_bench_testbed.py",  # 50
     "test_serve_bench_routers.py",  # 48
+    "test_score.py",  # 46
     "test_partition.py",  # 42
     "test_torchrec.py",  # 53 alone
     "test_tier.py",  # 40

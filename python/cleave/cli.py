@@ -19,6 +19,7 @@ COMMANDS = {
     "simulate": ("cleave.simulate.cli", "replay a cluster trace: fragmentation, GPUs, loaning"),
     "scale": ("cleave.runners.ray_scale", "add or remove rankers or shard replicas on Ray"),
     "update": ("cleave.update", "stage and switch a table's new rows on every live shard"),
+    "score": ("cleave.score.cli", "score a Parquet file in bulk over ranks, tables split"),
     "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
     "testbed": ("cleave.testbed.cli", "emulated multi-host network of namespaces on this machine"),
 }
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
+    "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
     "torchrec-quant": (
         "cleave.bench.torchrec_quant",

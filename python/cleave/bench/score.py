@@ -1,0 +1,278 @@
+"""`cleave bench score`: `cleave score` over ranks x lag x injected imbalance (BLS §V, Fig. 7).
+
+Each case scores the same Parquet input with `--ranks` rank processes at one lag:
+
+* `balanced`: the reference model's requests as they are;
+* `random_delay`: every rank sleeps uniform [0, 2d] seconds before each batch (its own draw
+  per batch: BLS's randomized delays). A synchronous alltoallv pays the expected maximum of
+  the ranks' delays, 2dP/(P+1); a lagged one tends to the mean, d: it can save at most
+  (P-1)/(P+1) d per batch;
+* `hot_table`: one table's bags hold 1 to 100 ids, a new length every batch (BLS's
+  heterogeneous message sizes): its owner pools and sends far more than the others;
+* `straggler`: the last rank sleeps d before every batch, the others never: no lag masks a
+  delay that comes every batch.
+
+Reported per case: rows/s, per-batch time (each rank's scoring time over its batches, the
+mean over ranks: BLS's latency) with the percentiles of single iterations, and the scores'
+equality with lag 0's; the same-run comparison is lag 0 of the same imbalance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cleave.bench.harness.summary import nearest_rank, write_outputs
+from cleave.bench.machine import describe
+from cleave.errors import UsageError
+
+IMBALANCES = ("balanced", "random_delay", "hot_table", "straggler")
+HOT_MAX_IDS = 100  # a hot bag's ids: 1 to this many, drawn per batch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="dlrm", help="reference model (cleave.models.MODELS)")
+    parser.add_argument("--scale", type=float, default=0.002, help="table scale")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--lags", default="0,2,8", help="comma-separated lags; 0 is compared to")
+    parser.add_argument(
+        "--imbalance",
+        default=",".join(IMBALANCES),
+        help=f"comma-separated, of {', '.join(IMBALANCES)}",
+    )
+    parser.add_argument("--rows", type=int, default=32768, help="input rows")
+    parser.add_argument("--batch-size", type=int, default=64)
+    # d well above a batch's work on 4 ranks sharing 2 cores (20-30 ms), so that the delays,
+    # not the cores, decide what a lag saves
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="d: the mean delay")
+    parser.add_argument("--threads", type=int, default=1, help="threads per rank")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median kept")
+    parser.add_argument("--workdir", default="out/bench-score", help="bundle, input, outputs")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write the plot here (default: next to --json)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run (tests, CI)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
+    lags = [int(x) for x in args.lags.split(",")]
+    imbalances = args.imbalance.split(",")
+    if lags[0] != 0 or any(k < 0 for k in lags) or not set(imbalances) <= set(IMBALANCES):
+        raise UsageError(f"--lags must start with 0; --imbalance among {', '.join(IMBALANCES)}")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    bundle_dir, inputs = _prepare(args, work, log)
+    d = args.delay_ms / 1e3
+    result = {
+        "benchmark": "score",
+        "machine": describe(),
+        "model": args.model,
+        "scale": args.scale,
+        "rows": args.rows,
+        "batch_size": args.batch_size,
+        "delay_s": d,
+        "threads": args.threads,
+        "cases": [],
+    }
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for repeat in range(args.repeats):  # repeats outermost: a drift in load hits every lag
+        for imbalance in imbalances:
+            data = inputs["hot_table" if imbalance == "hot_table" else "balanced"]
+            for lag in lags:
+                case = _case(bundle_dir, data, work, imbalance, args.ranks, lag, args, d)
+                log(f"[{repeat + 1}/{args.repeats}] {_line(case)}")
+                runs.setdefault((imbalance, lag), []).append(case)
+    for imbalance in imbalances:
+        first, reference = None, None
+        for lag in lags:
+            mine = sorted(runs[imbalance, lag], key=lambda c: c["per_batch_s"])
+            case = mine[len(mine) // 2]  # the median run
+            case["per_batch_runs_s"] = [c["per_batch_s"] for c in runs[imbalance, lag]]
+            first = first or case
+            outputs = {c.pop("_output") for c in runs[imbalance, lag]}  # the files' bytes
+            reference = reference or outputs
+            case["same_scores_as_lag0"] = len(outputs) == 1 and outputs == reference
+            _compare(case, first, imbalance, args.ranks, d)
+            result["cases"].append(case)
+    for case in result["cases"]:
+        if case["imbalance"] == "random_delay":  # what the delays cost over balanced, same lag
+            base = next(
+                (
+                    c
+                    for c in result["cases"]
+                    if c["imbalance"] == "balanced" and c["lag"] == case["lag"]
+                ),
+                None,
+            )
+            if base:
+                case["delay_cost_s"] = case["per_batch_s"] - base["per_batch_s"]
+    print_table(result)
+    write_outputs(result, args, plot_cases, log)
+    return 0
+
+
+def _prepare(args, work: Path, log) -> tuple[Path, dict[str, Path]]:
+    """The model's bundle and two inputs: its requests (balanced) and the same with one hot
+    table (hot_table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import cleave
+    from cleave.models import MODELS, RequestGenerator
+    from cleave.score.input import Schema, to_rows
+
+    bundle_dir = work / f"{args.model}-{args.scale:g}"
+    if not bundle_dir.exists():
+        model, example = MODELS[args.model].factory(scale=args.scale, seed=0)
+        model.eval()
+        cleave.partition(model, example).save(bundle_dir)
+    bundle = cleave.load_bundle(bundle_dir)
+    schema = Schema(bundle.manifest)
+    name = f"{args.model}-{args.scale:g}-{args.rows}-{args.batch_size}"
+    inputs = {"balanced": work / f"{name}.parquet", "hot_table": work / f"{name}-hot.parquet"}
+    if inputs["hot_table"].exists():
+        return bundle_dir, inputs
+    log(f"writing {args.rows} rows of {args.model} requests to {inputs['balanced']}")
+    generator = RequestGenerator(args.model, scale=args.scale, seed=1)
+    parts, left = [], args.rows
+    while left:
+        n = min(left, 1024)
+        parts.append(to_rows(schema, bundle.named_inputs(*generator.batch(n))))
+        left -= n
+    table = pa.concat_tables(parts)
+    pq.write_table(table, inputs["balanced"], row_group_size=16384)
+    # The hot table: the largest (its owner is rank 0), bags of 1 to HOT_MAX_IDS ids.
+    largest = max(bundle.manifest["tables"], key=lambda t: t["rows"] * t["row_bytes"])
+    hot = next(f for f in schema.features if f.table == largest["name"])
+    rng = np.random.default_rng(2)
+    batches = -(-args.rows // args.batch_size)
+    per_batch = rng.integers(1, HOT_MAX_IDS + 1, batches)
+    lengths = np.repeat(per_batch, args.batch_size)[: args.rows]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = rng.integers(0, largest["rows"], int(offsets[-1]))
+    bags = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+    hot_table = table.set_column(table.column_names.index(hot.column), hot.column, bags)
+    pq.write_table(hot_table, inputs["hot_table"], row_group_size=16384)
+    return bundle_dir, inputs
+
+
+def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
+    from cleave.score import job as score_job
+
+    out = work / f"scores-{imbalance}-r{ranks}-k{lag}.parquet"
+    out.unlink(missing_ok=True)
+    delayed = imbalance in ("random_delay", "straggler")
+    inject = {"kind": imbalance, "delay_s": d, "seed": 1} if delayed else {}
+    job, _ = score_job.prepare(
+        bundle_dir,
+        data,
+        out,
+        ranks=ranks,
+        lag=lag,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        inject=inject,
+    )
+    summary = score_job.run(job, processes=True)
+    stats = summary["ranks"]
+    per_batch = [s["seconds"] / max(s["iterations"], 1) for s in stats]
+    steps = [t for s in stats for t in s["steps_s"]]
+    stages = {
+        k: float(np.mean([s["stages_s"][k] / max(s["iterations"], 1) for s in stats]))
+        for k in stats[0]["stages_s"]
+    }
+    mean_delay = d if inject else 0.0
+    return {
+        "imbalance": imbalance,
+        "ranks": ranks,
+        "lag": lag,
+        "rows": summary["rows"],
+        "rows_per_s": summary["rows_per_s"],
+        "per_batch_s": float(np.mean(per_batch)),
+        "per_batch_by_rank_s": per_batch,
+        "iteration_p50_s": nearest_rank(steps, 0.50),
+        "iteration_p95_s": nearest_rank(steps, 0.95),
+        "iteration_p99_s": nearest_rank(steps, 0.99),
+        "mean_delay_s": mean_delay,
+        "stages_per_batch_s": stages,
+        "_output": out.read_bytes(),
+    }
+
+
+def _compare(case: dict, first: dict, imbalance: str, ranks: int, d: float) -> None:
+    """The same-run comparison with lag 0: time saved per batch, and for random delays the
+    share of the most a lag can save, (P-1)/(P+1) d."""
+    case["per_batch_over_lag0"] = case["per_batch_s"] / first["per_batch_s"]
+    case["saved_per_batch_s"] = first["per_batch_s"] - case["per_batch_s"]
+    if imbalance == "random_delay":
+        bound = (ranks - 1) / (ranks + 1) * d
+        case["bound_s"] = bound
+        case["saved_of_bound"] = case["saved_per_batch_s"] / bound
+    if imbalance == "straggler" and case["lag"]:
+        case["why"] = (
+            "the last rank sleeps d before every batch, so it falls further behind every "
+            "batch: once the others are `lag` batches ahead they wait for it each batch, and "
+            "the job goes at its pace, d plus its work per batch, whatever the lag"
+        )
+
+
+def _line(case: dict) -> str:
+    extra = f", saved {case['saved_of_bound']:.0%} of the bound" if "saved_of_bound" in case else ""
+    return (
+        f"{case['imbalance']:<13} ranks {case['ranks']} lag {case['lag']}: "
+        f"{case['per_batch_s'] * 1e3:.2f} ms/batch, {case['rows_per_s']:,.0f} rows/s{extra}"
+    )
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"{'imbalance':<13} {'ranks':>5} {'lag':>4} {'rows/s':>9} {'ms/batch':>9} "
+        f"{'p50 ms':>7} {'p99 ms':>7} {'vs lag 0':>8} {'saved ms':>8} {'of bound':>8} "
+        f"{'delay ms':>8}  same"
+    )
+    for c in result["cases"]:
+        ratio = f"{c['per_batch_over_lag0']:.3f}" if "per_batch_over_lag0" in c else "-"
+        saved = f"{c['saved_per_batch_s'] * 1e3:.2f}" if "saved_per_batch_s" in c else "-"
+        bound = f"{c['saved_of_bound']:.0%}" if "saved_of_bound" in c else "-"
+        cost = f"{c['delay_cost_s'] * 1e3:.2f}" if "delay_cost_s" in c else "-"
+        same = {True: "yes", False: "NO"}.get(c.get("same_scores_as_lag0"), "-")
+        print(
+            f"{c['imbalance']:<13} {c['ranks']:>5} {c['lag']:>4} {c['rows_per_s']:>9,.0f} "
+            f"{c['per_batch_s'] * 1e3:>9.2f} {c['iteration_p50_s'] * 1e3:>7.2f} "
+            f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8}  "
+            f"{same}"
+        )
+    print(
+        f"d = {result['delay_s'] * 1e3:g} ms; batch {result['batch_size']} rows; "
+        f"{result['machine']['cores']} cores ({result['machine']['cpu']})"
+    )
+
+
+def plot_cases(result: dict, path: str | Path) -> Path:
+    """Per-batch time against lag, one line per imbalance, lag 0's as the reference."""
+    from cleave.bench.plot import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    cases = result["cases"]
+    for imbalance in dict.fromkeys(c["imbalance"] for c in cases):
+        mine = [c for c in cases if c["imbalance"] == imbalance]
+        ax.plot(
+            [c["lag"] for c in mine], [c["per_batch_s"] * 1e3 for c in mine], "o-", label=imbalance
+        )
+    ax.set_xlabel("lag K (iterations)")
+    ax.set_ylabel("per-batch time, ms")
+    ax.set_title(
+        f"cleave score, {cases[0]['ranks'] if cases else '?'} ranks, "
+        f"d = {result['delay_s'] * 1e3:g} ms"
+    )
+    ax.legend()
+    return save_figure(fig, path)

@@ -1,0 +1,364 @@
+"""The input of `cleave score`: which Parquet column feeds which model input, reading by row
+group, and the checks made before any rank starts (docs/score.md, "Input").
+
+One row is one sample. A model input whose leading size is the batch is a column named after
+it (a scalar column when a sample's slice has one element, else a list column); a bag
+feature's ids (and weights) given as flat ids with offsets are a list column named after the
+ids (weights) input, the offsets input has none; fixed-size bags and per-position gathers
+are list columns of the sample's ids; a KJT input `p` is a list column `p.KEY` per key (and
+`p.KEY.weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cleave.errors import UsageError
+
+__all__ = ["Column", "InputFiles", "Schema", "SparseFeature"]
+
+
+@dataclass
+class Column:
+    """One input column: `name` in the file, what a row holds and what it feeds."""
+
+    name: str
+    kind: str  # "int" or "float": the element type
+    width: int | None  # elements per row: 1 a scalar column, None a list of any length
+    symbolic: bool = False  # a list whose length is a model symbol: equal in every row
+    feeds: list[str] = field(default_factory=list)  # model inputs / features it feeds
+    dtype: str = "int64"  # the model input's dtype
+    id_ranges: list[tuple[str, str, list, int]] = field(default_factory=list)
+    # (feature, table, transform, rows): ids after `transform` must lie in [0, rows)
+
+    @property
+    def arrow_type(self) -> str:
+        element = "int64" if self.kind == "int" else "float"
+        if self.width == 1:
+            return element
+        return f"list<{element}>" + (f"[{self.width}]" if self.width else "")
+
+
+@dataclass
+class SparseFeature:
+    """A lookup: per sample, a bag of ids from `column` (weights from `weights`); pooled
+    into [rows, dim], or gathered into [rows, *shape, dim] when `pooling` is "none"."""
+
+    name: str
+    table: str
+    column: str
+    weights: str | None
+    pooling: str
+    transform: list
+    output: str  # the boundary tensor
+    shape: tuple[int, ...] = ()  # a gather's ids per sample
+
+
+class Schema:
+    """A bundle's input columns, lookups, dense inputs and output columns."""
+
+    def __init__(self, manifest: dict):
+        self.manifest = manifest
+        inputs = {i["name"]: i for i in manifest["inputs"]}
+        tables = {t["name"]: t for t in manifest["tables"]}
+        self.columns: dict[str, Column] = {}
+        self.features: list[SparseFeature] = []
+        refused = []
+
+        def column(name, spec_dtype, width, symbolic=False) -> Column:
+            kind = "float" if spec_dtype.startswith(("float", "bfloat")) else "int"
+            col = self.columns.setdefault(name, Column(name, kind, width, symbolic, [], spec_dtype))
+            return col
+
+        kjts = {k["name"]: k for k in manifest.get("kjts", [])}
+        for f in manifest["features"]:
+            table = tables[f["table"]]
+            if f["layout"] == "kjt":
+                ids = f"{f['kjt']}.{f['key']}"
+                weights = f"{ids}.weights" if kjts[f["kjt"]].get("weights") else None
+                col = column(ids, inputs[f["ids"]]["dtype"], None)
+                shape: tuple[int, ...] = ()
+            else:
+                spec = inputs[f["ids"]]
+                weights = f.get("weights")
+                if f["layout"] == "offsets":
+                    col = column(f["ids"], spec["dtype"], None)
+                    shape = ()
+                elif spec["shape"][:1] != ["B"]:
+                    refused.append(f"{f['ids']} {spec['shape']}")
+                    continue
+                else:
+                    rest = spec["shape"][1:]
+                    width, symbolic = _width(rest)
+                    col = column(f["ids"], spec["dtype"], width, symbolic)
+                    shape = tuple(int(d) if isinstance(d, int) else -1 for d in rest)
+                    if f["layout"] == "fixed":
+                        shape = ()
+            if weights:
+                wspec = inputs.get(f.get("weights"), {"dtype": "float32"})
+                column(weights, wspec["dtype"], None).feeds.append(f"{f['name']} weights")
+            col.feeds.append(f"feature {f['name']}")
+            col.id_ranges.append((f["name"], f["table"], f["transform"], int(table["rows"])))
+            self.features.append(
+                SparseFeature(
+                    f["name"],
+                    f["table"],
+                    col.name,
+                    weights,
+                    f["pooling"],
+                    f["transform"],
+                    f["output"],
+                    shape,
+                )
+            )
+        self.dense_inputs = [n for n in manifest["dense"]["inputs"] if n in inputs]
+        for name in self.dense_inputs:
+            spec = inputs[name]
+            if spec["shape"][:1] != ["B"]:
+                refused.append(f"{name} {spec['shape']}")
+                continue
+            width, symbolic = _width(spec["shape"][1:])
+            column(name, spec["dtype"], width, symbolic).feeds.append("dense program")
+        if refused or manifest.get("shared_inputs"):
+            names = refused or manifest["shared_inputs"]
+            raise UsageError(
+                "cleave score reads one sample per row, and this model has inputs whose "
+                f"leading size is not the batch ({', '.join(map(str, names))}: per-request "
+                "inputs shared by a request's candidates); score such a model through "
+                "cleave serve"
+            )
+        self.dense_shapes = {
+            n: [d if isinstance(d, int) else -1 for d in inputs[n]["shape"][1:]]
+            for n in self.dense_inputs
+        }
+        self.outputs = [(o["name"], _width(o["shape"][1:])[0]) for o in manifest["outputs"]]
+
+    def describe(self, key: str | None = None) -> str:
+        """The columns a file must have, and those the output gets: `--print-schema`."""
+        first = key or "row"
+        rows = [("column", "type", "feeds")]
+        for c in self.columns.values():
+            note = " (every row the same length)" if c.symbolic else ""
+            rows.append((c.name, c.arrow_type, ", ".join(c.feeds) + note))
+        rows += [("", "", ""), ("output column", "type", "")]
+        rows.append(
+            (
+                first,
+                "(as in input)" if key else "int64",
+                "copied from the input" if key else "the input row's index",
+            )
+        )
+        for name, width in self.outputs:
+            rows.append((name, "float" if width == 1 else f"list<float>[{width}]", "model output"))
+        w = max(len(r[0]) for r in rows) + 2
+        return "\n".join(f"{a:<{w}}{b:<22}{c}".rstrip() for a, b, c in rows)
+
+
+def _width(rest: list) -> tuple[int | None, bool]:
+    """Elements per row of a slice shaped `rest`: a product of static sizes, or (None,
+    symbolic) when a size is a symbol (a list of one length in every row)."""
+    if all(isinstance(d, int) for d in rest):
+        return math.prod(rest), False
+    return None, True
+
+
+class InputFiles:
+    """A Parquet file or a directory of them (sorted by name), read as one sequence of rows
+    by row group: memory holds one row group per column set at a time."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.suffix == ".parquet")
+            if not files:
+                raise UsageError(f"{path}: a directory with no .parquet files")
+        elif path.exists():
+            files = [path]
+        else:
+            raise UsageError(f"{path}: no such file or directory")
+        self.files: list[Path] = files
+        self.parquet: list[pq.ParquetFile] = []
+        self.groups: list[tuple[int, int, int]] = []  # (first row, file index, row group)
+        row = 0
+        for i, file in enumerate(files):
+            try:
+                pf = pq.ParquetFile(file)
+            except (OSError, pa.ArrowException) as err:
+                raise UsageError(f"{file}: not a readable Parquet file ({err})") from None
+            self.parquet.append(pf)
+            for g in range(pf.metadata.num_row_groups):
+                self.groups.append((row, i, g))
+                row += pf.metadata.row_group(g).num_rows
+        self.rows = row
+        if self.rows == 0:
+            raise UsageError(f"{path}: no rows to score (an empty file)")
+        self._cache: dict[tuple, pa.Table] = {}
+
+    def schema(self, index: int) -> pa.Schema:
+        return self.parquet[index].schema_arrow
+
+    def read(self, start: int, stop: int, columns: list[str]) -> pa.Table:
+        """Rows [start, stop) of `columns`."""
+        parts = []
+        for first, i, g in self.groups:
+            size = self.parquet[i].metadata.row_group(g).num_rows
+            if first + size <= start or first >= stop or size == 0:
+                continue
+            table = self._group(i, g, columns)
+            lo, hi = max(start, first) - first, min(stop, first + size) - first
+            parts.append(table.slice(lo, hi - lo))
+        if not parts:
+            return pa.table({c: pa.array([], type=pa.null()) for c in columns})
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+    def _group(self, i: int, g: int, columns: list[str]) -> pa.Table:
+        key = (i, g, tuple(columns))
+        if key not in self._cache:
+            if len(self._cache) >= 2:  # one row group ahead of the one a batch ends in
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = self.parquet[i].read_row_group(g, columns=columns)
+        return self._cache[key]
+
+
+def check_input(schema: Schema, files: InputFiles, key: str | None) -> None:
+    """Every problem a rank would meet, found before any starts: a column missing or of the
+    wrong type, a null, a list of the wrong length, an id outside its table. UsageError
+    naming the file, the column and the row."""
+    needed = list(schema.columns)
+    for i, file in enumerate(files.files):
+        arrow = files.schema(i)
+        for name in [*needed, *([key] if key else [])]:
+            if arrow.get_field_index(name) < 0:
+                raise UsageError(
+                    f"{file}: no column {name!r} (the model needs "
+                    f"{', '.join(repr(n) for n in needed)}; see cleave score --print-schema)"
+                )
+        for name in needed:
+            _check_type(file, schema.columns[name], arrow.field(name).type)
+    widths: dict[str, int] = {}
+    for first, i, g in files.groups:
+        table = files.parquet[i].read_row_group(g, columns=needed)
+        base = first - next(f for f, j, _ in files.groups if j == i)
+        for name in needed:
+            _check_values(files.files[i], schema.columns[name], table.column(name), base, widths)
+
+
+def _check_type(file: Path, col: Column, got: pa.DataType) -> None:
+    element = got.value_type if pa.types.is_list(got) or pa.types.is_large_list(got) else got
+    is_list = element is not got
+    ok_kind = pa.types.is_integer(element) if col.kind == "int" else pa.types.is_floating(element)
+    if ok_kind and is_list == (col.width != 1):
+        return
+    raise UsageError(
+        f"{file}: column {col.name!r} is {got}, expected {col.arrow_type} ({', '.join(col.feeds)})"
+    )
+
+
+def _check_values(file: Path, col: Column, data: pa.ChunkedArray, base: int, widths) -> None:
+    arr = data.combine_chunks()
+    if arr.null_count:
+        row = base + int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise UsageError(f"{file}: column {col.name!r}, row {row}: null, a value expected")
+    values, lengths = _flat(arr)
+    if lengths is not None:
+        nulls = arr.flatten().null_count
+        if nulls:
+            lens = np.repeat(np.arange(len(lengths)), lengths)
+            bad = np.flatnonzero(arr.flatten().is_null().to_numpy(zero_copy_only=False))[0]
+            raise UsageError(
+                f"{file}: column {col.name!r}, row {base + int(lens[bad])}: a null in the list"
+            )
+        want = col.width or (widths.get(col.name) if col.symbolic else None)
+        if col.symbolic and want is None and len(lengths):
+            want = widths[col.name] = int(lengths[0])
+        if want is not None:
+            wrong = np.flatnonzero(lengths != want)
+            if len(wrong):
+                row = base + int(wrong[0])
+                raise UsageError(
+                    f"{file}: column {col.name!r}, row {row}: {int(lengths[wrong[0]])} "
+                    f"elements, expected {want} (every row the same)"
+                )
+    for feature, table, transform, rows in col.id_ranges:
+        ids = apply_transform(values, transform)
+        bad = np.flatnonzero((ids < 0) | (ids >= rows))
+        if len(bad):
+            k = int(bad[0])
+            row = k if lengths is None else int(np.searchsorted(np.cumsum(lengths), k, "right"))
+            raise UsageError(
+                f"{file}: column {col.name!r}, row {base + row}: id {int(values[k])} "
+                f"(after the feature's transform: {int(ids[k])}) is outside table {table!r}, "
+                f"which has rows [0, {rows}) (feature {feature!r})"
+            )
+
+
+def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """A column's values flattened, and each row's length (None for a scalar column)."""
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        offsets = arr.offsets.to_numpy()
+        values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        return values.to_numpy(zero_copy_only=False), np.diff(offsets)
+    return arr.to_numpy(zero_copy_only=False), None
+
+
+def apply_transform(ids: np.ndarray, transform: list) -> np.ndarray:
+    """A feature's id transform (docs/bundle.md) in numpy, with the semantics of
+    cleave.bundle.reference's (Python's `%` for remainder, C's for fmod)."""
+    for step in transform:
+        if step["op"] == "remainder":
+            ids = np.remainder(ids, step["divisor"])
+        elif step["op"] == "fmod":
+            ids = np.fmod(ids, step["divisor"])
+        else:  # cast: ids stay integers here
+            ids = ids.astype(np.dtype(step["dtype"]))
+    return ids
+
+
+def to_rows(schema: Schema, inputs: dict) -> pa.Table:
+    """A batch of named model inputs (torch tensors, as `Bundle.named_inputs` gives) as the
+    rows `cleave score` reads: the inverse of the column mapping, for exporting requests."""
+    manifest = schema.manifest
+    features = {f["name"]: f for f in manifest["features"]}
+    kjts = {k["name"]: k for k in manifest.get("kjts", [])}
+    columns: dict[str, pa.Array] = {}
+    for f in schema.features:
+        spec = features[f.name]
+        if spec["layout"] == "kjt":
+            kjt = kjts[spec["kjt"]]
+            k = kjt["keys"].index(spec["key"])
+            lengths = inputs[kjt["lengths"]].numpy().reshape(len(kjt["keys"]), -1)
+            start = int(lengths[:k].sum())
+            offsets = start + np.concatenate([[0], np.cumsum(lengths[k])])
+            sources = [(f.column, kjt["values"])]
+            if f.weights:
+                sources.append((f.weights, kjt["weights"]))
+        elif spec["layout"] == "offsets":
+            offsets = inputs[spec["offsets"]].numpy().astype(np.int64)
+            n = len(inputs[spec["ids"]])
+            offsets = offsets if spec.get("include_last_offset") else np.append(offsets, n)
+            sources = [(f.column, spec["ids"])]
+            if f.weights:
+                sources.append((f.weights, spec["weights"]))
+        else:
+            continue  # a fixed bag or a gather: the input is already a row per sample
+        for column, name in sources:
+            values = pa.array(inputs[name].numpy().reshape(-1))
+            columns[column] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    for name, col in schema.columns.items():
+        if name in columns:
+            continue
+        data = inputs[name].numpy()
+        rows = data.shape[0]
+        flat = data.reshape(rows, -1)
+        if col.width == 1:
+            columns[name] = pa.array(flat[:, 0])
+        else:
+            offsets = np.arange(0, flat.size + 1, max(flat.shape[1], 1), dtype=np.int32)[: rows + 1]
+            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
+    return pa.table(columns)

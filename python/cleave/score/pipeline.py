@@ -1,0 +1,304 @@
+"""One rank of a `cleave score` job (docs/score.md, "Ranks").
+
+Rank r scores one global batch per iteration (batch b is input rows [b*B, (b+1)*B)): blocks of
+about a row group's batches go round-robin over the ranks (`Job.batch`). It owns whole tables
+(`ranks.table_owners`). Iteration i, with lag K:
+
+1. read batch i, send each owner its bags' ids (the ids collective, iteration i);
+2. as an owner: receive every rank's ids of iteration i - K, pool them with Cleave's engine
+   (`cleave._native.TableSet`), send the pooled rows back (the pooled collective, i - K);
+3. receive the pooled rows of iteration i - 2K, run the dense program, keep the scores.
+
+Every wait is on an iteration K behind the one started, so a rank blocks only when a peer is
+more than K iterations behind it (BLS Listing 2, for two collectives in a row). K = 0 is two
+synchronous alltoallvs per batch. Which rank computes what does not depend on K, so every K
+gives the same bits.
+
+Run as `python -m cleave.score.pipeline JOB --rank R --world N [--store FILE]` by
+`cleave score --ranks N`, or under torchrun without --store (its env:// rendezvous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from cleave.errors import CleaveError
+from cleave.score.collective import BoundedLagAlltoallv
+from cleave.score.input import InputFiles, Schema, _flat, apply_transform
+from cleave.score.output import Job, write_chunk
+from cleave.score.ranks import init_group, report, table_owners
+
+__all__ = ["RankScorer", "main"]
+
+STAGES = ("delay", "read", "wait_ids", "pool", "wait_pooled", "dense", "write")
+
+
+class RankScorer:
+    """What one rank holds: its tables, the dense program, its reader and the collectives."""
+
+    def __init__(self, job: Job, rank: int, world: int, on_report=report):
+        from cleave import _native
+        from cleave.bundle import load_bundle
+
+        self.job, self.rank, self.world = job, rank, world
+        self.bundle = load_bundle(job.bundle)
+        self.schema = Schema(self.bundle.manifest)
+        owners = table_owners(self.bundle.manifest, world)
+        mine = [t for t, r in owners.items() if r == rank]
+        self.tables = (
+            _native.TableSet.open(job.bundle, tables=mine, threads=job.threads) if mine else None
+        )
+        dims = {t["name"]: t["dim"] for t in self.bundle.manifest["tables"]}
+        self.by_owner = [
+            [f for f in self.schema.features if owners[f.table] == r] for r in range(world)
+        ]
+        self.dims = {f.name: dims[f.table] for f in self.schema.features}
+        self.dense = self.bundle.dense_module()
+        self.files = InputFiles(job.input)
+        self.columns = list(self.schema.columns) + ([job.key] if job.key else [])
+        self.report = on_report
+        self.times = dict.fromkeys(STAGES, 0.0)
+        self.steps: list[float] = []
+        self._rng_seed = int(job.inject.get("seed", 0))
+
+    def warm(self) -> None:
+        """Runs the dense program once on two rows (pooled rows zero) and reads the first row
+        group, so the first batch does not pay for PyTorch's and the reader's first calls."""
+        rows = min(2, self.job.rows)
+        table = self.files.read(0, rows, self.columns)
+        values = self._dense_inputs(table, rows)
+        for f in self.schema.features:
+            shape = [abs(d) for d in f.shape] if f.pooling == "none" else []
+            values[f.output] = torch.zeros(rows, *shape, self.dims[f.name])
+        with torch.inference_mode():
+            self.bundle.run_dense(values, self.dense)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Scores this rank's batches (after the process group is up) and returns its
+        statistics; each finished batch is reported."""
+        job, K = self.job, self.job.lag
+        self.ids = BoundedLagAlltoallv(K, torch.uint8, tag=0, timeout_s=job.timeout_s)
+        self.pooled = BoundedLagAlltoallv(K, torch.float32, tag=1, timeout_s=job.timeout_s)
+        first, last = job.start, job.iterations  # this run's iterations [first, last)
+        batches: dict[int, tuple] = {}  # iteration -> (rows table, its bag counts)
+        chunk: list[pa.Table] = []
+        rows_done, began = 0, time.perf_counter()
+        for step in range(first, last + 2 * K):
+            t0 = time.perf_counter()
+            if step < last:
+                self._delay(step)
+                batches[step] = self._send_ids(step - first, step)
+            j = step - K
+            if first <= j < last:
+                self._pool(j - first)
+            m = step - 2 * K
+            if first <= m < last:
+                table, counts = batches.pop(m)
+                scores = self._finish(m - first, table, counts, m)
+                if scores is not None:
+                    chunk.append(scores)
+                    rows_done += scores.num_rows
+                if (m + 1) % job.chunk == 0 or m == last - 1:
+                    t = time.perf_counter()
+                    if chunk:
+                        write_chunk(job, self.rank, m // job.chunk, chunk)
+                    self.times["write"] += time.perf_counter() - t
+                    chunk = []
+                self.report(
+                    "batch",
+                    total=job.rows,
+                    ranks=self.world,
+                    rows=rows_done,
+                    next=self._batch(m + 1),
+                )
+            self.steps.append(time.perf_counter() - t0)
+        self.ids.close()
+        self.pooled.close()
+        elapsed = time.perf_counter() - began
+        return {
+            "rank": self.rank,
+            "rows": rows_done,
+            "iterations": last - first,
+            "seconds": elapsed,
+            "stages_s": self.times,
+            "steps_s": self.steps,
+        }
+
+    def _batch(self, iteration: int) -> int:
+        return self.job.batch(self.rank, iteration)
+
+    def _delay(self, iteration: int) -> None:
+        """cleave bench score's injected imbalance: a sleep before the iteration's work."""
+        inject = self.job.inject
+        if not inject:
+            return
+        d = float(inject["delay_s"])
+        if inject["kind"] == "random_delay":  # uniform on [0, 2d], per rank and iteration
+            d = np.random.default_rng([self._rng_seed, self.rank, iteration]).uniform(0, 2 * d)
+        elif inject["kind"] == "straggler":  # one rank always slow, the others never
+            d = d if self.rank == self.world - 1 else 0.0
+        else:
+            return
+        t = time.perf_counter()
+        time.sleep(d)
+        self.times["delay"] += time.perf_counter() - t
+
+    def _send_ids(self, it: int, iteration: int) -> tuple:
+        t = time.perf_counter()
+        b = self._batch(iteration)
+        start = min(b * self.job.batch_size, self.job.rows)
+        stop = min(start + self.job.batch_size, self.job.rows)
+        table = self.files.read(start, stop, self.columns) if stop > start else None
+        rows = stop - start
+        counts = {}  # feature -> ids per row, as sent
+        parts: list[list[np.ndarray]] = [
+            [np.array([rows], dtype=np.int64)] for _ in range(self.world)
+        ]
+        for owner, features in enumerate(self.by_owner):
+            for f in features:
+                if rows:
+                    values, lengths = _flat(table.column(f.column).combine_chunks())
+                    lengths = np.ones(rows, np.int64) if lengths is None else lengths
+                    ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
+                else:
+                    ids, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)
+                counts[f.name] = lengths
+                parts[owner] += [lengths.astype(np.int64, copy=False), ids]
+                if f.weights:
+                    w = _flat(table.column(f.weights).combine_chunks())[0] if rows else []
+                    parts[owner].append(np.asarray(w, dtype=np.float32))
+        sends = [torch.from_numpy(np.concatenate([p.view(np.uint8) for p in ps])) for ps in parts]
+        self.ids.start(it, sends)
+        self.times["read"] += time.perf_counter() - t
+        return table, (rows, counts)
+
+    def _pool(self, it: int) -> None:
+        """As an owner: every rank's bags of this iteration, pooled, sent back."""
+        t = time.perf_counter()
+        got = self.ids.wait(it)
+        self.times["wait_ids"] += time.perf_counter() - t
+        t = time.perf_counter()
+        mine = self.by_owner[self.rank]
+        per_sender = [_parse(msg.numpy(), mine) for msg in got]
+        replies: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+        for k, f in enumerate(mine):
+            lengths = np.concatenate([s[k][0] for s in per_sender])
+            ids = np.concatenate([s[k][1] for s in per_sender])
+            if f.pooling == "none":
+                out = self.tables.gather(f.table, ids)
+                sizes = [len(s[k][1]) for s in per_sender]
+            else:
+                weights = np.concatenate([s[k][2] for s in per_sender]) if f.weights else None
+                offsets = np.zeros(len(lengths) + 1, np.int64)
+                np.cumsum(lengths, out=offsets[1:])
+                out, _ = self.tables.pool(f.table, ids, offsets, weights, f.pooling)
+                sizes = [len(s[k][0]) for s in per_sender]
+            for sender, part in enumerate(np.split(out, np.cumsum(sizes)[:-1])):
+                replies[sender].append(part.reshape(-1))
+        sends = [torch.from_numpy(np.concatenate(r)) if r else torch.zeros(0) for r in replies]
+        self.pooled.start(it, sends)
+        self.times["pool"] += time.perf_counter() - t
+
+    def _finish(self, it: int, table, sent: tuple, iteration: int) -> pa.Table | None:
+        rows, counts = sent
+
+        def size(f) -> int:  # floats of f's rows from its owner: a row per bag, or per id
+            return self.dims[f.name] * (rows if f.pooling != "none" else int(counts[f.name].sum()))
+
+        expect = [sum(size(f) for f in features) for features in self.by_owner]
+        t = time.perf_counter()
+        got = self.pooled.wait(it, expect)
+        self.times["wait_pooled"] += time.perf_counter() - t
+        if not rows:
+            return None
+        t = time.perf_counter()
+        values = self._dense_inputs(table, rows)
+        for owner, features in enumerate(self.by_owner):
+            at = 0
+            for f in features:
+                block = got[owner][at : at + size(f)]
+                at += size(f)
+                shape = [rows, *f.shape] if f.pooling == "none" else [rows]
+                values[f.output] = block.reshape(*shape, self.dims[f.name])
+        with torch.inference_mode():
+            outputs = self.bundle.run_dense(values, self.dense)
+        columns = {}
+        if self.job.key:
+            columns[self.job.key] = table.column(self.job.key)
+        else:
+            start = self._batch(iteration) * self.job.batch_size
+            columns["row"] = pa.array(np.arange(start, start + rows, dtype=np.int64))
+        for (name, width), out in zip(self.schema.outputs, outputs, strict=True):
+            flat = out.detach().float().reshape(rows, -1).numpy()
+            columns[name] = (
+                pa.array(flat[:, 0])
+                if width == 1
+                else pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+            )
+        self.times["dense"] += time.perf_counter() - t
+        return pa.table(columns)
+
+    def _dense_inputs(self, table, rows: int) -> dict[str, torch.Tensor]:
+        values = {}
+        for name in self.schema.dense_inputs:
+            col = self.schema.columns[name]
+            flat, _ = _flat(table.column(name).combine_chunks())
+            dtype = getattr(torch, col.dtype)
+            shape = [rows, *self.schema.dense_shapes[name]]
+            values[name] = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype).reshape(shape)
+        return values
+
+
+def _parse(msg: np.ndarray, features) -> list[tuple]:
+    """A rank's ids message for this owner: (lengths, ids, weights) per feature, in order."""
+    rows = int(msg[:8].view(np.int64)[0])
+    at, out = 8, []
+    for f in features:
+        lengths = msg[at : at + 8 * rows].view(np.int64)
+        at += 8 * rows
+        n = int(lengths.sum())
+        ids = msg[at : at + 8 * n].view(np.int64)
+        at += 8 * n
+        weights = None
+        if f.weights:
+            weights = msg[at : at + 4 * n].view(np.float32)
+            at += 4 * n
+        out.append((lengths, ids, weights))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cleave.score.pipeline")
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
+    parser.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    parser.add_argument("--store", type=Path, default=None)
+    args = parser.parse_args(argv)
+    job = Job.load(args.job)
+    try:
+        torch.set_num_threads(job.threads)
+        scorer = RankScorer(job, args.rank, args.world)
+        scorer.warm()
+        init_group(args.rank, args.world, args.store, startup_s=max(job.timeout_s, 60.0))
+        if args.world > 1:
+            torch.distributed.barrier()  # every rank loaded and warm: the clocks start together
+        report("ready")
+        stats = scorer.run()
+        report("done", stats=stats)
+    except CleaveError as err:
+        report("error", message=str(err))
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""`cleave score`: Parquet in, scores out, over one process or ranks with the tables split
+among them and a bounded-lag alltoallv between them (docs/score.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import cleave
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from cleave.errors import UsageError
+from cleave.models import MODELS, RequestGenerator
+from cleave.models import torchrec_models as tm
+from cleave.score import job as score_job
+from support.bench import run_bench
+from support.processes import Process, child_processes, cli
+from support.score import run_score, scores, write_input
+from support.served import SCALES, TOLERANCE
+from support.waiting import wait_for
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The given buffer is not writable", "ignore::DeprecationWarning", "ignore::UserWarning"
+)
+
+BATCH = 8  # rows per batch: not a divisor of the row groups (37 rows) nor of the rows
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict:
+    """The `shared` reference model (weighted, mean, max and fixed bags) and 203 of its
+    samples written as cleave score's input, with its own scores."""
+    root = tmp_path_factory.mktemp("score")
+    model, example = MODELS["shared"].factory(scale=SCALES["shared"], seed=0)
+    model.eval()
+    bundle = cleave.partition(model, example)
+    generator = RequestGenerator("shared", scale=SCALES["shared"], seed=7, min_pooling=0)
+    batches = [generator.batch(n) for n in (64, 64, 75)]
+    data = root / "samples.parquet"
+    want = write_input(bundle, model, batches, data, row_group=37)
+    return {"dir": bundle.save(root / "shared"), "bundle": bundle, "input": data, "want": want}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(shared, tmp_path_factory) -> np.ndarray:
+    """A clean run over two synchronous ranks (lag 0): the scores every other run equals."""
+    out = tmp_path_factory.mktemp("clean") / "scores.parquet"
+    done = run_score(*_args(shared, out), "--ranks", "2", "--lag", "0", "--threads", "1")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _args(shared, out) -> list[str]:
+    return [
+        str(shared["dir"]),
+        "--input",
+        str(shared["input"]),
+        "--output",
+        str(out),
+        "--batch-size",
+        str(BATCH),
+    ]
+
+
+def _score(bundle_dir, data, out, **options) -> dict:
+    job, _ = score_job.prepare(bundle_dir, data, out, batch_size=BATCH, **options)
+    return score_job.run(job, processes=False)
+
+
+def test_print_schema_names_every_column(shared):
+    done = run_score(str(shared["dir"]), "--print-schema")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    for line in ("term_ids_0 ", "term_weights_0 ", "page_ids ", "slot_ids ", "dense_x "):
+        assert line in text
+    assert "list<float>[8]" in text  # dense_x: 8 floats a row
+    assert "term_offsets_0" not in text  # offsets come from the lists' lengths
+    assert "output_0" in text and "row " in text
+
+
+def test_one_process_scores_like_the_model(shared, tmp_path):
+    out = tmp_path / "scores.parquet"
+    summary = _score(shared["dir"], shared["input"], out)
+    assert summary["rows"] == len(shared["want"]) == 203
+    table = pq.read_table(out)
+    assert table.column("row").to_pylist() == list(range(203))
+    assert np.abs(scores(out) - shared["want"]).max() <= TOLERANCE
+    assert not out.with_name(out.name + ".progress").exists()
+
+
+def test_kjt_and_id_transforms_and_a_key_column(tmp_path):
+    """TorchRec's weighted DLRM_DCN (a KJT input: a list column per key) and the reference
+    DLRM (ids taken modulo the table's rows), with a key column copied through."""
+    spec = tm.small(weighted=True)
+    model, example = tm.build("dlrm_dcn", spec)
+    generator = torch.Generator().manual_seed(5)
+    cases = [
+        (model, example, [tm.requests(spec, b, generator) for b in (9, 30)], "kjt"),
+        (*MODELS["dlrm"].factory(scale=SCALES["dlrm"], seed=0), None, "dlrm"),
+    ]
+    for model, example, batches, name in cases:
+        model.eval()
+        bundle = cleave.partition(model, example)
+        if batches is None:
+            generator_d = RequestGenerator("dlrm", scale=SCALES["dlrm"], seed=3, min_pooling=0)
+            batches = [generator_d.batch(20)]
+        data = tmp_path / f"{name}.parquet"
+        want = write_input(bundle, model, batches, data, row_group=16)
+        table = pq.read_table(data)
+        keyed = table.append_column("sample", pa.array([f"s{i}" for i in range(len(want))]))
+        pq.write_table(keyed, data, row_group_size=16)
+        if name == "kjt":
+            p = bundle.manifest["kjts"][0]["name"]
+            assert {f"{p}.user", f"{p}.user.weights", f"{p}.seen_item"} <= set(table.column_names)
+        out = tmp_path / f"{name}-scores.parquet"
+        _score(bundle.save(tmp_path / name), data, out, key="sample")
+        got = pq.read_table(out)
+        assert got.column_names == ["sample", "output_0"]
+        assert got.column("sample").to_pylist() == [f"s{i}" for i in range(len(want))]
+        assert np.abs(scores(out) - want).max() <= TOLERANCE, name
+
+
+def test_two_ranks_score_like_the_model_and_like_one_process(shared, two_ranks, tmp_path):
+    assert np.abs(scores(two_ranks) - shared["want"]).max() <= TOLERANCE
+    one = tmp_path / "one.parquet"
+    _score(shared["dir"], shared["input"], one)
+    assert pq.read_table(one).equals(pq.read_table(two_ranks))  # bit for bit
+
+
+def _bad_inputs(shared, tmp_path) -> list[tuple[Path, str, str]]:
+    """(input file, output, the words the error must have) for each kind of bad input."""
+    good = pq.read_table(shared["input"])
+    cases = []
+
+    def case(name, table, words, output=None):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(table, path, row_group_size=50)
+        out = output or tmp_path / f"{name}-out.parquet"
+        cases.append((path, out, [str(output or path), *words]))
+
+    case("missing", good.drop_columns(["page_ids"]), ["no column 'page_ids'"])
+    wrong = good.set_column(
+        good.column_names.index("dense_x"),
+        "dense_x",
+        pa.array([[str(v) for v in row] for row in good.column("dense_x").to_pylist()]),
+    )
+    case("wrong_type", wrong, ["column 'dense_x' is list<element: string>", "list<float>[8]"])
+    ids = good.column("ad_ids").to_pylist()
+    ids[121] = [3, 5000]  # the ads table has 5000 rows
+    case(
+        "out_of_range",
+        good.set_column(good.column_names.index("ad_ids"), "ad_ids", pa.array(ids)),
+        ["column 'ad_ids', row 121", "id 5000", "table 'ads'", "[0, 5000)"],
+    )
+    dense = good.column("dense_x").to_pylist()
+    dense[77] = dense[77][:5]
+    case(
+        "short_list",
+        good.set_column(
+            good.column_names.index("dense_x"), "dense_x", pa.array(dense, pa.list_(pa.float32()))
+        ),
+        ["column 'dense_x', row 77", "5 elements, expected 8"],
+    )
+    pages = good.column("page_ids").to_pylist()
+    pages[150] = None
+    case(
+        "null",
+        good.set_column(
+            good.column_names.index("page_ids"), "page_ids", pa.array(pages, pa.list_(pa.int64()))
+        ),
+        ["column 'page_ids', row 150: null"],
+    )
+    case("empty", good.slice(0, 0), ["no rows"])
+    case(
+        "no_dir",
+        good,
+        ["cannot be written", "does not exist"],
+        output=tmp_path / "missing-dir" / "out.parquet",
+    )
+    return cases
+
+
+def test_bad_input_is_refused_before_any_rank_starts(shared, tmp_path):
+    for data, out, words in _bad_inputs(shared, tmp_path):
+        with pytest.raises(UsageError) as err:
+            score_job.prepare(shared["dir"], data, out, ranks=2)
+        for word in words:
+            assert word in str(err.value), (word, str(err.value))
+        assert not out.exists() and not out.with_name(out.name + ".progress").exists()
+    # through the command line: exit code 2 and the message, no rank started
+    data, out, words = _bad_inputs(shared, tmp_path)[2]
+    done = run_score(str(shared["dir"]), "--input", str(data), "--output", str(out), "--ranks", "2")
+    assert done.returncode == 2
+    assert "cleave score: error:" in done.stderr and words[1] in done.stderr
+
+
+def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two_ranks, tmp_path):
+    out = tmp_path / "scores.parquet"
+    args = [*_args(shared, out), "--ranks", "2", "--lag", "2", "--threads", "1", "--chunk", "2"]
+    # rank 1 sleeps 0.3 s a batch, so the job still runs for seconds when its first chunks are in
+    job = Process(cli("score", *args, "--inject", "straggler:0.3"), name="cleave score")
+    progress = out.with_name(out.name + ".progress")
+    wait_for(
+        lambda: len(list(progress.glob("rank*-chunk000000.parquet"))) == 2,
+        "both ranks' first chunk",
+        240,
+    )
+    rank1 = next(
+        pid
+        for pid, argv in child_processes(job.proc.pid).items()
+        if "cleave.score.pipeline" in argv and argv[argv.index("--rank") + 1] == "1"
+    )
+    os.kill(rank1, signal.SIGKILL)
+    assert job.proc.wait(60) == 2
+    job.stop()
+    text = job.output()
+    assert f"rank 1 (pid {rank1}) during batch" in text and "killed by SIGKILL" in text, text
+    assert not out.exists() and progress.exists()
+    rerun = run_score(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming from iteration " in rerun.stderr, rerun.stderr
+    assert "resuming from iteration 0 " not in rerun.stderr
+    assert out.read_bytes() == two_ranks.read_bytes()  # the file a clean run writes
+    assert not progress.exists()
+
+
+def test_bench_score_reports_cases_against_lag_0(tmp_path):
+    """`cleave bench score` end to end, smallest: two ranks, random delays, lags 0 and 1."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2"]
+    flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512"]
+    _, report = run_bench(tmp_path, "score", *flags)
+    cases = report["cases"]
+    assert [(c["imbalance"], c["ranks"], c["lag"]) for c in cases] == [
+        ("random_delay", 2, 0),
+        ("random_delay", 2, 1),
+    ]
+    for c in cases:
+        assert c["rows"] == 512 and c["per_batch_s"] > 0 and c["mean_delay_s"] > 0
+        assert c["same_scores_as_lag0"]
+    assert cases[1]["bound_s"] == pytest.approx(report["delay_s"] / 3)
+    assert (tmp_path / "score.png").exists()
