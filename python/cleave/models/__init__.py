@@ -75,16 +75,21 @@ def _torchrec(attr: str, *bound) -> Callable:
 
 # TorchRec's own models over the Criteo Kaggle tables (torchrec.models.dlrm, .deepfm); at the
 # default scale 0.27 M rows, 16 MiB of tables (scale 1: the Kaggle sizes capped at 1 M rows).
-for _name, _architecture in [
-    ("torchrec_dlrm", "dlrm"),
-    ("torchrec_dcn", "dlrm_dcn"),
-    ("torchrec_deepfm", "deepfm"),
-]:
-    MODELS[_name] = ModelEntry(
-        _name,
-        _torchrec("reference", _architecture),
-        _torchrec("features"),
-        _torchrec("request"),
-        0.05,
-        torchrec=True,
+MODELS.update(
+    (
+        name,
+        ModelEntry(
+            name,
+            _torchrec("reference", architecture),
+            _torchrec("features"),
+            _torchrec("request"),
+            0.05,
+            torchrec=True,
+        ),
     )
+    for name, architecture in [
+        ("torchrec_dlrm", "dlrm"),
+        ("torchrec_dcn", "dlrm_dcn"),
+        ("torchrec_deepfm", "deepfm"),
+    ]
+)

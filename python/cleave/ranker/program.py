@@ -125,11 +125,12 @@ def load_ranker(
     dense = bundle.dense_module(batched=batched)
     if compile:
         dense = compile_program(dense, compile_cache)
-    module = bundle.full_module(dense) if monolithic else dense
-    if eager_model:
+    if eager_model:  # the saved model holds its tables: the bundle's are not decoded
         from cleave.ranker.eager import load_eager
 
         module = load_eager(eager_model, bundle.manifest)
+    else:
+        module = bundle.full_module(dense) if monolithic else dense
     sig = signature(bundle.manifest, monolithic, batched)
     executor = DenseExecutor(
         module, sig, device, threads, max_batch=max_batch, cuda_graphs=cuda_graphs
