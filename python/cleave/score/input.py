@@ -308,16 +308,17 @@ def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def apply_transform(ids: np.ndarray, transform: list) -> np.ndarray:
-    """A feature's id transform (docs/bundle.md) in numpy, with the semantics of
-    cleave.bundle.reference's (Python's `%` for remainder, C's for fmod)."""
-    for step in transform:
-        if step["op"] == "remainder":
-            ids = np.remainder(ids, step["divisor"])
-        elif step["op"] == "fmod":
-            ids = np.fmod(ids, step["divisor"])
-        else:  # cast: ids stay integers here
-            ids = ids.astype(np.dtype(step["dtype"]))
-    return ids
+    """A feature's id transform (docs/bundle.md) on numpy ids: the reference executor's own
+    (cleave.bundle.reference), so the two cannot drift apart."""
+    if not transform:
+        return ids
+    import torch
+
+    from cleave.bundle.reference import apply_transform as reference
+
+    # Arrow's zero-copy arrays are read-only, which torch.from_numpy warns about: a copy.
+    tensor = torch.from_numpy(np.require(ids, requirements="W"))
+    return reference(tensor, transform).numpy()
 
 
 def to_rows(schema: Schema, inputs: dict) -> pa.Table:
