@@ -28,7 +28,7 @@ from cleave.plan import (
     plan_to_dict,
     save_plan,
 )
-from cleave.plan.planner import table_ranges
+from cleave.plan.planner import table_ranges, whole_tables
 from cleave.serve import Deployment
 from cleave.settings import RankerConfig, RouterConfig, ServeConfig
 
@@ -185,6 +185,31 @@ def test_one_host_is_the_local_default(bundle):
     # cleave serve's thread rule leaves one core to 3 shards and a 2-thread router: it says so
     (warning,) = plan.check(MANIFEST)
     assert "host h0: its roles run 11 threads on 8 cpus" in warning
+
+
+def test_table_layout_tables_holds_whole_tables_where_score_ranks_hold_them(tmp_path):
+    # t0 is read by two features: the pooling work per sample, which the split balances first
+    features = [{"name": f"f{i}", "table": t} for i, t in enumerate(["t0", "t0", "t1", "t2"])]
+    manifest = {**MANIFEST, "features": features}
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    plan = make_plan(path, hosts(4), 2, 2, 1, 1, ServeConfig(table_layout="tables"))
+    groups = {s.group: s.ranges for s in plan.shards}
+    # largest first: t2 (2 MB) on 0, t0 on 1 (no lookups there yet), t1 on 0 (1 lookup < 2)
+    assert groups == {0: {"t2": (0, 50000), "t1": (0, 7)}, 1: {"t0": (0, 1000)}}
+    plan.check(manifest)
+    local = local_plan(path, ServeConfig(shards=2, table_layout="tables"))
+    assert [s.ranges for s in local.shards] == [groups[0], groups[1]]
+    # cleave score's ranks hold the same tables: one split, computed in one place
+    assert whole_tables(manifest, 2) == {"t2": 0, "t1": 0, "t0": 1}
+    # more shards than tables: the empty ones are left out, as with rows
+    assert len(table_ranges(manifest, 5, "tables")) == 5
+    assert (
+        len(make_plan(path, hosts(2), 5, 1, 1, 1, ServeConfig(table_layout="tables")).shards) == 3
+    )
+    with pytest.raises(UsageError, match='table_layout: expected "rows" or "tables", got'):
+        ServeConfig(table_layout="columns").check()
 
 
 def test_two_hosts(bundle):

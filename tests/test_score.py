@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import cleave
@@ -13,14 +15,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.errors import UsageError
+from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
 from cleave.models import torchrec_models as tm
 from cleave.score import job as score_job
 from support.bench import run_bench
+from support.client import post
 from support.processes import Process, child_processes, cli
 from support.score import run_score, scores, write_input
-from support.served import SCALES, TOLERANCE
+from support.served import SCALES, TOLERANCE, roomy_budget
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings(
@@ -42,7 +47,13 @@ def shared(tmp_path_factory) -> dict:
     batches = [generator.batch(n) for n in (64, 64, 75)]
     data = root / "samples.parquet"
     want = write_input(bundle, model, batches, data, row_group=37)
-    return {"dir": bundle.save(root / "shared"), "bundle": bundle, "input": data, "want": want}
+    return {
+        "dir": bundle.save(root / "shared"),
+        "bundle": bundle,
+        "batches": batches,
+        "input": data,
+        "want": want,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +140,38 @@ def test_two_ranks_score_like_the_model_and_like_one_process(shared, two_ranks, 
     one = tmp_path / "one.parquet"
     _score(shared["dir"], shared["input"], one)
     assert pq.read_table(one).equals(pq.read_table(two_ranks))  # bit for bit
+
+
+def test_torchrun_ranks_write_the_same_scores(shared, two_ranks, tmp_path):
+    """torchrun's own rendezvous (`--standalone`: its store on a port it binds itself), every
+    process a rank, at a lag: the file two `--ranks` ranks wrote, bit for bit."""
+    out = tmp_path / "scores.parquet"
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone"]
+    command = [*torchrun, "--nproc-per-node", "2", "--no-python", *cli("score")]
+    done = subprocess.run(
+        [*command, *_args(shared, out), "--lag", "2", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},  # one machine: loopback
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("2 rank(s), lag 2") == 1  # one job of two ranks: rank 0 reports
+    assert pq.read_table(out).equals(pq.read_table(two_ranks))
+
+
+def test_served_online_the_rows_score_as_cleave_score_scores_them(shared, two_ranks, tmp_path):
+    """`cleave serve` with its shards holding the tables the two ranks held (the planner's
+    whole-table layout) answers the input's samples with the scores cleave score wrote."""
+    layout = ["--shards", "2", "--table-layout", "tables", "--threads", "1"]
+    with ServeProcess(shared["dir"], *layout, *roomy_budget(tmp_path)) as server:
+        url = f"{server.url}/v2/models/{shared['dir'].name}/infer"
+        got = []
+        for args in shared["batches"]:
+            status, reply = post(url, infer_body(shared["bundle"].named_inputs(*args)))
+            assert status == 200, reply
+            got.append(np.concatenate([o.reshape(len(o), -1) for o in outputs_of(reply)], 1))
+    assert np.abs(np.concatenate(got) - scores(two_ranks)).max() <= TOLERANCE
 
 
 def _bad_inputs(shared, tmp_path) -> list[tuple[Path, str, str]]:

@@ -33,19 +33,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
 
 
 @pytest.mark.parametrize(
-    "model, shards, rankers, mode",
+    "model, shards, rankers, mode, layout",
     [
-        ("dlrm", 3, 2, "disaggregated"),
-        ("dcn", 1, 1, "disaggregated"),
-        ("din", 3, 1, "disaggregated"),
-        ("shared", 1, 2, "disaggregated"),
-        ("dlrm", 1, 1, "monolithic"),
-        ("shared", 1, 1, "router-held"),
+        ("dlrm", 3, 2, "disaggregated", "tables"),  # whole tables, as cleave score's ranks
+        ("dcn", 1, 1, "disaggregated", "rows"),
+        ("din", 3, 1, "disaggregated", "rows"),
+        ("shared", 1, 2, "disaggregated", "rows"),
+        ("dlrm", 1, 1, "monolithic", "rows"),
+        ("shared", 1, 1, "router-held", "rows"),
     ],
 )
-def test_scores_equal_the_original_model(models, model, shards, rankers, mode):
+def test_scores_equal_the_original_model(models, model, shards, rankers, mode, layout):
     served = models[model]
     flags = ["--shards", str(shards), "--rankers", str(rankers), "--threads", "1"]
+    flags += ["--table-layout", layout]
     if mode != "disaggregated":
         flags.append(f"--{mode}")
     with ServeProcess(served.dir, *flags) as server:

@@ -21,7 +21,14 @@ from pathlib import Path
 from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed
-from cleave.settings import QUEUE_POLICIES, TRANSPORTS, RouterConfig, ServeConfig, config_file
+from cleave.settings import (
+    QUEUE_POLICIES,
+    TABLE_LAYOUTS,
+    TRANSPORTS,
+    RouterConfig,
+    ServeConfig,
+    config_file,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="client address to bind (default 127.0.0.1)")
     parser.add_argument("--name", help="model name in the URLs (default: bundle directory name)")
     parser.add_argument("--shards", type=int, help="embedding shard processes (default 1)")
+    parser.add_argument(
+        "--table-layout",
+        choices=TABLE_LAYOUTS.names,
+        help="shards hold row ranges of every table (rows, default) or whole tables (tables)",
+    )
     parser.add_argument("--rankers", type=int, help="ranker processes (default 1)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="ranker device")
     parser.add_argument(
@@ -111,6 +123,7 @@ def _apply_flags(config: ServeConfig, args: argparse.Namespace) -> None:
         "host": args.host,
         "name": args.name,
         "shards": args.shards,
+        "table_layout": args.table_layout,
         "rankers": args.rankers,
         "transport": args.transport,
         "fail_stop": args.fail_stop,
@@ -161,6 +174,7 @@ class Deployment:
 _LAYOUT_FLAGS = (
     "config",
     "shards",
+    "table_layout",
     "rankers",
     "device",
     "threads",

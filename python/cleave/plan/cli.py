@@ -17,7 +17,7 @@ from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
 from cleave.plan.schema import Plan
 from cleave.plan.tiers import load_profile, parse_bytes, place_plan
-from cleave.settings import config_file
+from cleave.settings import TABLE_LAYOUTS, config_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hosts.add_argument("--hosts", type=int, help="N identical emulated hosts h0..h{N-1}")
     parser.add_argument("--shards", type=int, help="range groups (default: the config's shards)")
+    parser.add_argument(
+        "--table-layout",
+        choices=TABLE_LAYOUTS.names,
+        help="range groups hold row ranges of every table or whole tables "
+        "(default: the config's table_layout)",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="replicas per range group")
     parser.add_argument("--rankers", type=int, help="rankers (default: the config's rankers)")
     parser.add_argument("--routers", type=int, default=1, help="routers (default 1)")
@@ -109,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.dram_budget, "--dram-budget") if args.dram_budget else None
     profile = load_profile(args.profile) if args.profile else None
     config = config_file.load(args.config)
+    if args.table_layout is not None:
+        config.table_layout = args.table_layout
     cluster = load_cluster_file(args.cluster) if args.cluster else None
     hosts = cluster.hosts if cluster else emulated_hosts(args.hosts)
     topology = cluster.topology if cluster else None

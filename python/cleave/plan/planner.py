@@ -112,7 +112,11 @@ def make_plan(
     manifest = manifest_io.read(bundle, whole=False)
     router_hosts, shard_hosts, ranker_hosts = layout(hosts)
     # More shards than rows in every table leaves some empty: they are left out.
-    groups = [] if config.router_held else [r for r in table_ranges(manifest, shards) if r]
+    groups = (
+        []
+        if config.router_held
+        else [r for r in table_ranges(manifest, shards, config.table_layout) if r]
+    )
     placement = None
     if topology is not None:
         requests = _requests(manifest, groups, replicas, rankers, routers, config, hosts)
@@ -224,7 +228,9 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     bundle = Path(bundle_dir).resolve()
     manifest = manifest_io.read(bundle, whole=False)
     held = config.monolithic or config.router_held  # no shard processes
-    ranges = [] if held else [r for r in table_ranges(manifest, config.shards) if r]
+    ranges = (
+        [] if held else [r for r in table_ranges(manifest, config.shards, config.table_layout) if r]
+    )
     shards = [
         Shard(
             f"shard-{i}",
@@ -261,10 +267,18 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     )
 
 
-def table_ranges(manifest: dict, shards: int) -> list[dict[str, tuple[int, int]]]:
-    """Each table's rows cut into `shards` contiguous ranges: shard i holds rows
-    [rows * i // S, rows * (i + 1) // S) of every table (empty ranges left out)."""
+def table_ranges(
+    manifest: dict, shards: int, layout: str = "rows"
+) -> list[dict[str, tuple[int, int]]]:
+    """The rows of each table shard i holds (`table_layout`). "rows": every table cut into
+    `shards` contiguous ranges, shard i holding rows [rows * i // S, rows * (i + 1) // S);
+    "tables": whole tables (`whole_tables`). Empty ranges are left out."""
     plan: list[dict[str, tuple[int, int]]] = [{} for _ in range(shards)]
+    if layout == "tables":
+        rows = {t["name"]: int(t["rows"]) for t in manifest["tables"]}
+        for name, shard in whole_tables(manifest, shards).items():
+            plan[shard][name] = (0, rows[name])
+        return plan
     for table in manifest["tables"]:
         rows = int(table["rows"])
         for i in range(shards):
@@ -272,3 +286,21 @@ def table_ranges(manifest: dict, shards: int) -> list[dict[str, tuple[int, int]]
             if end > start:
                 plan[i][table["name"]] = (start, end)
     return plan
+
+
+def whole_tables(manifest: dict, parts: int) -> dict[str, int]:
+    """Each table whole on one of `parts` (shards, or `cleave score`'s ranks): largest table
+    first, each onto the part with the fewest lookups so far (the features reading its
+    tables: the pooling work per sample), then the fewest bytes, then the lowest index; the
+    same split wherever it is computed."""
+    lookups = {t["name"]: 0 for t in manifest["tables"]}
+    for f in manifest["features"]:
+        lookups[f["table"]] += 1
+    work = [(0, 0)] * parts  # (lookups, bytes) per part
+    owners = {}
+    for table in sorted(manifest["tables"], key=lambda t: (-t["rows"] * t["row_bytes"], t["name"])):
+        part = min(range(parts), key=lambda r: (work[r], r))
+        owners[table["name"]] = part
+        size = table["rows"] * table["row_bytes"]
+        work[part] = (work[part][0] + lookups[table["name"]], work[part][1] + size)
+    return owners

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from cleave.errors import UsageError
 
-__all__ = ["Column", "InputFiles", "Schema", "SparseFeature"]
+__all__ = ["Column", "InputFiles", "Schema", "SparseFeature", "apply_transform", "flat_values"]
 
 
 @dataclass
@@ -265,7 +265,7 @@ def _check_values(file: Path, col: Column, data: pa.ChunkedArray, base: int, wid
     if arr.null_count:
         row = base + int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
         raise UsageError(f"{file}: column {col.name!r}, row {row}: null, a value expected")
-    values, lengths = _flat(arr)
+    values, lengths = flat_values(arr)
     if lengths is not None:
         nulls = arr.flatten().null_count
         if nulls:
@@ -298,7 +298,7 @@ def _check_values(file: Path, col: Column, data: pa.ChunkedArray, base: int, wid
             )
 
 
-def _flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+def flat_values(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     """A column's values flattened, and each row's length (None for a scalar column)."""
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         offsets = arr.offsets.to_numpy()

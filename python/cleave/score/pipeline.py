@@ -2,7 +2,7 @@
 
 Rank r scores one global batch per iteration (batch b is input rows [b*B, (b+1)*B)): blocks of
 about a row group's batches go round-robin over the ranks (`Job.batch`). It owns whole tables
-(`ranks.table_owners`). Iteration i, with lag K:
+(the planner's `table_layout = "tables"`, `plan.planner.whole_tables`). Iteration i, with lag K:
 
 1. read batch i, send each owner its bags' ids (the ids collective, iteration i);
 2. as an owner: receive every rank's ids of iteration i - K, pool them with Cleave's engine
@@ -31,10 +31,11 @@ import pyarrow as pa
 import torch
 
 from cleave.errors import CleaveError
+from cleave.plan.planner import whole_tables
 from cleave.score.collective import BoundedLagAlltoallv
-from cleave.score.input import InputFiles, Schema, _flat, apply_transform
+from cleave.score.input import InputFiles, Schema, apply_transform, flat_values
 from cleave.score.output import Job, write_chunk
-from cleave.score.ranks import init_group, report, table_owners
+from cleave.score.ranks import init_group, report
 
 __all__ = ["RankScorer", "main"]
 
@@ -51,7 +52,7 @@ class RankScorer:
         self.job, self.rank, self.world = job, rank, world
         self.bundle = load_bundle(job.bundle)
         self.schema = Schema(self.bundle.manifest)
-        owners = table_owners(self.bundle.manifest, world)
+        owners = whole_tables(self.bundle.manifest, world)
         mine = [t for t, r in owners.items() if r == rank]
         self.tables = (
             _native.TableSet.open(job.bundle, tables=mine, threads=job.threads) if mine else None
@@ -166,7 +167,7 @@ class RankScorer:
         for owner, features in enumerate(self.by_owner):
             for f in features:
                 if rows:
-                    values, lengths = _flat(table.column(f.column).combine_chunks())
+                    values, lengths = flat_values(table.column(f.column).combine_chunks())
                     lengths = np.ones(rows, np.int64) if lengths is None else lengths
                     ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
                 else:
@@ -174,7 +175,7 @@ class RankScorer:
                 counts[f.name] = lengths
                 parts[owner] += [lengths.astype(np.int64, copy=False), ids]
                 if f.weights:
-                    w = _flat(table.column(f.weights).combine_chunks())[0] if rows else []
+                    w = flat_values(table.column(f.weights).combine_chunks())[0] if rows else []
                     parts[owner].append(np.asarray(w, dtype=np.float32))
         sends = [torch.from_numpy(np.concatenate([p.view(np.uint8) for p in ps])) for ps in parts]
         self.ids.start(it, sends)
@@ -251,7 +252,7 @@ class RankScorer:
         values = {}
         for name in self.schema.dense_inputs:
             col = self.schema.columns[name]
-            flat, _ = _flat(table.column(name).combine_chunks())
+            flat, _ = flat_values(table.column(name).combine_chunks())
             dtype = getattr(torch, col.dtype)
             shape = [rows, *self.schema.dense_shapes[name]]
             values[name] = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype).reshape(shape)

@@ -1,5 +1,5 @@
-"""The ranks of a `cleave score` job: their process group (torch.distributed over gloo), which
-rank owns which table, and the rank processes `cleave score --ranks N` starts and watches."""
+"""The ranks of a `cleave score` job: their process group (torch.distributed over gloo) and
+the rank processes `cleave score --ranks N` starts and watches."""
 
 from __future__ import annotations
 
@@ -17,31 +17,13 @@ from pathlib import Path
 
 from cleave.errors import CleaveError
 
-__all__ = ["RankFailed", "RankGroup", "init_group", "table_owners"]
+__all__ = ["RankFailed", "RankGroup", "init_group"]
 
 EVENT = "score "  # a rank's report lines on stdout start with this, then JSON
 
 
 class RankFailed(CleaveError):
     """A rank died or reported an error; the message names it and the batch."""
-
-
-def table_owners(manifest: dict, world: int) -> dict[str, int]:
-    """Table-wise sharding: each table whole on one rank. Largest table first, each onto the
-    rank with the fewest lookups so far (the features reading its tables: the pooling work
-    per sample), then the fewest bytes, then the lowest rank; the same split wherever it is
-    computed."""
-    lookups = {t["name"]: 0 for t in manifest["tables"]}
-    for f in manifest["features"]:
-        lookups[f["table"]] += 1
-    work = [(0, 0)] * world  # (lookups, bytes) per rank
-    owners = {}
-    for table in sorted(manifest["tables"], key=lambda t: (-t["rows"] * t["row_bytes"], t["name"])):
-        rank = min(range(world), key=lambda r: (work[r], r))
-        owners[table["name"]] = rank
-        size = table["rows"] * table["row_bytes"]
-        work[rank] = (work[rank][0] + lookups[table["name"]], work[rank][1] + size)
-    return owners
 
 
 def init_group(rank: int, world: int, store: Path | None, startup_s: float) -> None:

@@ -9,6 +9,7 @@ from cleave.settings.choices import (
     INCAST_ORDERS,
     MODES,
     QUEUE_POLICIES,
+    TABLE_LAYOUTS,
     TRANSPORTS,
     Choices,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "INCAST_ORDERS",
     "MODES",
     "QUEUE_POLICIES",
+    "TABLE_LAYOUTS",
     "TRANSPORTS",
     "Choices",
     "IncastConfig",

@@ -65,6 +65,7 @@ def helm_settings() -> str:
         "device": choices.DEVICES,
         "mode": choices.MODES,
         "table_dtype": choices.TABLE_DTYPES,
+        "table_layout": choices.TABLE_LAYOUTS,
         "dense_dtype": choices.DENSE_DTYPES,
     }
     values = {

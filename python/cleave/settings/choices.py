@@ -58,6 +58,9 @@ ADMISSION_RULES = Choices(("adaptive", "estimate"))
 # Internal sockets: Unix sockets (every role on one host) or TCP.
 TRANSPORTS = Choices(("unix", "tcp"))
 DEVICES = Choices(("auto", "cpu", "cuda"))
+# How shards split the tables (cleave/plan/planner.py, table_ranges): every table cut into
+# row ranges, or whole tables spread over the shards (what `cleave score`'s ranks hold).
+TABLE_LAYOUTS = Choices(("rows", "tables"))
 # How a bundle stores its embedding tables (cleave/bundle/tables.py, cleave_embed::bundle), and
 # the shorter names `cleave partition --table-dtype` also takes for the row-wise ones.
 TABLE_DTYPES = Choices(("float32", "float16", "int8_rowwise", "int4_rowwise"))

@@ -19,6 +19,7 @@ from cleave.settings.choices import (
     DEVICES,
     INCAST_ORDERS,
     QUEUE_POLICIES,
+    TABLE_LAYOUTS,
     TRANSPORTS,
     Choices,
 )
@@ -239,6 +240,11 @@ class ServeConfig:
         None, "KServe v2 gRPC port; unset: no gRPC; 0: ephemeral (the router logs it)"
     )
     shards: int = setting(1, "embedding shard processes")
+    table_layout: str = setting(
+        "rows",
+        "how shards split the tables: each into row ranges, or whole tables by size and lookups",
+        TABLE_LAYOUTS,
+    )
     rankers: int = setting(1, "ranker processes")
     monolithic: bool = setting(False, "serve the whole model in the ranker, no shards")
     router_held: bool = setting(
