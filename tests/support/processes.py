@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cleave.bench.harness.processes import process_table, process_tree
+
 from support.waiting import wait_for
 
 START_S = 120.0  # a bound on start-up, never a timing assertion
@@ -122,24 +124,9 @@ def get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
 # -- /proc -----------------------------------------------------------------------------------
 
 
-def _parent_of(stat: str) -> int:
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def child_processes(parent: int) -> dict[int, list[str]]:
     """The direct children of `parent`: pid -> argv, from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if _parent_of(stat) == parent:
-            found[int(entry.name)] = argv
-    return found
+    return {pid: argv for pid, (p, argv) in process_table().items() if p == parent}
 
 
 def children(pid: int) -> dict[str, int]:
@@ -157,20 +144,7 @@ def children(pid: int) -> dict[str, int]:
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = _parent_of(stat)
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
+    return [p for p in process_tree(pid) if p != pid]
 
 
 def namespaces_of_testbeds() -> set[str]:

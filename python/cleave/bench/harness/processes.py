@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 
-def process_tree(pid: int) -> dict[int, str]:
-    """`pid` and its descendants, each with a short name from its command line."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
+def process_table() -> dict[int, tuple[int, list[str]]]:
+    """Every process on the machine: pid -> (parent pid, argv), from /proc."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -21,14 +20,19 @@ def process_tree(pid: int) -> dict[int, str]:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        names[int(entry.name)] = _role(argv)
-    tree, frontier = {pid: names.get(pid, "serve")}, [pid]
+        table[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), argv)
+    return table
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """`pid` and its descendants, each with a short name from its command line."""
+    table = process_table()
+    tree, frontier = {pid: _role(table[pid][1]) if pid in table else "serve"}, [pid]
     while frontier:
         parent = frontier.pop()
-        for child, p in parents.items():
+        for child, (p, argv) in table.items():
             if p == parent and child not in tree:
-                tree[child] = names[child]
+                tree[child] = _role(argv)
                 frontier.append(child)
     return tree
 
