@@ -58,7 +58,7 @@ test: lint test-rust test-python
 # (tests/conftest.py). A module with testbed tests runs under a lock the workers share.
 # PYTEST_WORKERS=0 runs one process. docs/testing.md.
 PYTEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from cleave.bench.harness.processes import process_table
 from cleave.launch.process import ServeProcess
 from cleave.plan import Host, make_plan, save_plan
 from cleave.runners import membership
@@ -122,15 +123,8 @@ def role_processes(served: Served) -> list[str]:
     """Command lines of this machine's processes that serve `served` (its bundle path, or its
     routers' JSON in the controller's runtime directory)."""
     marks = (str(served.dir), f"cleave-ray-{served.dir.name}-")
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if entry.name.isdigit() and any(m in cmdline for m in marks):
-            found.append(cmdline)
-    return found
+    lines = (" ".join(argv) for _, argv in process_table().values())
+    return [line for line in lines if any(m in line for m in marks)]
 
 
 def stopped_cleanly(server: ServeProcess, served: Served) -> None:

@@ -10,6 +10,7 @@ import cleave
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from cleave.bench.harness.target import bound_grpc_address
 from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
@@ -93,9 +94,5 @@ def roomy_budget(tmp_path: Path) -> list[str]:
 
 
 def grpc_target(server: ServeProcess) -> str:
-    """The router's gRPC address (`HOST:PORT`) when it was given --grpc-port 0: what its
-    "listening http://ADDR grpc=ADDR" line says (the launcher forwards it before ready)."""
-    for line in server.log:
-        if " listening http" in line and " grpc=" in line:
-            return line.split(" grpc=", 1)[1].split()[0]
-    raise AssertionError("no router 'listening ... grpc=ADDR' line in:\n" + "\n".join(server.log))
+    """The router's gRPC address (`HOST:PORT`) when it was given --grpc-port 0."""
+    return bound_grpc_address(list(server.log))

@@ -38,8 +38,9 @@ class Target:
         self.want_model = want_model  # --check against the float32 model, not the bundle
         self.protocol = protocol  # what its requests are: json, binary or grpc
         self.endpoints: dict[str, str] = {}  # role -> /metrics URL
-        # --protocol grpc: the port given to `cleave serve --grpc-port` (in `flags`).
-        self.grpc_port = _grpc_port(self.flags)
+        # --protocol grpc: the port `flags` gave the router, or with `--grpc-port 0` the one
+        # it bound, read from its log at each start.
+        self.grpc_port = self._grpc_flag = _grpc_port(self.flags)
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
         self.cpus: list[int] | None = None  # the cores the deployment runs on (None: any)
 
@@ -81,6 +82,8 @@ class Target:
             while time.monotonic() < deadline and not printed_all_metrics(list(self.server.log)):
                 time.sleep(0.02)
         log = list(self.server.log) if self.server else []
+        if self._grpc_flag == 0 and self.server:
+            self.grpc_port = int(bound_grpc_address(log).rsplit(":", 1)[1])
         self.endpoints = metrics_endpoints(log, self.url)
         self.links = testbed_links(log)
         return self
@@ -125,6 +128,15 @@ class Target:
         self.stop()
 
 
+def bound_grpc_address(log: list[str]) -> str:
+    """`HOST:PORT` of a router's "listening http://ADDR grpc=ADDR" line in a deployment's
+    log (the launcher forwards it before ready): where `--grpc-port 0` bound."""
+    for line in log:
+        if " listening http" in line and " grpc=" in line:
+            return line.split(" grpc=", 1)[1].split()[0]
+    raise RuntimeError("the deployment is up without having logged a gRPC address")
+
+
 def _grpc_port(flags: list[str]) -> int | None:
     return int(flags[flags.index("--grpc-port") + 1]) if "--grpc-port" in flags else None
 
@@ -134,9 +146,7 @@ def serve_flags(args, mode: str, protocol: str = "json") -> list[str]:
     router-held) that gets requests in `protocol`."""
     flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
     if protocol == "grpc":
-        from cleave.runners.local import free_ports
-
-        flags += ["--grpc-port", str(free_ports("127.0.0.1", 1)[0])]
+        flags += ["--grpc-port", "0"]  # the router binds one and logs it: no port to pick
     if args.config:
         flags += ["--config", args.config]
     if args.threads:
