@@ -337,11 +337,15 @@ impl Manifest {
                     ));
                 }
             }
-            let gather = f.layout == Layout::Gather;
-            if gather != (f.pooling == FeaturePooling::None) {
+            // A KJT key is pooled (EmbeddingBagCollection) or read row by row (pooling "none",
+            // EmbeddingCollection); a gather is never pooled.
+            let unpooled = f.pooling == FeaturePooling::None;
+            if (f.layout == Layout::Gather && !unpooled)
+                || (unpooled && !matches!(f.layout, Layout::Gather | Layout::Kjt))
+            {
                 return Err(format!(
-                    "feature {:?}: layout \"gather\" goes with pooling \"none\" and only with \
-                     it (found layout {:?}, pooling {:?})",
+                    "feature {:?}: pooling \"none\" goes with layout \"gather\" or \"kjt\", \
+                     and layout \"gather\" only with it (found layout {:?}, pooling {:?})",
                     f.name, f.layout, f.pooling
                 ));
             }
@@ -389,9 +393,6 @@ impl Manifest {
                 "feature {:?}: ids and weights must be KJT {:?}'s values and weights",
                 f.name, kjt.name
             ));
-        }
-        if f.pooling == FeaturePooling::None {
-            return Err(format!("feature {:?}: a KJT feature is pooled", f.name));
         }
         Ok(())
     }

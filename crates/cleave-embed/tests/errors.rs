@@ -126,6 +126,13 @@ fn manifest_rules_are_checked() {
             }),
         ),
         (
+            "pooling \"none\" goes with layout \"gather\" or \"kjt\"",
+            Box::new(|m| {
+                m["features"] = serde_json::json!([{"name": "f", "table": "t", "ids": "i",
+                "layout": "offsets", "offsets": "o", "pooling": "none", "output": "p"}]);
+            }),
+        ),
+        (
             "weights need pooling \"sum\"",
             Box::new(|m| {
                 m["features"] = serde_json::json!([{"name": "f", "table": "t", "ids": "i",

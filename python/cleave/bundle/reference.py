@@ -76,8 +76,11 @@ def kjt_segments(kjt: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
 
 
 def _kjt_inputs(feature: dict, segments: dict) -> tuple[dict, dict]:
-    """A KJT feature as the offsets-layout feature over its key's segment."""
+    """A KJT feature as the offsets-layout feature over its key's segment; unpooled, as the
+    gather of the segment's rows."""
     seg = segments[feature["kjt"]][feature["key"]]
+    if feature["pooling"] == "none":
+        return {**feature, "ids": "ids", "layout": "gather"}, seg
     names = {
         "ids": "ids",
         "offsets": "offsets",

@@ -50,6 +50,24 @@ def dynamic_shapes(args: tuple):
     return pytree.tree_map(spec, args, is_leaf=kjt_io.is_kjt)
 
 
+def dense_shapes(args: tuple, shapes: list[list]) -> tuple:
+    """The spec of the dense program's inputs `args`, given their manifest shapes: every size
+    AUTO, but where a KJT's lengths ("F*B") are among them (an EmbeddingCollection's dense side
+    reads them), B is one named batch for them and every input leading with "B": export
+    cannot infer F·B from AUTO sizes, and would require F·B >= 2F of every request."""
+    spec = dynamic_shapes(args)
+    leads = [str(s[0]) if s else "" for s in shapes]
+    if not any(re.fullmatch(r"\d+\*B", lead) for lead in leads):
+        return spec
+    batch = Dim("B")
+    for dims, lead in zip(spec, leads, strict=True):
+        if lead == "B":
+            dims[0] = batch
+        elif re.fullmatch(r"\d+\*B", lead):
+            dims[0] = int(lead.split("*")[0]) * batch
+    return spec
+
+
 def _kjt_batch(args) -> int | None:
     kjts = [x for x in pytree.tree_leaves(args, is_leaf=kjt_io.is_kjt) if kjt_io.is_kjt(x)]
     strides = sorted({k.stride() for k in kjts})

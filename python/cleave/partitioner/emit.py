@@ -17,9 +17,12 @@ from cleave.bundle import tables as table_io
 from cleave.bundle.manifest import FORMAT, VERSION
 from cleave.bundle.reference import run_sparse
 from cleave.errors import UnsupportedModelError
+from cleave.partitioner import fbgemm
 from cleave.partitioner.batched import BATCHED_PROGRAM, export_batched, per_request_inputs
-from cleave.partitioner.capture import KjtInput, dynamic_shapes
+from cleave.partitioner.capture import KjtInput, dense_shapes
 from cleave.partitioner.graph import Lookup, Seam
+
+aten = torch.ops.aten
 
 
 def emit(
@@ -142,11 +145,12 @@ def emit(
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
+    _check_row_counts(features, crossing)
+    shapes = {t["name"]: t["shape"] for t in [*inputs, *boundary]}
+    spec = dense_shapes(dense_args, [shapes[n] for n in dense_inputs])
     try:
         with torch.no_grad():
-            program = torch.export.export(
-                module, dense_args, dynamic_shapes=dynamic_shapes(dense_args)
-            )
+            program = torch.export.export(module, dense_args, dynamic_shapes=spec)
     except Exception as err:
         raise UnsupportedModelError(f"the dense side could not be exported: {err}") from err
     batched, per_request = None, per_request_inputs(manifest)
@@ -160,12 +164,27 @@ def emit(
     return Bundle(manifest, raw_tables, program, batched=batched)
 
 
+def _check_row_counts(features: list[dict], crossing: dict) -> None:
+    """A KJT key read row by row needs at least 2 ids in the example: export pins a size of 0
+    or 1 seen there, and the bundle would serve no other number of ids for that key."""
+    for f in features:
+        if f["layout"] == "kjt" and f["pooling"] == "none":
+            count = int(crossing[f["output"]].shape[0])
+            if count < 2:
+                raise UnsupportedModelError(
+                    f"the example's KeyedJaggedTensor {f['kjt']!r} has {count} id(s) for key "
+                    f"{f['key']!r}, which the model reads row by row (EmbeddingCollection); give "
+                    "at least 2 so that the bundle serves any number (export pins a size of 0 "
+                    "or 1)"
+                )
+
+
 def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.GraphModule:
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
     for node, name in zip(input_nodes, input_names, strict=True):
-        env[node] = graph.placeholder(name)
+        env[node] = graph.placeholder(re.sub(r"\W", "_", name))  # a KJT's `p.lengths`
     state = {**ep.state_dict, **ep.constants}
     params = set(ep.graph_signature.inputs_to_parameters)
     for node in ep.graph.nodes:
@@ -181,7 +200,16 @@ def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.Graph
         root.register_buffer(f"_folded_{node.name}", value)
         env[node] = graph.get_attr(f"_folded_{node.name}")
     for node in seam.dense_nodes:
-        if node not in env:
+        if node in env:
+            continue
+        if node in seam.row_counts:
+            env[node] = graph.call_function(aten.sym_size.int, (env[seam.row_counts[node]], 0))
+            continue
+        aten_form = fbgemm.decomposition(node) if fbgemm.is_fbgemm(node) else None
+        if aten_form is not None:  # traced into ATen operators when the module is exported
+            args = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            env[node] = graph.call_function(aten_form, *args)
+        else:
             env[node] = graph.node_copy(node, lambda a: env[a])
     output = next(n for n in ep.graph.nodes if n.op == "output")
     flat = pytree.tree_leaves(output.args[0])
@@ -196,6 +224,7 @@ def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.Graph
 
 def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
     if lk.kjt is not None:  # key k's segment of a KJT (docs/bundle.md, "kjts")
+        rows = lk.pooling == "none"  # an EmbeddingCollection's: the key's rows, unpooled
         return {
             "name": name,
             "table": table_of[lk.table.name],
@@ -209,7 +238,7 @@ def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
             "include_last_offset": False,
             "weights": input_name[lk.weights] if lk.weights is not None else None,
             "pooling": lk.pooling,
-            "output": f"{name}_pooled",
+            "output": f"{name}_{'rows' if rows else 'pooled'}",
         }
     return {
         "name": name,
@@ -240,7 +269,7 @@ def _shared_inputs(lookups: list[Lookup], features: list[dict], symbols) -> list
         return []
     shared = []
     for lk, f in zip(lookups, features, strict=True):
-        if lk.output.meta["val"].shape[0] == 1:
+        if lk.kjt is None and lk.output.meta["val"].shape[0] == 1:  # a KJT has one batch
             shared += [f[k] for k in ("ids", "offsets", "weights") if f[k] and f[k] not in shared]
     return shared
 

@@ -121,20 +121,32 @@ mod tests {
     /// A TorchRec DLRM's interface: dense features and a weighted KJT whose keys are in
     /// another order than the tables, one table shared by two keys.
     fn model() -> Model {
+        model_reading_rows(&[])
+    }
+
+    /// The same, keys `rows` read row by row (an EmbeddingCollection's: pooling "none").
+    fn model_reading_rows(rows: &[&str]) -> Model {
         let keys = ["a", "b", "c"];
+        let unpooled = |k: &str| rows.contains(&k);
+        let output = |k: &str| format!("{k}_{}", if unpooled(k) { "rows" } else { "pooled" });
         let features: Vec<serde_json::Value> = keys
             .iter()
             .map(|k| {
                 serde_json::json!({
                 "name": k, "table": if *k == "c" { "t1" } else { "t0" },
                 "ids": "p.values", "layout": "kjt", "kjt": "p", "key": k,
-                "lengths": "p.lengths", "weights": "p.weights", "pooling": "sum",
-                "output": format!("{k}_pooled")})
+                "lengths": "p.lengths",
+                "weights": if unpooled(k) { None } else { Some("p.weights") },
+                "pooling": if unpooled(k) { "none" } else { "sum" },
+                "output": output(k)})
             })
             .collect();
         let boundary: Vec<serde_json::Value> = keys
             .iter()
-            .map(|k| serde_json::json!({"name": format!("{k}_pooled"), "dtype": "float32", "shape": ["B", 2]}))
+            .map(|k| {
+                let rows: serde_json::Value = if unpooled(k) { "N1".into() } else { "B".into() };
+                serde_json::json!({"name": output(k), "dtype": "float32", "shape": [rows, 2]})
+            })
             .collect();
         let m = serde_json::json!({
             "format": "cleave-bundle", "version": 1, "producer": "test",
@@ -155,7 +167,7 @@ mod tests {
             "features": features,
             "boundary": boundary,
             "dense": {"program": "dense.pt2",
-                      "inputs": ["dense", "a_pooled", "b_pooled", "c_pooled"]},
+                      "inputs": ["dense", output("a"), output("b"), output("c")]},
             "shared_inputs": [],
             "kjts": [{"name": "p", "keys": ["c", "a", "b"], "values": "p.values",
                       "weights": "p.weights", "lengths": "p.lengths"}]
@@ -166,9 +178,18 @@ mod tests {
 
     /// Batch 2: key c has bags [3] and [], key a [1, 2] and [9], key b [] and [0, 0].
     fn request(values: &[i64], lengths: &[i64], batch: usize) -> Result<Checked, RequestError> {
+        request_to(&model(), values, lengths, batch)
+    }
+
+    fn request_to(
+        model: &Model,
+        values: &[i64],
+        lengths: &[i64],
+        batch: usize,
+    ) -> Result<Checked, RequestError> {
         let n = values.len();
         check_request(
-            &model(),
+            model,
             vec![
                 Some(Tensor::from_f32(vec![batch, 2], &vec![0.5; batch * 2])),
                 Some(Tensor::from_i64(vec![n], values)),
@@ -201,6 +222,18 @@ mod tests {
             checked.lookups[0].weights.as_deref(),
             Some(&[1.0f32; 3][..])
         );
+        assert_eq!(checked.lookups[2].out_dims, vec![2, 2]);
+    }
+
+    #[test]
+    fn a_key_read_row_by_row_gets_its_ids_unpooled() {
+        let checked = request_to(&model_reading_rows(&["a"]), &VALUES, &LENGTHS, 2).unwrap();
+        let a = &checked.lookups[0];
+        assert_eq!(a.ids, vec![1, 2, 9]);
+        assert_eq!((a.bags.as_ref(), a.weights.as_ref()), (None, None));
+        assert_eq!(a.out_dims, vec![3, 2]);
+        // The other keys are pooled as before.
+        assert_eq!(checked.lookups[1].bags.as_deref(), Some(&[0, 0, 2][..]));
         assert_eq!(checked.lookups[2].out_dims, vec![2, 2]);
     }
 
