@@ -412,6 +412,37 @@ def test_embedding_collection_rows_score_like_the_torchrec_model(padded, bags):
         assert np.abs(got.double().numpy() - scores(model, args)[0]).max() <= TOLERANCE
 
 
+class PaddedOnly(torch.nn.Module):
+    """Two keys of an EmbeddingCollection padded by `to_padded_dense`, and no other input:
+    the batch is known only from the KJT's lengths."""
+
+    def __init__(self):
+        super().__init__()
+        table = EmbeddingConfig(
+            name="t", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"]
+        )
+        self.collection = EmbeddingCollection(tables=[table])
+        self.top = torch.nn.Linear(4, 1)
+
+    def forward(self, kjt):
+        rows = self.collection(kjt)
+        return self.top(rows["f"].to_padded_dense(3).sum(1) - rows["g"].to_padded_dense(2)[:, 1])
+
+
+def test_an_embedding_collection_alone_scores_any_batch():
+    model = PaddedOnly().eval()
+    lengths = torch.tensor([1, 2, 1, 2, 0, 3])
+    example = KeyedJaggedTensor(keys=["f", "g"], values=torch.arange(9), lengths=lengths)
+    bundle = cleave.partition(model, (example,))
+    generator = torch.Generator().manual_seed(4)
+    for batch in BATCHES:
+        lengths = torch.randint(0, 5, (2 * batch,), generator=generator)
+        values = torch.randint(0, 10, (int(lengths.sum()),), generator=generator)
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        got = bundle.reference(kjt).double().numpy()
+        assert np.abs(got - scores(model, (kjt,))[0]).max() <= TOLERANCE, batch
+
+
 def test_embedding_collections_serve_torchrecs_scores(tmp_path):
     """An EmbeddingCollection padded by `to_padded_dense`, beside an EmbeddingBagCollection,
     served by `cleave serve` over REST JSON and binary tensors."""

@@ -54,6 +54,10 @@ pub struct KjtMeta {
     pub lengths: String,
     #[serde(default)]
     pub weights: Option<String>,
+    /// The lengths cut by key, one `[B]` boundary tensor per key in key order, when the dense
+    /// program reads them (an EmbeddingCollection's); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lengths_by_key: Vec<String>,
 }
 
 /// One embedding table file.
@@ -319,6 +323,16 @@ impl Manifest {
                 return Err(format!(
                     "table {:?}: file {:?} must be a relative path inside the bundle",
                     t.name, t.file
+                ));
+            }
+        }
+        for k in &self.kjts {
+            if !k.lengths_by_key.is_empty() && k.lengths_by_key.len() != k.keys.len() {
+                return Err(format!(
+                    "KJT {:?}: lengths_by_key has {} names, expected one per key ({})",
+                    k.name,
+                    k.lengths_by_key.len(),
+                    k.keys.len()
                 ));
             }
         }

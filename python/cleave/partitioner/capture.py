@@ -50,21 +50,17 @@ def dynamic_shapes(args: tuple):
     return pytree.tree_map(spec, args, is_leaf=kjt_io.is_kjt)
 
 
-def dense_shapes(args: tuple, shapes: list[list]) -> tuple:
+def dense_shapes(args: tuple, shapes: list[list], named_batch: bool) -> tuple:
     """The spec of the dense program's inputs `args`, given their manifest shapes: every size
-    AUTO, but where a KJT's lengths ("F*B") are among them (an EmbeddingCollection's dense side
-    reads them), B is one named batch for them and every input leading with "B": export
-    cannot infer F·B from AUTO sizes, and would require F·B >= 2F of every request."""
+    AUTO, but with `named_batch` (a KJT's lengths cut by key among them, which the program
+    joins into F·B) the leading "B" of every input is one named batch, so that the program
+    knows F·B as F times the batch, not as a size of its own."""
     spec = dynamic_shapes(args)
-    leads = [str(s[0]) if s else "" for s in shapes]
-    if not any(re.fullmatch(r"\d+\*B", lead) for lead in leads):
-        return spec
-    batch = Dim("B")
-    for dims, lead in zip(spec, leads, strict=True):
-        if lead == "B":
-            dims[0] = batch
-        elif re.fullmatch(r"\d+\*B", lead):
-            dims[0] = int(lead.split("*")[0]) * batch
+    if named_batch:
+        batch = Dim("B")
+        for dims, shape in zip(spec, shapes, strict=True):
+            if shape and shape[0] == "B":
+                dims[0] = batch
     return spec
 
 

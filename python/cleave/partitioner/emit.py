@@ -91,7 +91,16 @@ def emit(
 
     needed = set(seam.dense_nodes) | {a for n in seam.dense_nodes for a in n.all_input_nodes}
     needed |= set(output.all_input_nodes)
-    dense_model_inputs = [n for n in names if placeholders[n] in needed]
+    # A KJT's lengths that the dense side reads (an EmbeddingCollection's) cross cut by key.
+    cut = {
+        k.input("lengths"): _lengths_by_key(k)
+        for k in kjts
+        if placeholders.get(k.input("lengths")) in needed
+    }
+    for n, by_key in cut.items():
+        dtype = _dtype(placeholders[n].meta["val"].dtype)
+        boundary += [{"name": name, "dtype": dtype, "shape": ["B"]} for name in by_key]
+    dense_model_inputs = [n for n in names if placeholders[n] in needed and n not in cut]
     dense_inputs = dense_model_inputs + [b["name"] for b in boundary]
 
     roles = {n: set() for n in names}
@@ -133,21 +142,24 @@ def emit(
         "boundary": boundary,
         "dense": {"program": "dense.pt2", "inputs": dense_inputs},
         "shared_inputs": shared,
-        "kjts": [_kjt_meta(k) for k in kjts],
+        "kjts": [_kjt_meta(k, cut.get(k.input("lengths"), [])) for k in kjts],
         "partition": {"dense_ops": len(seam.dense_nodes), "from_seeds": seam.seeded},
     }
 
     # The dense program: the dense operators, fed by the dense model inputs and the boundary.
     node_of = {n: placeholders[n] for n in dense_model_inputs}
     node_of.update({f["output"]: lk.output for f, lk in zip(features, seam.lookups, strict=True)})
-    module = _dense_module(ep, seam, [node_of[n] for n in dense_inputs], dense_inputs, sources)
+    cut_nodes = {placeholders[n]: by_key for n, by_key in cut.items()}
+    module = _dense_module(
+        ep, seam, [node_of.get(n) for n in dense_inputs], dense_inputs, sources, cut_nodes
+    )
     example = dict(zip(names, kjt_io.flat_tensors(args), strict=True))
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
     _check_row_counts(features, crossing)
     shapes = {t["name"]: t["shape"] for t in [*inputs, *boundary]}
-    spec = dense_shapes(dense_args, [shapes[n] for n in dense_inputs])
+    spec = dense_shapes(dense_args, [shapes[n] for n in dense_inputs], named_batch=bool(cut))
     try:
         with torch.no_grad():
             program = torch.export.export(module, dense_args, dynamic_shapes=spec)
@@ -179,12 +191,19 @@ def _check_row_counts(features: list[dict], crossing: dict) -> None:
                 )
 
 
-def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.GraphModule:
+def _dense_module(ep, seam: Seam, input_nodes, input_names, sources, cut) -> fx.GraphModule:
+    """`input_nodes`: the node each input stands for (None: a KJT's lengths of one key);
+    `cut`: each KJT lengths node the dense side reads, and the names of its keys' lengths."""
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
+    by_name = {}
     for node, name in zip(input_nodes, input_names, strict=True):
-        env[node] = graph.placeholder(re.sub(r"\W", "_", name))  # a KJT's `p.lengths`
+        by_name[name] = graph.placeholder(re.sub(r"\W", "_", name))  # `p.lengths.k`: p_lengths_k
+        if node is not None:
+            env[node] = by_name[name]
+    for node, by_key in cut.items():  # the KJT's lengths, key-major, as the model reads them
+        env[node] = graph.call_function(torch.cat, ([by_name[n] for n in by_key],))
     state = {**ep.state_dict, **ep.constants}
     params = set(ep.graph_signature.inputs_to_parameters)
     for node in ep.graph.nodes:
@@ -254,12 +273,17 @@ def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
     }
 
 
-def _kjt_meta(kjt: KjtInput) -> dict:
+def _kjt_meta(kjt: KjtInput, lengths_by_key: list[str]) -> dict:
     return {
         "name": kjt.name,
         "keys": list(kjt.keys),
         **{field: kjt.input(field) if field in kjt.fields else None for field in kjt_io.FIELDS},
+        **({"lengths_by_key": lengths_by_key} if lengths_by_key else {}),
     }
+
+
+def _lengths_by_key(kjt: KjtInput) -> list[str]:
+    return [f"{kjt.input('lengths')}.{key}" for key in kjt.keys]
 
 
 def _shared_inputs(lookups: list[Lookup], features: list[dict], symbols) -> list[str]:

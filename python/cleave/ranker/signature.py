@@ -4,10 +4,8 @@ manifest, and how requests are joined into one batch and split again.
 Joining rules, per input (chosen from the manifest, never from the model's code):
 * `batch`: leading dim is the batch symbol "B" -> concatenated along dim 0;
 * `jagged`: ids / per-sample weights of an `offsets`-layout feature, and a KJT key's rows read
-  row by row (a `kjt` feature with pooling "none") -> concatenated along dim 0;
-* `key_major`: a KJT's lengths [F·B] (the dense side of an EmbeddingCollection reads them) ->
-  each request's [F, B] view concatenated along B, so key k's bags stay together and follow
-  the rows of key k concatenated in request order;
+  row by row (a `kjt` feature with pooling "none"; its lengths cross cut by key, [B], and
+  join as `batch`) -> concatenated along dim 0;
 * `offsets`: the offsets of such a feature -> concatenated with each request's offsets shifted
   by the ids that came before (with include_last_offset, the inner end markers are dropped);
 * `expand`: a per-request input (a shared user's leading size of 1) of a bundle with a
@@ -37,10 +35,9 @@ class InputSpec:
     name: str
     dtype: torch.dtype
     shape: tuple  # ints (static) and strs (symbols)
-    join: str  # "batch" | "jagged" | "offsets" | "key_major" | "expand" | "none"
+    join: str  # "batch" | "jagged" | "offsets" | "expand" | "none"
     ids: str | None = None  # for join == "offsets": the ids input whose lengths shift them
     include_last_offset: bool = False
-    keys: int = 0  # for join == "key_major": F, the KJT's number of keys
 
 
 @dataclass(frozen=True)
@@ -93,8 +90,6 @@ class Signature:
         for spec, tensor in zip(self.inputs, tensors, strict=True):
             if spec.join == "offsets":
                 return int(tensor.shape[0]) - int(spec.include_last_offset)
-            if spec.join == "key_major":
-                return int(tensor.shape[0]) // spec.keys
         return 1
 
     def example(self, rows: int) -> list[torch.Tensor] | None:
@@ -111,8 +106,6 @@ class Signature:
                 size = 0
             elif spec.join == "offsets":
                 size = rows + int(spec.include_last_offset)
-            elif spec.join == "key_major":
-                size = rows * spec.keys
             elif spec.shape and isinstance(spec.shape[0], int):
                 size = spec.shape[0]
             else:
@@ -140,9 +133,6 @@ class Signature:
                 parts = _shift_offsets(
                     parts, [t[index[spec.ids]].shape[0] for t in requests], spec.include_last_offset
                 )
-            elif spec.join == "key_major":
-                joined.append(torch.cat([t.view(spec.keys, -1) for t in parts], 1).reshape(-1))
-                continue
             joined.append(torch.cat(parts))
         return joined
 
@@ -191,7 +181,6 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
     for feature in manifest.get("features", []):
         if feature.get("layout") == "kjt" and feature.get("pooling") == "none":
             jagged[feature["output"]] = feature
-    key_major = {k["lengths"]: len(k["keys"]) for k in manifest.get("kjts", [])}
     shared = set(manifest.get("shared_inputs", []))
     per_request = set(per_request_inputs(manifest)) if batched and not monolithic else set()
     specs, why_not = [], ""
@@ -217,8 +206,6 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
             spec = InputSpec(name, dtype, shape, "jagged")
         elif name in jagged and jagged[name]["output"] == name:  # a KJT key's rows
             spec = InputSpec(name, dtype, shape, "jagged")
-        elif name in key_major:
-            spec = InputSpec(name, dtype, shape, "key_major", keys=key_major[name])
         elif shape and shape[0] == BATCH:
             spec = InputSpec(name, dtype, shape, "batch")
         if spec.join == "none" and not why_not:
@@ -229,6 +216,6 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
         outputs.append(out["name"])
         if not why_not and (not out["shape"] or out["shape"][0] != BATCH):
             why_not = f"output {out['name']!r} has shape {out['shape']}, not split by rows"
-    if not any(s.join in ("batch", "offsets", "key_major") for s in specs) and not why_not:
+    if not any(s.join in ("batch", "offsets") for s in specs) and not why_not:
         why_not = "no input carries the batch dimension"
     return Signature(tuple(specs), tuple(outputs), not why_not, why_not)

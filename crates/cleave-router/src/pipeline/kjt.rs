@@ -98,6 +98,16 @@ pub fn split(model: &Model, group: &KjtGroup, inputs: &[Tensor]) -> Result<KjtSp
     })
 }
 
+/// Key `key`'s lengths `[B]` of a checked request's KJT `group`, in the dtype they came in:
+/// what the dense program of an EmbeddingCollection reads (docs/bundle.md, "kjts").
+pub fn key_lengths(group: &KjtGroup, inputs: &[Tensor], key: usize) -> Tensor {
+    let lengths = &inputs[group.lengths];
+    let batch = lengths.numel() / group.keys.len();
+    let size = lengths.dtype.itemsize();
+    let bytes = lengths.data[key * batch * size..(key + 1) * batch * size].to_vec();
+    Tensor::new(lengths.dtype, vec![batch], bytes).expect("a slice of whole items")
+}
+
 fn per_key(keys: &[String], segments: &[Range<usize>]) -> String {
     let parts: Vec<String> = keys
         .iter()
@@ -114,7 +124,7 @@ mod tests {
     use cleave_embed::bundle::Manifest;
 
     use crate::error::RequestError;
-    use crate::model::Model;
+    use crate::model::{DenseSource, Model};
     use crate::pipeline::validate::{check_request, Checked};
     use crate::tensor::Tensor;
 
@@ -141,13 +151,24 @@ mod tests {
                 "output": output(k)})
             })
             .collect();
-        let boundary: Vec<serde_json::Value> = keys
+        let mut boundary: Vec<serde_json::Value> = keys
             .iter()
             .map(|k| {
                 let rows: serde_json::Value = if unpooled(k) { "N1".into() } else { "B".into() };
                 serde_json::json!({"name": output(k), "dtype": "float32", "shape": [rows, 2]})
             })
             .collect();
+        // Keys read row by row: the dense program takes the lengths, cut by key.
+        let by_key: Vec<String> = if rows.is_empty() {
+            vec![]
+        } else {
+            ["c", "a", "b"].map(|k| format!("p.lengths.{k}")).to_vec()
+        };
+        let mut dense = vec!["dense".to_string(), output("a"), output("b"), output("c")];
+        for name in &by_key {
+            boundary.push(serde_json::json!({"name": name, "dtype": "int64", "shape": ["B"]}));
+            dense.push(name.clone());
+        }
         let m = serde_json::json!({
             "format": "cleave-bundle", "version": 1, "producer": "test",
             "inputs": [
@@ -166,11 +187,11 @@ mod tests {
             ],
             "features": features,
             "boundary": boundary,
-            "dense": {"program": "dense.pt2",
-                      "inputs": ["dense", output("a"), output("b"), output("c")]},
+            "dense": {"program": "dense.pt2", "inputs": dense},
             "shared_inputs": [],
             "kjts": [{"name": "p", "keys": ["c", "a", "b"], "values": "p.values",
-                      "weights": "p.weights", "lengths": "p.lengths"}]
+                      "weights": "p.weights", "lengths": "p.lengths",
+                      "lengths_by_key": by_key}]
         });
         let m = Manifest::parse(&m.to_string(), Path::new("test/manifest.json")).unwrap();
         Model::from_manifest("kjt", &m).unwrap()
@@ -235,6 +256,25 @@ mod tests {
         // The other keys are pooled as before.
         assert_eq!(checked.lookups[1].bags.as_deref(), Some(&[0, 0, 2][..]));
         assert_eq!(checked.lookups[2].out_dims, vec![2, 2]);
+    }
+
+    #[test]
+    fn the_dense_program_gets_the_lengths_cut_by_key() {
+        let model = model_reading_rows(&["a"]);
+        let sources = &model.dense[4..];
+        let want: Vec<DenseSource> = (0..3)
+            .map(|key| DenseSource::KeyLengths { kjt: 0, key })
+            .collect();
+        assert_eq!(sources, &want[..]);
+        let checked = request_to(&model, &VALUES, &LENGTHS, 2).unwrap();
+        let cut: Vec<Vec<i64>> = (0..3)
+            .map(|key| {
+                let t = super::key_lengths(&model.kjts[0], &checked.inputs, key);
+                assert_eq!(t.dims, vec![2]);
+                t.to_i64().unwrap()
+            })
+            .collect();
+        assert_eq!(cut, vec![vec![1, 0], vec![2, 1], vec![0, 2]]);
     }
 
     #[test]
