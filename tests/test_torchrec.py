@@ -441,6 +441,12 @@ def test_an_embedding_collection_alone_scores_any_batch():
         kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
         got = bundle.reference(kjt).double().numpy()
         assert np.abs(got - scores(model, (kjt,))[0]).max() <= TOLERANCE, batch
+    # Offline scoring does not take such a model yet, and says so.
+    from cleave.errors import UsageError
+    from cleave.score.input import Schema
+
+    with pytest.raises(UsageError, match="EmbeddingCollection .*keys f, g"):
+        Schema(bundle.manifest)
 
 
 def test_embedding_collections_serve_torchrecs_scores(tmp_path):
