@@ -126,10 +126,11 @@ def find_seam(ep: torch.export.ExportedProgram, kjts: KjtFields | None = None) -
         if node.target in EMBEDDING_BAG_OPS:
             lookups.append(_bag_lookup(node, params, user_inputs, kjts))
         elif node.target in EMBEDDING_OPS:
-            key = kjt_rows(node, kjts) if kjts else None
-            if key is not None:
+            found = kjt_rows(node, kjts) if kjts else None
+            if found is not None:  # TorchRec's EmbeddingCollection: the key's rows cross
+                values, key = found
                 table = _table(node.args[0], params, node)
-                lookups.append(Lookup(node, table, key[0], "kjt", "none", kjt=key[1]))
+                lookups.append(Lookup(node, table, values, "kjt", "none", kjt=key))
             else:
                 lookups.extend(_embedding_lookups(node, params, user_inputs))
     if not lookups:

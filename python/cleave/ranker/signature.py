@@ -178,9 +178,8 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
             if feature.get("weights"):
                 jagged[feature["weights"]] = feature
             offsets[feature["offsets"]] = feature
-    for feature in manifest.get("features", []):
-        if feature.get("layout") == "kjt" and feature.get("pooling") == "none":
-            jagged[feature["output"]] = feature
+        elif feature.get("layout") == "kjt" and feature.get("pooling") == "none":
+            jagged[feature["output"]] = feature  # a KJT key's rows
     shared = set(manifest.get("shared_inputs", []))
     per_request = set(per_request_inputs(manifest)) if batched and not monolithic else set()
     specs, why_not = [], ""
@@ -204,7 +203,7 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
             )
         elif name in jagged and len(shape) == 1 and jagged[name]["offsets"] in names:
             spec = InputSpec(name, dtype, shape, "jagged")
-        elif name in jagged and jagged[name]["output"] == name:  # a KJT key's rows
+        elif name in jagged and jagged[name]["output"] == name:
             spec = InputSpec(name, dtype, shape, "jagged")
         elif shape and shape[0] == BATCH:
             spec = InputSpec(name, dtype, shape, "batch")
