@@ -157,12 +157,14 @@ def emit(
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
-    _check_row_counts(features, crossing)
+    export_args = _sized_for_export(
+        manifest, example, dict(zip(dense_inputs, dense_args, strict=True))
+    )
     shapes = {t["name"]: t["shape"] for t in [*inputs, *boundary]}
-    spec = dense_shapes(dense_args, [shapes[n] for n in dense_inputs], named_batch=bool(cut))
+    spec = dense_shapes(export_args, [shapes[n] for n in dense_inputs], named_batch=bool(cut))
     try:
         with torch.no_grad():
-            program = torch.export.export(module, dense_args, dynamic_shapes=spec)
+            program = torch.export.export(module, export_args, dynamic_shapes=spec)
     except Exception as err:
         raise UnsupportedModelError(f"the dense side could not be exported: {err}") from err
     batched, per_request = None, per_request_inputs(manifest)
@@ -176,19 +178,20 @@ def emit(
     return Bundle(manifest, raw_tables, program, batched=batched)
 
 
-def _check_row_counts(features: list[dict], crossing: dict) -> None:
-    """A KJT key read row by row needs at least 2 ids in the example: export pins a size of 0
-    or 1 seen there, and the bundle would serve no other number of ids for that key."""
-    for f in features:
-        if f["layout"] == "kjt" and f["pooling"] == "none":
-            count = int(crossing[f["output"]].shape[0])
-            if count < 2:
-                raise UnsupportedModelError(
-                    f"the example's KeyedJaggedTensor {f['kjt']!r} has {count} id(s) for key "
-                    f"{f['key']!r}, which the model reads row by row (EmbeddingCollection); give "
-                    "at least 2 so that the bundle serves any number (export pins a size of 0 "
-                    "or 1)"
-                )
+def _sized_for_export(manifest: dict, example: dict, args: dict) -> tuple:
+    """The dense program's example for export: the partition example's, but where a KJT key
+    read row by row has fewer than 2 ids there, every bag of that KJT gets 2 ids (of zero
+    rows): export pins a size of 0 or 1 it sees, and only sizes matter to it."""
+    unpooled = [f for f in manifest["features"] if f["layout"] == "kjt" and f["pooling"] == "none"]
+    few = {f["kjt"] for f in unpooled if args[f["output"]].shape[0] < 2}
+    for k in (k for k in manifest["kjts"] if k["name"] in few):
+        batch = example[k["lengths"]].numel() // len(k["keys"])
+        for name in k.get("lengths_by_key", []):
+            args[name] = torch.full_like(args[name], 2)
+        for f in (f for f in unpooled if f["kjt"] == k["name"]):
+            rows = args[f["output"]]
+            args[f["output"]] = rows.new_zeros(2 * batch, rows.shape[1])
+    return tuple(args.values())
 
 
 def _dense_module(ep, seam: Seam, input_nodes, input_names, sources, cut) -> fx.GraphModule:
