@@ -227,8 +227,9 @@ def test_kserve_binary_response_of_the_router():
 
 def test_kjt_requests_split_by_key_as_the_router_splits_them():
     """tests/golden/kjt_split.json: the reference executor cuts a KJT request into each key's
-    ids, bags and weights as crates/cleave-router/tests/golden.rs finds the router does."""
-    from cleave.bundle.reference import kjt_segments
+    ids, bags and weights, and its lengths by key, as crates/cleave-router/tests/golden.rs
+    finds the router does."""
+    from cleave.bundle.reference import key_lengths, kjt_segments
 
     case = content("kjt_split")
     request = case["request"]
@@ -243,3 +244,5 @@ def test_kjt_requests_split_by_key_as_the_router_splits_them():
         assert got["ids"].tolist() == want["ids"], key
         assert got["offsets"].tolist() == want["bags"], key
         assert got["weights"].tolist() == want["weights"], key
+    cut = key_lengths(case["manifest"]["kjts"][0], inputs)
+    assert {name: t.tolist() for name, t in cut.items()} == case["key_lengths"]

@@ -24,8 +24,8 @@ from cleave.models import torchrec_models as tm
 from support.client import post
 from support.served import TOLERANCE, check_outputs, grpc_target, roomy_budget
 from support.triton import triton_inputs
-from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tritonclient.utils import InferenceServerException
 
@@ -286,8 +286,189 @@ def test_variable_batch_kjts_are_refused():
         cleave.partition(model, (dense[:2], variable))
 
 
-class Unpooled(torch.nn.Module):
-    """TorchRec's EmbeddingCollection: a KJT key's rows, unpooled, to the dense side."""
+class Sequences(torch.nn.Module):
+    """TorchRec's EmbeddingCollection (unpooled): keys "item" and "seen" share a table, "city"
+    has its own. "item" is padded to 3 rows per sample by `to_padded_dense` (`padded`) or,
+    like "seen" and "city", reduced per sample with ATen operators on values() and lengths();
+    `bags` adds an EmbeddingBagCollection (mean) over key "user" of the same KJT."""
+
+    def __init__(self, padded: bool, bags: bool):
+        super().__init__()
+        shared = EmbeddingConfig(
+            name="t_item", embedding_dim=4, num_embeddings=20, feature_names=["item", "seen"]
+        )
+        city = EmbeddingConfig(
+            name="t_city", embedding_dim=4, num_embeddings=7, feature_names=["city"]
+        )
+        self.rows = EmbeddingCollection(tables=[shared, city])
+        user = EmbeddingBagConfig(
+            name="t_user",
+            embedding_dim=4,
+            num_embeddings=9,
+            feature_names=["user"],
+            pooling=PoolingType.MEAN,
+        )
+        self.bags = EmbeddingBagCollection(tables=[user]) if bags else None
+        self.padded = padded
+        width = 3 + (12 if padded else 4) + 4 + 4 + (4 if bags else 0)
+        self.top = torch.nn.Sequential(
+            torch.nn.Linear(width, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+        )
+
+    def forward(self, dense, kjt):
+        rows = self.rows(kjt)
+        item = (
+            rows["item"].to_padded_dense(3).flatten(1)
+            if self.padded
+            else per_sample_mean(rows["item"])
+        )
+        city = rows["city"]  # a per-sample sum through segment_reduce
+        total = torch.segment_reduce(city.values(), "sum", lengths=city.lengths(), unsafe=True)
+        parts = [dense, item, per_sample_mean(rows["seen"]), total]
+        if self.bags is not None:
+            parts.append(self.bags(kjt)["user"])
+        return self.top(torch.cat(parts, 1))
+
+
+def per_sample_mean(jt) -> torch.Tensor:
+    """Each sample's rows averaged (zeros for none), with ATen operators only."""
+    values, lengths = jt.values(), jt.lengths()
+    sample = torch.repeat_interleave(
+        torch.arange(lengths.shape[0]), lengths, output_size=values.shape[0]
+    )
+    sums = values.new_zeros(lengths.shape[0], values.shape[1]).index_add(0, sample, values)
+    return sums / lengths.clamp(min=1).unsqueeze(1)
+
+
+SEQUENCE_ROWS = {"item": 20, "seen": 20, "city": 7, "user": 9}
+
+
+def sequence_requests(bags: bool, batch: int, generator: torch.Generator, city=None) -> tuple:
+    """(dense [batch, 3], KJT of keys seen, city, [user,] item: 0-4 ids per sample, or the
+    lengths `city` for key city)."""
+    keys = ["seen", "city", *(["user"] if bags else []), "item"]
+    lengths = torch.randint(0, 5, (len(keys), batch), generator=generator)
+    if city is not None:
+        lengths[1] = torch.tensor(city)
+    values = [
+        torch.randint(0, SEQUENCE_ROWS[k], (int(n.sum()),), generator=generator)
+        for k, n in zip(keys, lengths, strict=True)
+    ]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=lengths.flatten())
+    return torch.randn(batch, 3, generator=generator), kjt
+
+
+def sequence_model(padded: bool, bags: bool):
+    """The model, and an example of batch 4 whose key city has a single id (a size export
+    would pin, were it not told otherwise: the bundle serves any number)."""
+    torch.manual_seed(3)
+    model = Sequences(padded, bags).eval()
+    return model, sequence_requests(bags, 4, torch.Generator().manual_seed(1), [0, 1, 0, 0])
+
+
+@pytest.mark.parametrize("padded, bags", [(True, True), (False, False)])
+def test_embedding_collection_rows_score_like_the_torchrec_model(padded, bags):
+    """An EmbeddingCollection's rows cross the seam unpooled; `to_padded_dense`'s fbgemm
+    operators become ATen in the dense program. Any batch size scores as TorchRec does, and
+    the ranker's join of several requests scores each as alone."""
+    from cleave.ranker.signature import signature
+
+    model, example = sequence_model(padded, bags)
+    bundle = cleave.partition(model, example)
+    features = {f["key"]: f for f in bundle.manifest["features"]}
+    assert {k for k, f in features.items() if f["pooling"] == "none"} == {"item", "seen", "city"}
+    assert features["item"]["output"] == "item_rows"
+    assert features["item"]["table"] == features["seen"]["table"]
+    assert ("user" in features) == bags and features.get("user", {}).get("pooling") in (
+        None,
+        "mean",
+    )
+    ops = {str(n.target) for n in bundle.dense_program.graph.nodes if n.op == "call_function"}
+    assert not [op for op in ops if op.startswith("fbgemm")], ops
+    generator = torch.Generator().manual_seed(11)
+    requests = [sequence_requests(bags, batch, generator) for batch in BATCHES]
+    for args in requests:
+        got = bundle.reference(*args).double().numpy()
+        assert np.abs(got - scores(model, args)[0]).max() <= TOLERANCE, args[0].shape[0]
+    # The ranker joins requests: rows along their ids, the KJT's lengths key by key.
+    sig = signature(bundle.manifest, monolithic=False)
+    assert sig.batchable, sig.why_not
+    dense_inputs = []
+    for args in requests:
+        values = bundle.named_inputs(*args)
+        values.update(bundle.sparse_reference(values))
+        dense_inputs.append([values[n] for n in bundle.manifest["dense"]["inputs"]])
+    rows = [sig.rows(tensors) for tensors in dense_inputs]
+    assert rows == list(BATCHES)
+    module = bundle.dense_module()
+    with torch.inference_mode():
+        joined = sig.split(list(module(*sig.join(dense_inputs))), rows)
+    for args, (got,) in zip(requests, joined, strict=True):
+        assert np.abs(got.double().numpy() - scores(model, args)[0]).max() <= TOLERANCE
+
+
+class PaddedOnly(torch.nn.Module):
+    """Two keys of an EmbeddingCollection padded by `to_padded_dense`, and no other input:
+    the batch is known only from the KJT's lengths."""
+
+    def __init__(self):
+        super().__init__()
+        table = EmbeddingConfig(
+            name="t", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"]
+        )
+        self.collection = EmbeddingCollection(tables=[table])
+        self.top = torch.nn.Linear(4, 1)
+
+    def forward(self, kjt):
+        rows = self.collection(kjt)
+        return self.top(rows["f"].to_padded_dense(3).sum(1) - rows["g"].to_padded_dense(2)[:, 1])
+
+
+def test_an_embedding_collection_alone_scores_any_batch():
+    model = PaddedOnly().eval()
+    lengths = torch.tensor([1, 2, 1, 0, 0, 0])  # key g has no id in the example
+    example = KeyedJaggedTensor(keys=["f", "g"], values=torch.arange(4), lengths=lengths)
+    bundle = cleave.partition(model, (example,))
+    generator = torch.Generator().manual_seed(4)
+    for batch in BATCHES:
+        lengths = torch.randint(0, 5, (2 * batch,), generator=generator)
+        values = torch.randint(0, 10, (int(lengths.sum()),), generator=generator)
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        got = bundle.reference(kjt).double().numpy()
+        assert np.abs(got - scores(model, (kjt,))[0]).max() <= TOLERANCE, batch
+    # Offline scoring does not take such a model yet, and says so.
+    from cleave.errors import UsageError
+    from cleave.score.input import Schema
+
+    with pytest.raises(UsageError, match="EmbeddingCollection .*keys f, g"):
+        Schema(bundle.manifest)
+
+
+def test_embedding_collections_serve_torchrecs_scores(tmp_path):
+    """An EmbeddingCollection padded by `to_padded_dense`, beside an EmbeddingBagCollection,
+    served by `cleave serve` over REST JSON and binary tensors."""
+    model, example = sequence_model(padded=True, bags=True)
+    bundle_dir = cleave.partition(model, example).save(tmp_path / "sequences")
+    generator = torch.Generator().manual_seed(9)
+    flags = ["--shards", "2", "--rankers", "1", "--threads", "1"]
+    with ServeProcess(bundle_dir, *flags, *roomy_budget(tmp_path)) as server:
+        http = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
+        for batch in (1, 33):
+            args = sequence_requests(True, batch, generator)
+            want = scores(model, args)
+            status, reply = post(
+                f"{server.url}/v2/models/sequences/infer", request_body(bundle_dir, *args)
+            )
+            assert status == 200, reply
+            check_outputs(reply, want, batch)
+            arrays = {k: v.numpy() for k, v in request_inputs(bundle_dir, *args).items()}
+            result = http.infer("sequences", triton_inputs(httpclient, arrays))
+            assert np.abs(result.as_numpy("output_0") - want[0]).max() <= TOLERANCE
+
+
+class OtherFbgemm(torch.nn.Module):
+    """An EmbeddingCollection whose rows go through an fbgemm operator Cleave has no ATen
+    form of."""
 
     def __init__(self):
         super().__init__()
@@ -296,19 +477,22 @@ class Unpooled(torch.nn.Module):
         self.top = torch.nn.Linear(4, 1)
 
     def forward(self, kjt):
-        return self.top(self.collection(kjt)["f"].to_padded_dense(3).sum(1))
+        jt = self.collection(kjt)["f"]
+        padded = torch.ops.fbgemm.jagged_2d_to_dense(jt.values(), jt.offsets(), 3)
+        return self.top(padded.sum(1))
 
 
-def test_embedding_collections_are_refused_naming_the_lookup():
+def test_embedding_collection_rows_through_another_fbgemm_operator_are_refused():
     kjt = KeyedJaggedTensor(
         keys=["f"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 2, 1])
     )
     with pytest.raises(UnsupportedModelError, match="EmbeddingCollection, unpooled") as err:
-        cleave.partition(Unpooled().eval(), (kjt,))
-    assert "aten.embedding" in str(err.value)
-    # `to_padded_dense` is named by its fbgemm operator, and where the model calls it.
-    assert "through fbgemm.jagged_to_padded_dense" in str(err.value)
-    assert "test_torchrec.py" in str(err.value)
+        cleave.partition(OtherFbgemm().eval(), (kjt,))
+    message = str(err.value)
+    assert "aten.embedding" in message, message
+    # Named by its fbgemm operator, and where the model calls it.
+    assert "through fbgemm.jagged_2d_to_dense" in message, message
+    assert "test_torchrec.py" in message and "in forward" in message, message
 
 
 def test_a_model_quantized_by_torchrec_is_refused_pointing_to_table_dtype():

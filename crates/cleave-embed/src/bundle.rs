@@ -54,6 +54,10 @@ pub struct KjtMeta {
     pub lengths: String,
     #[serde(default)]
     pub weights: Option<String>,
+    /// The lengths cut by key, one `[B]` boundary tensor per key in key order, when the dense
+    /// program reads them (an EmbeddingCollection's); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lengths_by_key: Vec<String>,
 }
 
 /// One embedding table file.
@@ -322,6 +326,16 @@ impl Manifest {
                 ));
             }
         }
+        for k in &self.kjts {
+            if !k.lengths_by_key.is_empty() && k.lengths_by_key.len() != k.keys.len() {
+                return Err(format!(
+                    "KJT {:?}: lengths_by_key has {} names, expected one per key ({})",
+                    k.name,
+                    k.lengths_by_key.len(),
+                    k.keys.len()
+                ));
+            }
+        }
         for f in &self.features {
             if !names.contains(f.table.as_str()) {
                 return Err(format!(
@@ -337,11 +351,15 @@ impl Manifest {
                     ));
                 }
             }
-            let gather = f.layout == Layout::Gather;
-            if gather != (f.pooling == FeaturePooling::None) {
+            // A KJT key is pooled (EmbeddingBagCollection) or read row by row (pooling "none",
+            // EmbeddingCollection); a gather is never pooled.
+            let unpooled = f.pooling == FeaturePooling::None;
+            if (f.layout == Layout::Gather && !unpooled)
+                || (unpooled && !matches!(f.layout, Layout::Gather | Layout::Kjt))
+            {
                 return Err(format!(
-                    "feature {:?}: layout \"gather\" goes with pooling \"none\" and only with \
-                     it (found layout {:?}, pooling {:?})",
+                    "feature {:?}: pooling \"none\" goes with layout \"gather\" or \"kjt\", \
+                     and layout \"gather\" only with it (found layout {:?}, pooling {:?})",
                     f.name, f.layout, f.pooling
                 ));
             }
@@ -389,9 +407,6 @@ impl Manifest {
                 "feature {:?}: ids and weights must be KJT {:?}'s values and weights",
                 f.name, kjt.name
             ));
-        }
-        if f.pooling == FeaturePooling::None {
-            return Err(format!("feature {:?}: a KJT feature is pooled", f.name));
         }
         Ok(())
     }

@@ -126,6 +126,20 @@ fn manifest_rules_are_checked() {
             }),
         ),
         (
+            "pooling \"none\" goes with layout \"gather\" or \"kjt\"",
+            Box::new(|m| {
+                m["features"] = serde_json::json!([{"name": "f", "table": "t", "ids": "i",
+                "layout": "offsets", "offsets": "o", "pooling": "none", "output": "p"}]);
+            }),
+        ),
+        (
+            "lengths_by_key has 1 names, expected one per key (2)",
+            Box::new(|m| {
+                m["kjts"] = serde_json::json!([{"name": "p", "keys": ["a", "b"],
+                "values": "v", "lengths": "l", "lengths_by_key": ["l.a"]}]);
+            }),
+        ),
+        (
             "weights need pooling \"sum\"",
             Box::new(|m| {
                 m["features"] = serde_json::json!([{"name": "f", "table": "t", "ids": "i",

@@ -109,6 +109,8 @@ pub enum DenseSource {
     Input(usize),
     /// The boundary tensor a feature produces.
     Feature(usize),
+    /// Key `key`'s lengths `[B]` of KJT `kjt` (indices into [`Model::kjts`] and its keys).
+    KeyLengths { kjt: usize, key: usize },
 }
 
 /// A jagged feature's inputs (`layout: "offsets"`), for the per-feature JSON form, which
@@ -209,8 +211,14 @@ impl Model {
         let dense = dense_names
             .iter()
             .map(|n| {
+                let by_key = m.kjts.iter().enumerate().find_map(|(kjt, k)| {
+                    let key = k.lengths_by_key.iter().position(|l| l == n)?;
+                    Some(DenseSource::KeyLengths { kjt, key })
+                });
                 if let Some(f) = features.iter().position(|f| boundary[f.output].name == *n) {
                     Ok(DenseSource::Feature(f))
+                } else if let Some(source) = by_key {
+                    Ok(source)
                 } else if let Some(&i) = input_index.get(n) {
                     Ok(DenseSource::Input(i))
                 } else {

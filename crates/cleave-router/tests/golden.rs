@@ -267,10 +267,12 @@ fn kserve_binary_response_of_the_router() {
     sections.finish().unwrap();
 }
 
-/// tests/golden/kjt_split.json: a KJT request cut into each key's ids, bags and weights as
-/// the Python reference executor cuts it (tests/test_golden_bytes.py checks the same file).
+/// tests/golden/kjt_split.json: a KJT request cut into each key's ids, bags and weights, and
+/// its lengths by key, as the Python reference executor cuts it (tests/test_golden_bytes.py
+/// checks the same file).
 #[test]
 fn kjt_requests_split_by_key_as_python_splits_them() {
+    use cleave_router::pipeline::kjt::key_lengths;
     use cleave_router::pipeline::validate::check_request;
 
     let case = golden::content("kjt_split");
@@ -331,5 +333,22 @@ fn kjt_requests_split_by_key_as_python_splits_them() {
             .map(|x| x.as_f64().unwrap())
             .collect();
         assert_eq!(w, want_w, "{}", feature.name);
+    }
+    // The lengths cut by key, as an EmbeddingCollection's dense program receives them.
+    let group = &model.kjts[0];
+    for (key, name) in case["manifest"]["kjts"][0]["lengths_by_key"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let cut = key_lengths(group, &checked.inputs, key).to_i64().unwrap();
+        let want: Vec<i64> = case["key_lengths"][name.as_str().unwrap()]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect();
+        assert_eq!(cut, want, "{name}");
     }
 }

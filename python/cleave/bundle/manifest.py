@@ -107,6 +107,10 @@ def check(manifest: dict, path: Path) -> None:
         for step in f.get("transform", []):
             if step.get("op") not in TRANSFORMS:
                 fail(f"{where}: transform must be one of {TRANSFORMS}, found {step!r}")
+    for k in manifest.get("kjts", []):
+        by_key = k.get("lengths_by_key") or []
+        if by_key and len(by_key) != len(k.get("keys", [])):
+            fail(f"KJT {k.get('name')!r}: lengths_by_key must name one tensor per key")
     for name in manifest["dense"].get("inputs", []):
         if name not in inputs and name not in boundary:
             fail(f"dense input {name!r} is neither a model input nor a boundary tensor")

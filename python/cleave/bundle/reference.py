@@ -75,9 +75,20 @@ def kjt_segments(kjt: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
     }
 
 
+def key_lengths(kjt: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A KJT's lengths cut by key, [B] each, named by its `lengths_by_key` (docs/bundle.md,
+    "kjts"): what the dense program of an EmbeddingCollection reads; none without them."""
+    names = kjt.get("lengths_by_key") or []
+    lengths = inputs[kjt["lengths"]].view(len(kjt["keys"]), -1) if names else []
+    return dict(zip(names, lengths, strict=True))
+
+
 def _kjt_inputs(feature: dict, segments: dict) -> tuple[dict, dict]:
-    """A KJT feature as the offsets-layout feature over its key's segment."""
+    """A KJT feature as the offsets-layout feature over its key's segment; unpooled, as the
+    gather of the segment's rows."""
     seg = segments[feature["kjt"]][feature["key"]]
+    if feature["pooling"] == "none":
+        return {**feature, "ids": "ids", "layout": "gather"}, seg
     names = {
         "ids": "ids",
         "offsets": "offsets",
@@ -98,6 +109,8 @@ def run_sparse(
     for f in manifest["features"]:
         feature, given = _kjt_inputs(f, segments) if f["layout"] == "kjt" else (f, inputs)
         out[f["output"]] = lookup(feature, given, table(f["table"]))
+    for k in manifest.get("kjts", []):
+        out.update(key_lengths(k, inputs))
     for b in manifest["boundary"]:
         if b["name"] not in out and b["name"] in inputs:
             out[b["name"]] = inputs[b["name"]]

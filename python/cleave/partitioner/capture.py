@@ -50,6 +50,20 @@ def dynamic_shapes(args: tuple):
     return pytree.tree_map(spec, args, is_leaf=kjt_io.is_kjt)
 
 
+def dense_shapes(args: tuple, shapes: list[list], named_batch: bool) -> tuple:
+    """The spec of the dense program's inputs `args`, given their manifest shapes: every size
+    AUTO, but with `named_batch` (a KJT's lengths cut by key among them, which the program
+    joins into F·B) the leading "B" of every input is one named batch, so that the program
+    knows F·B as F times the batch, not as a size of its own."""
+    spec = dynamic_shapes(args)
+    if named_batch:
+        batch = Dim("B")
+        for dims, shape in zip(spec, shapes, strict=True):
+            if shape and shape[0] == "B":
+                dims[0] = batch
+    return spec
+
+
 def _kjt_batch(args) -> int | None:
     kjts = [x for x in pytree.tree_leaves(args, is_leaf=kjt_io.is_kjt) if kjt_io.is_kjt(x)]
     strides = sorted({k.stride() for k in kjts})

@@ -17,9 +17,12 @@ from cleave.bundle import tables as table_io
 from cleave.bundle.manifest import FORMAT, VERSION
 from cleave.bundle.reference import run_sparse
 from cleave.errors import UnsupportedModelError
+from cleave.partitioner import fbgemm
 from cleave.partitioner.batched import BATCHED_PROGRAM, export_batched, per_request_inputs
-from cleave.partitioner.capture import KjtInput, dynamic_shapes
+from cleave.partitioner.capture import KjtInput, dense_shapes
 from cleave.partitioner.graph import Lookup, Seam
+
+aten = torch.ops.aten
 
 
 def emit(
@@ -88,7 +91,16 @@ def emit(
 
     needed = set(seam.dense_nodes) | {a for n in seam.dense_nodes for a in n.all_input_nodes}
     needed |= set(output.all_input_nodes)
-    dense_model_inputs = [n for n in names if placeholders[n] in needed]
+    # A KJT's lengths that the dense side reads (an EmbeddingCollection's) cross cut by key.
+    cut = {
+        k.input("lengths"): _lengths_by_key(k)
+        for k in kjts
+        if placeholders.get(k.input("lengths")) in needed
+    }
+    for n, by_key in cut.items():
+        dtype = _dtype(placeholders[n].meta["val"].dtype)
+        boundary += [{"name": name, "dtype": dtype, "shape": ["B"]} for name in by_key]
+    dense_model_inputs = [n for n in names if placeholders[n] in needed and n not in cut]
     dense_inputs = dense_model_inputs + [b["name"] for b in boundary]
 
     roles = {n: set() for n in names}
@@ -130,23 +142,29 @@ def emit(
         "boundary": boundary,
         "dense": {"program": "dense.pt2", "inputs": dense_inputs},
         "shared_inputs": shared,
-        "kjts": [_kjt_meta(k) for k in kjts],
+        "kjts": [_kjt_meta(k, cut.get(k.input("lengths"), [])) for k in kjts],
         "partition": {"dense_ops": len(seam.dense_nodes), "from_seeds": seam.seeded},
     }
 
     # The dense program: the dense operators, fed by the dense model inputs and the boundary.
     node_of = {n: placeholders[n] for n in dense_model_inputs}
     node_of.update({f["output"]: lk.output for f, lk in zip(features, seam.lookups, strict=True)})
-    module = _dense_module(ep, seam, [node_of[n] for n in dense_inputs], dense_inputs, sources)
+    cut_nodes = {placeholders[n]: by_key for n, by_key in cut.items()}
+    module = _dense_module(
+        ep, seam, [node_of.get(n) for n in dense_inputs], dense_inputs, sources, cut_nodes
+    )
     example = dict(zip(names, kjt_io.flat_tensors(args), strict=True))
     fp32_tables = {t["name"]: state[t["source"]].detach().to(torch.float32) for t in tables}
     crossing = run_sparse(manifest, example, fp32_tables.__getitem__)
     dense_args = tuple(example[n] if n in example else crossing[n] for n in dense_inputs)
+    export_args = _sized_for_export(
+        manifest, example, dict(zip(dense_inputs, dense_args, strict=True))
+    )
+    shapes = {t["name"]: t["shape"] for t in [*inputs, *boundary]}
+    spec = dense_shapes(export_args, [shapes[n] for n in dense_inputs], named_batch=bool(cut))
     try:
         with torch.no_grad():
-            program = torch.export.export(
-                module, dense_args, dynamic_shapes=dynamic_shapes(dense_args)
-            )
+            program = torch.export.export(module, export_args, dynamic_shapes=spec)
     except Exception as err:
         raise UnsupportedModelError(f"the dense side could not be exported: {err}") from err
     batched, per_request = None, per_request_inputs(manifest)
@@ -160,12 +178,35 @@ def emit(
     return Bundle(manifest, raw_tables, program, batched=batched)
 
 
-def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.GraphModule:
+def _sized_for_export(manifest: dict, example: dict, args: dict) -> tuple:
+    """The dense program's example for export: the partition example's, but where a KJT key
+    read row by row has fewer than 2 ids there, every bag of that KJT gets 2 ids (of zero
+    rows): export pins a size of 0 or 1 it sees, and only sizes matter to it."""
+    unpooled = [f for f in manifest["features"] if f["layout"] == "kjt" and f["pooling"] == "none"]
+    few = {f["kjt"] for f in unpooled if args[f["output"]].shape[0] < 2}
+    for k in (k for k in manifest["kjts"] if k["name"] in few):
+        batch = example[k["lengths"]].numel() // len(k["keys"])
+        for name in k.get("lengths_by_key", []):
+            args[name] = torch.full_like(args[name], 2)
+        for f in (f for f in unpooled if f["kjt"] == k["name"]):
+            rows = args[f["output"]]
+            args[f["output"]] = rows.new_zeros(2 * batch, rows.shape[1])
+    return tuple(args.values())
+
+
+def _dense_module(ep, seam: Seam, input_nodes, input_names, sources, cut) -> fx.GraphModule:
+    """`input_nodes`: the node each input stands for (None: a KJT's lengths of one key);
+    `cut`: each KJT lengths node the dense side reads, and the names of its keys' lengths."""
     graph = fx.Graph()
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
+    by_name = {}
     for node, name in zip(input_nodes, input_names, strict=True):
-        env[node] = graph.placeholder(name)
+        by_name[name] = graph.placeholder(re.sub(r"\W", "_", name))  # `p.lengths.k`: p_lengths_k
+        if node is not None:
+            env[node] = by_name[name]
+    for node, by_key in cut.items():  # the KJT's lengths, key-major, as the model reads them
+        env[node] = graph.call_function(torch.cat, ([by_name[n] for n in by_key],))
     state = {**ep.state_dict, **ep.constants}
     params = set(ep.graph_signature.inputs_to_parameters)
     for node in ep.graph.nodes:
@@ -181,7 +222,16 @@ def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.Graph
         root.register_buffer(f"_folded_{node.name}", value)
         env[node] = graph.get_attr(f"_folded_{node.name}")
     for node in seam.dense_nodes:
-        if node not in env:
+        if node in env:
+            continue
+        if node in seam.row_counts:
+            env[node] = graph.call_function(aten.sym_size.int, (env[seam.row_counts[node]], 0))
+            continue
+        aten_form = fbgemm.decomposition(node) if fbgemm.is_fbgemm(node) else None
+        if aten_form is not None:  # traced into ATen operators when the module is exported
+            args = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+            env[node] = graph.call_function(aten_form, *args)
+        else:
             env[node] = graph.node_copy(node, lambda a: env[a])
     output = next(n for n in ep.graph.nodes if n.op == "output")
     flat = pytree.tree_leaves(output.args[0])
@@ -196,6 +246,7 @@ def _dense_module(ep, seam: Seam, input_nodes, input_names, sources) -> fx.Graph
 
 def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
     if lk.kjt is not None:  # key k's segment of a KJT (docs/bundle.md, "kjts")
+        rows = lk.pooling == "none"  # an EmbeddingCollection's: the key's rows, unpooled
         return {
             "name": name,
             "table": table_of[lk.table.name],
@@ -209,7 +260,7 @@ def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
             "include_last_offset": False,
             "weights": input_name[lk.weights] if lk.weights is not None else None,
             "pooling": lk.pooling,
-            "output": f"{name}_pooled",
+            "output": f"{name}_{'rows' if rows else 'pooled'}",
         }
     return {
         "name": name,
@@ -225,12 +276,17 @@ def _feature(name: str, lk: Lookup, table_of: dict, input_name: dict) -> dict:
     }
 
 
-def _kjt_meta(kjt: KjtInput) -> dict:
+def _kjt_meta(kjt: KjtInput, lengths_by_key: list[str]) -> dict:
     return {
         "name": kjt.name,
         "keys": list(kjt.keys),
         **{field: kjt.input(field) if field in kjt.fields else None for field in kjt_io.FIELDS},
+        **({"lengths_by_key": lengths_by_key} if lengths_by_key else {}),
     }
+
+
+def _lengths_by_key(kjt: KjtInput) -> list[str]:
+    return [f"{kjt.input('lengths')}.{key}" for key in kjt.keys]
 
 
 def _shared_inputs(lookups: list[Lookup], features: list[dict], symbols) -> list[str]:
@@ -240,7 +296,7 @@ def _shared_inputs(lookups: list[Lookup], features: list[dict], symbols) -> list
         return []
     shared = []
     for lk, f in zip(lookups, features, strict=True):
-        if lk.output.meta["val"].shape[0] == 1:
+        if lk.kjt is None and lk.output.meta["val"].shape[0] == 1:  # a KJT has one batch
             shared += [f[k] for k in ("ids", "offsets", "weights") if f[k] and f[k] not in shared]
     return shared
 

@@ -13,7 +13,9 @@
 A TorchRec KeyedJaggedTensor (KJT) reaches its lookups as segments: key k's ids are
 `split_with_sizes(values, per-key length sums)[k]`, its offsets `cumsum(lengths[k])` after a
 zero. Those two patterns (kjt.py) are recognised as "key k of the KJT"; the router cuts the
-segments natively from `values` and `lengths` (docs/partitioning.md, "TorchRec models").
+segments natively from `values` and `lengths` (docs/partitioning.md, "TorchRec models"). A key
+read row by row (EmbeddingCollection) crosses as its rows; fbgemm operators on the dense side
+are replaced by ATen where fbgemm.py knows how, and refused otherwise.
 
 Sizes are compared on the example inputs' sizes (Prism's size-aware transfer): an embedding
 read per position whose poolings together would be larger than its rows crosses unpooled.
@@ -28,7 +30,14 @@ import torch
 from torch import fx
 
 from cleave.errors import UnsupportedModelError
-from cleave.partitioner.kjt import KjtFields, KjtKey, kjt_bag, reads_kjt, refuse_unpooled
+from cleave.partitioner.kjt import (
+    KjtFields,
+    KjtKey,
+    key_size,
+    kjt_bag,
+    kjt_rows,
+    refuse_fbgemm,
+)
 from cleave.partitioner.nodes import op_name, where
 
 aten = torch.ops.aten
@@ -79,7 +88,7 @@ class Lookup:
     offsets: fx.Node | None = None
     weights: fx.Node | None = None
     include_last_offset: bool = False
-    kjt: KjtKey | None = None  # layout "kjt": which KJT and key
+    kjt: KjtKey | None = None  # layout "kjt": which KJT and key (rows when pooling "none")
 
 
 @dataclass
@@ -88,6 +97,9 @@ class Seam:
     dense_nodes: list[fx.Node]  # in graph order
     folded: dict[fx.Node, torch.Tensor]  # constant subgraph results, computed once
     seeded: int  # dense operators reached from the seeds (the rest were attached)
+    # Dense nodes that count a KJT key's ids, and the lookup whose rows that many are: the
+    # dense program reads the count off the rows (the ids stay on the sparse side).
+    row_counts: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
 
 def size_hint(value) -> int:
@@ -114,9 +126,13 @@ def find_seam(ep: torch.export.ExportedProgram, kjts: KjtFields | None = None) -
         if node.target in EMBEDDING_BAG_OPS:
             lookups.append(_bag_lookup(node, params, user_inputs, kjts))
         elif node.target in EMBEDDING_OPS:
-            if kjts and reads_kjt(node.args[1], kjts):
-                refuse_unpooled(node)
-            lookups.extend(_embedding_lookups(node, params, user_inputs))
+            found = kjt_rows(node, kjts) if kjts else None
+            if found is not None:  # TorchRec's EmbeddingCollection: the key's rows cross
+                values, key = found
+                table = _table(node.args[0], params, node)
+                lookups.append(Lookup(node, table, values, "kjt", "none", kjt=key))
+            else:
+                lookups.extend(_embedding_lookups(node, params, user_inputs))
     if not lookups:
         raise UnsupportedModelError(
             "the model has no embedding operator (nn.EmbeddingBag, nn.Embedding, "
@@ -130,10 +146,15 @@ def find_seam(ep: torch.export.ExportedProgram, kjts: KjtFields | None = None) -
     seeded = _colour_from_seeds(graph, frontier) & needed
     folded = _fold_constants(ep, needed)
     dense_nodes = [n for n in graph.nodes if n in needed and n.op == "call_function"]
+    unpooled = [lk for lk in lookups if lk.kjt and lk.pooling == "none"]
+    refuse_fbgemm(dense_nodes, [lk.output for lk in unpooled])
+    rows_of = {(lk.kjt.kjt, lk.kjt.index): lk.output for lk in unpooled}
+    counted = {n: key_size(n, kjts) for n in dense_nodes} if unpooled else {}
+    row_counts = {n: rows_of[k] for n, k in counted.items() if k in rows_of}
     # A lookup whose result nothing reads is not served.
     read = {a for n in [*needed, output] for a in n.all_input_nodes}
     lookups = [lk for lk in lookups if lk.output in read]
-    return Seam(lookups, dense_nodes, folded, len(seeded))
+    return Seam(lookups, dense_nodes, folded, len(seeded), row_counts)
 
 
 def _needed_by_outputs(output: fx.Node, frontier: set[fx.Node]) -> set[fx.Node]:

@@ -11,6 +11,10 @@ TorchRec's per-key view of it into plain ATen:
 A lookup whose ids, offsets and weights are key k's segments in exactly this form is key k of
 the KJT, and the router cuts those segments natively. Anything else between the KJT and the
 lookup (a hash of the ids, a variable batch per key) is refused, naming the operator and line.
+
+TorchRec's EmbeddingCollection (unpooled) reads key k row by row, `embedding(table, ids)`: its
+rows [N_k, D] cross the seam as they are, and the dense program takes the KJT's lengths to
+find each sample's rows (docs/partitioning.md, "TorchRec models").
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import fx
 
 from cleave.errors import UnsupportedModelError
+from cleave.partitioner import fbgemm
 from cleave.partitioner.capture import KjtInput
 from cleave.partitioner.nodes import op_name, where
 
@@ -89,6 +94,30 @@ def kjt_bag(lookup: fx.Node, args: dict, kjts: KjtFields) -> KjtBag | None:
     return KjtBag(values, weights, key)
 
 
+def kjt_rows(lookup: fx.Node, kjts: KjtFields) -> tuple[fx.Node, KjtKey] | None:
+    """(the values placeholder, key k) if `lookup` (aten.embedding) reads key k's segment of a
+    KJT's values row by row; None when its ids do not come from a KJT at all. Raises when they
+    do, but not as TorchRec's per-key split."""
+    ids = _quiet(lookup.args[1])
+    values, index = _segment(ids, kjts, "values", lookup)
+    if values is None:
+        if reads_kjt(lookup.args[1], kjts):
+            _refuse(lookup, ids, "ids")
+        return None
+    kjt, _ = kjts[values.name]
+    return values, KjtKey(kjt, index, _lengths_of(values, kjt, kjts))
+
+
+def key_size(node: fx.Node, kjts: KjtFields) -> tuple[KjtInput, int] | None:
+    """(the KJT, j) if `node` is key j's number of ids, item(sum(view(lengths, [F, B]))[j])."""
+    if node.op != "call_function" or node.target is not aten.item.default:
+        return None
+    found = _key_sum(node, None)
+    if found is None or found[0] not in kjts:
+        return None
+    return kjts[found[0]][0], found[1]
+
+
 def _quiet(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target in _QUIET:
         node = node.all_input_nodes[0]
@@ -142,7 +171,7 @@ def _by_key(node: fx.Node, kjt: KjtInput | None = None):
     return source.name
 
 
-def _key_sum(size, kjt: KjtInput):
+def _key_sum(size, kjt: KjtInput | None):
     """(lengths placeholder, j) if `size` is item(unbind(sum(view(lengths, [F, B]), [1]))[j])."""
     if not isinstance(size, fx.Node) or size.target is not aten.item.default:
         return None
@@ -188,34 +217,36 @@ def reads_kjt(node: fx.Node, kjts: KjtFields) -> bool:
     return False
 
 
-def refuse_unpooled(lookup: fx.Node) -> None:
-    fbgemm = _first_fbgemm_user(lookup)
-    through = (
-        f"; its rows reach the dense side through {op_name(fbgemm)}{where(fbgemm)}, an fbgemm "
-        "operator, which the served side does not run"
-        if fbgemm is not None
-        else ""
-    )
-    raise UnsupportedModelError(
-        f"{op_name(lookup)}{where(lookup)} reads a KeyedJaggedTensor key row by row (TorchRec's "
-        "EmbeddingCollection, unpooled): Cleave serves pooled KJT lookups "
-        f"(EmbeddingBagCollection) so far; each key's jagged rows would cross the seam{through}"
-    )
-
-
-def _first_fbgemm_user(node: fx.Node) -> fx.Node | None:
-    """The nearest operator of fbgemm's (`to_padded_dense` emits
-    fbgemm.jagged_to_padded_dense) that `node`'s result flows into, if any."""
-    stack, seen = list(node.users), set()
-    while stack:
-        n = stack.pop(0)
-        if n in seen:
+def refuse_fbgemm(dense_nodes: list[fx.Node], unpooled: list[fx.Node]) -> None:
+    """Raises naming the first fbgemm operator of the dense side that Cleave cannot replace by
+    ATen (fbgemm.py), and the unpooled lookup whose rows reach it, if any."""
+    for node in dense_nodes:
+        if not fbgemm.is_fbgemm(node) or fbgemm.decomposition(node) is not None:
             continue
-        seen.add(n)
-        if n.op == "call_function" and str(n.target).startswith("fbgemm."):
-            return n
-        stack.extend(n.users)
-    return None
+        lookup = next((lk for lk in unpooled if _reaches(lk, node)), None)
+        op = f"{op_name(node)}{where(node)}, an fbgemm operator, which the served side does not run"
+        if lookup is None:
+            raise UnsupportedModelError(
+                f"the dense side calls {op}; Cleave serves dense programs of ATen operators"
+            )
+        raise UnsupportedModelError(
+            f"{op_name(lookup)}{where(lookup)} reads a KeyedJaggedTensor key row by row "
+            f"(TorchRec's EmbeddingCollection, unpooled); its rows reach the dense side through "
+            f"{op}. Cleave replaces fbgemm.jagged_to_padded_dense (JaggedTensor.to_padded_dense) "
+            "by ATen operators; reduce the rows with torch operators on values() and lengths()"
+        )
+
+
+def _reaches(source: fx.Node, target: fx.Node) -> bool:
+    stack, seen = [target], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 def _refuse(lookup: fx.Node, node: fx.Node, what: str):

@@ -3,7 +3,9 @@ manifest, and how requests are joined into one batch and split again.
 
 Joining rules, per input (chosen from the manifest, never from the model's code):
 * `batch`: leading dim is the batch symbol "B" -> concatenated along dim 0;
-* `jagged`: ids / per-sample weights of an `offsets`-layout feature -> concatenated along dim 0;
+* `jagged`: ids / per-sample weights of an `offsets`-layout feature, and a KJT key's rows read
+  row by row (a `kjt` feature with pooling "none"; its lengths cross cut by key, [B], and
+  join as `batch`) -> concatenated along dim 0;
 * `offsets`: the offsets of such a feature -> concatenated with each request's offsets shifted
   by the ids that came before (with include_last_offset, the inner end markers are dropped);
 * `expand`: a per-request input (a shared user's leading size of 1) of a bundle with a
@@ -176,6 +178,8 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
             if feature.get("weights"):
                 jagged[feature["weights"]] = feature
             offsets[feature["offsets"]] = feature
+        elif feature.get("layout") == "kjt" and feature.get("pooling") == "none":
+            jagged[feature["output"]] = feature  # a KJT key's rows
     shared = set(manifest.get("shared_inputs", []))
     per_request = set(per_request_inputs(manifest)) if batched and not monolithic else set()
     specs, why_not = [], ""
@@ -198,6 +202,8 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
                 name, dtype, shape, "offsets", feature["ids"], feature.get("include_last_offset")
             )
         elif name in jagged and len(shape) == 1 and jagged[name]["offsets"] in names:
+            spec = InputSpec(name, dtype, shape, "jagged")
+        elif name in jagged and jagged[name]["output"] == name:
             spec = InputSpec(name, dtype, shape, "jagged")
         elif shape and shape[0] == BATCH:
             spec = InputSpec(name, dtype, shape, "batch")

@@ -77,6 +77,16 @@ class Schema:
             return col
 
         kjts = {k["name"]: k for k in manifest.get("kjts", [])}
+        unpooled = [
+            f["key"]
+            for f in manifest["features"]
+            if f["layout"] == "kjt" and f["pooling"] == "none"
+        ]
+        if unpooled:
+            raise UsageError(
+                f"cleave score does not yet score a model with an EmbeddingCollection (keys "
+                f"{', '.join(unpooled)} are read row by row); score it through cleave serve"
+            )
         for f in manifest["features"]:
             table = tables[f["table"]]
             if f["layout"] == "kjt":

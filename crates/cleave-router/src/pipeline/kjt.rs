@@ -98,6 +98,16 @@ pub fn split(model: &Model, group: &KjtGroup, inputs: &[Tensor]) -> Result<KjtSp
     })
 }
 
+/// Key `key`'s lengths `[B]` of a checked request's KJT `group`, in the dtype they came in:
+/// what the dense program of an EmbeddingCollection reads (docs/bundle.md, "kjts").
+pub fn key_lengths(group: &KjtGroup, inputs: &[Tensor], key: usize) -> Tensor {
+    let lengths = &inputs[group.lengths];
+    let batch = lengths.numel() / group.keys.len();
+    let size = lengths.dtype.itemsize();
+    let bytes = lengths.data[key * batch * size..(key + 1) * batch * size].to_vec();
+    Tensor::new(lengths.dtype, vec![batch], bytes).expect("a slice of whole items")
+}
+
 fn per_key(keys: &[String], segments: &[Range<usize>]) -> String {
     let parts: Vec<String> = keys
         .iter()
@@ -114,28 +124,51 @@ mod tests {
     use cleave_embed::bundle::Manifest;
 
     use crate::error::RequestError;
-    use crate::model::Model;
+    use crate::model::{DenseSource, Model};
     use crate::pipeline::validate::{check_request, Checked};
     use crate::tensor::Tensor;
 
     /// A TorchRec DLRM's interface: dense features and a weighted KJT whose keys are in
     /// another order than the tables, one table shared by two keys.
     fn model() -> Model {
+        model_reading_rows(&[])
+    }
+
+    /// The same, keys `rows` read row by row (an EmbeddingCollection's: pooling "none").
+    fn model_reading_rows(rows: &[&str]) -> Model {
         let keys = ["a", "b", "c"];
+        let unpooled = |k: &str| rows.contains(&k);
+        let output = |k: &str| format!("{k}_{}", if unpooled(k) { "rows" } else { "pooled" });
         let features: Vec<serde_json::Value> = keys
             .iter()
             .map(|k| {
                 serde_json::json!({
                 "name": k, "table": if *k == "c" { "t1" } else { "t0" },
                 "ids": "p.values", "layout": "kjt", "kjt": "p", "key": k,
-                "lengths": "p.lengths", "weights": "p.weights", "pooling": "sum",
-                "output": format!("{k}_pooled")})
+                "lengths": "p.lengths",
+                "weights": if unpooled(k) { None } else { Some("p.weights") },
+                "pooling": if unpooled(k) { "none" } else { "sum" },
+                "output": output(k)})
             })
             .collect();
-        let boundary: Vec<serde_json::Value> = keys
+        let mut boundary: Vec<serde_json::Value> = keys
             .iter()
-            .map(|k| serde_json::json!({"name": format!("{k}_pooled"), "dtype": "float32", "shape": ["B", 2]}))
+            .map(|k| {
+                let rows: serde_json::Value = if unpooled(k) { "N1".into() } else { "B".into() };
+                serde_json::json!({"name": output(k), "dtype": "float32", "shape": [rows, 2]})
+            })
             .collect();
+        // Keys read row by row: the dense program takes the lengths, cut by key.
+        let by_key: Vec<String> = if rows.is_empty() {
+            vec![]
+        } else {
+            ["c", "a", "b"].map(|k| format!("p.lengths.{k}")).to_vec()
+        };
+        let mut dense = vec!["dense".to_string(), output("a"), output("b"), output("c")];
+        for name in &by_key {
+            boundary.push(serde_json::json!({"name": name, "dtype": "int64", "shape": ["B"]}));
+            dense.push(name.clone());
+        }
         let m = serde_json::json!({
             "format": "cleave-bundle", "version": 1, "producer": "test",
             "inputs": [
@@ -154,11 +187,11 @@ mod tests {
             ],
             "features": features,
             "boundary": boundary,
-            "dense": {"program": "dense.pt2",
-                      "inputs": ["dense", "a_pooled", "b_pooled", "c_pooled"]},
+            "dense": {"program": "dense.pt2", "inputs": dense},
             "shared_inputs": [],
             "kjts": [{"name": "p", "keys": ["c", "a", "b"], "values": "p.values",
-                      "weights": "p.weights", "lengths": "p.lengths"}]
+                      "weights": "p.weights", "lengths": "p.lengths",
+                      "lengths_by_key": by_key}]
         });
         let m = Manifest::parse(&m.to_string(), Path::new("test/manifest.json")).unwrap();
         Model::from_manifest("kjt", &m).unwrap()
@@ -166,9 +199,18 @@ mod tests {
 
     /// Batch 2: key c has bags [3] and [], key a [1, 2] and [9], key b [] and [0, 0].
     fn request(values: &[i64], lengths: &[i64], batch: usize) -> Result<Checked, RequestError> {
+        request_to(&model(), values, lengths, batch)
+    }
+
+    fn request_to(
+        model: &Model,
+        values: &[i64],
+        lengths: &[i64],
+        batch: usize,
+    ) -> Result<Checked, RequestError> {
         let n = values.len();
         check_request(
-            &model(),
+            model,
             vec![
                 Some(Tensor::from_f32(vec![batch, 2], &vec![0.5; batch * 2])),
                 Some(Tensor::from_i64(vec![n], values)),
@@ -202,6 +244,37 @@ mod tests {
             Some(&[1.0f32; 3][..])
         );
         assert_eq!(checked.lookups[2].out_dims, vec![2, 2]);
+    }
+
+    #[test]
+    fn a_key_read_row_by_row_gets_its_ids_unpooled() {
+        let checked = request_to(&model_reading_rows(&["a"]), &VALUES, &LENGTHS, 2).unwrap();
+        let a = &checked.lookups[0];
+        assert_eq!(a.ids, vec![1, 2, 9]);
+        assert_eq!((a.bags.as_ref(), a.weights.as_ref()), (None, None));
+        assert_eq!(a.out_dims, vec![3, 2]);
+        // The other keys are pooled as before.
+        assert_eq!(checked.lookups[1].bags.as_deref(), Some(&[0, 0, 2][..]));
+        assert_eq!(checked.lookups[2].out_dims, vec![2, 2]);
+    }
+
+    #[test]
+    fn the_dense_program_gets_the_lengths_cut_by_key() {
+        let model = model_reading_rows(&["a"]);
+        let sources = &model.dense[4..];
+        let want: Vec<DenseSource> = (0..3)
+            .map(|key| DenseSource::KeyLengths { kjt: 0, key })
+            .collect();
+        assert_eq!(sources, &want[..]);
+        let checked = request_to(&model, &VALUES, &LENGTHS, 2).unwrap();
+        let cut: Vec<Vec<i64>> = (0..3)
+            .map(|key| {
+                let t = super::key_lengths(&model.kjts[0], &checked.inputs, key);
+                assert_eq!(t.dims, vec![2]);
+                t.to_i64().unwrap()
+            })
+            .collect();
+        assert_eq!(cut, vec![vec![1, 0], vec![2, 1], vec![0, 2]]);
     }
 
     #[test]

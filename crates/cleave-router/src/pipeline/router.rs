@@ -11,6 +11,7 @@ use crate::budget::Budget;
 use crate::error::{ErrorKind, RequestError, Stage};
 use crate::metrics::Metrics;
 use crate::model::{DenseSource, Mode, Model};
+use crate::pipeline::kjt;
 use crate::pipeline::sparse::Shards;
 use crate::pipeline::validate::{check_request, show_shape, Symbols};
 use crate::tensor::Tensor;
@@ -74,10 +75,25 @@ impl Router {
         let (kind, payload) = match self.mode {
             Mode::Monolithic => (RANK_FULL, encode_request(&checked.inputs)),
             Mode::Disaggregated => {
-                let tensors = self.model.dense.iter().map(|source| match *source {
-                    DenseSource::Input(i) => &checked.inputs[i],
-                    DenseSource::Feature(f) => &pooled[f],
-                });
+                // A KJT's lengths cut by key are made here; the other tensors are sent as held.
+                let model = &self.model;
+                let cut: Vec<Option<Tensor>> = (model.dense.iter())
+                    .map(|source| match *source {
+                        DenseSource::KeyLengths { kjt, key } => {
+                            Some(kjt::key_lengths(&model.kjts[kjt], &checked.inputs, key))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let tensors = model
+                    .dense
+                    .iter()
+                    .zip(&cut)
+                    .map(|(source, cut)| match *source {
+                        DenseSource::Input(i) => &checked.inputs[i],
+                        DenseSource::Feature(f) => &pooled[f],
+                        DenseSource::KeyLengths { .. } => cut.as_ref().expect("cut above"),
+                    });
                 (RANK, encode_request(tensors))
             }
         };

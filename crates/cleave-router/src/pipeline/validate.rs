@@ -442,7 +442,8 @@ fn prepare_lookup(
     })
 }
 
-/// Key `key`'s lookup: its segment of the KJT's values (and weights) and its bags.
+/// Key `key`'s lookup: its segment of the KJT's values (and weights) and its bags; unpooled
+/// (an EmbeddingCollection's), the segment's rows `[ids, dim]`.
 fn kjt_lookup(
     index: usize,
     f: &Feature,
@@ -452,6 +453,15 @@ fn kjt_lookup(
 ) -> Result<Lookup, RequestError> {
     let segment = kjt.segments[key].clone();
     let ids = transform_ids(&kjt.values[segment.clone()], f, values_name, segment.start)?;
+    if f.pooling.is_none() {
+        return Ok(Lookup {
+            feature: index,
+            out_dims: vec![ids.len(), f.dim],
+            ids,
+            bags: None,
+            weights: None,
+        });
+    }
     let bags = kjt.bags[key].clone();
     Ok(Lookup {
         feature: index,
