@@ -4,11 +4,6 @@ split of cores by measured demand, and the benchmark's roofline and dtype compar
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import cleave
 import numpy as np
 import pytest
@@ -24,6 +19,7 @@ from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, en
 from cleave.ranker.program import load_ranker
 from cleave.settings import ranker_cores
 from support.bench import run_bench
+from support.cli import refused
 
 SCALE = 0.01
 LOOSE = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)
@@ -212,25 +208,23 @@ def test_cores_follow_measured_demand():
 
 def test_partition_cli_refuses_a_failing_dtype_and_writes_nothing(tmp_path):
     out = tmp_path / "bundle"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}  # tests/factories.py
 
-    def partition(*flags: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "cleave.cli", "partition", "-o", str(out), *flags]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    def partition(*flags: str) -> str:  # in this process: tests/factories.py is importable
+        return refused("partition", "-o", str(out), *flags)
 
-    result = partition("--model", "factories:shape_control_flow", "--dense-dtype", "bfloat16")
-    assert result.returncode == 2 and "needs a labelled set" in result.stderr
-    result = partition(
+    message = partition("--model", "factories:shape_control_flow", "--dense-dtype", "bfloat16")
+    assert "needs a labelled set" in message
+    message = partition(
         "--model", "factories:shape_control_flow", "--dense-dtype", "int8",
         "--labelled", "factories:no_such_function",
     )  # fmt: skip
-    assert result.returncode == 2 and "has no callable 'no_such_function'" in result.stderr
+    assert "has no callable 'no_such_function'" in message
     # A reference model whose int8 program moves AUC too far (its own labelled set).
-    result = partition(
+    message = partition(
         "--model", "cleave.models:shared_weighted", "--dense-dtype", "int8",
         "--max-auc-drop", "0", "--score-tolerance", "0",
     )  # fmt: skip
-    assert result.returncode == 2 and "dense dtype int8 refused" in result.stderr
+    assert "dense dtype int8 refused" in message
     assert not out.exists()
 
 
