@@ -112,11 +112,8 @@ def make_plan(
     manifest = manifest_io.read(bundle, whole=False)
     router_hosts, shard_hosts, ranker_hosts = layout(hosts)
     # More shards than rows in every table leaves some empty: they are left out.
-    groups = (
-        []
-        if config.router_held
-        else [r for r in table_ranges(manifest, shards, config.table_layout) if r]
-    )
+    held = table_ranges(manifest, shards, config.table_layout)
+    groups = [] if config.router_held else [r for r in held if r]
     placement = None
     if topology is not None:
         requests = _requests(manifest, groups, replicas, rankers, routers, config, hosts)
@@ -228,9 +225,8 @@ def local_plan(bundle_dir: str | Path, serve_config: ServeConfig) -> Plan:
     bundle = Path(bundle_dir).resolve()
     manifest = manifest_io.read(bundle, whole=False)
     held = config.monolithic or config.router_held  # no shard processes
-    ranges = (
-        [] if held else [r for r in table_ranges(manifest, config.shards, config.table_layout) if r]
-    )
+    ranges = table_ranges(manifest, config.shards, config.table_layout)
+    ranges = [] if held else [r for r in ranges if r]
     shards = [
         Shard(
             f"shard-{i}",
