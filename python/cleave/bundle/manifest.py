@@ -119,6 +119,11 @@ def check(manifest: dict, path: Path) -> None:
             fail(f"dense.batched names per-request input {name!r}, not a dense input")
 
 
+def reads_rows(feature: dict) -> bool:
+    """A KJT key read row by row (TorchRec's EmbeddingCollection): its rows cross unpooled."""
+    return feature.get("layout") == "kjt" and feature.get("pooling") == "none"
+
+
 def per_request_inputs(manifest: dict) -> list[str]:
     """The dense inputs the bundle's batched program takes expanded to each request's rows
     (cleave.partitioner.batched); empty when the bundle has no batched program."""

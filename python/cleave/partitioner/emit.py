@@ -14,7 +14,7 @@ from torch import fx
 from cleave.bundle import Bundle
 from cleave.bundle import kjt as kjt_io
 from cleave.bundle import tables as table_io
-from cleave.bundle.manifest import FORMAT, VERSION
+from cleave.bundle.manifest import FORMAT, VERSION, reads_rows
 from cleave.bundle.reference import run_sparse
 from cleave.errors import UnsupportedModelError
 from cleave.partitioner import fbgemm
@@ -182,7 +182,7 @@ def _sized_for_export(manifest: dict, example: dict, args: dict) -> tuple:
     """The dense program's example for export: the partition example's, but where a KJT key
     read row by row has fewer than 2 ids there, every bag of that KJT gets 2 ids (of zero
     rows): export pins a size of 0 or 1 it sees, and only sizes matter to it."""
-    unpooled = [f for f in manifest["features"] if f["layout"] == "kjt" and f["pooling"] == "none"]
+    unpooled = [f for f in manifest["features"] if reads_rows(f)]
     few = {f["kjt"] for f in unpooled if args[f["output"]].shape[0] < 2}
     for k in (k for k in manifest["kjts"] if k["name"] in few):
         batch = example[k["lengths"]].numel() // len(k["keys"])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cleave.bundle.manifest import per_request_inputs
+from cleave.bundle.manifest import per_request_inputs, reads_rows
 from cleave.ranker.payload import DTYPE_NAMES, PayloadError, RankRequest
 
 BATCH = "B"
@@ -178,7 +178,7 @@ def signature(manifest: dict, monolithic: bool, batched: bool = False) -> Signat
             if feature.get("weights"):
                 jagged[feature["weights"]] = feature
             offsets[feature["offsets"]] = feature
-        elif feature.get("layout") == "kjt" and feature.get("pooling") == "none":
+        elif reads_rows(feature):
             jagged[feature["output"]] = feature  # a KJT key's rows
     shared = set(manifest.get("shared_inputs", []))
     per_request = set(per_request_inputs(manifest)) if batched and not monolithic else set()

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cleave.bundle.manifest import reads_rows
 from cleave.errors import UsageError
 
 __all__ = ["Column", "InputFiles", "Schema", "SparseFeature", "apply_transform", "flat_values"]
@@ -77,11 +78,7 @@ class Schema:
             return col
 
         kjts = {k["name"]: k for k in manifest.get("kjts", [])}
-        unpooled = [
-            f["key"]
-            for f in manifest["features"]
-            if f["layout"] == "kjt" and f["pooling"] == "none"
-        ]
+        unpooled = [f["key"] for f in manifest["features"] if reads_rows(f)]
         if unpooled:
             raise UsageError(
                 f"cleave score does not yet score a model with an EmbeddingCollection (keys "
