@@ -271,18 +271,40 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
     assert not progress.exists()
 
 
-def test_bench_score_reports_cases_against_lag_0(tmp_path):
-    """`cleave bench score` end to end, smallest: two ranks, random delays, lags 0 and 1."""
-    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2"]
+def test_bench_score_reports_cases_against_lag_0_and_one_rank(tmp_path):
+    """`cleave bench score` end to end, smallest: one and two ranks, random delays, lags 0
+    and 1."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1,2"]
     flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512"]
     _, report = run_bench(tmp_path, "score", *flags)
     cases = report["cases"]
     assert [(c["imbalance"], c["ranks"], c["lag"]) for c in cases] == [
+        ("random_delay", 1, 0),
         ("random_delay", 2, 0),
         ("random_delay", 2, 1),
     ]
     for c in cases:
         assert c["rows"] == 512 and c["per_batch_s"] > 0 and c["mean_delay_s"] > 0
-        assert c["same_scores_as_lag0"]
-    assert cases[1]["bound_s"] == pytest.approx(report["delay_s"] / 3)
+        assert c["same_scores_as_lag0"]  # 1 and 2 ranks, every lag: the same bytes
+    one, two = cases[0]["rows_per_s"], cases[1]["rows_per_s"]
+    assert cases[1]["speedup_over_1_rank"] == pytest.approx(two / one)
+    assert "speedup_over_1_rank" not in cases[0]
+    assert cases[2]["bound_s"] == pytest.approx(report["delay_s"] / 3)
     assert (tmp_path / "score.png").exists()
+
+
+def test_bench_score_independent_jobs_score_the_input_once_each(tmp_path):
+    """--independent: two one-rank jobs at once, their rows and rates summed, each writing
+    what the two-rank job writes."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2"]
+    flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256", "--independent"]
+    _, report = run_bench(tmp_path, "score", *flags)
+    ranked, independent = report["cases"]
+    assert (ranked["ranks"], ranked["lag"]) == (2, 0) and ranked["rows"] == 256
+    assert (independent["kind"], independent["ranks"], independent["lag"]) == (
+        "independent",
+        2,
+        None,
+    )
+    assert independent["rows"] == 2 * 256 and len(independent["per_batch_by_rank_s"]) == 2
+    assert independent["same_scores_as_lag0"]

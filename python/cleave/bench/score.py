@@ -14,7 +14,13 @@ Each case scores the same Parquet input with `--ranks` rank processes at one lag
 
 Reported per case: rows/s, per-batch time (each rank's scoring time over its batches, the
 mean over ranks: BLS's latency) with the percentiles of single iterations, and the scores'
-equality with lag 0's; the same-run comparison is lag 0 of the same imbalance.
+equality with lag 0's; the same-run comparison is lag 0 of the same imbalance and rank count.
+
+`--ranks` may list several counts (`1,2`): each case with more than one rank is then also
+compared with one rank (`speedup_over_1_rank`, rows/s), and `--independent` adds, per count N,
+N one-rank jobs scoring at once (`independent`): how far the cores scale for the same work
+without any exchange. `--throughput` is the scaling run: 1 and 2 ranks of one thread, lags 0
+and 2, balanced, 262,144 rows in batches of 1,024, with the independent jobs.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ HOT_MAX_IDS = 100  # a hot bag's ids: 1 to this many, drawn per batch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="dlrm", help="reference model (cleave.models.MODELS)")
     parser.add_argument("--scale", type=float, default=0.002, help="table scale")
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", default="4", help="comma-separated rank counts")
     parser.add_argument("--lags", default="0,2,8", help="comma-separated lags; 0 is compared to")
     parser.add_argument(
         "--imbalance",
@@ -53,14 +59,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="out/bench-score", help="bundle, input, outputs")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write the plot here (default: next to --json)")
+    parser.add_argument(
+        "--independent", action="store_true", help="also N one-rank jobs at once, per count N"
+    )
+    parser.add_argument(
+        "--throughput", action="store_true", help="the scaling run (1 vs 2 ranks; module doc)"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run (tests, CI)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.throughput:
+        args.ranks, args.lags, args.imbalance, args.independent = "1,2", "0,2", "balanced", True
+        args.rows, args.batch_size, args.threads = 262144, 1024, 1
     if args.quick:
         args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
     lags = [int(x) for x in args.lags.split(",")]
     imbalances = args.imbalance.split(",")
+    try:
+        counts = [int(x) for x in args.ranks.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--ranks must list rank counts of at least 1, got {args.ranks!r}")
     if lags[0] != 0 or any(k < 0 for k in lags) or not set(imbalances) <= set(IMBALANCES):
         raise UsageError(f"--lags must start with 0; --imbalance among {', '.join(IMBALANCES)}")
 
@@ -82,33 +103,50 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "cases": [],
     }
-    runs: dict[tuple[str, int], list[dict]] = {}
-    for repeat in range(args.repeats):  # repeats outermost: a drift in load hits every lag
-        for imbalance in imbalances:
+    # (imbalance, ranks, lag) per case; lag None: `ranks` independent one-rank jobs at once
+    keys = [
+        (imbalance, ranks, lag)
+        for imbalance in imbalances
+        for ranks in counts
+        for lag in ([0] if ranks == 1 else lags)
+        + ([None] if args.independent and ranks > 1 and imbalance == "balanced" else [])
+    ]
+    runs: dict[tuple, list[dict]] = {}
+    for repeat in range(args.repeats):  # repeats outermost: a drift in load hits every case
+        for imbalance, ranks, lag in keys:
             data = inputs["hot_table" if imbalance == "hot_table" else "balanced"]
-            for lag in lags:
-                case = _case(bundle_dir, data, work, imbalance, args.ranks, lag, args, d)
-                log(f"[{repeat + 1}/{args.repeats}] {_line(case)}")
-                runs.setdefault((imbalance, lag), []).append(case)
-    for imbalance in imbalances:
-        first, reference = None, None
-        for lag in lags:
-            mine = sorted(runs[imbalance, lag], key=lambda c: c["per_batch_s"])
-            case = mine[len(mine) // 2]  # the median run
-            case["per_batch_runs_s"] = [c["per_batch_s"] for c in runs[imbalance, lag]]
-            first = first or case
-            outputs = {c.pop("_output") for c in runs[imbalance, lag]}  # the files' bytes
-            reference = reference or outputs
-            case["same_scores_as_lag0"] = len(outputs) == 1 and outputs == reference
-            _compare(case, first, imbalance, args.ranks, d)
-            result["cases"].append(case)
+            if lag is None:
+                case = _independent(bundle_dir, data, work, ranks, args)
+            else:
+                case = _case(bundle_dir, data, work, imbalance, ranks, lag, args, d)
+            log(f"[{repeat + 1}/{args.repeats}] {_line(case)}")
+            runs.setdefault((imbalance, ranks, lag), []).append(case)
+    reference: dict[str, set] = {}  # imbalance -> the bytes its first case wrote
+    chosen: dict[tuple, dict] = {}
+    for key in keys:
+        imbalance, ranks, lag = key
+        mine = sorted(runs[key], key=lambda c: c["per_batch_s"])
+        case = chosen[key] = mine[len(mine) // 2]  # the median run
+        case["per_batch_runs_s"] = [c["per_batch_s"] for c in runs[key]]
+        outputs = {c.pop("_output") for c in runs[key]}  # the files' bytes
+        reference.setdefault(imbalance, outputs)
+        case["same_scores_as_lag0"] = len(outputs) == 1 and outputs == reference[imbalance]
+        if lag is not None:
+            _compare(case, chosen[imbalance, ranks, 0], imbalance, ranks, d)
+        if ranks > 1 and (imbalance, 1, 0) in runs:  # per repeat (the same moment), median
+            pairs = zip(runs[key], runs[imbalance, 1, 0], strict=True)
+            case["speedup_over_1_rank"] = float(
+                np.median([c["rows_per_s"] / one["rows_per_s"] for c, one in pairs])
+            )
+        result["cases"].append(case)
     for case in result["cases"]:
         if case["imbalance"] == "random_delay":  # what the delays cost over balanced, same lag
             base = next(
                 (
                     c
                     for c in result["cases"]
-                    if c["imbalance"] == "balanced" and c["lag"] == case["lag"]
+                    if (c["imbalance"], c["ranks"], c["lag"])
+                    == ("balanced", case["ranks"], case["lag"])
                 ),
                 None,
             )
@@ -167,10 +205,55 @@ def _prepare(args, work: Path, log) -> tuple[Path, dict[str, Path]]:
 def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
     from cleave.score import job as score_job
 
-    out = work / f"scores-{imbalance}-r{ranks}-k{lag}.parquet"
-    out.unlink(missing_ok=True)
     delayed = imbalance in ("random_delay", "straggler")
     inject = {"kind": imbalance, "delay_s": d, "seed": 1} if delayed else {}
+    job, out = _job(
+        bundle_dir,
+        data,
+        work / f"scores-{imbalance}-r{ranks}-k{lag}.parquet",
+        ranks,
+        lag,
+        args,
+        inject,
+    )
+    summary = score_job.run(job, processes=True)
+    case = _statistics(summary["ranks"], imbalance, ranks, lag, d if inject else 0.0)
+    return {
+        **case,
+        "rows": summary["rows"],
+        "rows_per_s": summary["rows_per_s"],
+        "_output": out.read_bytes(),
+    }
+
+
+def _independent(bundle_dir, data, work, ranks, args) -> dict:
+    """`ranks` one-rank jobs of the whole input at once, each in its own process: their rows/s
+    summed, their statistics as one case's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cleave.score import job as score_job
+
+    jobs = [
+        _job(bundle_dir, data, work / f"scores-independent-{n}.parquet", 1, 0, args, {})
+        for n in range(ranks)
+    ]
+    with ThreadPoolExecutor(ranks) as pool:
+        summaries = list(pool.map(lambda j: score_job.run(j[0], processes=True), jobs))
+    outputs = {out.read_bytes() for _, out in jobs}
+    case = _statistics([s["ranks"][0] for s in summaries], "balanced", ranks, None, 0.0)
+    return {
+        **case,
+        "kind": "independent",
+        "rows": sum(s["rows"] for s in summaries),
+        "rows_per_s": sum(s["rows_per_s"] for s in summaries),
+        "_output": outputs.pop() if len(outputs) == 1 else b"differ",
+    }
+
+
+def _job(bundle_dir, data, out: Path, ranks: int, lag: int, args, inject: dict):
+    from cleave.score import job as score_job
+
+    out.unlink(missing_ok=True)
     job, _ = score_job.prepare(
         bundle_dir,
         data,
@@ -181,21 +264,20 @@ def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
         threads=args.threads,
         inject=inject,
     )
-    summary = score_job.run(job, processes=True)
-    stats = summary["ranks"]
+    return job, out
+
+
+def _statistics(stats: list[dict], imbalance: str, ranks: int, lag, mean_delay: float) -> dict:
     per_batch = [s["seconds"] / max(s["iterations"], 1) for s in stats]
     steps = [t for s in stats for t in s["steps_s"]]
     stages = {
         k: float(np.mean([s["stages_s"][k] / max(s["iterations"], 1) for s in stats]))
         for k in stats[0]["stages_s"]
     }
-    mean_delay = d if inject else 0.0
     return {
         "imbalance": imbalance,
         "ranks": ranks,
         "lag": lag,
-        "rows": summary["rows"],
-        "rows_per_s": summary["rows_per_s"],
         "per_batch_s": float(np.mean(per_batch)),
         "per_batch_by_rank_s": per_batch,
         "iteration_p50_s": nearest_rank(steps, 0.50),
@@ -203,7 +285,6 @@ def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
         "iteration_p99_s": nearest_rank(steps, 0.99),
         "mean_delay_s": mean_delay,
         "stages_per_batch_s": stages,
-        "_output": out.read_bytes(),
     }
 
 
@@ -212,7 +293,7 @@ def _compare(case: dict, first: dict, imbalance: str, ranks: int, d: float) -> N
     share of the most a lag can save, (P-1)/(P+1) d."""
     case["per_batch_over_lag0"] = case["per_batch_s"] / first["per_batch_s"]
     case["saved_per_batch_s"] = first["per_batch_s"] - case["per_batch_s"]
-    if imbalance == "random_delay":
+    if imbalance == "random_delay" and ranks > 1:  # one rank has no peer to wait for
         bound = (ranks - 1) / (ranks + 1) * d
         case["bound_s"] = bound
         case["saved_of_bound"] = case["saved_per_batch_s"] / bound
@@ -227,28 +308,34 @@ def _compare(case: dict, first: dict, imbalance: str, ranks: int, d: float) -> N
 def _line(case: dict) -> str:
     extra = f", saved {case['saved_of_bound']:.0%} of the bound" if "saved_of_bound" in case else ""
     return (
-        f"{case['imbalance']:<13} ranks {case['ranks']} lag {case['lag']}: "
+        f"{case['imbalance']:<13} ranks {case['ranks']} {_lag(case)}: "
         f"{case['per_batch_s'] * 1e3:.2f} ms/batch, {case['rows_per_s']:,.0f} rows/s{extra}"
     )
 
 
+def _lag(case: dict) -> str:
+    return "independent" if case["lag"] is None else f"lag {case['lag']}"
+
+
 def print_table(result: dict) -> None:
     print(
-        f"{'imbalance':<13} {'ranks':>5} {'lag':>4} {'rows/s':>9} {'ms/batch':>9} "
+        f"{'imbalance':<13} {'ranks':>5} {'lag':>11} {'rows/s':>9} {'ms/batch':>9} "
         f"{'p50 ms':>7} {'p99 ms':>7} {'vs lag 0':>8} {'saved ms':>8} {'of bound':>8} "
-        f"{'delay ms':>8}  same"
+        f"{'delay ms':>8} {'vs 1 rank':>9}  same"
     )
     for c in result["cases"]:
         ratio = f"{c['per_batch_over_lag0']:.3f}" if "per_batch_over_lag0" in c else "-"
         saved = f"{c['saved_per_batch_s'] * 1e3:.2f}" if "saved_per_batch_s" in c else "-"
         bound = f"{c['saved_of_bound']:.0%}" if "saved_of_bound" in c else "-"
         cost = f"{c['delay_cost_s'] * 1e3:.2f}" if "delay_cost_s" in c else "-"
+        speedup = f"{c['speedup_over_1_rank']:.2f}x" if "speedup_over_1_rank" in c else "-"
         same = {True: "yes", False: "NO"}.get(c.get("same_scores_as_lag0"), "-")
+        lag = "indep." if c["lag"] is None else c["lag"]
         print(
-            f"{c['imbalance']:<13} {c['ranks']:>5} {c['lag']:>4} {c['rows_per_s']:>9,.0f} "
+            f"{c['imbalance']:<13} {c['ranks']:>5} {lag:>11} {c['rows_per_s']:>9,.0f} "
             f"{c['per_batch_s'] * 1e3:>9.2f} {c['iteration_p50_s'] * 1e3:>7.2f} "
-            f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8}  "
-            f"{same}"
+            f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8} "
+            f"{speedup:>9}  {same}"
         )
     print(
         f"d = {result['delay_s'] * 1e3:g} ms; batch {result['batch_size']} rows; "
@@ -262,17 +349,17 @@ def plot_cases(result: dict, path: str | Path) -> Path:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    cases = result["cases"]
-    for imbalance in dict.fromkeys(c["imbalance"] for c in cases):
-        mine = [c for c in cases if c["imbalance"] == imbalance]
+    cases = [c for c in result["cases"] if c["lag"] is not None]
+    for imbalance, ranks in dict.fromkeys((c["imbalance"], c["ranks"]) for c in cases):
+        mine = [c for c in cases if (c["imbalance"], c["ranks"]) == (imbalance, ranks)]
         ax.plot(
-            [c["lag"] for c in mine], [c["per_batch_s"] * 1e3 for c in mine], "o-", label=imbalance
+            [c["lag"] for c in mine],
+            [c["per_batch_s"] * 1e3 for c in mine],
+            "o-",
+            label=f"{imbalance}, {ranks} rank{'s' if ranks > 1 else ''}",
         )
     ax.set_xlabel("lag K (iterations)")
     ax.set_ylabel("per-batch time, ms")
-    ax.set_title(
-        f"cleave score, {cases[0]['ranks'] if cases else '?'} ranks, "
-        f"d = {result['delay_s'] * 1e3:g} ms"
-    )
+    ax.set_title(f"cleave score, d = {result['delay_s'] * 1e3:g} ms")
     ax.legend()
     return save_figure(fig, path)
