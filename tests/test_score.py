@@ -308,3 +308,67 @@ def test_bench_score_independent_jobs_score_the_input_once_each(tmp_path):
     )
     assert independent["rows"] == 2 * 256 and len(independent["per_batch_by_rank_s"]) == 2
     assert independent["same_scores_as_lag0"]
+
+
+def test_tables_cut_into_row_ranges_score_like_the_model_at_every_lag(shared, tmp_path):
+    """`--table-layout rows` (every table cut over the ranks, as the planner cuts it over
+    shards): bags cut along the ranges, pooled partially (weighted sums, a mean, a max) and
+    merged, within the tolerance of the model, and bit for bit the same at every lag."""
+    outs = []
+    for lag in (0, 2):
+        out = tmp_path / f"rows-{lag}.parquet"
+        flags = ["--ranks", "2", "--lag", str(lag), "--threads", "1", "--table-layout", "rows"]
+        done = run_score(*_args(shared, out), *flags)
+        assert done.returncode == 0, done.stderr
+        outs.append(pq.read_table(out))
+    assert outs[0].equals(outs[1])
+    assert np.abs(scores(tmp_path / "rows-0.parquet") - shared["want"]).max() <= TOLERANCE
+
+
+class _Gathers(torch.nn.Module):
+    """Three ids per sample, each gathered (pooling none) from a 50-row table, and a bag."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = torch.nn.Embedding(50, 4)
+        self.bag = torch.nn.EmbeddingBag(30, 4, mode="max")
+        self.top = torch.nn.Linear(3 * 4 + 4 + 2, 1)
+
+    def forward(self, ids, bag_ids, bag_offsets, x):
+        gathered = self.rows(ids).flatten(1)
+        return torch.sigmoid(self.top(torch.cat([gathered, self.bag(bag_ids, bag_offsets), x], 1)))
+
+
+def test_gathered_rows_of_a_cut_table_come_back_in_place(tmp_path):
+    """Per-position gathers (pooling none, their count per sample a model symbol) in one
+    process, and from a table cut over three ranks: each id's row from the rank holding it,
+    put back at its position."""
+    torch.manual_seed(0)
+    model = _Gathers().eval()
+    g = torch.Generator().manual_seed(3)
+
+    def batch(n):
+        lengths = torch.randint(0, 4, (n,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        bag_ids = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+        return torch.randint(0, 50, (n, 3), generator=g), bag_ids, offsets, torch.randn(n, 2)
+
+    bundle = cleave.partition(model, batch(4))
+    assert [f["pooling"] for f in bundle.manifest["features"]] == ["none", "max"]
+    data = tmp_path / "gathers.parquet"
+    want = write_input(bundle, model, [batch(20), batch(13)], data, row_group=16)
+    one = tmp_path / "one.parquet"
+    _score(bundle.save(tmp_path / "gathers"), data, one)
+    assert np.abs(scores(one) - want).max() <= TOLERANCE
+    out = tmp_path / "scores.parquet"
+    job, _ = score_job.prepare(
+        tmp_path / "gathers",
+        data,
+        out,
+        ranks=3,
+        batch_size=BATCH,
+        table_layout="rows",
+        threads=1,
+    )
+    score_job.run(job, processes=True)
+    assert np.abs(scores(out) - want).max() <= TOLERANCE

@@ -8,6 +8,7 @@ import sys
 import time
 
 from cleave.errors import UsageError
+from cleave.settings.choices import TABLE_LAYOUTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="iterations ranks may run apart (the bounded-lag alltoallv's K; 0: synchronous)",
     )
     parser.add_argument("--batch-size", type=int, default=1024, help="rows per batch")
+    parser.add_argument(
+        "--table-layout",
+        choices=TABLE_LAYOUTS,
+        default="tables",
+        help="how ranks split the tables, as the planner splits them over shards: whole "
+        "tables (default), or a row range of every table (for a table no rank can hold)",
+    )
     parser.add_argument("--key", default=None, help="an input column copied to the output")
     parser.add_argument(
         "--threads",
@@ -67,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         output=args.output,
         lag=args.lag,
         batch_size=args.batch_size,
+        table_layout=args.table_layout,
         key=args.key,
         threads=args.threads,
         timeout_s=args.timeout,

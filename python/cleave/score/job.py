@@ -17,6 +17,7 @@ from cleave.errors import CleaveError, UsageError
 from cleave.score.input import InputFiles, Schema, check_input
 from cleave.score.output import Job, check_output, merge, resume_iteration
 from cleave.score.ranks import RankGroup
+from cleave.settings.choices import TABLE_LAYOUTS
 
 __all__ = ["prepare", "run", "run_torchrun", "under_torchrun"]
 
@@ -29,6 +30,7 @@ def prepare(
     ranks: int = 1,
     lag: int = 0,
     batch_size: int = 1024,
+    table_layout: str = "tables",
     key: str | None = None,
     threads: int | None = None,
     timeout_s: float = 30.0,
@@ -37,6 +39,10 @@ def prepare(
 ) -> tuple[Job, str]:
     """The job, checked (model, input, output) and placed against its progress record, and
     a note (resumed, or an old record removed). UsageError before any rank starts."""
+    if table_layout not in TABLE_LAYOUTS:
+        raise UsageError(
+            f"--table-layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}"
+        )
     if ranks < 1 or lag < 0 or batch_size < 1 or chunk < 1:
         raise UsageError(
             f"--ranks ({ranks}) and --batch-size ({batch_size}) must be at least 1, --lag "
@@ -63,6 +69,7 @@ def prepare(
         rows=files.rows,
         key=key,
         lag=lag,
+        table_layout=table_layout,
         chunk=chunk,
         threads=threads or max(1, _cores() // ranks),
         timeout_s=timeout_s,

@@ -40,6 +40,7 @@ class Job:
     rows: int
     key: str | None = None
     lag: int = 0
+    table_layout: str = "tables"  # the planner's: whole tables per rank, or row ranges
     chunk: int = 16  # iterations per chunk file
     threads: int = 1
     timeout_s: float = 30.0
@@ -89,7 +90,8 @@ class Job:
 
     def what(self) -> str:
         """What makes two runs the same job: the bundle's manifest, the input files (name,
-        size, time), batch size, ranks and key. Not the lag: every lag scores the same."""
+        size, time), batch size, ranks, key and table layout (a cut table's partial pools add
+        in another order). Not the lag: every lag scores the same."""
         from cleave.bundle import manifest as manifest_io
 
         h = hashlib.sha256()
@@ -101,6 +103,7 @@ class Job:
             st = f.stat()
             h.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\n".encode())
         shape = (self.batch_size, self.ranks, self.key, self.chunk, self.rows, self.block)
+        shape += (self.table_layout,)
         h.update(repr(shape).encode())
         return h.hexdigest()
 

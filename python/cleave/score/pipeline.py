@@ -1,13 +1,19 @@
 """One rank of a `cleave score` job (docs/score.md, "Ranks").
 
 Rank r scores one global batch per iteration (batch b is input rows [b*B, (b+1)*B)): blocks of
-about a row group's batches go round-robin over the ranks (`Job.batch`). It owns whole tables
-(the planner's `table_layout = "tables"`, `plan.planner.whole_tables`). Iteration i, with lag K:
+about a row group's batches go round-robin over the ranks (`Job.batch`). It holds the rows the
+planner's `table_layout` gives it (`plan.planner.table_ranges`, as it gives shards): whole
+tables ("tables", the default here), or a row range of every table ("rows"). Iteration i,
+with lag K:
 
-1. read batch i, send each owner its bags' ids (the ids collective, iteration i);
+1. read batch i, send each owner its bags' ids — a table cut into row ranges gets each bag cut
+   along them (the ids collective, iteration i);
 2. as an owner: receive every rank's ids of iteration i - K, pool them with Cleave's engine
-   (`cleave._native.TableSet`), send the pooled rows back (the pooled collective, i - K);
-3. receive the pooled rows of iteration i - 2K, run the dense program, keep the scores.
+   (`cleave._native.TableSet`), send the pooled rows back (the pooled collective, i - K); a
+   cut bag pools partially (a mean as a sum);
+3. receive the pooled rows of iteration i - 2K, merge the partial pools in owner order (sums
+   added, maxima of the owners that had ids, means divided by the bag's length, gathered rows
+   put back in place), run the dense program, keep the scores.
 
 Every wait is on an iteration K behind the one started, so a rank blocks only when a peer is
 more than K iterations behind it (BLS Listing 2, for two collectives in a row). K = 0 is two
@@ -21,6 +27,7 @@ Run as `python -m cleave.score.pipeline JOB --rank R --world N [--store FILE]` b
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -31,7 +38,7 @@ import pyarrow as pa
 import torch
 
 from cleave.errors import CleaveError
-from cleave.plan.planner import whole_tables
+from cleave.plan.planner import table_ranges
 from cleave.score.collective import BoundedLagAlltoallv
 from cleave.score.input import InputFiles, Schema, apply_transform, flat_values
 from cleave.score.output import Job, write_chunk
@@ -52,14 +59,24 @@ class RankScorer:
         self.job, self.rank, self.world = job, rank, world
         self.bundle = load_bundle(job.bundle)
         self.schema = Schema(self.bundle.manifest)
-        owners = whole_tables(self.bundle.manifest, world)
-        mine = [t for t, r in owners.items() if r == rank]
-        self.tables = (
-            _native.TableSet.open(job.bundle, tables=mine, threads=job.threads) if mine else None
-        )
-        dims = {t["name"]: t["dim"] for t in self.bundle.manifest["tables"]}
+        tables = {t["name"]: t for t in self.bundle.manifest["tables"]}
+        held = table_ranges(self.bundle.manifest, world, job.table_layout)
+        # Per table, its owners in rank order and where each owner's rows start.
+        self.owners = {t: [r for r in range(world) if t in held[r]] for t in tables}
+        self.cuts = {t: np.array([held[r][t][0] for r in o[1:]]) for t, o in self.owners.items()}
+        whole = [t for t, (a, b) in held[rank].items() if (a, b) == (0, tables[t]["rows"])]
+        self.lookups = {}  # table -> the TableSet holding this rank's rows of it
+        if whole:
+            opened = _native.TableSet.open(job.bundle, tables=whole, threads=job.threads)
+            self.lookups = dict.fromkeys(whole, opened)
+        for t, rows in held[rank].items():
+            if t not in self.lookups:
+                self.lookups[t] = _native.TableSet.open(
+                    job.bundle, tables=[t], rows=rows, threads=job.threads
+                )
+        dims = {name: t["dim"] for name, t in tables.items()}
         self.by_owner = [
-            [f for f in self.schema.features if owners[f.table] == r] for r in range(world)
+            [f for f in self.schema.features if r in self.owners[f.table]] for r in range(world)
         ]
         self.dims = {f.name: dims[f.table] for f in self.schema.features}
         self.dense = self.bundle.dense_module()
@@ -77,7 +94,11 @@ class RankScorer:
         table = self.files.read(0, rows, self.columns)
         values = self._dense_inputs(table, rows)
         for f in self.schema.features:
-            shape = [abs(d) for d in f.shape] if f.pooling == "none" else []
+            shape = []
+            if f.pooling == "none":  # a symbolic size (-1) from the rows' own ids
+                per_row = len(flat_values(table.column(f.column).combine_chunks())[0]) // rows
+                known = math.prod(d for d in f.shape if d >= 0)
+                shape = [d if d >= 0 else per_row // known for d in f.shape]
             values[f.output] = torch.zeros(rows, *shape, self.dims[f.name])
         with torch.inference_mode():
             self.bundle.run_dense(values, self.dense)
@@ -160,27 +181,30 @@ class RankScorer:
         stop = min(start + self.job.batch_size, self.job.rows)
         table = self.files.read(start, stop, self.columns) if stop > start else None
         rows = stop - start
-        counts = {}  # feature -> ids per row, as sent
+        cut: dict[str, _Cut] = {}  # feature -> how its bags went to its owners
         parts: list[list[np.ndarray]] = [
             [np.array([rows], dtype=np.int64)] for _ in range(self.world)
         ]
-        for owner, features in enumerate(self.by_owner):
-            for f in features:
-                if rows:
-                    values, lengths = flat_values(table.column(f.column).combine_chunks())
-                    lengths = np.ones(rows, np.int64) if lengths is None else lengths
-                    ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
-                else:
-                    ids, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)
-                counts[f.name] = lengths
-                parts[owner] += [lengths.astype(np.int64, copy=False), ids]
+        for f in self.schema.features:
+            if rows:
+                values, lengths = flat_values(table.column(f.column).combine_chunks())
+                lengths = np.ones(rows, np.int64) if lengths is None else lengths
+                ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
+                w = flat_values(table.column(f.weights).combine_chunks())[0] if f.weights else None
+            else:
+                ids, lengths, w = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+            lengths = lengths.astype(np.int64, copy=False)
+            owners = self.owners[f.table]
+            c = cut[f.name] = _Cut(lengths, owners, ids, self.cuts[f.table])
+            for k, owner in enumerate(owners):
+                mine = c.which == k if c.which is not None else slice(None)
+                parts[owner] += [c.lengths[k], ids[mine]]
                 if f.weights:
-                    w = flat_values(table.column(f.weights).combine_chunks())[0] if rows else []
-                    parts[owner].append(np.asarray(w, dtype=np.float32))
+                    parts[owner].append(np.asarray(w, dtype=np.float32)[mine])
         sends = [torch.from_numpy(np.concatenate([p.view(np.uint8) for p in ps])) for ps in parts]
         self.ids.start(it, sends)
         self.times["read"] += time.perf_counter() - t
-        return table, (rows, counts)
+        return table, (rows, cut)
 
     def _pool(self, it: int) -> None:
         """As an owner: every rank's bags of this iteration, pooled, sent back."""
@@ -194,14 +218,17 @@ class RankScorer:
         for k, f in enumerate(mine):
             lengths = np.concatenate([s[k][0] for s in per_sender])
             ids = np.concatenate([s[k][1] for s in per_sender])
+            lookups = self.lookups[f.table]
             if f.pooling == "none":
-                out = self.tables.gather(f.table, ids)
+                out = lookups.gather(f.table, ids)
                 sizes = [len(s[k][1]) for s in per_sender]
             else:
                 weights = np.concatenate([s[k][2] for s in per_sender]) if f.weights else None
                 offsets = np.zeros(len(lengths) + 1, np.int64)
                 np.cumsum(lengths, out=offsets[1:])
-                out, _ = self.tables.pool(f.table, ids, offsets, weights, f.pooling)
+                # a bag cut along row ranges: a mean is merged as a sum, divided at the end
+                cut = len(self.owners[f.table]) > 1 and f.pooling == "mean"
+                out, _ = lookups.pool(f.table, ids, offsets, weights, "sum" if cut else f.pooling)
                 sizes = [len(s[k][0]) for s in per_sender]
             for sender, part in enumerate(np.split(out, np.cumsum(sizes)[:-1])):
                 replies[sender].append(part.reshape(-1))
@@ -210,12 +237,13 @@ class RankScorer:
         self.times["pool"] += time.perf_counter() - t
 
     def _finish(self, it: int, table, sent: tuple, iteration: int) -> pa.Table | None:
-        rows, counts = sent
+        rows, cut = sent
 
-        def size(f) -> int:  # floats of f's rows from its owner: a row per bag, or per id
-            return self.dims[f.name] * (rows if f.pooling != "none" else int(counts[f.name].sum()))
+        def size(f, owner: int) -> int:  # floats of f's rows from an owner: per bag, or per id
+            n = rows if f.pooling != "none" else int(cut[f.name].of(owner).sum())
+            return self.dims[f.name] * n
 
-        expect = [sum(size(f) for f in features) for features in self.by_owner]
+        expect = [sum(size(f, r) for f in features) for r, features in enumerate(self.by_owner)]
         t = time.perf_counter()
         got = self.pooled.wait(it, expect)
         self.times["wait_pooled"] += time.perf_counter() - t
@@ -223,13 +251,16 @@ class RankScorer:
             return None
         t = time.perf_counter()
         values = self._dense_inputs(table, rows)
+        blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in self.schema.features}
         for owner, features in enumerate(self.by_owner):
             at = 0
             for f in features:
-                block = got[owner][at : at + size(f)]
-                at += size(f)
-                shape = [rows, *f.shape] if f.pooling == "none" else [rows]
-                values[f.output] = block.reshape(*shape, self.dims[f.name])
+                blocks[f.name].append(got[owner][at : at + size(f, owner)])
+                at += size(f, owner)
+        for f in self.schema.features:
+            shape = [rows, *f.shape] if f.pooling == "none" else [rows]
+            merged = cut[f.name].merge(blocks[f.name], f.pooling, self.dims[f.name])
+            values[f.output] = merged.reshape(*shape, self.dims[f.name])
         with torch.inference_mode():
             outputs = self.bundle.run_dense(values, self.dense)
         columns = {}
@@ -257,6 +288,53 @@ class RankScorer:
             shape = [rows, *self.schema.dense_shapes[name]]
             values[name] = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype).reshape(shape)
         return values
+
+
+class _Cut:
+    """One feature's bags in a batch, cut along its table's owners' row ranges (`cuts`: where
+    each owner after the first starts): per owner, the bag lengths it was sent; `which`, the
+    owner of each id (None when the table has one owner). `merge` puts the owners' replies
+    back together, in owner order, so that every lag gives the same bits."""
+
+    def __init__(self, lengths: np.ndarray, owners: list[int], ids: np.ndarray, cuts):
+        self.total = lengths
+        self.owners = owners
+        if len(owners) == 1:
+            self.which, self.lengths = None, [lengths]
+            return
+        self.which = np.searchsorted(cuts, ids, side="right")
+        bag = np.repeat(np.arange(len(lengths)), lengths)
+        self.lengths = [
+            np.bincount(bag[self.which == k], minlength=len(lengths)) for k in range(len(owners))
+        ]
+
+    def of(self, owner: int) -> np.ndarray:
+        return self.lengths[self.owners.index(owner)]
+
+    def merge(self, blocks: list[torch.Tensor], pooling: str, dim: int) -> torch.Tensor:
+        if self.which is None:
+            return blocks[0]
+        if pooling == "none":  # gathered rows: each owner's to its ids' places
+            out = torch.empty(len(self.which), dim)
+            for k, block in enumerate(blocks):
+                out[torch.from_numpy(self.which == k)] = block.reshape(-1, dim)
+            return out
+        parts = [b.reshape(-1, dim) for b in blocks]
+        if pooling == "max":  # only owners that had ids of a bag take part in its max
+            out, seen = parts[0].clone(), torch.from_numpy(self.lengths[0] > 0)
+            for part, lengths in zip(parts[1:], self.lengths[1:], strict=True):
+                has = torch.from_numpy(lengths > 0)
+                out[has & seen] = torch.maximum(out[has & seen], part[has & seen])
+                out[has & ~seen] = part[has & ~seen]
+                seen |= has
+            return out
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out += part
+        if pooling == "mean":  # the engine's mean: the sum over the bag's length, when > 1
+            n = torch.from_numpy(self.total).to(torch.float32).unsqueeze(1)
+            out = torch.where(n > 1, out / n, out)
+        return out
 
 
 def _parse(msg: np.ndarray, features) -> list[tuple]:
