@@ -293,10 +293,10 @@ def test_bench_score_reports_cases_against_lag_0_and_one_rank(tmp_path):
     assert (tmp_path / "score.png").exists()
 
 
-def test_bench_score_independent_jobs_score_the_input_once_each(tmp_path):
+def test_bench_score_independent_jobs_and_the_online_path(tmp_path):
     """--independent: two one-rank jobs at once, their rows and rates summed, each writing
-    what the two-rank job writes."""
-    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2"]
+    what the two-rank job writes; --online: the same bundle served, its rows/s in budget."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2", "--online"]
     flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256", "--independent"]
     _, report = run_bench(tmp_path, "score", *flags)
     ranked, independent = report["cases"]
@@ -308,6 +308,12 @@ def test_bench_score_independent_jobs_score_the_input_once_each(tmp_path):
     )
     assert independent["rows"] == 2 * 256 and len(independent["per_batch_by_rank_s"]) == 2
     assert independent["same_scores_as_lag0"]
+    online = report["online"]
+    assert online["deployment"].startswith("disaggregated") and online["candidates"] == 100
+    # a loaded machine may miss the budget at every rate of the quick sweep: 0 rows/s then
+    assert online["rows_per_s"] == online["max_rate_within_budget"] * 100
+    assert online["budget_ms"] > 0
+    assert "ratios" not in report  # no one-rank case to compare with
 
 
 def test_tables_cut_into_row_ranges_score_like_the_model_at_every_lag(shared, tmp_path):

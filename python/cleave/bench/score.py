@@ -19,13 +19,18 @@ equality with lag 0's; the same-run comparison is lag 0 of the same imbalance an
 `--ranks` may list several counts (`1,2`): each case with more than one rank is then also
 compared with one rank (`speedup_over_1_rank`, rows/s), and `--independent` adds, per count N,
 N one-rank jobs scoring at once (`independent`): how far the cores scale for the same work
-without any exchange. `--throughput` is the scaling run: 1 and 2 ranks of one thread, lags 0
-and 2, balanced, 262,144 rows in batches of 1,024, with the independent jobs.
+without any exchange. `--online` measures the online path on the same cores: `cleave bench
+serve --search` on the same bundle (binary tensors, `--online-candidates` rows a request), its
+highest rate within budget in rows/s (`online`, and `ratios.rank1_over_online`).
+`--throughput` is the scaling run: 1 and 2 ranks of one thread, lags 0 and 2, balanced,
+262,144 rows in batches of 1,024, with the independent jobs and the online path.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,12 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--throughput", action="store_true", help="the scaling run (1 vs 2 ranks; module doc)"
     )
+    parser.add_argument(
+        "--online", action="store_true", help="also the online path's rows/s (cleave bench serve)"
+    )
+    parser.add_argument("--online-candidates", type=int, default=100, help="rows a request")
     parser.add_argument("--quick", action="store_true", help="a smoke run (tests, CI)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.throughput:
-        args.ranks, args.lags, args.imbalance, args.independent = "1,2", "0,2", "balanced", True
+        args.ranks, args.lags, args.imbalance = "1,2", "0,2", "balanced"
+        args.independent = args.online = True
         args.rows, args.batch_size, args.threads = 262144, 1024, 1
     if args.quick:
         args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 case = _independent(bundle_dir, data, work, ranks, args)
             else:
                 case = _case(bundle_dir, data, work, imbalance, ranks, lag, args, d)
+            case["cpu_us_per_row"] = case["cpu_s"] / max(case["rows"], 1) * 1e6
             log(f"[{repeat + 1}/{args.repeats}] {_line(case)}")
             runs.setdefault((imbalance, ranks, lag), []).append(case)
     reference: dict[str, set] = {}  # imbalance -> the bytes its first case wrote
@@ -152,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
             )
             if base:
                 case["delay_cost_s"] = case["per_batch_s"] - base["per_batch_s"]
+    if args.online:
+        result["online"] = _online(bundle_dir, args, work, log)
+        one = [c for c in result["cases"] if (c["ranks"], c["lag"]) == (1, 0)]
+        if one and result["online"]["rows_per_s"]:
+            result["ratios"] = {
+                "rank1_over_online": one[0]["rows_per_s"] / result["online"]["rows_per_s"]
+            }
     print_table(result)
     write_outputs(result, args, plot_cases, log)
     return 0
@@ -250,6 +268,34 @@ def _independent(bundle_dir, data, work, ranks, args) -> dict:
     }
 
 
+def _online(bundle_dir: Path, args, work: Path, log) -> dict:
+    """The online path on the same cores: `cleave bench serve --search` on the bundle (router,
+    shard, ranker), its highest rate within budget as rows/s."""
+    out = work / "online.json"
+    command = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--model", args.model]
+    command += ["--scale", f"{args.scale:g}", "--bundle", str(bundle_dir), "--search"]
+    command += ["--protocol", "binary", "--candidates", str(args.online_candidates)]
+    command += ["--workdir", str(work / "serve"), "--json", str(out)]
+    if args.quick:
+        command += ["--quick"]
+    log(f"online path: {' '.join(command[2:])}")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise UsageError(f"cleave bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
+    served = json.loads(out.read_text())
+    name, deployment = next(
+        (n, d) for n, d in served["deployments"].items() if n.startswith("disaggregated")
+    )
+    rate = deployment["max_rate_within_budget"]
+    return {
+        "deployment": name,
+        "candidates": args.online_candidates,
+        "budget_ms": served["budget_ms"],
+        "max_rate_within_budget": rate,
+        "rows_per_s": rate * args.online_candidates,
+    }
+
+
 def _job(bundle_dir, data, out: Path, ranks: int, lag: int, args, inject: dict):
     from cleave.score import job as score_job
 
@@ -280,6 +326,7 @@ def _statistics(stats: list[dict], imbalance: str, ranks: int, lag, mean_delay: 
         "lag": lag,
         "per_batch_s": float(np.mean(per_batch)),
         "per_batch_by_rank_s": per_batch,
+        "cpu_s": sum(s["cpu_s"] for s in stats),  # the ranks' CPU over their scoring
         "iteration_p50_s": nearest_rank(steps, 0.50),
         "iteration_p95_s": nearest_rank(steps, 0.95),
         "iteration_p99_s": nearest_rank(steps, 0.99),
@@ -309,7 +356,8 @@ def _line(case: dict) -> str:
     extra = f", saved {case['saved_of_bound']:.0%} of the bound" if "saved_of_bound" in case else ""
     return (
         f"{case['imbalance']:<13} ranks {case['ranks']} {_lag(case)}: "
-        f"{case['per_batch_s'] * 1e3:.2f} ms/batch, {case['rows_per_s']:,.0f} rows/s{extra}"
+        f"{case['per_batch_s'] * 1e3:.2f} ms/batch, {case['rows_per_s']:,.0f} rows/s, "
+        f"{case['cpu_us_per_row']:.2f} CPU us/row{extra}"
     )
 
 
@@ -321,7 +369,7 @@ def print_table(result: dict) -> None:
     print(
         f"{'imbalance':<13} {'ranks':>5} {'lag':>11} {'rows/s':>9} {'ms/batch':>9} "
         f"{'p50 ms':>7} {'p99 ms':>7} {'vs lag 0':>8} {'saved ms':>8} {'of bound':>8} "
-        f"{'delay ms':>8} {'vs 1 rank':>9}  same"
+        f"{'delay ms':>8} {'vs 1 rank':>9} {'CPU us/row':>10}  same"
     )
     for c in result["cases"]:
         ratio = f"{c['per_batch_over_lag0']:.3f}" if "per_batch_over_lag0" in c else "-"
@@ -335,7 +383,14 @@ def print_table(result: dict) -> None:
             f"{c['imbalance']:<13} {c['ranks']:>5} {lag:>11} {c['rows_per_s']:>9,.0f} "
             f"{c['per_batch_s'] * 1e3:>9.2f} {c['iteration_p50_s'] * 1e3:>7.2f} "
             f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8} "
-            f"{speedup:>9}  {same}"
+            f"{speedup:>9} {c['cpu_us_per_row']:>10.2f}  {same}"
+        )
+    if "online" in result:
+        o = result["online"]
+        print(
+            f"online path ({o['deployment']}, {o['candidates']} rows a request, "
+            f"{o['budget_ms']:g} ms budget): {o['rows_per_s']:,.0f} rows/s; one rank / online "
+            f"= {result.get('ratios', {}).get('rank1_over_online', float('nan')):.2f}x"
         )
     print(
         f"d = {result['delay_s'] * 1e3:g} ms; batch {result['batch_size']} rows; "

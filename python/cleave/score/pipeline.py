@@ -113,7 +113,7 @@ class RankScorer:
         first, last = job.start, job.iterations  # this run's iterations [first, last)
         batches: dict[int, tuple] = {}  # iteration -> (rows table, its bag counts)
         chunk: list[pa.Table] = []
-        rows_done, began = 0, time.perf_counter()
+        rows_done, began, cpu = 0, time.perf_counter(), time.process_time()
         for step in range(first, last + 2 * K):
             t0 = time.perf_counter()
             if step < last:
@@ -147,6 +147,7 @@ class RankScorer:
         self.pooled.close()
         elapsed = time.perf_counter() - began
         return {
+            "cpu_s": time.process_time() - cpu,  # every thread's: gloo's I/O too
             "rank": self.rank,
             "rows": rows_done,
             "iterations": last - first,
