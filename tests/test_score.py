@@ -299,8 +299,9 @@ def test_bench_score_independent_jobs_and_the_online_path(tmp_path):
     flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2", "--online"]
     flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256", "--independent"]
     _, report = run_bench(tmp_path, "score", *flags)
-    ranked, independent = report["cases"]
-    assert (ranked["ranks"], ranked["lag"]) == (2, 0) and ranked["rows"] == 256
+    ranked, independent, whole = report["cases"]
+    assert (ranked["ranks"], ranked["lag"], ranked["threads"]) == (2, 0, 1)
+    assert ranked["rows"] == 256
     assert (independent["kind"], independent["ranks"], independent["lag"]) == (
         "independent",
         2,
@@ -313,7 +314,13 @@ def test_bench_score_independent_jobs_and_the_online_path(tmp_path):
     # a loaded machine may miss the budget at every rate of the quick sweep: 0 rows/s then
     assert online["rows_per_s"] == online["max_rate_within_budget"] * 100
     assert online["budget_ms"] > 0
-    assert "ratios" not in report  # no one-rank case to compare with
+    # the online path's reference: one process on every core
+    assert (whole["ranks"], whole["threads"]) == (1, len(os.sched_getaffinity(0)))
+    assert whole["rows"] == 256
+    assert online["rank1_threads"] == whole["threads"]
+    if online["rows_per_s"]:
+        ratio = report["ratios"]["rank1_over_online"]
+        assert ratio == pytest.approx(whole["rows_per_s"] / online["rows_per_s"])
 
 
 def test_tables_cut_into_row_ranges_score_like_the_model_at_every_lag(shared, tmp_path):

@@ -23,7 +23,8 @@ without any exchange. `--online` measures the online path on the same cores: `cl
 serve --search` on the same bundle (binary tensors, `--online-candidates` rows a request), its
 highest rate within budget in rows/s (`online`, and `ratios.rank1_over_online`).
 `--throughput` is the scaling run: 1 and 2 ranks of one thread, lags 0 and 2, balanced,
-262,144 rows in batches of 1,024, with the independent jobs and the online path.
+262,144 rows in batches of 4,096 (unless `--batch-size`), with the independent jobs, the online
+path and, as its reference, one process on every core.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {', '.join(IMBALANCES)}",
     )
     parser.add_argument("--rows", type=int, default=32768, help="input rows")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="rows a batch (default 64; --throughput 4096)"
+    )
     # d well above a batch's work on 4 ranks sharing 2 cores (20-30 ms), so that the delays,
     # not the cores, decide what a lag saves
     parser.add_argument("--delay-ms", type=float, default=50.0, help="d: the mean delay")
@@ -81,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.throughput:
         args.ranks, args.lags, args.imbalance = "1,2", "0,2", "balanced"
         args.independent = args.online = True
-        args.rows, args.batch_size, args.threads = 262144, 1024, 1
+        args.rows, args.threads = 262144, 1
+        args.batch_size = args.batch_size or 4096
+    args.batch_size = args.batch_size or 64
     if args.quick:
         args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
     lags = [int(x) for x in args.lags.split(",")]
@@ -113,29 +118,36 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "cases": [],
     }
-    # (imbalance, ranks, lag) per case; lag None: `ranks` independent one-rank jobs at once
+    # (imbalance, ranks, lag, threads) per case; lag None: `ranks` independent one-rank jobs
     keys = [
-        (imbalance, ranks, lag)
+        (imbalance, ranks, lag, args.threads)
         for imbalance in imbalances
         for ranks in counts
         for lag in ([0] if ranks == 1 else lags)
         + ([None] if args.independent and ranks > 1 and imbalance == "balanced" else [])
     ]
+    cores = describe()["cores"]
+    if (
+        args.online and cores != args.threads
+    ):  # the online path's reference: one process, every core
+        keys.append(("balanced", 1, 0, cores))
     runs: dict[tuple, list[dict]] = {}
     for repeat in range(args.repeats):  # repeats outermost: a drift in load hits every case
-        for imbalance, ranks, lag in keys:
+        for key in keys:
+            imbalance, ranks, lag, threads = key
             data = inputs["hot_table" if imbalance == "hot_table" else "balanced"]
             if lag is None:
                 case = _independent(bundle_dir, data, work, ranks, args)
             else:
-                case = _case(bundle_dir, data, work, imbalance, ranks, lag, args, d)
+                case = _case(bundle_dir, data, work, imbalance, ranks, lag, threads, args, d)
+            case["threads"] = threads
             case["cpu_us_per_row"] = case["cpu_s"] / max(case["rows"], 1) * 1e6
             log(f"[{repeat + 1}/{args.repeats}] {_line(case)}")
-            runs.setdefault((imbalance, ranks, lag), []).append(case)
+            runs.setdefault(key, []).append(case)
     reference: dict[str, set] = {}  # imbalance -> the bytes its first case wrote
     chosen: dict[tuple, dict] = {}
     for key in keys:
-        imbalance, ranks, lag = key
+        imbalance, ranks, lag, threads = key
         mine = sorted(runs[key], key=lambda c: c["per_batch_s"])
         case = chosen[key] = mine[len(mine) // 2]  # the median run
         case["per_batch_runs_s"] = [c["per_batch_s"] for c in runs[key]]
@@ -143,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
         reference.setdefault(imbalance, outputs)
         case["same_scores_as_lag0"] = len(outputs) == 1 and outputs == reference[imbalance]
         if lag is not None:
-            _compare(case, chosen[imbalance, ranks, 0], imbalance, ranks, d)
-        if ranks > 1 and (imbalance, 1, 0) in runs:  # per repeat (the same moment), median
-            pairs = zip(runs[key], runs[imbalance, 1, 0], strict=True)
+            _compare(case, chosen[imbalance, ranks, 0, threads], imbalance, ranks, d)
+        one = (imbalance, 1, 0, args.threads)
+        if ranks > 1 and one in runs:  # per repeat (the same moment), median
+            pairs = zip(runs[key], runs[one], strict=True)
             case["speedup_over_1_rank"] = float(
                 np.median([c["rows_per_s"] / one["rows_per_s"] for c, one in pairs])
             )
@@ -165,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
                 case["delay_cost_s"] = case["per_batch_s"] - base["per_batch_s"]
     if args.online:
         result["online"] = _online(bundle_dir, args, work, log)
+        # the one-process case on the most threads: the cores the online path had
         one = [c for c in result["cases"] if (c["ranks"], c["lag"]) == (1, 0)]
         if one and result["online"]["rows_per_s"]:
+            best = max(one, key=lambda c: c["threads"])
             result["ratios"] = {
-                "rank1_over_online": one[0]["rows_per_s"] / result["online"]["rows_per_s"]
+                "rank1_over_online": best["rows_per_s"] / result["online"]["rows_per_s"]
             }
+            result["online"]["rank1_threads"] = best["threads"]
     print_table(result)
     write_outputs(result, args, plot_cases, log)
     return 0
@@ -220,7 +236,7 @@ def _prepare(args, work: Path, log) -> tuple[Path, dict[str, Path]]:
     return bundle_dir, inputs
 
 
-def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
+def _case(bundle_dir, data, work, imbalance, ranks, lag, threads, args, d) -> dict:
     from cleave.score import job as score_job
 
     delayed = imbalance in ("random_delay", "straggler")
@@ -228,9 +244,10 @@ def _case(bundle_dir, data, work, imbalance, ranks, lag, args, d) -> dict:
     job, out = _job(
         bundle_dir,
         data,
-        work / f"scores-{imbalance}-r{ranks}-k{lag}.parquet",
+        work / f"scores-{imbalance}-r{ranks}-k{lag}-t{threads}.parquet",
         ranks,
         lag,
+        threads,
         args,
         inject,
     )
@@ -252,7 +269,9 @@ def _independent(bundle_dir, data, work, ranks, args) -> dict:
     from cleave.score import job as score_job
 
     jobs = [
-        _job(bundle_dir, data, work / f"scores-independent-{n}.parquet", 1, 0, args, {})
+        _job(
+            bundle_dir, data, work / f"scores-independent-{n}.parquet", 1, 0, args.threads, args, {}
+        )
         for n in range(ranks)
     ]
     with ThreadPoolExecutor(ranks) as pool:
@@ -296,7 +315,7 @@ def _online(bundle_dir: Path, args, work: Path, log) -> dict:
     }
 
 
-def _job(bundle_dir, data, out: Path, ranks: int, lag: int, args, inject: dict):
+def _job(bundle_dir, data, out: Path, ranks: int, lag: int, threads: int, args, inject: dict):
     from cleave.score import job as score_job
 
     out.unlink(missing_ok=True)
@@ -307,7 +326,7 @@ def _job(bundle_dir, data, out: Path, ranks: int, lag: int, args, inject: dict):
         ranks=ranks,
         lag=lag,
         batch_size=args.batch_size,
-        threads=args.threads,
+        threads=threads,
         inject=inject,
     )
     return job, out
@@ -355,7 +374,7 @@ def _compare(case: dict, first: dict, imbalance: str, ranks: int, d: float) -> N
 def _line(case: dict) -> str:
     extra = f", saved {case['saved_of_bound']:.0%} of the bound" if "saved_of_bound" in case else ""
     return (
-        f"{case['imbalance']:<13} ranks {case['ranks']} {_lag(case)}: "
+        f"{case['imbalance']:<13} ranks {case['ranks']} {_lag(case)}, {case['threads']} thread(s): "
         f"{case['per_batch_s'] * 1e3:.2f} ms/batch, {case['rows_per_s']:,.0f} rows/s, "
         f"{case['cpu_us_per_row']:.2f} CPU us/row{extra}"
     )
@@ -367,7 +386,7 @@ def _lag(case: dict) -> str:
 
 def print_table(result: dict) -> None:
     print(
-        f"{'imbalance':<13} {'ranks':>5} {'lag':>11} {'rows/s':>9} {'ms/batch':>9} "
+        f"{'imbalance':<13} {'ranks':>5} {'thr':>3} {'lag':>11} {'rows/s':>9} {'ms/batch':>9} "
         f"{'p50 ms':>7} {'p99 ms':>7} {'vs lag 0':>8} {'saved ms':>8} {'of bound':>8} "
         f"{'delay ms':>8} {'vs 1 rank':>9} {'CPU us/row':>10}  same"
     )
@@ -380,7 +399,8 @@ def print_table(result: dict) -> None:
         same = {True: "yes", False: "NO"}.get(c.get("same_scores_as_lag0"), "-")
         lag = "indep." if c["lag"] is None else c["lag"]
         print(
-            f"{c['imbalance']:<13} {c['ranks']:>5} {lag:>11} {c['rows_per_s']:>9,.0f} "
+            f"{c['imbalance']:<13} {c['ranks']:>5} {c['threads']:>3} {lag:>11} "
+            f"{c['rows_per_s']:>9,.0f} "
             f"{c['per_batch_s'] * 1e3:>9.2f} {c['iteration_p50_s'] * 1e3:>7.2f} "
             f"{c['iteration_p99_s'] * 1e3:>7.2f} {ratio:>8} {saved:>8} {bound:>8} {cost:>8} "
             f"{speedup:>9} {c['cpu_us_per_row']:>10.2f}  {same}"
@@ -405,13 +425,18 @@ def plot_cases(result: dict, path: str | Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     cases = [c for c in result["cases"] if c["lag"] is not None]
-    for imbalance, ranks in dict.fromkeys((c["imbalance"], c["ranks"]) for c in cases):
-        mine = [c for c in cases if (c["imbalance"], c["ranks"]) == (imbalance, ranks)]
+    lines = dict.fromkeys((c["imbalance"], c["ranks"], c["threads"]) for c in cases)
+    for imbalance, ranks, threads in lines:
+        mine = [
+            c
+            for c in cases
+            if (c["imbalance"], c["ranks"], c["threads"]) == (imbalance, ranks, threads)
+        ]
         ax.plot(
             [c["lag"] for c in mine],
             [c["per_batch_s"] * 1e3 for c in mine],
             "o-",
-            label=f"{imbalance}, {ranks} rank{'s' if ranks > 1 else ''}",
+            label=f"{imbalance}, {ranks} rank{'s' if ranks > 1 else ''} of {threads} thread(s)",
         )
     ax.set_xlabel("lag K (iterations)")
     ax.set_ylabel("per-batch time, ms")
