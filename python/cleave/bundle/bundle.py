@@ -97,6 +97,7 @@ class Bundle:
             "shared_inputs": self.manifest["shared_inputs"],
             "batched": self.manifest["dense"].get("batched"),
             "dense_dtype": self.dense_dtype,
+            "dense_dtypes": self.manifest["dense"].get("dtypes"),
             "accuracy": self.manifest["dense"].get("accuracy"),
         }
 
@@ -157,12 +158,13 @@ class Bundle:
         names = self.manifest["dense"]["inputs"]
         return tuple((dense or self.dense_module())(*[values[n] for n in names]))
 
-    def reference(self, *args):
+    def reference(self, *args, dtype: str | None = None):
         """The model's outputs: the sparse side by the reference executor, then the dense
-        program. Returns the same structure as the model's forward."""
+        program (at `dtype`, default the bundle's). Returns the same structure as the model's
+        forward."""
         inputs = self.named_inputs(*args)
         values = {**inputs, **self.sparse_reference(inputs)}
-        flat = self.run_dense(values)
+        flat = self.run_dense(values, self.dense_module(dtype))
         spec = pytree.treespec_loads(self.manifest["output_spec"])
         return pytree.tree_unflatten(list(flat), spec)
 
