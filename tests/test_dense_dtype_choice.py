@@ -198,3 +198,34 @@ def _body(bundle_dir) -> bytes:
     bundle = cleave.load_bundle(bundle_dir, verify=False)
     args = RequestGenerator("shared", scale=SCALE, seed=3).batch(8)
     return infer_body(bundle.named_inputs(*args))
+
+
+# -- cleave bench serve ---------------------------------------------------------------------
+
+
+def test_bench_serve_without_a_dtype_serves_the_choice_and_float32_from_one_bundle(tmp_path):
+    import argparse
+
+    from cleave.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(
+        ["--quick", "--model", "shared", "--scale", str(SCALE), "--candidates", "16"]
+        + ["--requests", "2", "--workdir", str(tmp_path)]
+    )
+    serve._check_args(args)
+    workload = serve.Workload(args)
+    assert workload.served_dtypes == ALL  # the reference model's labelled set approves all
+    targets = serve._targets(args, workload, {})
+    assert list(targets) == ["disaggregated", "disaggregated-float32"]
+    main, fp32 = targets.values()
+    assert main.bundle == fp32.bundle == workload.bundle_dir
+    assert "--dense-dtype" not in main.flags  # the rankers choose
+    assert fp32.flags[-2:] == ["--dense-dtype", "float32"] and fp32.want_model
+    # Responses are checked against the bundle's reference at the dtype the rankers serve.
+    bf16 = workload.bundle.reference(*workload.inputs[0], dtype="bfloat16")
+    response = {"outputs": [{"shape": list(bf16.shape), "data": bf16.reshape(-1).tolist()}]}
+    assert workload.check(0, response, dtype="bfloat16") <= 1e-6
+    assert workload.check(0, response, dtype="float32") > 1e-6
+    assert 0 < workload.distance_for["bfloat16"] <= 0.02
