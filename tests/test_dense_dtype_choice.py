@@ -66,14 +66,19 @@ def test_settle_probes_only_with_several_candidates_and_an_explicit_dtype_wins(m
         runs.append(module)
 
     monkeypatch.setattr(dense_dtype, "probe", lambda modules, inputs, run: timed)
-    choice = settle(manifest, "auto", "cpu", lambda d: d, ([torch.zeros(4)], 4), run)
+
+    def batch():
+        return [torch.zeros(4)], 4
+
+    choice = settle(manifest, "auto", "cpu", lambda d: d, batch, run)
     assert choice == DenseChoice("int8", "probe", timed, 4)
     assert served_in([f"[ranker-0] x INFO cleave.ranker: {dense_dtype.describe(choice)}"]) == "int8"
     # On a GPU int8 (FBGEMM, CPU only) is no candidate.
     timed.pop("int8")
-    assert settle(manifest, "auto", "cuda", str, ([torch.zeros(4)], 4), run).dtype == "float32"
+    assert settle(manifest, "auto", "cuda", str, batch, run).dtype == "float32"
     # An explicit dtype is served without a probe; one the bundle does not approve is refused.
     assert settle(manifest, "bfloat16", "cpu", str, None, run) == DenseChoice("bfloat16", "flag")
+    assert settle(manifest, "auto", "cpu", str, lambda: None, run).chosen_by == "bundle"
     manifest["dense"]["dtypes"]["int8"] = {"approved": False, "refused": "AUC moved"}
     with pytest.raises(UsageError, match="--dense-dtype int8: the bundle approves float32, bf"):
         settle(manifest, "int8", "cpu", str, None, run)

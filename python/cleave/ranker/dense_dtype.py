@@ -2,7 +2,7 @@
 the one asked for (`--dense-dtype`, one the bundle approves), the bundle's only one, or, when
 the bundle approves several, the fastest of them here: measured at start by a short probe of
 each on the ranker's own device and threads, at the bundle's typical batch size. A deployment
-serves one dtype on every ranker: its launcher settles it (cleave/runners/supervised.py)."""
+serves one dtype on every ranker: the first one's (cleave/runners/roles.py, rankers_choose)."""
 
 from __future__ import annotations
 
@@ -66,17 +66,19 @@ def candidates(manifest: dict, asked: str, device: str) -> list[str]:
     return runnable or allowed  # int8 alone on a GPU: refused with its reason later
 
 
-def settle(manifest: dict, asked: str, device: str, modules, inputs, run) -> DenseChoice:
+def settle(manifest: dict, asked: str, device: str, modules, batch, run) -> DenseChoice:
     """The DenseChoice for this ranker. With several candidates, `modules(dtype)` gives each
-    one's program, timed by `run(module, inputs)` on `inputs` (a batch of `rows` rows)."""
+    one's program, timed by `run(module, inputs)` on the `(inputs, rows)` that `batch()`
+    gives (None: no batch to time)."""
     options = candidates(manifest, asked, device)
+    timed = batch() if len(options) > 1 else None
     if len(options) == 1:
         choice = DenseChoice(options[0], "flag" if asked != "auto" else "bundle")
-    elif inputs is None:  # no batch to time (a symbolic size): the most precise
+    elif timed is None:  # no batch to time (a symbolic size): the most precise
         choice = DenseChoice(options[0], "bundle")
     else:
-        seconds = probe({d: modules(d) for d in options}, inputs[0], run)
-        choice = DenseChoice(choose(seconds), "probe", seconds, inputs[1])
+        seconds = probe({d: modules(d) for d in options}, timed[0], run)
+        choice = DenseChoice(choose(seconds), "probe", seconds, timed[1])
     log.info("%s", describe(choice))
     return choice
 

@@ -122,12 +122,13 @@ def load_ranker(
         torch.set_num_threads(threads)
     batched = shared_batching and not monolithic and bool(bundle.per_request_inputs)
     sig = signature(bundle.manifest, monolithic, batched)
+    dense_sig = signature(bundle.manifest, False, batched)  # the probe times the dense program
     choice = dense_precision.settle(
         bundle.manifest,
         dense_dtype,
         device,
         lambda d: bundle.dense_module(d, batched=batched).to(device),
-        dense_precision.probe_batch(bundle, signature(bundle.manifest, False, batched), max_batch),
+        lambda: dense_precision.probe_batch(bundle, dense_sig, max_batch),
         lambda module, inputs: _run_on(device, module, inputs),
     )
     dtype = choice.dtype
