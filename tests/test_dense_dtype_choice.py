@@ -234,3 +234,5 @@ def test_bench_serve_without_a_dtype_serves_the_choice_and_float32_from_one_bund
     assert workload.check(0, response, dtype="bfloat16") <= 1e-6
     assert workload.check(0, response, dtype="float32") > 1e-6
     assert 0 < workload.distance_for["bfloat16"] <= 0.02
+    # Each dtype's roofline: the one the rankers serve is reported once they chose.
+    assert {d: r["dtype"] for d, r in workload.roofline["by_dtype"].items()} == {d: d for d in ALL}

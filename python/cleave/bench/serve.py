@@ -452,6 +452,9 @@ def run(args: argparse.Namespace) -> int:
         served = targets["disaggregated"].dense_dtype if "disaggregated" in targets else None
         result["dense_dtype_served"] = served or workload.bundle.dense_dtype
         result["float32_distance"] = workload.distance_for.get(served, workload.float32_distance)
+        by_dtype = (workload.roofline or {}).get("by_dtype", {})
+        if served in by_dtype:  # the rankers' own choice
+            workload.roofline["served"] = by_dtype[served]
     if args.shard_hosts:
         result["ratios"] = hosts.hosts_ratios(result)
     if args.check:

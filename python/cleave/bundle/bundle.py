@@ -133,6 +133,12 @@ class Bundle:
             )
         return self._dense_modules[dtype, batched]
 
+    def keep_dense_modules(self, dtype: str) -> None:
+        """Forgets the programs converted to dtypes other than `dtype` and float32 (a ranker's
+        probe made them; only the one it chose is served)."""
+        for key in [k for k in self._dense_modules if k[0] not in (dtype, "float32")]:
+            del self._dense_modules[key]
+
     def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:
         """Keeps `dense_inputs` and the float32 program's outputs on them as the probe."""
         with torch.inference_mode():

@@ -132,6 +132,7 @@ def load_ranker(
         lambda module, inputs: _run_on(device, module, inputs),
     )
     dtype = choice.dtype
+    bundle.keep_dense_modules(dtype)
     if dtype == "int8" and device != "cpu":
         raise UsageError(f"int8 dense programs run on the CPU (FBGEMM), not on {device!r}")
     reason = slow_reason(dtype, device)

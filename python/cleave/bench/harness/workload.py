@@ -162,7 +162,8 @@ def default_budget_ms(roofline: dict) -> float:
 
 def _rooflines(workload: Workload, args) -> dict:
     """The served dense program (and the float32 one) against the matmul peak, at the threads
-    a ranker gets; and the float32 program on one thread, which the default budget scales by."""
+    a ranker gets; and the float32 program on one thread, which the default budget scales by.
+    For a bundle whose rankers choose among dtypes, each one's (`by_dtype`, uncompiled)."""
     import cleave
     from cleave.bench.roofline import roofline
     from cleave.settings import ServeConfig
@@ -186,6 +187,11 @@ def _rooflines(workload: Workload, args) -> dict:
     if fp32 is not bundle:
         result["float32"] = roofline(fp32, dense_args, threads)
     result["float32_one_thread_ms"] = roofline(fp32, dense_args, 1)["dense_ms"]
+    if len(workload.served_dtypes) > 1:  # the rankers choose: "served" is set once known
+        result["by_dtype"] = {
+            d: served if d == bundle.dense_dtype else roofline(bundle, dense_args, threads, dtype=d)
+            for d in workload.served_dtypes
+        }
     return result
 
 
