@@ -5,6 +5,7 @@ and every ranker of a deployment serves the first one's choice."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import cleave
 import pytest
@@ -26,19 +27,31 @@ from support.processes import get
 from support.waiting import wait_for
 
 SCALE = 0.01
-# bfloat16 moves this model's scores by 0.0039 on its labelled set, int8 (its first layer in
-# int8, the others in bfloat16) by 0.0033: a tolerance between refuses one, approves the other.
-BETWEEN = AccuracyLimits(max_auc_drop=0.001, score_tolerance=0.0036)
 ALL = ["float32", "bfloat16", "int8"]
 
 
 @pytest.fixture(scope="module")
-def several(tmp_path_factory):
-    """A bundle of the shared-input model approving float32 and int8, refusing bfloat16."""
+def roles(tmp_path_factory) -> dict:
+    """A bundle of the shared-input model approving float32 and int8, refusing bfloat16: its
+    score tolerance lies just under how far bfloat16 moves the scores on this CPU (measured
+    first: rounding differs between CPUs), which int8 meets by keeping fewer layers in int8.
+    {"dir", "approved", "refused", "limits"}."""
     net, example = MODELS["shared"].factory(scale=SCALE)
     labelled = RequestGenerator("shared", scale=SCALE).labelled(1024, 256)
-    bundle = cleave.partition(net, example, dense_dtypes=ALL, labelled=labelled, limits=BETWEEN)
-    return bundle.save(tmp_path_factory.mktemp("several") / "shared")
+    loose = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)
+    bf16 = cleave.partition(
+        net, example, dense_dtypes=["bfloat16"], labelled=labelled, limits=loose
+    )
+    moved = bf16.manifest["dense"]["dtypes"]["bfloat16"]["accuracy"]["max_score_diff"]
+    limits = AccuracyLimits(max_auc_drop=1.0, score_tolerance=0.99 * moved)
+    bundle = cleave.partition(net, example, dense_dtypes=ALL, labelled=labelled, limits=limits)
+    path = bundle.save(tmp_path_factory.mktemp("several") / "shared")
+    return {"dir": path, "approved": "int8", "refused": "bfloat16", "limits": limits}
+
+
+@pytest.fixture(scope="module")
+def several(roles) -> Path:
+    return roles["dir"]
 
 
 # -- the chooser ----------------------------------------------------------------------------
@@ -103,18 +116,19 @@ def test_the_probe_times_every_module_within_its_budget():
 # -- the partitioner ------------------------------------------------------------------------
 
 
-def test_partition_records_each_listed_dtype_approved_or_refused(several):
-    bundle = cleave.load_bundle(several)
+def test_partition_records_each_listed_dtype_approved_or_refused(roles):
+    bundle = cleave.load_bundle(roles["dir"])
+    approved, refused = roles["approved"], roles["refused"]
     dense = bundle.manifest["dense"]
-    assert dense["dtype"] == "float32" and served_dtypes(bundle.manifest) == ["float32", "int8"]
+    assert dense["dtype"] == "float32" and served_dtypes(bundle.manifest) == ["float32", approved]
     table = dense["dtypes"]
     assert list(table) == ALL
     assert table["float32"]["approved"] and table["float32"]["dense_us_per_sample"] > 0
-    assert table["bfloat16"]["approved"] is False
-    assert "scores moved by up to" in table["bfloat16"]["refused"]
-    int8 = table["int8"]
-    assert int8["approved"] and int8["dense_us_per_sample"] > 0
-    assert int8["accuracy"]["max_score_diff"] <= BETWEEN.score_tolerance
+    assert table[refused]["approved"] is False
+    assert "scores moved by up to" in table[refused]["refused"]
+    chosen = table[approved]
+    assert chosen["approved"] and chosen["dense_us_per_sample"] > 0
+    assert chosen["accuracy"]["max_score_diff"] <= roles["limits"].score_tolerance
     assert dense["int8_layers"]  # the approved int8 program's layers, where convert reads them
     assert dense["demand"]["dense_us_per_sample"] == table["float32"]["dense_us_per_sample"]
 
@@ -143,12 +157,13 @@ def test_partition_cli_refuses_bad_dtype_lists_before_loading_the_model(tmp_path
 # -- the ranker -----------------------------------------------------------------------------
 
 
-def test_a_ranker_serves_the_fastest_approved_dtype_and_reports_it(several):
+def test_a_ranker_serves_the_fastest_approved_dtype_and_reports_it(roles):
+    several, approved, refused = roles["dir"], roles["approved"], roles["refused"]
     queue = LocalQueue()
     batcher = load_ranker(several, queue, threads=1)
     choice = batcher.dense_choice
-    assert choice.chosen_by == "probe" and choice.dtype in ("float32", "int8")
-    assert set(choice.seconds) == {"float32", "int8"} and choice.rows >= 100
+    assert choice.chosen_by == "probe" and choice.dtype in ("float32", approved)
+    assert set(choice.seconds) == {"float32", approved} and choice.rows >= 100
     assert choice.dtype == choose(choice.seconds)
     probes = Probes(batcher)
     try:
@@ -157,13 +172,13 @@ def test_a_ranker_serves_the_fastest_approved_dtype_and_reports_it(several):
         probes.close()
     assert status == 200
     assert f'cleave_ranker_dense_dtype{{chosen_by="probe",dtype="{choice.dtype}"}} 1.0' in text
-    for dtype in ("float32", "int8"):
+    for dtype in ("float32", approved):
         assert re.search(rf'cleave_ranker_dense_probe_seconds{{dtype="{dtype}",rows="\d+"}}', text)
     # Asked for: served without a probe; a refused dtype is not served.
     forced = load_ranker(several, LocalQueue(), threads=1, dense_dtype="float32").dense_choice
     assert forced == DenseChoice("float32", "flag")
-    with pytest.raises(UsageError, match="--dense-dtype bfloat16: the bundle approves"):
-        load_ranker(several, LocalQueue(), threads=1, dense_dtype="bfloat16")
+    with pytest.raises(UsageError, match=f"--dense-dtype {refused}: the bundle approves"):
+        load_ranker(several, LocalQueue(), threads=1, dense_dtype=refused)
 
 
 def test_rankers_of_a_deployment_serve_the_first_ones_choice(several):
