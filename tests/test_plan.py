@@ -369,6 +369,13 @@ def test_role_errors(bundle):
     plan.router.budget_ms = -1.0
     check_fails(plan, "router.budget_ms: expected in (0, max_budget_ms]")
 
+    plan = plan4(bundle)  # one dense dtype for every ranker: scores never depend on which
+    plan.rankers.append(dataclasses.replace(plan.rankers[0], name="ranker-1", port=7101))
+    plan.rankers[1].dense_dtype = "int8"
+    check_fails(plan, "rankers[*].dense_dtype: expected one for every ranker, got auto, int8")
+    plan.rankers[0].dense_dtype = "fp7"
+    check_fails(plan, 'rankers[0].dense_dtype: expected "auto", "float32"', "'fp7'")
+
 
 def test_resource_errors(bundle):
     plan = plan4(bundle)

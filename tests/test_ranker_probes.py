@@ -10,6 +10,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from cleave.ranker.batcher import BatchStats
+from cleave.ranker.dense_dtype import DenseChoice
 from cleave.ranker.probes import Probes
 
 
@@ -22,8 +23,11 @@ def get(url: str) -> tuple[int, bytes]:
 
 
 def test_probes_report_health_and_the_loops_counters():
+    choice = DenseChoice("int8", "probe", {"float32": 0.041, "int8": 0.0125}, 100)
     batcher = SimpleNamespace(
-        stats=BatchStats(requests=7, batches=3, dropped_deadline=2), queue=deque([1, 2])
+        stats=BatchStats(requests=7, batches=3, dropped_deadline=2),
+        queue=deque([1, 2]),
+        dense_choice=choice,
     )
     probes = Probes(batcher)
     try:
@@ -42,6 +46,9 @@ def test_probes_report_health_and_the_loops_counters():
         assert 'cleave_ranker_requests_total{outcome="deadline"} 2.0' in text
         assert "cleave_ranker_batches_total 3.0" in text
         assert "cleave_ranker_queue_depth 2.0" in text
+        assert 'cleave_ranker_dense_dtype{chosen_by="probe",dtype="int8"} 1.0' in text
+        probed = 'cleave_ranker_dense_probe_seconds{dtype="%s",rows="100"} %s'
+        assert probed % ("float32", "0.041") in text and probed % ("int8", "0.0125") in text
         probes.problems.append("stopping")
         status, body = get(probes.address + "/ready")
         assert status == 503 and json.loads(body)["problems"] == ["stopping"]

@@ -149,6 +149,7 @@ def test_launcher_flags_round_trip_through_the_rankers_parser():
     """What the runners write for a plan's ranker is what the ranker reads back."""
     ranker = RankerConfig(
         device="cpu",
+        dense_dtype="int8",
         threads=3,
         max_batch=7,
         max_wait_ms=1.5,
@@ -164,13 +165,15 @@ def test_launcher_flags_round_trip_through_the_rankers_parser():
     )
     args = parse_ranker([*flags(ranker, RankerConfig), *flags(incast, IncastConfig)])
     assert (args.device, args.threads, args.max_batch, args.max_wait_ms) == ("cpu", 3, 7, 1.5)
+    assert args.dense_dtype == "int8"
     assert (args.max_queue, args.queue, args.compile, args.compile_cache) == (9, "edf", True, "/c")
     assert args.no_cuda_graphs and args.no_shared_batching
     assert (args.incast_window_bytes, args.incast_adaptive) == (5, True)
     assert (args.incast_order, args.link_gbit) == ("fifo", 2.5)
     # Off and automatic values are left out; so is every switch at its default.
     assert flags(RankerConfig(threads=0, max_wait_ms=0.0), RankerConfig) == [
-        *("--device", "auto", "--max-batch", "256", "--max-queue", "1024", "--queue", "fifo"),
+        *("--device", "auto", "--dense-dtype", "auto", "--max-batch", "256"),
+        *("--max-queue", "1024", "--queue", "fifo"),
     ]
     assert flags(ShardConfig(), ShardConfig) == ["--threads", "1", "--queue", "fifo"]
 

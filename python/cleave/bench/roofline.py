@@ -64,25 +64,29 @@ def _as_aten(linear: torch.nn.Linear) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(root, graph)
 
 
-def roofline(bundle, dense_inputs: list[torch.Tensor], threads: int, program=None) -> dict:
-    """The bundle's dense program (or `program`, a compiled one) on `dense_inputs` (one
-    request's) at `threads` torch threads, against the matmul peak for its dtype."""
+def roofline(
+    bundle, dense_inputs: list[torch.Tensor], threads: int, program=None, dtype: str | None = None
+) -> dict:
+    """The bundle's dense program at its dtype or `dtype` (or `program`, a compiled one) on
+    `dense_inputs` (one request's) at `threads` torch threads, against the matmul peak for
+    that dtype."""
+    dtype = dtype or bundle.dense_dtype
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         fp32 = bundle.dense_module("float32")
-        module = program or bundle.dense_module()
+        module = program or bundle.dense_module(dtype)
         flops = count_flops(fp32, dense_inputs)
         with torch.inference_mode():
             seconds = _best_seconds(lambda: module(*dense_inputs), repeats=5)
         rows = int(dense_inputs[0].shape[0]) if dense_inputs and dense_inputs[0].dim() else 1
         shape = largest_linear(fp32)
-        peak = matmul_peak(bundle.dense_dtype, rows, *shape) if shape else None
+        peak = matmul_peak(dtype, rows, *shape) if shape else None
     finally:
         torch.set_num_threads(before)
     achieved = flops / seconds / 1e9
     return {
-        "dtype": bundle.dense_dtype,
+        "dtype": dtype,
         "threads": threads,
         "compiled": program is not None,
         "rows": rows,

@@ -74,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dense-dtype",
         choices=DENSE_DTYPES.names,
-        default="float32",
         help="serve a bundle with this dense precision (refused if it fails its accuracy "
-        "check); a reduced one is compared with the float32 bundle served the same way",
+        "check); default: a bundle approving every dtype that passes, served at the rankers' "
+        "own choice; a reduced one is compared with float32 served the same way",
     )
     parser.add_argument(
         "--threads", type=int, help="torch threads per ranker (default: cleave serve's split)"
@@ -322,7 +322,7 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
     if workload.float32_dir is not None and not args.monolithic:
         targets["disaggregated-float32"] = Target(
             workload.float32_dir,
-            serve_flags(args, "disaggregated", first),
+            [*serve_flags(args, "disaggregated", first), *workload.float32_flags],
             model=workload.float32_dir.name,
             want_model=True,
             protocol=first,
@@ -449,7 +449,12 @@ def run(args: argparse.Namespace) -> int:
     if ratios:
         result["ratios"] = ratios
     if workload.float32_dir is not None:
-        result["float32_distance"] = workload.float32_distance
+        served = targets["disaggregated"].dense_dtype if "disaggregated" in targets else None
+        result["dense_dtype_served"] = served or workload.bundle.dense_dtype
+        result["float32_distance"] = workload.distance_for.get(served, workload.float32_distance)
+        by_dtype = (workload.roofline or {}).get("by_dtype", {})
+        if served in by_dtype:  # the rankers' own choice
+            workload.roofline["served"] = by_dtype[served]
     if args.shard_hosts:
         result["ratios"] = hosts.hosts_ratios(result)
     if args.check:

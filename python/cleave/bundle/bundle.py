@@ -97,6 +97,7 @@ class Bundle:
             "shared_inputs": self.manifest["shared_inputs"],
             "batched": self.manifest["dense"].get("batched"),
             "dense_dtype": self.dense_dtype,
+            "dense_dtypes": self.manifest["dense"].get("dtypes"),
             "accuracy": self.manifest["dense"].get("accuracy"),
         }
 
@@ -132,6 +133,12 @@ class Bundle:
             )
         return self._dense_modules[dtype, batched]
 
+    def keep_dense_modules(self, dtype: str) -> None:
+        """Forgets the programs converted to dtypes other than `dtype` and float32 (a ranker's
+        probe made them; only the one it chose is served)."""
+        for key in [k for k in self._dense_modules if k[0] not in (dtype, "float32")]:
+            del self._dense_modules[key]
+
     def record_probe(self, dense_inputs: list[torch.Tensor]) -> None:
         """Keeps `dense_inputs` and the float32 program's outputs on them as the probe."""
         with torch.inference_mode():
@@ -157,12 +164,13 @@ class Bundle:
         names = self.manifest["dense"]["inputs"]
         return tuple((dense or self.dense_module())(*[values[n] for n in names]))
 
-    def reference(self, *args):
+    def reference(self, *args, dtype: str | None = None):
         """The model's outputs: the sparse side by the reference executor, then the dense
-        program. Returns the same structure as the model's forward."""
+        program (at `dtype`, default the bundle's). Returns the same structure as the model's
+        forward."""
         inputs = self.named_inputs(*args)
         values = {**inputs, **self.sparse_reference(inputs)}
-        flat = self.run_dense(values)
+        flat = self.run_dense(values, self.dense_module(dtype))
         spec = pytree.treespec_loads(self.manifest["output_spec"])
         return pytree.tree_unflatten(list(flat), spec)
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from cleave.errors import BundleError
+from cleave.settings.choices import DENSE_DTYPES
 
 FORMAT = "cleave-bundle"
 VERSION = 1
@@ -114,6 +115,11 @@ def check(manifest: dict, path: Path) -> None:
     for name in manifest["dense"].get("inputs", []):
         if name not in inputs and name not in boundary:
             fail(f"dense input {name!r} is neither a model input nor a boundary tensor")
+    for dtype, entry in (manifest["dense"].get("dtypes") or {}).items():
+        if dtype not in DENSE_DTYPES or not isinstance(entry, dict):
+            fail(f"dense.dtypes: expected {DENSE_DTYPES.expected()} to an object, found {dtype!r}")
+        if not isinstance(entry.get("approved"), bool):
+            fail(f"dense.dtypes.{dtype}.approved: expected true or false, found {entry!r}")
     for name in per_request_inputs(manifest):
         if name not in manifest["dense"].get("inputs", []):
             fail(f"dense.batched names per-request input {name!r}, not a dense input")
@@ -129,3 +135,21 @@ def per_request_inputs(manifest: dict) -> list[str]:
     (cleave.partitioner.batched); empty when the bundle has no batched program."""
     batched = manifest["dense"].get("batched") or {}
     return list(batched.get("per_request", [])) if batched.get("program") else []
+
+
+def served_dtypes(manifest: dict) -> list[str]:
+    """The dense dtypes a ranker may serve (docs/bundle.md, "Dense precision"): those the
+    partitioner approved (`dense.dtypes`, float32 first), else the one it was partitioned at."""
+    dense = manifest["dense"]
+    listed = dense.get("dtypes")
+    if listed:
+        return [d for d in DENSE_DTYPES if listed.get(d, {}).get("approved")]
+    return [dense.get("dtype", "float32")]
+
+
+def dtype_accuracy(manifest: dict, dtype: str) -> dict:
+    """What the partitioner measured of the `dtype` program against float32 ({} for float32)."""
+    dense = manifest["dense"]
+    if dense.get("dtypes"):
+        return dense["dtypes"].get(dtype, {}).get("accuracy") or {}
+    return (dense.get("accuracy") or {}) if dtype == dense.get("dtype", "float32") else {}

@@ -34,6 +34,25 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+def check_dtypes(dtypes) -> list[str]:
+    """A list of dense dtypes (or "a,b,c"), each known and named once."""
+    if isinstance(dtypes, str):
+        dtypes = [d.strip() for d in dtypes.split(",")]
+    dtypes = list(dtypes)
+    if not dtypes or any(d == "" for d in dtypes):
+        raise UsageError(
+            f"dense dtypes: expected a comma-separated list of {DENSE_DTYPES.expected()}, "
+            f"got {','.join(dtypes)!r}"
+        )
+    for d in dtypes:
+        if d not in DENSE_DTYPES:
+            raise UsageError(f"dense dtypes: each must be {DENSE_DTYPES.expected()}, got {d!r}")
+    twice = sorted({d for d in dtypes if dtypes.count(d) > 1})
+    if twice:
+        raise UsageError(f"dense dtypes: each may be listed once, got {', '.join(twice)} twice")
+    return dtypes
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     try:

@@ -182,6 +182,15 @@ def probe_ready(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> tuple[bool, st
         return False, f"no HTTP answer ({reason})"
 
 
+def probe_text(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str:
+    """One GET of a role's probe URL (its /metrics, say): the body, or "" without a 200."""
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return response.read().decode(errors="replace") if response.status == 200 else ""
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
+
+
 def backoff_s(attempt: int) -> float:
     """Delay before restart number `attempt` (1, 2, ...) in a row."""
     return min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (attempt - 1))

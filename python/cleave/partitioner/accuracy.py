@@ -128,11 +128,12 @@ def choose_int8_layers(data: LabelledSet, limits: AccuracyLimits) -> list[dict]:
 
 
 def measure(bundle: Bundle, dtype: str, labelled, limits: AccuracyLimits) -> dict:
-    """Runs the labelled set [(forward args, labels)] through the float32 and the `dtype`
-    dense programs (the sparse side by the reference executor) and returns the measurement;
-    for int8 it first chooses the layers to quantize (`int8_layers` in the result). Raises
-    AccuracyError when the program is past `limits` (for int8: when no layer can be)."""
-    data = LabelledSet(bundle, labelled)
+    """Runs the labelled set [(forward args, labels)], or a LabelledSet, through the float32
+    and the `dtype` dense programs (the sparse side by the reference executor) and returns the
+    measurement; for int8 it first chooses the layers to quantize (`int8_layers` in the
+    result). Raises AccuracyError when the program is past `limits` (for int8: when no layer
+    can be)."""
+    data = labelled if isinstance(labelled, LabelledSet) else LabelledSet(bundle, labelled)
     layers = None
     if dtype == "int8":
         layers = choose_int8_layers(data, limits)

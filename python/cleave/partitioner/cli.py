@@ -29,10 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dense-dtype",
-        default="float32",
         choices=list(DENSE_DTYPES),
-        help="precision the dense program is served at; a reduced one is refused when it moves "
-        "AUC or scores past the limits on the labelled set",
+        help="precision the dense program is served at (default float32); a reduced one is "
+        "refused when it moves AUC or scores past the limits on the labelled set",
+    )
+    parser.add_argument(
+        "--dense-dtypes",
+        metavar="D,D,...",
+        help="instead of --dense-dtype: the precisions a ranker may choose among where it runs "
+        "(the fastest there), e.g. float32,bfloat16,int8; float32 always, each reduced one "
+        "approved when it passes the accuracy check, recorded as refused when not",
     )
     parser.add_argument(
         "--labelled",
@@ -119,14 +125,37 @@ def load_labelled(args: argparse.Namespace):
                 f"labels), got {type(labelled).__name__}"
             )
         return labelled, typical
-    if args.dense_dtype == "float32" or entry is None:
+    if reduced_dtypes(args) == [] or entry is None:
         return None, typical
     return entry.generator().labelled(REFERENCE_SAMPLES, 256), typical
+
+
+def dense_dtypes(args: argparse.Namespace) -> list[str] | None:
+    """--dense-dtypes as a checked list (None without it); UsageError with --dense-dtype."""
+    if args.dense_dtypes is None:
+        return None
+    if args.dense_dtype is not None:
+        raise UsageError(
+            f"--dense-dtype {args.dense_dtype} and --dense-dtypes {args.dense_dtypes}: "
+            "expected one of them (one dtype, or the list a ranker chooses among)"
+        )
+    from cleave.bundle.precision import check_dtypes
+
+    try:
+        return check_dtypes(args.dense_dtypes)
+    except UsageError as err:
+        raise UsageError(f"--dense-dtypes {args.dense_dtypes!r}: {err}") from None
+
+
+def reduced_dtypes(args: argparse.Namespace) -> list[str]:
+    listed = dense_dtypes(args) or [args.dense_dtype or "float32"]
+    return [d for d in listed if d != "float32"]
 
 
 def run(args: argparse.Namespace) -> int:
     from cleave.partitioner import AccuracyLimits, partition
 
+    listed = dense_dtypes(args)  # bad input refused before the model is loaded
     model, example = load_factory(args.model)
     dtype = TABLE_DTYPE_SHORT_NAMES.get(args.table_dtype, args.table_dtype)
     labelled, typical = load_labelled(args)
@@ -134,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         model,
         example,
         table_dtype=dtype,
-        dense_dtype=args.dense_dtype,
+        dense_dtype=args.dense_dtype or "float32",
+        dense_dtypes=listed,
         labelled=labelled,
         limits=AccuracyLimits(args.max_auc_drop, args.score_tolerance),
         typical_inputs=typical,
@@ -157,7 +187,17 @@ def print_summary(path, summary: dict) -> None:
         f"{_mib(summary['sparse_bytes'])}"
     )
     dense = f"{_mib(summary['dense_bytes'])} of weights, served as {summary['dense_dtype']}"
+    if summary["dense_dtypes"]:
+        dense = f"{_mib(summary['dense_bytes'])} of weights, served as the ranker chooses:"
     print(f"dense side:  {dense}")
+    for dtype, entry in (summary["dense_dtypes"] or {}).items():
+        if not entry["approved"]:
+            print(f"  {dtype:<9} refused: {entry['refused']}")
+            continue
+        cost = f"{entry['dense_us_per_sample']:.3g} us per sample on one thread here"
+        a = entry.get("accuracy")
+        moved = f", AUC {a['auc_delta']:+.5f}, scores within {a['max_score_diff']:.3g}" if a else ""
+        print(f"  {dtype:<9} approved: {cost}{moved}")
     if summary["accuracy"]:
         a = summary["accuracy"]
         print(

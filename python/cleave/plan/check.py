@@ -121,6 +121,11 @@ def _settings(plan: Plan, errors: list[str]) -> None:
             )
         if not r.link_gbit > 0:
             errors.append(f"{f}.link_gbit: expected > 0, got {r.link_gbit}")
+    dtypes = sorted({r.dense_dtype for r in plan.rankers})
+    if len(dtypes) > 1:  # a request's scores must not depend on the ranker that answers
+        errors.append(
+            f"rankers[*].dense_dtype: expected one for every ranker, got {', '.join(dtypes)}"
+        )
     if plan.incast_threshold_bytes < 0:
         errors.append(f"incast_threshold_bytes: expected >= 0, got {plan.incast_threshold_bytes}")
     # The router's rules live with its config; a ServeConfig around the plan's section

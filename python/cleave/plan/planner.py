@@ -58,6 +58,7 @@ def _ranker_settings(config: ServeConfig) -> dict:
     c = config.ranker
     return {
         "device": c.device,
+        "dense_dtype": c.dense_dtype,
         "max_batch": c.max_batch,
         "max_wait_ms": c.max_wait_ms,
         "max_queue": c.max_queue,

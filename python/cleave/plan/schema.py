@@ -79,6 +79,7 @@ class Ranker:
     max_queue: int = same_as(RankerConfig, "max_queue", required=True)
     cuda_graphs: bool = same_as(RankerConfig, "cuda_graphs", required=True)
     compile: bool = same_as(RankerConfig, "compile")
+    dense_dtype: str = same_as(RankerConfig, "dense_dtype")
     compile_cache: str = same_as(RankerConfig, "compile_cache")
     shared_batching: bool = same_as(RankerConfig, "shared_batching")
     eager_model: str = same_as(RankerConfig, "eager_model")

@@ -119,6 +119,7 @@ class Batcher:
         # Moving average of a batch's compute (µs): a request with less time left than this
         # cannot make its deadline. 0 until the first batch (nothing is dropped as late).
         self.compute_ewma_us = 0.0
+        self.dense_choice = None  # load_ranker's: the dense precision served, and why
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

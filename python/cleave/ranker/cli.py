@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, help="bundle directory")
     parser.add_argument("--listen", required=True, help="host:port or unix:/path")
     parser.add_argument("--device", **_flag(RankerConfig, "device"))
+    parser.add_argument("--dense-dtype", **_flag(RankerConfig, "dense_dtype"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--max-batch", type=int, **_flag(RankerConfig, "max_batch"))
     parser.add_argument("--max-wait-ms", type=float, **_flag(RankerConfig, "max_wait_ms"))
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         compile_cache=args.compile_cache,
         shared_batching=not args.no_shared_batching,
         eager_model=args.eager_model,
+        dense_dtype=args.dense_dtype,
     )
     try:
         server = FrameServer(args.listen)
@@ -195,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = f" metrics={probes.address}" if probes else ""
     if control is not None:
         metrics += f" control={control.address}"
-    print(f"ready {server.address} device={device} mode={mode}{metrics}", flush=True)
+    dtype = batcher.dense_choice.dtype  # the launcher settles the deployment's from it
+    print(f"ready {server.address} device={device} mode={mode} dtype={dtype}{metrics}", flush=True)
     batcher.serve_forever(stop)
     if control is not None:
         batcher.source.close()  # its thread reads the server: stop it first

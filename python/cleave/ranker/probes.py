@@ -4,6 +4,7 @@ thread of their own so that probes never wait behind a batch."""
 
 from __future__ import annotations
 
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -38,6 +39,34 @@ class _BatcherCollector:
         yield GaugeMetricFamily(
             "cleave_ranker_queue_depth", "requests waiting", value=len(self.batcher.queue)
         )
+        if self.batcher.dense_choice is not None:
+            yield from _dense_choice(self.batcher.dense_choice)
+
+
+def served_dtype(metrics_text: str) -> str | None:
+    """The dense dtype a ranker's /metrics text says it serves, if it says."""
+    found = re.search(r'^cleave_ranker_dense_dtype\{[^}]*\bdtype="(\w+)"', metrics_text, re.M)
+    return found.group(1) if found else None
+
+
+def _dense_choice(choice):
+    """The dense precision served (cleave.ranker.dense_dtype): an info-style gauge, and the
+    start-up probe's time per batch of each dtype it measured."""
+    served = GaugeMetricFamily(
+        "cleave_ranker_dense_dtype",
+        "1 for the dense precision served, labelled with how it was chosen",
+        labels=["dtype", "chosen_by"],
+    )
+    served.add_metric([choice.dtype, choice.chosen_by], 1)
+    yield served
+    probed = GaugeMetricFamily(
+        "cleave_ranker_dense_probe_seconds",
+        "the start-up probe's time per batch of the bundle's typical size, per dense dtype",
+        labels=["dtype", "rows"],
+    )
+    for dtype, seconds in choice.seconds.items():
+        probed.add_metric([dtype, str(choice.rows)], seconds)
+    yield probed
 
 
 class _IncastCollector:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from cleave.bundle.manifest import dtype_accuracy
 from cleave.errors import BundleError, CleaveError, UsageError
 from cleave.ranker import DEFAULT_MAX_QUEUE
+from cleave.ranker import dense_dtype as dense_precision
 from cleave.ranker.batcher import Batcher
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL
@@ -55,7 +57,7 @@ def check_probe(bundle, run, dtype: str) -> None:
     if probe is None:
         log.info("bundle has no probe batch (partitioned by an older cleave): not checked")
         return
-    accuracy = bundle.manifest["dense"].get("accuracy") or {}
+    accuracy = dtype_accuracy(bundle.manifest, dtype)
     tolerance = accuracy.get("score_tolerance", FLOAT32_PROBE_TOLERANCE)
     try:
         got = run(probe["inputs"])
@@ -95,13 +97,16 @@ def load_ranker(
     compile_cache: str | None = None,
     shared_batching: bool = True,
     eager_model: str = "",
+    dense_dtype: str = "auto",
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
     or with `monolithic` for the whole model (lookups in PyTorch + the dense program).
     `shared_batching`: join requests of a shared-input model when the bundle has the batched
     program for it (cleave.partitioner.batched); otherwise such a model runs one per batch.
     `eager_model`: with `monolithic`, the saved original model run eagerly instead of the
-    bundle's programs (cleave.ranker.eager)."""
+    bundle's programs (cleave.ranker.eager). `dense_dtype`: the precision to serve, one the
+    bundle approves, or "auto" (cleave.ranker.dense_dtype); the Batcher's `dense_choice` says
+    which it is and how it was chosen."""
     from cleave.bundle import load_bundle
     from cleave.bundle.precision import slow_reason
 
@@ -111,18 +116,29 @@ def load_ranker(
     if monolithic and device != "cpu":
         # The monolithic model looks rows up in host-memory tables with PyTorch's CPU kernels.
         raise UsageError(f"--monolithic runs on the CPU, not on {device!r}")
-    dtype = bundle.dense_dtype
-    if dtype == "int8" and device != "cpu":
-        raise UsageError(f"int8 dense programs run on the CPU (FBGEMM), not on {device!r}")
     if compile and device != "cpu":
         raise UsageError(f"--compile is for the CPU; on {device!r} the ranker replays CUDA graphs")
+    if threads:  # before compiling and probing: both depend on the thread count
+        torch.set_num_threads(threads)
+    batched = shared_batching and not monolithic and bool(bundle.per_request_inputs)
+    sig = signature(bundle.manifest, monolithic, batched)
+    dense_sig = signature(bundle.manifest, False, batched)  # the probe times the dense program
+    choice = dense_precision.settle(
+        bundle.manifest,
+        dense_dtype,
+        device,
+        lambda d: bundle.dense_module(d, batched=batched).to(device),
+        lambda: dense_precision.probe_batch(bundle, dense_sig, max_batch),
+        lambda module, inputs: _run_on(device, module, inputs),
+    )
+    dtype = choice.dtype
+    bundle.keep_dense_modules(dtype)
+    if dtype == "int8" and device != "cpu":
+        raise UsageError(f"int8 dense programs run on the CPU (FBGEMM), not on {device!r}")
     reason = slow_reason(dtype, device)
     if reason:
         log.warning("%s", reason)
-    if threads:  # before compiling: the generated code is tuned to the thread count
-        torch.set_num_threads(threads)
-    batched = shared_batching and not monolithic and bool(bundle.per_request_inputs)
-    dense = bundle.dense_module(batched=batched)
+    dense = bundle.dense_module(dtype, batched=batched)
     if compile:
         dense = compile_program(dense, compile_cache)
     if eager_model:  # the saved model holds its tables: the bundle's are not decoded
@@ -131,7 +147,6 @@ def load_ranker(
         module = load_eager(eager_model, bundle.manifest)
     else:
         module = bundle.full_module(dense) if monolithic else dense
-    sig = signature(bundle.manifest, monolithic, batched)
     executor = DenseExecutor(
         module, sig, device, threads, max_batch=max_batch, cuda_graphs=cuda_graphs
     )
@@ -147,7 +162,7 @@ def load_ranker(
             "joined into batches" if sig.batchable else f"one per batch: {sig.why_not}",
         )
     kind = KIND_RANK_FULL if monolithic else KIND_RANK
-    return Batcher(
+    batcher = Batcher(
         source,
         executor,
         sig,
@@ -157,3 +172,14 @@ def load_ranker(
         max_queue=max_queue,
         queue=queue,
     )
+    batcher.dense_choice = choice
+    return batcher
+
+
+def _run_on(device: str, module, inputs: list[torch.Tensor]) -> None:
+    """One run of `module` on `device`, waited for (the dtype probe times it)."""
+    with torch.inference_mode():
+        outputs = module(*[t.to(device) for t in inputs])
+    if device != "cpu":
+        torch.cuda.synchronize()
+    del outputs

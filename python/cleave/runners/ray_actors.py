@@ -21,9 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave.errors import UsageError
-from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, probe_ready
+from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, probe_ready, probe_text
 from cleave.runners import membership
-from cleave.runners.roles import Binding, RoleSpecs, control_address
+from cleave.runners.roles import (
+    Binding,
+    RoleSpecs,
+    control_address,
+    pin_dense_dtype,
+    rankers_choose,
+)
 from cleave.runners.supervised import INTERNAL_SECRET
 
 log = logging.getLogger("cleave.ray")
@@ -286,14 +292,35 @@ class Controller:
     def start(self) -> list[str]:
         """Shards and rankers (in parallel), then routers; returns the routers' URLs."""
         with self.lock:
-            first = [("shard", s) for s in self.plan.shards] + [
-                ("ranker", r) for r in self.plan.rankers
-            ]
-            self._launch([self._create(k, r, self.mapping[r.host]) for k, r in first])
+            shards = [self._create("shard", s, self.mapping[s.host]) for s in self.plan.shards]
+            rankers = [self._create("ranker", r, self.mapping[r.host]) for r in self.plan.rankers]
+            if rankers_choose(self.plan):  # the first ranker chooses the dense dtype for all
+                self._launch([*shards, rankers[0]])
+                self._pin_dense_dtype(rankers)
+                if len(rankers) > 1:
+                    self._launch(rankers[1:])
+            else:
+                self._launch([*shards, *rankers])
             routers = [self._create("router", r, self.mapping[r.host]) for r in self.plan.routers]
             self._launch(routers)
         threading.Thread(target=self._heal_loop, daemon=True).start()
         return self.urls()
+
+    def _pin_dense_dtype(self, rankers: list[Placed]) -> None:
+        """The first ranker's dense dtype (its /metrics says which) becomes the plan's: every
+        ranker started later — the others now, re-placed or added ones — serves it too."""
+        from cleave.ranker.probes import served_dtype
+
+        first = rankers[0]
+        dtype = served_dtype(probe_text(f"{first.spec.probe}/metrics"))
+        if dtype is None:
+            raise ChildFailed(f"{first.role.name}: its /metrics names no dense dtype")
+        self.plan.rankers[:] = [
+            dataclasses.replace(r, dense_dtype=dtype) for r in self.plan.rankers
+        ]
+        for p, role in zip(rankers, self.plan.rankers, strict=True):
+            p.role = role
+        pin_dense_dtype([first.spec], dtype)
 
     def urls(self) -> list[str]:
         return [self.placed[r.name].spec.probe for r in self.plan.routers]

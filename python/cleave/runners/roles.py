@@ -70,6 +70,28 @@ def control_address(listen: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def rankers_choose(plan: Plan) -> bool:
+    """Whether the plan's rankers would choose their dense dtype among several the bundle
+    approves (docs/bundle.md, "Chosen where it runs"): then the first one chooses for all."""
+    from cleave.bundle.manifest import read, served_dtypes
+
+    asks = any(r.dense_dtype == "auto" for r in plan.rankers)
+    return asks and len(served_dtypes(read(plan.bundle_path()))) > 1
+
+
+def pin_dense_dtype(rankers: list[ChildSpec], dtype: str) -> None:
+    """Every ranker (and each one's restarts) serves `dtype`, the one the first chose: a
+    request's scores depend neither on which ranker answers it nor on a restart."""
+    if not dtype:
+        return
+    for spec in rankers:
+        argv = list(spec.argv)
+        for i, word in enumerate(argv[:-1]):
+            if word == "--dense-dtype" and argv[i + 1] == "auto":
+                argv[i + 1] = dtype
+        spec.argv = argv
+
+
 def _before_start(address: str):
     if not address.startswith("unix:"):
         return None

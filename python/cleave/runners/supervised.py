@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cleave.errors import UsageError
 from cleave.launch.supervisor import Child, ChildSpec, Supervisor, port_of
 from cleave.runners.base import Runner
-from cleave.runners.roles import Binding, RoleSpecs
+from cleave.runners.roles import Binding, RoleSpecs, pin_dense_dtype, rankers_choose
 
 if TYPE_CHECKING:
     from cleave.plan import Plan
@@ -94,7 +94,13 @@ class SupervisedRunner(Runner):
             shards, rankers = specs.shard_specs(), specs.ranker_specs()
             # Shards and rankers load in parallel; the routers need them ready, at the
             # addresses they bound (the supervisor read them from their ready lines).
-            self.supervisor.start(shards + rankers, timeout)
+            if rankers_choose(plan):  # the first ranker chooses the dense dtype for all
+                self.supervisor.start(shards + rankers[:1], timeout)
+                pin_dense_dtype(rankers, rankers[0].reported.get("dtype", ""))
+                if len(rankers) > 1:
+                    self.supervisor.start(rankers[1:], timeout)
+            else:
+                self.supervisor.start(shards + rankers, timeout)
             for ranker in rankers:
                 if ranker.name in specs.control and "control" in ranker.reported:
                     specs.control[ranker.name] = ranker.reported["control"]

@@ -67,5 +67,7 @@ TABLE_DTYPES = Choices(("float32", "float16", "int8_rowwise", "int4_rowwise"))
 TABLE_DTYPE_SHORT_NAMES = {"int8": "int8_rowwise", "int4": "int4_rowwise"}
 # The precision a bundle's dense program runs at (cleave/bundle/precision.py).
 DENSE_DTYPES = Choices(("float32", "bfloat16", "int8"))
+# What a ranker serves: one of them, or "auto" (cleave/ranker/dense_dtype.py, docs/bundle.md).
+RANKER_DENSE_DTYPES = Choices(("auto", *DENSE_DTYPES.names))
 # A plan's mode; `cleave serve`'s monolithic and router_held flags choose among the same.
 MODES = Choices(("disaggregated", "monolithic", "router-held"))

@@ -19,6 +19,7 @@ from cleave.settings.choices import (
     DEVICES,
     INCAST_ORDERS,
     QUEUE_POLICIES,
+    RANKER_DENSE_DTYPES,
     TABLE_LAYOUTS,
     TRANSPORTS,
     Choices,
@@ -174,6 +175,11 @@ class RankerConfig:
     `cleave ranker`'s flags."""
 
     device: str = setting("auto", "where the dense program runs", DEVICES)
+    dense_dtype: str = setting(
+        "auto",
+        "the dense program's precision; auto: the fastest the bundle approves (docs/bundle.md)",
+        RANKER_DENSE_DTYPES,
+    )
     threads: int = setting(
         0, "torch CPU threads per ranker; 0: by the bundle's measured demand (see Cores)"
     )

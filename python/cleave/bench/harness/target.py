@@ -43,6 +43,7 @@ class Target:
         self.grpc_port = self._grpc_flag = _grpc_port(self.flags)
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
         self.cpus: list[int] | None = None  # the cores the deployment runs on (None: any)
+        self.dense_dtype: str | None = None  # what its rankers serve, from their log
 
     @property
     def running(self) -> bool:
@@ -55,6 +56,7 @@ class Target:
 
     def start(self) -> Target:
         from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
+        from cleave.ranker.dense_dtype import served_in
 
         if self.restartable:
             from cleave.bench.machine import pinned
@@ -86,6 +88,7 @@ class Target:
             self.grpc_port = int(bound_grpc_address(log).rsplit(":", 1)[1])
         self.endpoints = metrics_endpoints(log, self.url)
         self.links = testbed_links(log)
+        self.dense_dtype = served_in(log)
         return self
 
     def stop(self) -> None:
@@ -119,7 +122,7 @@ class Target:
 
     def checker(self, workload: Workload):
         """What --check compares this deployment's responses with."""
-        return functools.partial(workload.check, want_model=self.want_model)
+        return functools.partial(workload.check, want_model=self.want_model, dtype=self.dense_dtype)
 
     def __enter__(self) -> Target:
         return self.start()

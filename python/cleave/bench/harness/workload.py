@@ -11,6 +11,7 @@ from pathlib import Path
 from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.partitioner.accuracy import REFERENCE_SAMPLES
+from cleave.settings.choices import DENSE_DTYPES
 
 PROTOCOLS = ("json", "binary", "grpc")
 
@@ -44,7 +45,9 @@ class Workload:
         scale = entry.default_scale if args.scale is None else args.scale
         model, example = entry.factory(scale=scale, seed=args.seed)
         model.eval()
-        dtype = getattr(args, "dense_dtype", "float32")
+        # cleave bench serve without --dense-dtype: a bundle approving every dtype, served at
+        # the rankers' choice ("auto"); other benchmarks: float32.
+        dtype = getattr(args, "dense_dtype", "float32") or "auto"
         base = Path(args.workdir) / f"{args.model}-{scale:g}-{args.seed}"
         if args.bundle:
             self.bundle_dir = Path(args.bundle)
@@ -58,11 +61,22 @@ class Workload:
                     REFERENCE_SAMPLES, 256
                 )
             )
-            bundle = cleave.partition(model, example, dense_dtype=dtype, labelled=labelled)
+            bundle = cleave.partition(
+                model,
+                example,
+                dense_dtype="float32" if dtype == "auto" else dtype,
+                dense_dtypes=list(DENSE_DTYPES) if dtype == "auto" else None,
+                labelled=labelled,
+            )
             bundle.save(self.bundle_dir, overwrite=True)
-        # A reduced-precision bundle is also served in float32, the same way, for the ratio.
-        self.float32_dir = None
-        if bundle.dense_dtype != "float32":
+        # The dtypes the rankers may serve (the ranker's choice is read from its /metrics).
+        self.served_dtypes = manifest_io.served_dtypes(bundle.manifest)
+        # A reduced-precision bundle is also served in float32, the same way, for the ratio:
+        # a bundle approving several is served again with its rankers told float32.
+        self.float32_dir, self.float32_flags = None, []
+        if len(self.served_dtypes) > 1:
+            self.float32_dir, self.float32_flags = self.bundle_dir, ["--dense-dtype", "float32"]
+        elif bundle.dense_dtype != "float32":
             self.float32_dir = base
             cleave.partition(model, example).save(base, overwrite=True)
         generator = RequestGenerator(args.model, scale=scale, alpha=args.alpha, seed=args.seed + 1)
@@ -89,8 +103,10 @@ class Workload:
         self.unbudgeted: list = []
         protocols = getattr(args, "protocols", ["json"])
         self.bodies_for: dict[str, list] = {p: [] for p in protocols}
-        self.expected, self.model_expected = [], []
-        self.float32_distance = 0.0
+        # Per dtype served, each request's expected outputs and their distance to the model's.
+        self.expected_for: dict[str, list] = {d: [] for d in self.served_dtypes}
+        self.model_expected = []
+        self.distance_for = dict.fromkeys(self.served_dtypes, 0.0)
         with torch.inference_mode():
             for inputs in self.inputs:
                 named = bundle.named_inputs(*inputs)
@@ -100,29 +116,37 @@ class Workload:
                     self.unbudgeted.append(build_body(named, None, protocols[0]))
                 flat = [t.double().numpy() for t in pytree.tree_leaves(model(*inputs))]
                 self.model_expected.append(flat)
-                if bundle.dense_dtype == "float32":
-                    self.expected.append(flat)
-                    continue
-                # A reduced-precision bundle is checked against its own reference executor;
-                # its distance to the float32 model is reported apart.
-                own = [t.double().numpy() for t in pytree.tree_leaves(bundle.reference(*inputs))]
-                self.expected.append(own)
-                for o, f in zip(own, flat, strict=True):
-                    if f.size:
-                        self.float32_distance = max(self.float32_distance, float(abs(o - f).max()))
+                for dtype, expected in self.expected_for.items():
+                    if dtype == "float32":
+                        expected.append(flat)
+                        continue
+                    # A reduced-precision program is checked against the bundle's own
+                    # reference executor; its distance to the float32 model is reported apart.
+                    out = bundle.reference(*inputs, dtype=dtype)
+                    own = [t.double().numpy() for t in pytree.tree_leaves(out)]
+                    expected.append(own)
+                    for o, f in zip(own, flat, strict=True):
+                        if f.size:
+                            far = max(self.distance_for[dtype], float(abs(o - f).max()))
+                            self.distance_for[dtype] = far
+        self.expected = self.expected_for[self.served_dtypes[-1]]
+        self.float32_distance = self.distance_for[self.served_dtypes[-1]]
         # The first protocol's bodies: what a single-protocol command sends.
         self.bodies = self.bodies_for[protocols[0]]
         self.name = self.bundle_dir.name
         self.scale = scale
 
-    def check(self, index: int, response: dict, want_model: bool = False) -> float:
+    def check(
+        self, index: int, response: dict, want_model: bool = False, dtype: str | None = None
+    ) -> float:
         """Largest distance of a response's outputs from the expected ones: the bundle's own
-        reference executor's (the model's for float32 bundles), or with `want_model` the
-        float32 model's."""
+        reference executor's at `dtype`, the one served (the model's for float32; default:
+        the bundle's least precise), or with `want_model` the float32 model's."""
         from cleave.bench.loadgen import outputs_of
 
         got = outputs_of(response)
-        want = (self.model_expected if want_model else self.expected)[index]
+        expected = self.expected_for.get(dtype, self.expected)
+        want = (self.model_expected if want_model else expected)[index]
         if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want, strict=True)):
             return float("inf")
         return max(
@@ -138,7 +162,8 @@ def default_budget_ms(roofline: dict) -> float:
 
 def _rooflines(workload: Workload, args) -> dict:
     """The served dense program (and the float32 one) against the matmul peak, at the threads
-    a ranker gets; and the float32 program on one thread, which the default budget scales by."""
+    a ranker gets; and the float32 program on one thread, which the default budget scales by.
+    For a bundle whose rankers choose among dtypes, each one's (`by_dtype`, uncompiled)."""
     import cleave
     from cleave.bench.roofline import roofline
     from cleave.settings import ServeConfig
@@ -156,12 +181,17 @@ def _rooflines(workload: Workload, args) -> dict:
         program = compile_program(bundle.dense_module(), Path(args.workdir) / "inductor")
     served = roofline(bundle, dense_args, threads, program)
     fp32 = bundle
-    if workload.float32_dir is not None:
+    if workload.float32_dir not in (None, workload.bundle_dir):
         fp32 = cleave.load_bundle(workload.float32_dir, verify=False)
     result = {"served": served, "float32": served}
     if fp32 is not bundle:
         result["float32"] = roofline(fp32, dense_args, threads)
     result["float32_one_thread_ms"] = roofline(fp32, dense_args, 1)["dense_ms"]
+    if len(workload.served_dtypes) > 1:  # the rankers choose: "served" is set once known
+        result["by_dtype"] = {
+            d: served if d == bundle.dense_dtype else roofline(bundle, dense_args, threads, dtype=d)
+            for d in workload.served_dtypes
+        }
     return result
 
 
@@ -187,5 +217,6 @@ def read_bundle_summary(bundle_dir: Path) -> dict:
         "table_mib": sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]) / 2**20,
         "dense_inputs": len(manifest["dense"]["inputs"]),
         "dense_dtype": manifest["dense"].get("dtype", "float32"),
+        "dense_dtypes": manifest["dense"].get("dtypes"),
         "accuracy": manifest["dense"].get("accuracy"),
     }
