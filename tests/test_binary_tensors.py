@@ -25,7 +25,7 @@ from cleave.bench.loadgen import (
 )
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from support.bench import run_bench
+from support.bench import FLOAT32, run_bench
 from support.cli import refused
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -238,7 +238,7 @@ def test_bench_serve_drives_every_protocol_in_one_run_and_checks_their_scores(tm
     _, report = run_bench(
         tmp_path, "serve", "--quick", "--check",
         "--protocol", "binary,grpc,json", "--model", "dlrm", "--scale", "0.002",
-        "--candidates", "16", "--requests", "8",
+        "--candidates", "16", "--requests", "8", *FLOAT32,
         # What this checks is each protocol's plumbing and scores, not latency: a budget that a
         # machine busy with other test workers meets (25 ms by default).
         "--budget-ms", "5000",

@@ -3,14 +3,14 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 
 from __future__ import annotations
 
-from support.bench import run_bench, serve_bench
+from support.bench import FLOAT32, run_bench, serve_bench
 from support.cli import refused
 
 
 def test_bench_serve_quick_compare(tmp_path):
     result, report = run_bench(
         tmp_path, "serve", "--quick", "--compare", "--check",
-        "--model", "shared", "--scale", "0.01", "--candidates", "16",
+        "--model", "shared", "--scale", "0.01", "--candidates", "16", *FLOAT32,
     )  # fmt: skip
     assert set(report["deployments"]) == {"monolithic", "disaggregated", "router-held"}
     for deployment in report["deployments"].values():
@@ -35,7 +35,7 @@ def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_inp
 ):
     _, report = run_bench(
         tmp_path, "serve", "--quick", "--check",
-        "--model", "din", "--scale", "0.002", "--candidates", "16",
+        "--model", "din", "--scale", "0.002", "--candidates", "16", *FLOAT32,
     )  # fmt: skip
     assert set(report["deployments"]) == {"disaggregated", "disaggregated-per-request"}
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5

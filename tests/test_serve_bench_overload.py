@@ -15,7 +15,10 @@ from support.cli import refused
 def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     # The capacity measured closed loop, two bursts over it, the generator on a core of its own.
     flags = ["--duration", "1", "--bursts", "1.5,3", "--idle-connections", "20"]
-    result, report = serve_bench(tmp_path, "--overload", *flags, "--idle-wait-s", "1")
+    # the command's default dtype: an overload measures the rankers' choice, no float32 twin
+    result, report = serve_bench(
+        tmp_path, "--overload", *flags, "--idle-wait-s", "1", dtype_choice=True
+    )
     (dep,) = report["deployments"].values()
     capacity = dep["capacity_rps"]
     assert capacity > 0 and dep["capacity_clients"] == 8 and dep["budget_ms"] == 1000.0

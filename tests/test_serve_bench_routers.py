@@ -10,11 +10,12 @@ import sys
 
 from cleave.plan import emulated_hosts, load_plan, make_plan, save_plan
 from cleave.settings import RankerConfig, ServeConfig
+from support.bench import FLOAT32
 from support.cli import refused
 
 
 def bench(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags]
+    argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", *flags, *FLOAT32]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 

@@ -5,7 +5,7 @@ checked against the model, with the same-run ratios (docs/benchmarks.md, "TorchR
 from __future__ import annotations
 
 import pytest
-from support.bench import run_bench
+from support.bench import FLOAT32, run_bench
 
 pytestmark = pytest.mark.slow  # two deployments of a 26-table TorchRec model
 
@@ -14,6 +14,7 @@ def test_bench_serve_runs_a_torchrec_model_beside_torchrec_eager(tmp_path):
     result, report = run_bench(
         tmp_path, "serve", "--quick", "--check", "--model", "torchrec_dlrm",
         "--scale", "0.0001", "--candidates", "8", "--requests", "4", "--budget-ms", "5000",
+        *FLOAT32,
     )  # fmt: skip
     assert list(report["deployments"]) == ["torchrec-eager", "disaggregated"]
     for deployment in report["deployments"].values():

@@ -319,7 +319,9 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
             [*serve_flags(args, "disaggregated", first), "--no-shared-batching"],
             protocol=first,
         )
-    if workload.float32_dir is not None and not args.monolithic:
+    # The float32 twin for the ratio; an overload or soak measures the one deployment asked for.
+    stress = args.overload or args.soak is not None
+    if workload.float32_dir is not None and not args.monolithic and not stress:
         targets["disaggregated-float32"] = Target(
             workload.float32_dir,
             [*serve_flags(args, "disaggregated", first), *workload.float32_flags],
