@@ -275,3 +275,40 @@ fn engine_serves_concurrent_callers() {
         }
     });
 }
+
+/// `Engine::expect` wakes sleeping workers ahead of a call: with or without the call after it,
+/// every call still completes with the one-thread result (a worker woken for nothing goes back
+/// to waiting, and still takes the next batch).
+#[test]
+fn engine_woken_ahead_of_calls_still_pools_every_call() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let t = table_data("t", 1000, 32, TableDtype::Float32)
+        .new_tree(&mut runner)
+        .unwrap()
+        .current();
+    let dir = tempfile::tempdir().unwrap();
+    write_bundle(dir.path(), std::slice::from_ref(&t));
+    let set = cleave_embed::TableSet::open(dir.path(), None, None).unwrap();
+    let table = set.get("t").unwrap();
+    let ids: Vec<i64> = (0..20_000).map(|i| (i * 37) % 1000).collect();
+    let offsets: Vec<u32> = (0..=1000).map(|b| b * 20).collect();
+    let bags = Bags {
+        ids: &ids,
+        offsets: &offsets,
+        weights: None,
+    };
+    let want = reference(&t, &ids, &offsets, None, Pooling::Sum);
+    let engine = Engine::new(2);
+    for round in 0..20 {
+        engine.expect(ids.len());
+        if round % 3 == 0 {
+            engine.expect(ids.len()); // a wake-up with no call after it
+            continue;
+        }
+        let (mut out, mut counts) = (vec![0.0; 1000 * 32], vec![0; 1000]);
+        engine
+            .pool(table, &bags, Pooling::Sum, &mut out, &mut counts)
+            .unwrap();
+        assert_close(&out, &want, 1e-6, "woken ahead");
+    }
+}

@@ -180,6 +180,7 @@ impl TableSet {
         let t = self.table(table)?;
         let pooling: engine::Pooling = pooling.parse().map_err(EmbedError::new_err)?;
         let ids = Ints::<i64>::extract(ids, "ids")?;
+        self.engine.expect(ids.as_slice().len());
         let offsets = Ints::<u32>::extract(offsets, "offsets")?;
         let weights = weights.map(|w| Floats::extract(w, "weights")).transpose()?;
         let bags = offsets.as_slice().len().saturating_sub(1);
