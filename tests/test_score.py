@@ -21,10 +21,12 @@ from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
 from cleave.models import torchrec_models as tm
 from cleave.score import job as score_job
+from cleave.score.input import Schema
 from support.bench import run_bench
 from support.client import post
 from support.processes import Process, child_processes, cli
 from support.score import run_score, scores, write_input
+from support.sequences import SEQUENCE_ROWS, sequence_model, sequence_requests
 from support.served import SCALES, TOLERANCE, roomy_budget
 from support.waiting import wait_for
 
@@ -385,3 +387,28 @@ def test_gathered_rows_of_a_cut_table_come_back_in_place(tmp_path):
     )
     score_job.run(job, processes=True)
     assert np.abs(scores(out) - want).max() <= TOLERANCE
+
+
+def test_an_embedding_collection_scores_like_the_torchrec_model(tmp_path):
+    """TorchRec's EmbeddingCollection (keys read row by row, their rows [ids in the batch, dim]
+    across the seam, the KJT's lengths per key) beside an EmbeddingBagCollection: one process
+    and two ranks score like the model."""
+    model, example = sequence_model(padded=True, bags=True)
+    bundle = cleave.partition(model, example)
+    schema = Schema(bundle.manifest)
+    keys = ("seen", "city", "user", "item")
+    assert schema.key_lengths == {f"kjt.lengths.{k}": f"kjt.{k}" for k in keys}
+    assert [f.shape for f in schema.features] == [None, None, None, ()]  # user is pooled
+    generator = torch.Generator().manual_seed(6)
+    batches = [sequence_requests(True, n, generator) for n in (11, 30)]
+    data = tmp_path / "sequences.parquet"
+    want = write_input(bundle, model, batches, data, row_group=16)
+    assert set(SEQUENCE_ROWS) <= {c.split(".")[-1] for c in pq.read_table(data).column_names}
+    directory = bundle.save(tmp_path / "sequences")
+    one = tmp_path / "one.parquet"
+    _score(directory, data, one)
+    assert np.abs(scores(one) - want).max() <= TOLERANCE
+    two = tmp_path / "two.parquet"
+    job, _ = score_job.prepare(directory, data, two, ranks=2, lag=1, batch_size=BATCH, threads=1)
+    score_job.run(job, processes=True)
+    assert pq.read_table(two).equals(pq.read_table(one))

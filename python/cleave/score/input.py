@@ -49,7 +49,8 @@ class Column:
 @dataclass
 class SparseFeature:
     """A lookup: per sample, a bag of ids from `column` (weights from `weights`); pooled
-    into [rows, dim], or gathered into [rows, *shape, dim] when `pooling` is "none"."""
+    into [rows, dim], or gathered into [rows, *shape, dim] when `pooling` is "none" (a KJT key
+    read row by row, an EmbeddingCollection's: [every id of the batch, dim], shape None)."""
 
     name: str
     table: str
@@ -58,7 +59,7 @@ class SparseFeature:
     pooling: str
     transform: list
     output: str  # the boundary tensor
-    shape: tuple[int, ...] = ()  # a gather's ids per sample
+    shape: tuple[int, ...] | None = ()  # a gather's ids per sample; None: [ids in batch, dim]
 
 
 class Schema:
@@ -78,19 +79,22 @@ class Schema:
             return col
 
         kjts = {k["name"]: k for k in manifest.get("kjts", [])}
-        unpooled = [f["key"] for f in manifest["features"] if reads_rows(f)]
-        if unpooled:
-            raise UsageError(
-                f"cleave score does not yet score a model with an EmbeddingCollection (keys "
-                f"{', '.join(unpooled)} are read row by row); score it through cleave serve"
-            )
+        # A KJT whose lengths the dense program reads gets them per key, a row's list length.
+        self.key_lengths = {
+            name: f"{k['name']}.{key}"
+            for k in kjts.values()
+            for name, key in zip(k.get("lengths_by_key") or [], k["keys"], strict=False)
+        }
+        for name, ids in self.key_lengths.items():
+            kjt = kjts[ids.rsplit(".", 1)[0]]
+            column(ids, inputs[kjt["values"]]["dtype"], None).feeds.append(f"{name} (lengths)")
         for f in manifest["features"]:
             table = tables[f["table"]]
             if f["layout"] == "kjt":
                 ids = f"{f['kjt']}.{f['key']}"
                 weights = f"{ids}.weights" if kjts[f["kjt"]].get("weights") else None
                 col = column(ids, inputs[f["ids"]]["dtype"], None)
-                shape: tuple[int, ...] = ()
+                shape: tuple[int, ...] | None = None if reads_rows(f) else ()
             else:
                 spec = inputs[f["ids"]]
                 weights = f.get("weights")

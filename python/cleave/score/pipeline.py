@@ -94,12 +94,15 @@ class RankScorer:
         table = self.files.read(0, rows, self.columns)
         values = self._dense_inputs(table, rows)
         for f in self.schema.features:
-            shape = []
+            shape = [rows]
             if f.pooling == "none":  # a symbolic size (-1) from the rows' own ids
-                per_row = len(flat_values(table.column(f.column).combine_chunks())[0]) // rows
-                known = math.prod(d for d in f.shape if d >= 0)
-                shape = [d if d >= 0 else per_row // known for d in f.shape]
-            values[f.output] = torch.zeros(rows, *shape, self.dims[f.name])
+                ids = len(flat_values(table.column(f.column).combine_chunks())[0])
+                if f.shape is None:  # a row per id
+                    shape = [ids]
+                else:
+                    known = math.prod(d for d in f.shape if d >= 0)
+                    shape += [d if d >= 0 else ids // rows // known for d in f.shape]
+            values[f.output] = torch.zeros(*shape, self.dims[f.name])
         with torch.inference_mode():
             self.bundle.run_dense(values, self.dense)
 
@@ -259,7 +262,7 @@ class RankScorer:
                 blocks[f.name].append(got[owner][at : at + size(f, owner)])
                 at += size(f, owner)
         for f in self.schema.features:
-            shape = [rows, *f.shape] if f.pooling == "none" else [rows]
+            shape = [rows] if f.pooling != "none" else [-1] if f.shape is None else [rows, *f.shape]
             merged = cut[f.name].merge(blocks[f.name], f.pooling, self.dims[f.name])
             values[f.output] = merged.reshape(*shape, self.dims[f.name])
         with torch.inference_mode():
@@ -288,6 +291,9 @@ class RankScorer:
             dtype = getattr(torch, col.dtype)
             shape = [rows, *self.schema.dense_shapes[name]]
             values[name] = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype).reshape(shape)
+        for name, column in self.schema.key_lengths.items():  # a KJT's lengths, per key
+            lengths = flat_values(table.column(column).combine_chunks())[1]
+            values[name] = torch.from_numpy(lengths.astype(np.int64))
         return values
 
 
