@@ -86,10 +86,12 @@ def run_serve(*args: str) -> subprocess.CompletedProcess:
 
 
 def roomy_budget(tmp_path: Path) -> list[str]:
-    """`cleave serve` flags for a 20 s budget: for tests of plumbing and scores, not latency,
-    which a machine busy with other test workers must still pass (docs/testing.md)."""
+    """`cleave serve` flags for a 20 s budget and no shedding: for tests of plumbing and
+    scores, not latency or admission, which a machine busy with other test workers must still
+    pass (docs/testing.md). Admission's adaptive limit follows latency: on such a machine it
+    can sink below one request's rows and refuse it (seen: a 64-row dcn request, limit 31)."""
     config = tmp_path / "roomy-budget.toml"
-    config.write_text("[router]\nbudget_ms = 20000\n")
+    config.write_text("[router]\nbudget_ms = 20000\nshed = false\n")
     return ["--config", str(config)]
 
 
