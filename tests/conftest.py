@@ -21,6 +21,7 @@ from support.served import SCALES, Served  # noqa: E402
 LONGEST_FIRST = [
     "test_serve_bench.py",  # 190
     "test_ray_runner.py",  # 127
+    "test_score.py",  # 102
     "test_dense_precision.py",  # 88
     "test_serve_bench_overload.py",  # 80
     "test_serve_bench_torchrec.py",  # 80 alone
@@ -29,7 +30,6 @@ LONGEST_FIRST = [
     "test_incast_bench.py",  # 59
     "test_serve_bench_testbed.py",  # 50
     "test_serve_bench_routers.py",  # 48
-    "test_score.py",  # 46
     "test_partition.py",  # 42
     "test_torchrec.py",  # 53 alone
     "test_tier.py",  # 40

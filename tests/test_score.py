@@ -275,51 +275,46 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
 
 def test_bench_score_reports_cases_against_lag_0_and_one_rank(tmp_path):
     """`cleave bench score` end to end, smallest: one and two ranks, random delays, lags 0
-    and 1."""
+    and 1, and two independent one-rank jobs at once (their rows and rates summed, each
+    writing what the ranks write)."""
     flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1,2"]
-    flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512"]
+    flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512", "--independent"]
     _, report = run_bench(tmp_path, "score", *flags)
     cases = report["cases"]
-    assert [(c["imbalance"], c["ranks"], c["lag"]) for c in cases] == [
-        ("random_delay", 1, 0),
-        ("random_delay", 2, 0),
-        ("random_delay", 2, 1),
+    assert [(c["imbalance"], c["ranks"], c["lag"], c["threads"]) for c in cases] == [
+        ("random_delay", 1, 0, 1),
+        ("random_delay", 2, 0, 1),
+        ("random_delay", 2, 1, 1),
+        ("random_delay", 2, None, 1),
     ]
     for c in cases:
-        assert c["rows"] == 512 and c["per_batch_s"] > 0 and c["mean_delay_s"] > 0
-        assert c["same_scores_as_lag0"]  # 1 and 2 ranks, every lag: the same bytes
+        assert c["per_batch_s"] > 0 and c["mean_delay_s"] > 0 and c["cpu_us_per_row"] > 0
+        assert c["same_scores_as_lag0"]  # 1 and 2 ranks, every lag, each job: the same bytes
+    assert [c["rows"] for c in cases] == [512, 512, 512, 2 * 512]
     one, two = cases[0]["rows_per_s"], cases[1]["rows_per_s"]
     assert cases[1]["speedup_over_1_rank"] == pytest.approx(two / one)
     assert "speedup_over_1_rank" not in cases[0]
     assert cases[2]["bound_s"] == pytest.approx(report["delay_s"] / 3)
+    independent = cases[3]
+    assert independent["kind"] == "independent"
+    assert len(independent["per_batch_by_rank_s"]) == 2
     assert (tmp_path / "score.png").exists()
 
 
-def test_bench_score_independent_jobs_and_the_online_path(tmp_path):
-    """--independent: two one-rank jobs at once, their rows and rates summed, each writing
-    what the two-rank job writes; --online: the same bundle served, its rows/s in budget."""
-    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "2", "--online"]
-    flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256", "--independent"]
+def test_bench_score_compares_one_process_with_the_online_path(tmp_path):
+    """--online: the same bundle served (cleave bench serve), its rows/s within budget, against
+    one process on every core."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1", "--online"]
+    flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256"]
     _, report = run_bench(tmp_path, "score", *flags)
-    ranked, independent, whole = report["cases"]
-    assert (ranked["ranks"], ranked["lag"], ranked["threads"]) == (2, 0, 1)
-    assert ranked["rows"] == 256
-    assert (independent["kind"], independent["ranks"], independent["lag"]) == (
-        "independent",
-        2,
-        None,
-    )
-    assert independent["rows"] == 2 * 256 and len(independent["per_batch_by_rank_s"]) == 2
-    assert independent["same_scores_as_lag0"]
+    one, whole = report["cases"]
+    assert (one["ranks"], one["threads"], whole["ranks"]) == (1, 1, 1)
+    assert whole["threads"] == len(os.sched_getaffinity(0)) and whole["rows"] == 256
     online = report["online"]
     assert online["deployment"].startswith("disaggregated") and online["candidates"] == 100
     # a loaded machine may miss the budget at every rate of the quick sweep: 0 rows/s then
     assert online["rows_per_s"] == online["max_rate_within_budget"] * 100
-    assert online["budget_ms"] > 0
-    # the online path's reference: one process on every core
-    assert (whole["ranks"], whole["threads"]) == (1, len(os.sched_getaffinity(0)))
-    assert whole["rows"] == 256
-    assert online["rank1_threads"] == whole["threads"]
+    assert online["budget_ms"] > 0 and online["rank1_threads"] == whole["threads"]
     if online["rows_per_s"]:
         ratio = report["ratios"]["rank1_over_online"]
         assert ratio == pytest.approx(whole["rows_per_s"] / online["rows_per_s"])
@@ -391,8 +386,8 @@ def test_gathered_rows_of_a_cut_table_come_back_in_place(tmp_path):
 
 def test_an_embedding_collection_scores_like_the_torchrec_model(tmp_path):
     """TorchRec's EmbeddingCollection (keys read row by row, their rows [ids in the batch, dim]
-    across the seam, the KJT's lengths per key) beside an EmbeddingBagCollection: one process
-    and two ranks score like the model."""
+    across the seam, the KJT's lengths per key) beside an EmbeddingBagCollection: two ranks at
+    a lag score like the model."""
     model, example = sequence_model(padded=True, bags=True)
     bundle = cleave.partition(model, example)
     schema = Schema(bundle.manifest)
@@ -405,10 +400,7 @@ def test_an_embedding_collection_scores_like_the_torchrec_model(tmp_path):
     want = write_input(bundle, model, batches, data, row_group=16)
     assert set(SEQUENCE_ROWS) <= {c.split(".")[-1] for c in pq.read_table(data).column_names}
     directory = bundle.save(tmp_path / "sequences")
-    one = tmp_path / "one.parquet"
-    _score(directory, data, one)
-    assert np.abs(scores(one) - want).max() <= TOLERANCE
-    two = tmp_path / "two.parquet"
-    job, _ = score_job.prepare(directory, data, two, ranks=2, lag=1, batch_size=BATCH, threads=1)
+    out = tmp_path / "scores.parquet"
+    job, _ = score_job.prepare(directory, data, out, ranks=2, lag=1, batch_size=BATCH, threads=1)
     score_job.run(job, processes=True)
-    assert pq.read_table(two).equals(pq.read_table(one))
+    assert np.abs(scores(out) - want).max() <= TOLERANCE

@@ -240,36 +240,64 @@ fn engine_splits_jobs_over_threads_with_identical_results() {
     }
 }
 
+/// One float32 table of 1,000 rows x 32 in a bundle on disk, and 1,000 bags of 20 ids each
+/// (consecutive ids `stride` rows apart) with their summed rows.
+struct Bagged {
+    _dir: tempfile::TempDir,
+    set: cleave_embed::TableSet,
+    ids: Vec<i64>,
+    offsets: Vec<u32>,
+    want: common::Reference,
+}
+
+impl Bagged {
+    fn new(stride: i64) -> Bagged {
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let t = table_data("t", 1000, 32, TableDtype::Float32)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current();
+        let dir = tempfile::tempdir().unwrap();
+        write_bundle(dir.path(), std::slice::from_ref(&t));
+        let set = cleave_embed::TableSet::open(dir.path(), None, None).unwrap();
+        let ids: Vec<i64> = (0..20_000).map(|i| (i * stride) % 1000).collect();
+        let offsets: Vec<u32> = (0..=1000).map(|b| b * 20).collect();
+        let want = reference(&t, &ids, &offsets, None, Pooling::Sum);
+        Bagged {
+            _dir: dir,
+            set,
+            ids,
+            offsets,
+            want,
+        }
+    }
+
+    /// Pools the bags on `engine` and checks the result.
+    fn pool_on(&self, engine: &Engine, what: &str) {
+        let bags = Bags {
+            ids: &self.ids,
+            offsets: &self.offsets,
+            weights: None,
+        };
+        let (mut out, mut counts) = (vec![0.0; 1000 * 32], vec![0; 1000]);
+        let table = self.set.get("t").unwrap();
+        engine
+            .pool(table, &bags, Pooling::Sum, &mut out, &mut counts)
+            .unwrap();
+        assert_close(&out, &self.want, 1e-6, what);
+    }
+}
+
 /// Several callers share one engine at once.
 #[test]
 fn engine_serves_concurrent_callers() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let t = table_data("t", 1000, 32, TableDtype::Float32)
-        .new_tree(&mut runner)
-        .unwrap()
-        .current();
-    let dir = tempfile::tempdir().unwrap();
-    write_bundle(dir.path(), std::slice::from_ref(&t));
-    let set = cleave_embed::TableSet::open(dir.path(), None, None).unwrap();
-    let table = set.get("t").unwrap();
+    let bagged = Bagged::new(31);
     let engine = Engine::new(2);
-    let ids: Vec<i64> = (0..20_000).map(|i| (i * 31) % 1000).collect();
-    let offsets: Vec<u32> = (0..=1000).map(|b| b * 20).collect();
-    let bags = Bags {
-        ids: &ids,
-        offsets: &offsets,
-        weights: None,
-    };
-    let want = reference(&t, &ids, &offsets, None, Pooling::Sum);
     std::thread::scope(|s| {
         for _ in 0..4 {
             s.spawn(|| {
                 for _ in 0..5 {
-                    let (mut out, mut counts) = (vec![0.0; 1000 * 32], vec![0; 1000]);
-                    engine
-                        .pool(table, &bags, Pooling::Sum, &mut out, &mut counts)
-                        .unwrap();
-                    assert_close(&out, &want, 1e-6, "concurrent caller");
+                    bagged.pool_on(&engine, "concurrent caller");
                 }
             });
         }
@@ -281,34 +309,14 @@ fn engine_serves_concurrent_callers() {
 /// to waiting, and still takes the next batch).
 #[test]
 fn engine_woken_ahead_of_calls_still_pools_every_call() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let t = table_data("t", 1000, 32, TableDtype::Float32)
-        .new_tree(&mut runner)
-        .unwrap()
-        .current();
-    let dir = tempfile::tempdir().unwrap();
-    write_bundle(dir.path(), std::slice::from_ref(&t));
-    let set = cleave_embed::TableSet::open(dir.path(), None, None).unwrap();
-    let table = set.get("t").unwrap();
-    let ids: Vec<i64> = (0..20_000).map(|i| (i * 37) % 1000).collect();
-    let offsets: Vec<u32> = (0..=1000).map(|b| b * 20).collect();
-    let bags = Bags {
-        ids: &ids,
-        offsets: &offsets,
-        weights: None,
-    };
-    let want = reference(&t, &ids, &offsets, None, Pooling::Sum);
+    let bagged = Bagged::new(37);
     let engine = Engine::new(2);
     for round in 0..20 {
-        engine.expect(ids.len());
+        engine.expect(bagged.ids.len());
         if round % 3 == 0 {
-            engine.expect(ids.len()); // a wake-up with no call after it
+            engine.expect(bagged.ids.len()); // a wake-up with no call after it
             continue;
         }
-        let (mut out, mut counts) = (vec![0.0; 1000 * 32], vec![0; 1000]);
-        engine
-            .pool(table, &bags, Pooling::Sum, &mut out, &mut counts)
-            .unwrap();
-        assert_close(&out, &want, 1e-6, "woken ahead");
+        bagged.pool_on(&engine, "woken ahead");
     }
 }

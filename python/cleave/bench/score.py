@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         for imbalance in imbalances
         for ranks in counts
         for lag in ([0] if ranks == 1 else lags)
-        + ([None] if args.independent and ranks > 1 and imbalance == "balanced" else [])
+        + ([None] if args.independent and ranks > 1 else [])
     ]
     cores = describe()["cores"]
     if (
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             imbalance, ranks, lag, threads = key
             data = inputs["hot_table" if imbalance == "hot_table" else "balanced"]
             if lag is None:
-                case = _independent(bundle_dir, data, work, ranks, args)
+                case = _independent(bundle_dir, data, work, imbalance, ranks, args, d)
             else:
                 case = _case(bundle_dir, data, work, imbalance, ranks, lag, threads, args, d)
             case["threads"] = threads
@@ -239,8 +239,7 @@ def _prepare(args, work: Path, log) -> tuple[Path, dict[str, Path]]:
 def _case(bundle_dir, data, work, imbalance, ranks, lag, threads, args, d) -> dict:
     from cleave.score import job as score_job
 
-    delayed = imbalance in ("random_delay", "straggler")
-    inject = {"kind": imbalance, "delay_s": d, "seed": 1} if delayed else {}
+    inject = _inject(imbalance, d)
     job, out = _job(
         bundle_dir,
         data,
@@ -261,23 +260,38 @@ def _case(bundle_dir, data, work, imbalance, ranks, lag, threads, args, d) -> di
     }
 
 
-def _independent(bundle_dir, data, work, ranks, args) -> dict:
-    """`ranks` one-rank jobs of the whole input at once, each in its own process: their rows/s
-    summed, their statistics as one case's."""
+def _inject(imbalance: str, d: float) -> dict:
+    """cleave score's injected delays for an imbalance (none for balanced and hot_table)."""
+    delayed = imbalance in ("random_delay", "straggler")
+    return {"kind": imbalance, "delay_s": d, "seed": 1} if delayed else {}
+
+
+def _independent(bundle_dir, data, work, imbalance, ranks, args, d) -> dict:
+    """`ranks` one-rank jobs of the whole input at once, each in its own process and with the
+    imbalance's delays: their rows/s summed, their statistics as one case's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from cleave.score import job as score_job
 
+    inject = _inject(imbalance, d)
     jobs = [
         _job(
-            bundle_dir, data, work / f"scores-independent-{n}.parquet", 1, 0, args.threads, args, {}
+            bundle_dir,
+            data,
+            work / f"scores-{imbalance}-independent-{n}.parquet",
+            1,
+            0,
+            args.threads,
+            args,
+            inject,
         )
         for n in range(ranks)
     ]
     with ThreadPoolExecutor(ranks) as pool:
         summaries = list(pool.map(lambda j: score_job.run(j[0], processes=True), jobs))
     outputs = {out.read_bytes() for _, out in jobs}
-    case = _statistics([s["ranks"][0] for s in summaries], "balanced", ranks, None, 0.0)
+    stats = [s["ranks"][0] for s in summaries]
+    case = _statistics(stats, imbalance, ranks, None, d if inject else 0.0)
     return {
         **case,
         "kind": "independent",
