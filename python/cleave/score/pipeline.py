@@ -114,7 +114,7 @@ class RankScorer:
         self.ids = BoundedLagAlltoallv(K, torch.uint8, tag=0, timeout_s=job.timeout_s)
         self.pooled = BoundedLagAlltoallv(K, torch.float32, tag=1, timeout_s=job.timeout_s)
         first, last = job.start, job.iterations  # this run's iterations [first, last)
-        batches: dict[int, tuple] = {}  # iteration -> (rows table, its bag counts)
+        batches: dict[int, tuple] = {}  # iteration -> (rows table, (rows, its bags cut))
         chunk: list[pa.Table] = []
         rows_done, began, cpu = 0, time.perf_counter(), time.process_time()
         for step in range(first, last + 2 * K):
