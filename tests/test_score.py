@@ -273,65 +273,58 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
     assert not progress.exists()
 
 
-def test_bench_score_reports_cases_against_lag_0_and_one_rank(tmp_path):
+def test_bench_score_reports_cases_against_lag_0_one_rank_and_the_online_path(tmp_path):
     """`cleave bench score` end to end, smallest: one and two ranks, random delays, lags 0
-    and 1, and two independent one-rank jobs at once (their rows and rates summed, each
-    writing what the ranks write)."""
-    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1,2"]
+    and 1, two independent one-rank jobs at once (their rows and rates summed, each writing
+    what the ranks write), and the online path (`--online`: the same bundle served, its rows/s
+    within budget) against one process on every core."""
+    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1,2", "--online"]
     flags += ["--imbalance", "random_delay", "--lags", "0,1", "--rows", "512", "--independent"]
     _, report = run_bench(tmp_path, "score", *flags)
-    cases = report["cases"]
+    cases, cores = report["cases"], len(os.sched_getaffinity(0))
     assert [(c["imbalance"], c["ranks"], c["lag"], c["threads"]) for c in cases] == [
         ("random_delay", 1, 0, 1),
         ("random_delay", 2, 0, 1),
         ("random_delay", 2, 1, 1),
         ("random_delay", 2, None, 1),
+        ("balanced", 1, 0, cores),  # the online path's reference
     ]
     for c in cases:
-        assert c["per_batch_s"] > 0 and c["mean_delay_s"] > 0 and c["cpu_us_per_row"] > 0
+        assert c["per_batch_s"] > 0 and c["cpu_us_per_row"] > 0
         assert c["same_scores_as_lag0"]  # 1 and 2 ranks, every lag, each job: the same bytes
-    assert [c["rows"] for c in cases] == [512, 512, 512, 2 * 512]
+    assert all(c["mean_delay_s"] > 0 for c in cases[:4]) and cases[4]["mean_delay_s"] == 0
+    assert [c["rows"] for c in cases] == [512, 512, 512, 2 * 512, 512]
     one, two = cases[0]["rows_per_s"], cases[1]["rows_per_s"]
     assert cases[1]["speedup_over_1_rank"] == pytest.approx(two / one)
     assert "speedup_over_1_rank" not in cases[0]
     assert cases[2]["bound_s"] == pytest.approx(report["delay_s"] / 3)
-    independent = cases[3]
-    assert independent["kind"] == "independent"
-    assert len(independent["per_batch_by_rank_s"]) == 2
-    assert (tmp_path / "score.png").exists()
-
-
-def test_bench_score_compares_one_process_with_the_online_path(tmp_path):
-    """--online: the same bundle served (cleave bench serve), its rows/s within budget, against
-    one process on every core."""
-    flags = ["--quick", "--model", "shared", "--scale", "0.01", "--ranks", "1", "--online"]
-    flags += ["--imbalance", "balanced", "--lags", "0", "--rows", "256"]
-    _, report = run_bench(tmp_path, "score", *flags)
-    one, whole = report["cases"]
-    assert (one["ranks"], one["threads"], whole["ranks"]) == (1, 1, 1)
-    assert whole["threads"] == len(os.sched_getaffinity(0)) and whole["rows"] == 256
-    online = report["online"]
+    assert cases[3]["kind"] == "independent" and len(cases[3]["per_batch_by_rank_s"]) == 2
+    online, whole = report["online"], cases[4]
     assert online["deployment"].startswith("disaggregated") and online["candidates"] == 100
     # a loaded machine may miss the budget at every rate of the quick sweep: 0 rows/s then
     assert online["rows_per_s"] == online["max_rate_within_budget"] * 100
-    assert online["budget_ms"] > 0 and online["rank1_threads"] == whole["threads"]
+    assert online["budget_ms"] > 0 and online["rank1_threads"] == cores
     if online["rows_per_s"]:
         ratio = report["ratios"]["rank1_over_online"]
         assert ratio == pytest.approx(whole["rows_per_s"] / online["rows_per_s"])
+    assert (tmp_path / "score.png").exists()
 
 
 def test_tables_cut_into_row_ranges_score_like_the_model_at_every_lag(shared, tmp_path):
     """`--table-layout rows` (every table cut over the ranks, as the planner cuts it over
     shards): bags cut along the ranges, pooled partially (weighted sums, a mean, a max) and
     merged, within the tolerance of the model, and bit for bit the same at every lag."""
-    outs = []
-    for lag in (0, 2):
-        out = tmp_path / f"rows-{lag}.parquet"
-        flags = ["--ranks", "2", "--lag", str(lag), "--threads", "1", "--table-layout", "rows"]
-        done = run_score(*_args(shared, out), *flags)
-        assert done.returncode == 0, done.stderr
-        outs.append(pq.read_table(out))
-    assert outs[0].equals(outs[1])
+    out = tmp_path / "rows-0.parquet"
+    flags = ["--ranks", "2", "--lag", "0", "--threads", "1", "--table-layout", "rows"]
+    done = run_score(*_args(shared, out), *flags)
+    assert done.returncode == 0, done.stderr
+    lagged = tmp_path / "rows-2.parquet"
+    job, _ = score_job.prepare(
+        shared["dir"], shared["input"], lagged, ranks=2, lag=2, batch_size=BATCH, threads=1,
+        table_layout="rows",
+    )  # fmt: skip
+    score_job.run(job, processes=True)
+    assert pq.read_table(out).equals(pq.read_table(lagged))
     assert np.abs(scores(tmp_path / "rows-0.parquet") - shared["want"]).max() <= TOLERANCE
 
 
@@ -351,7 +344,7 @@ class _Gathers(torch.nn.Module):
 
 def test_gathered_rows_of_a_cut_table_come_back_in_place(tmp_path):
     """Per-position gathers (pooling none, their count per sample a model symbol) in one
-    process, and from a table cut over three ranks: each id's row from the rank holding it,
+    process, and from a table cut over two ranks: each id's row from the rank holding it,
     put back at its position."""
     torch.manual_seed(0)
     model = _Gathers().eval()
@@ -375,7 +368,7 @@ def test_gathered_rows_of_a_cut_table_come_back_in_place(tmp_path):
         tmp_path / "gathers",
         data,
         out,
-        ranks=3,
+        ranks=2,
         batch_size=BATCH,
         table_layout="rows",
         threads=1,
