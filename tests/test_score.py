@@ -397,3 +397,63 @@ def test_an_embedding_collection_scores_like_the_torchrec_model(tmp_path):
     job, _ = score_job.prepare(directory, data, out, ranks=2, lag=1, batch_size=BATCH, threads=1)
     score_job.run(job, processes=True)
     assert np.abs(scores(out) - want).max() <= TOLERANCE
+
+
+def test_per_request_inputs_score_each_request_as_the_model_does(tmp_path):
+    """`din`: a user's history and profile bag, looked up once per request, are columns
+    holding the request's value in each of its rows; a run of equal ones is one request
+    (cut where a batch ends: the batches of 8 rows split two of them). One process, then two
+    ranks with the item table cut between them at lags 0 and 2: like the model, and the two
+    lags bit for bit."""
+    model, example = MODELS["din"].factory(scale=SCALES["din"], seed=0)
+    bundle = cleave.partition(model.eval(), example)
+    schema = Schema(bundle.manifest)
+    assert schema.request_columns == ["user_hist", "profile_ids"]
+    assert "profile_ids    list<int64>" in schema.describe()
+    generator = RequestGenerator("din", scale=SCALES["din"], seed=5)
+    batches = [generator.batch(n) for n in (3, 1, 12, 5, 9)]
+    data = tmp_path / "users.parquet"
+    want = write_input(bundle, model, batches, data, row_group=7)
+    directory = bundle.save(tmp_path / "din")
+    one = tmp_path / "one.parquet"
+    _score(directory, data, one)
+    assert np.abs(scores(one) - want).max() <= TOLERANCE
+    lagged = []
+    for lag in (0, 2):
+        out = tmp_path / f"lag-{lag}.parquet"
+        options = {"ranks": 2, "lag": lag, "table_layout": "rows", "threads": 1}
+        job, _ = score_job.prepare(directory, data, out, batch_size=BATCH, **options)
+        score_job.run(job, processes=True)
+        lagged.append(pq.read_table(out))
+    assert np.abs(scores(tmp_path / "lag-0.parquet") - want).max() <= TOLERANCE
+    assert lagged[0].equals(lagged[1])
+
+
+class _UserVector(torch.nn.Module):
+    """A per-request dense input (one user's features, [1, 4]) beside per-candidate ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = torch.nn.Embedding(40, 4)
+        self.top = torch.nn.Linear(8, 1)
+
+    def forward(self, user, items):
+        joined = torch.cat([user.expand(items.shape[0], 4), self.items(items)], 1)
+        return torch.sigmoid(self.top(joined))
+
+
+def test_a_per_request_dense_input_is_read_from_its_requests_rows(tmp_path):
+    torch.manual_seed(0)
+    model = _UserVector().eval()
+    g = torch.Generator().manual_seed(1)
+
+    def request(n):
+        return torch.randn(1, 4, generator=g), torch.randint(0, 40, (n,), generator=g)
+
+    bundle = cleave.partition(model, request(5))
+    assert Schema(bundle.manifest).request_columns == ["user"]
+    data = tmp_path / "users.parquet"
+    want = write_input(bundle, model, [request(n) for n in (3, 6, 2, 9)], data, row_group=5)
+    out = tmp_path / "scores.parquet"
+    _score(bundle.save(tmp_path / "user"), data, out)
+    assert np.abs(scores(out) - want).max() <= TOLERANCE

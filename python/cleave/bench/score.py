@@ -180,12 +180,12 @@ def run(args: argparse.Namespace) -> int:
         result["online"] = _online(bundle_dir, args, work, log)
         # the one-process case on the most threads: the cores the online path had
         one = [c for c in result["cases"] if (c["ranks"], c["lag"]) == (1, 0)]
-        if one and result["online"]["rows_per_s"]:
+        if one:
             best = max(one, key=lambda c: c["threads"])
-            result["ratios"] = {
-                "rank1_over_online": best["rows_per_s"] / result["online"]["rows_per_s"]
-            }
             result["online"]["rank1_threads"] = best["threads"]
+            if result["online"]["rows_per_s"]:  # 0: no rate met the budget (a loaded machine)
+                rate = result["online"]["rows_per_s"]
+                result["ratios"] = {"rank1_over_online": best["rows_per_s"] / rate}
     print_table(result)
     write_outputs(result, args, plot_cases, log)
     return 0

@@ -6,7 +6,9 @@ it (a scalar column when a sample's slice has one element, else a list column); 
 feature's ids (and weights) given as flat ids with offsets are a list column named after the
 ids (weights) input, the offsets input has none; fixed-size bags and per-position gathers
 are list columns of the sample's ids; a KJT input `p` is a list column `p.KEY` per key (and
-`p.KEY.weights`).
+`p.KEY.weights`). An input looked up or read once per request (its leading size is not the
+batch: `din`'s user history) is a column holding the request's value in each of its rows;
+consecutive rows with equal such values are one request (`Schema.requests`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class SparseFeature:
     transform: list
     output: str  # the boundary tensor
     shape: tuple[int, ...] | None = ()  # a gather's ids per sample; None: [ids in batch, dim]
+    # Looked up once per request (None: per sample): a request's lookup output shape without
+    # dim, (1,) for its one bag, a gather's input shape (its ids' rows) for a gather.
+    request_shape: tuple[int, ...] | None = None
 
 
 class Schema:
@@ -71,6 +76,8 @@ class Schema:
         tables = {t["name"]: t for t in manifest["tables"]}
         self.columns: dict[str, Column] = {}
         self.features: list[SparseFeature] = []
+        self.request_columns: list[str] = []  # a request's value in each of its rows
+        per_request = set(manifest.get("shared_inputs", []))
         refused = []
 
         def column(name, spec_dtype, width, symbolic=False) -> Column:
@@ -90,11 +97,24 @@ class Schema:
             column(ids, inputs[kjt["values"]]["dtype"], None).feeds.append(f"{name} (lengths)")
         for f in manifest["features"]:
             table = tables[f["table"]]
+            request_shape = None
             if f["layout"] == "kjt":
                 ids = f"{f['kjt']}.{f['key']}"
                 weights = f"{ids}.weights" if kjts[f["kjt"]].get("weights") else None
                 col = column(ids, inputs[f["ids"]]["dtype"], None)
                 shape: tuple[int, ...] | None = None if reads_rows(f) else ()
+            elif f["ids"] in per_request:
+                spec, weights = inputs[f["ids"]], f.get("weights")
+                if f["pooling"] != "none" and not _one_bag(f, inputs):
+                    refused.append(f"{f['ids']} {spec['shape']} (more than one bag a request)")
+                    continue
+                whole = _width(spec["shape"])[0] if f["pooling"] == "none" else None
+                col = column(f["ids"], spec["dtype"], whole)
+                self.request_columns += [n for n in (f["ids"], weights) if n]
+                shape = ()
+                request_shape = (1,)  # one bag
+                if f["pooling"] == "none":
+                    request_shape = tuple(d if isinstance(d, int) else -1 for d in spec["shape"])
             else:
                 spec = inputs[f["ids"]]
                 weights = f.get("weights")
@@ -114,7 +134,7 @@ class Schema:
             if weights:
                 wspec = inputs.get(f.get("weights"), {"dtype": "float32"})
                 column(weights, wspec["dtype"], None).feeds.append(f"{f['name']} weights")
-            col.feeds.append(f"feature {f['name']}")
+            col.feeds.append(f"feature {f['name']}" + (" (per request)" if request_shape else ""))
             col.id_ranges.append((f["name"], f["table"], f["transform"], int(table["rows"])))
             self.features.append(
                 SparseFeature(
@@ -126,29 +146,53 @@ class Schema:
                     f["transform"],
                     f["output"],
                     shape,
+                    request_shape,
                 )
             )
         self.dense_inputs = [n for n in manifest["dense"]["inputs"] if n in inputs]
+        self.dense_shapes = {}  # per row, or a request's whole input (a request column)
         for name in self.dense_inputs:
             spec = inputs[name]
-            if spec["shape"][:1] != ["B"]:
-                refused.append(f"{name} {spec['shape']}")
-                continue
-            width, symbolic = _width(spec["shape"][1:])
-            column(name, spec["dtype"], width, symbolic).feeds.append("dense program")
-        if refused or manifest.get("shared_inputs"):
-            names = refused or manifest["shared_inputs"]
+            shape = [d if isinstance(d, int) else -1 for d in spec["shape"]]
+            if spec["shape"][:1] == ["B"]:
+                self.dense_shapes[name] = shape[1:]
+                width, symbolic = _width(spec["shape"][1:])
+                column(name, spec["dtype"], width, symbolic).feeds.append("dense program")
+            else:  # a per-request input: any length, the request's rows equal
+                self.dense_shapes[name] = shape
+                whole = _width(spec["shape"])[0]
+                column(name, spec["dtype"], whole).feeds.append("dense program (per request)")
+                self.request_columns.append(name)
+        if refused:
             raise UsageError(
-                "cleave score reads one sample per row, and this model has inputs whose "
-                f"leading size is not the batch ({', '.join(map(str, names))}: per-request "
-                "inputs shared by a request's candidates); score such a model through "
-                "cleave serve"
+                "cleave score reads one sample per row, and this model has inputs it cannot "
+                f"lay out as rows ({', '.join(refused)}); score such a model through cleave serve"
             )
-        self.dense_shapes = {
-            n: [d if isinstance(d, int) else -1 for d in inputs[n]["shape"][1:]]
-            for n in self.dense_inputs
-        }
         self.outputs = [(o["name"], _width(o["shape"][1:])[0]) for o in manifest["outputs"]]
+
+    def requests(self, table: pa.Table, rows: int) -> np.ndarray | None:
+        """Where each request of a batch starts, and `rows` last: a request is a run of
+        consecutive rows whose per-request columns are equal (None: a model without them,
+        every row its own sample)."""
+        if not self.request_columns:
+            return None
+        new = np.zeros(rows, bool)
+        new[:1] = True
+        for name in self.request_columns:
+            values, lengths = flat_values(table.column(name).combine_chunks())
+            if lengths is None:
+                new[1:] |= values[1:] != values[:-1]
+                continue
+            new[1:] |= lengths[1:] != lengths[:-1]
+            if len(lengths) and (lengths == lengths[0]).all():  # one length: compare at once
+                if lengths[0]:
+                    each = values.reshape(rows, -1)
+                    new[1:] |= (each[1:] != each[:-1]).any(axis=1)
+                continue
+            at = np.concatenate([[0], np.cumsum(lengths)])
+            for r in np.flatnonzero(~new[1:]) + 1:
+                new[r] = not np.array_equal(values[at[r - 1] : at[r]], values[at[r] : at[r + 1]])
+        return np.append(np.flatnonzero(new), rows)
 
     def describe(self, key: str | None = None) -> str:
         """The columns a file must have, and those the output gets: `--print-schema`."""
@@ -168,7 +212,21 @@ class Schema:
         for name, width in self.outputs:
             rows.append((name, "float" if width == 1 else f"list<float>[{width}]", "model output"))
         w = max(len(r[0]) for r in rows) + 2
-        return "\n".join(f"{a:<{w}}{b:<22}{c}".rstrip() for a, b, c in rows)
+        text = "\n".join(f"{a:<{w}}{b:<22}{c}".rstrip() for a, b, c in rows)
+        if self.request_columns:
+            text += (
+                "\n\nper request: a request's value in each of its rows; consecutive rows with "
+                "equal per-request columns are one request"
+            )
+        return text
+
+
+def _one_bag(feature: dict, inputs: dict) -> bool:
+    """A per-request bag feature pools one bag a request: a row can hold one bag's ids."""
+    if feature["layout"] != "offsets":
+        return inputs[feature["ids"]]["shape"][:1] == [1]  # fixed bags [1, L]
+    size = inputs[feature["offsets"]]["shape"]
+    return size == [2 if feature.get("include_last_offset") else 1]
 
 
 def _width(rest: list) -> tuple[int | None, bool]:
@@ -341,6 +399,8 @@ def to_rows(schema: Schema, inputs: dict) -> pa.Table:
     columns: dict[str, pa.Array] = {}
     for f in schema.features:
         spec = features[f.name]
+        if f.request_shape is not None:
+            continue  # a request's whole input in each of its rows: below
         if spec["layout"] == "kjt":
             kjt = kjts[spec["kjt"]]
             k = kjt["keys"].index(spec["key"])
@@ -363,14 +423,21 @@ def to_rows(schema: Schema, inputs: dict) -> pa.Table:
             values = pa.array(inputs[name].numpy().reshape(-1))
             columns[column] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
     for name, col in schema.columns.items():
-        if name in columns:
+        if name in columns or name in schema.request_columns:
             continue
-        data = inputs[name].numpy()
-        rows = data.shape[0]
-        flat = data.reshape(rows, -1)
-        if col.width == 1:
-            columns[name] = pa.array(flat[:, 0])
-        else:
-            offsets = np.arange(0, flat.size + 1, max(flat.shape[1], 1), dtype=np.int32)[: rows + 1]
-            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
+        columns[name] = _rows_of(inputs[name].numpy(), col.width)
+    rows = len(next(iter(columns.values())))
+    for name in schema.request_columns:
+        whole = inputs[name].numpy().reshape(1, -1)
+        columns[name] = _rows_of(np.repeat(whole, rows, 0), schema.columns[name].width)
     return pa.table(columns)
+
+
+def _rows_of(data: np.ndarray, width: int | None) -> pa.Array:
+    """An array whose first dimension is the rows: a scalar column, or a list column."""
+    rows = data.shape[0]
+    flat = data.reshape(rows, -1)
+    if width == 1:
+        return pa.array(flat[:, 0])
+    offsets = np.arange(rows + 1, dtype=np.int32) * flat.shape[1]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))

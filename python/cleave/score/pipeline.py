@@ -13,7 +13,8 @@ with lag K:
    cut bag pools partially (a mean as a sum);
 3. receive the pooled rows of iteration i - 2K, merge the partial pools in owner order (sums
    added, maxima of the owners that had ids, means divided by the bag's length, gathered rows
-   put back in place), run the dense program, keep the scores.
+   put back in place), run the dense program (once per request for a model with per-request
+   inputs: `Schema.requests`), keep the scores.
 
 Every wait is on an iteration K behind the one started, so a rank blocks only when a peer is
 more than K iterations behind it (BLS Listing 2, for two collectives in a row). K = 0 is two
@@ -27,7 +28,6 @@ Run as `python -m cleave.score.pipeline JOB --rank R --world N [--store FILE]` b
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -92,19 +92,18 @@ class RankScorer:
         group, so the first batch does not pay for PyTorch's and the reader's first calls."""
         rows = min(2, self.job.rows)
         table = self.files.read(0, rows, self.columns)
-        values = self._dense_inputs(table, rows)
-        for f in self.schema.features:
-            shape = [rows]
-            if f.pooling == "none":  # a symbolic size (-1) from the rows' own ids
-                ids = len(flat_values(table.column(f.column).combine_chunks())[0])
-                if f.shape is None:  # a row per id
-                    shape = [ids]
-                else:
-                    known = math.prod(d for d in f.shape if d >= 0)
-                    shape += [d if d >= 0 else ids // rows // known for d in f.shape]
-            values[f.output] = torch.zeros(*shape, self.dims[f.name])
+        starts = self.schema.requests(table, rows)
+        lengths = {name: bag[1] for name, bag in self._bags(table, rows, starts).items()}
+        zeros = {
+            f.name: torch.zeros(
+                int(lengths[f.name].sum()) if f.pooling == "none" else len(lengths[f.name]),
+                self.dims[f.name],
+            )
+            for f in self.schema.features
+        }
         with torch.inference_mode():
-            self.bundle.run_dense(values, self.dense)
+            for values in self._dense_calls(table, rows, starts, zeros, lengths):
+                self.bundle.run_dense(values, self.dense)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -185,19 +184,15 @@ class RankScorer:
         stop = min(start + self.job.batch_size, self.job.rows)
         table = self.files.read(start, stop, self.columns) if stop > start else None
         rows = stop - start
+        starts = self.schema.requests(table, rows) if rows else None
+        requests = rows if starts is None else len(starts) - 1
         cut: dict[str, _Cut] = {}  # feature -> how its bags went to its owners
         parts: list[list[np.ndarray]] = [
-            [np.array([rows], dtype=np.int64)] for _ in range(self.world)
+            [np.array([rows, requests], dtype=np.int64)] for _ in range(self.world)
         ]
-        for f in self.schema.features:
-            if rows:
-                values, lengths = flat_values(table.column(f.column).combine_chunks())
-                lengths = np.ones(rows, np.int64) if lengths is None else lengths
-                ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
-                w = flat_values(table.column(f.weights).combine_chunks())[0] if f.weights else None
-            else:
-                ids, lengths, w = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-            lengths = lengths.astype(np.int64, copy=False)
+        for f, (ids, lengths, w) in zip(
+            self.schema.features, self._bags(table, rows, starts).values(), strict=True
+        ):
             owners = self.owners[f.table]
             c = cut[f.name] = _Cut(lengths, owners, ids, self.cuts[f.table])
             for k, owner in enumerate(owners):
@@ -208,7 +203,25 @@ class RankScorer:
         sends = [torch.from_numpy(np.concatenate([p.view(np.uint8) for p in ps])) for ps in parts]
         self.ids.start(it, sends)
         self.times["read"] += time.perf_counter() - t
-        return table, (rows, cut)
+        return table, (rows, starts, cut)
+
+    def _bags(self, table, rows: int, starts) -> dict[str, tuple]:
+        """Per feature, its bags in a batch: (ids after the transform, each bag's length,
+        weights or None); a bag per row, or per request for a per-request feature (from the
+        request's first row)."""
+        firsts = table.take(starts[:-1]) if starts is not None else None
+        bags = {}
+        for f in self.schema.features:
+            source = firsts if f.request_shape is not None else table
+            if not rows:
+                bags[f.name] = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+                continue
+            values, lengths = flat_values(source.column(f.column).combine_chunks())
+            lengths = np.ones(source.num_rows, np.int64) if lengths is None else lengths
+            ids = apply_transform(values, f.transform).astype(np.int64, copy=False)
+            w = flat_values(source.column(f.weights).combine_chunks())[0] if f.weights else None
+            bags[f.name] = (ids, lengths.astype(np.int64, copy=False), w)
+        return bags
 
     def _pool(self, it: int) -> None:
         """As an owner: every rank's bags of this iteration, pooled, sent back."""
@@ -241,11 +254,13 @@ class RankScorer:
         self.times["pool"] += time.perf_counter() - t
 
     def _finish(self, it: int, table, sent: tuple, iteration: int) -> pa.Table | None:
-        rows, cut = sent
+        rows, starts, cut = sent
+        requests = rows if starts is None else len(starts) - 1
 
         def size(f, owner: int) -> int:  # floats of f's rows from an owner: per bag, or per id
-            n = rows if f.pooling != "none" else int(cut[f.name].of(owner).sum())
-            return self.dims[f.name] * n
+            if f.pooling == "none":
+                return self.dims[f.name] * int(cut[f.name].of(owner).sum())
+            return self.dims[f.name] * (requests if f.request_shape is not None else rows)
 
         expect = [sum(size(f, r) for f in features) for r, features in enumerate(self.by_owner)]
         t = time.perf_counter()
@@ -254,19 +269,22 @@ class RankScorer:
         if not rows:
             return None
         t = time.perf_counter()
-        values = self._dense_inputs(table, rows)
         blocks: dict[str, list[torch.Tensor]] = {f.name: [] for f in self.schema.features}
         for owner, features in enumerate(self.by_owner):
             at = 0
             for f in features:
                 blocks[f.name].append(got[owner][at : at + size(f, owner)])
                 at += size(f, owner)
-        for f in self.schema.features:
-            shape = [rows] if f.pooling != "none" else [-1] if f.shape is None else [rows, *f.shape]
-            merged = cut[f.name].merge(blocks[f.name], f.pooling, self.dims[f.name])
-            values[f.output] = merged.reshape(*shape, self.dims[f.name])
+        merged = {
+            f.name: cut[f.name].merge(blocks[f.name], f.pooling, self.dims[f.name])
+            for f in self.schema.features
+        }
+        lengths = {f.name: cut[f.name].total for f in self.schema.features}
+        parts = []
         with torch.inference_mode():
-            outputs = self.bundle.run_dense(values, self.dense)
+            for values in self._dense_calls(table, rows, starts, merged, lengths):
+                parts.append(self.bundle.run_dense(values, self.dense))
+        outputs = [torch.cat(o) for o in zip(*parts, strict=True)] if len(parts) > 1 else parts[0]
         columns = {}
         if self.job.key:
             columns[self.job.key] = table.column(self.job.key)
@@ -283,9 +301,47 @@ class RankScorer:
         self.times["dense"] += time.perf_counter() - t
         return pa.table(columns)
 
+    def _dense_calls(self, table, rows: int, starts, merged: dict, lengths: dict) -> list[dict]:
+        """The dense program's inputs for a batch: one call, or one per request for a model
+        with per-request inputs (a request's user is never joined with another's, as online).
+        `merged`: each feature's rows from the owners; `lengths`: its bags' lengths."""
+        per_row: dict[str, torch.Tensor] = {}
+        per_id: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # rows [ids in batch, dim]
+        per_request: dict[str, list[torch.Tensor]] = {}
+        for f in self.schema.features:
+            rows_of, dim = merged[f.name], self.dims[f.name]
+            if f.request_shape is not None:
+                sizes = lengths[f.name] if f.pooling == "none" else np.ones(len(starts) - 1, int)
+                per_request[f.output] = [
+                    part.reshape(*f.request_shape, dim)
+                    for part in torch.split(rows_of.reshape(-1, dim), sizes.tolist())
+                ]
+            elif f.shape is None:
+                per_id[f.output] = (rows_of.reshape(-1, dim), lengths[f.name])
+            else:
+                per_row[f.output] = rows_of.reshape(rows, *f.shape, dim)
+        per_row.update(self._dense_inputs(table, rows))
+        if starts is None:
+            return [per_row | {name: t for name, (t, _) in per_id.items()}]
+        firsts = table.take(starts[:-1])
+        for name in self.schema.request_columns:
+            if name in self.schema.dense_shapes:
+                per_request[name] = self._request_inputs(firsts, name)
+        id_at = {name: np.concatenate([[0], np.cumsum(n)]) for name, (_, n) in per_id.items()}
+        calls = []
+        for g, (s, e) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+            values = {name: t[s:e] for name, t in per_row.items()}
+            values |= {name: t[id_at[name][s] : id_at[name][e]] for name, (t, _) in per_id.items()}
+            values |= {name: parts[g] for name, parts in per_request.items()}
+            calls.append(values)
+        return calls
+
     def _dense_inputs(self, table, rows: int) -> dict[str, torch.Tensor]:
+        """The dense program's per-sample inputs of a batch (not its per-request ones)."""
         values = {}
         for name in self.schema.dense_inputs:
+            if name in self.schema.request_columns:
+                continue
             col = self.schema.columns[name]
             flat, _ = flat_values(table.column(name).combine_chunks())
             dtype = getattr(torch, col.dtype)
@@ -295,6 +351,15 @@ class RankScorer:
             lengths = flat_values(table.column(column).combine_chunks())[1]
             values[name] = torch.from_numpy(lengths.astype(np.int64))
         return values
+
+    def _request_inputs(self, firsts: pa.Table, name: str) -> list[torch.Tensor]:
+        """A per-request dense input, each request's from its first row, in its own shape."""
+        flat, lengths = flat_values(firsts.column(name).combine_chunks())
+        dtype = getattr(torch, self.schema.columns[name].dtype)
+        at = np.concatenate([[0], np.cumsum(lengths if lengths is not None else [1] * len(flat))])
+        whole = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype)
+        shape = self.schema.dense_shapes[name]
+        return [whole[a:b].reshape(shape) for a, b in zip(at[:-1], at[1:], strict=True)]
 
 
 class _Cut:
@@ -345,12 +410,14 @@ class _Cut:
 
 
 def _parse(msg: np.ndarray, features) -> list[tuple]:
-    """A rank's ids message for this owner: (lengths, ids, weights) per feature, in order."""
-    rows = int(msg[:8].view(np.int64)[0])
-    at, out = 8, []
+    """A rank's ids message for this owner: [rows, requests], then (lengths, ids, weights)
+    per feature, in order."""
+    rows, requests = (int(n) for n in msg[:16].view(np.int64))
+    at, out = 16, []
     for f in features:
-        lengths = msg[at : at + 8 * rows].view(np.int64)
-        at += 8 * rows
+        bags = requests if f.request_shape is not None else rows
+        lengths = msg[at : at + 8 * bags].view(np.int64)
+        at += 8 * bags
         n = int(lengths.sum())
         ids = msg[at : at + 8 * n].view(np.int64)
         at += 8 * n
