@@ -63,11 +63,25 @@ def testbed_lock(request, tmp_path_factory):
         yield
 
 
+class _Models(dict):
+    """Reference models with their bundles, each partitioned when a test first asks for it
+    (a worker that needs one model does not export all of them)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Served:
+        if name not in SCALES:
+            raise KeyError(name)
+        served = self[name] = Served(name, self.root)
+        return served
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Served]:
     """Every reference model with its bundle (read only: tests never write into it)."""
-    root = tmp_path_factory.mktemp("bundles")
-    return {name: Served(name, root) for name in SCALES}
+    return _Models(tmp_path_factory.mktemp("bundles"))
 
 
 @pytest.fixture(scope="session")
