@@ -18,7 +18,6 @@ from cleave.ranker.local import LocalQueue
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, encode_request
 from cleave.ranker.program import load_ranker
 from cleave.settings import ranker_cores
-from support.bench import run_bench
 from support.cli import refused
 
 SCALE = 0.01
@@ -226,23 +225,3 @@ def test_partition_cli_refuses_a_failing_dtype_and_writes_nothing(tmp_path):
     )  # fmt: skip
     assert "dense dtype int8 refused" in message
     assert not out.exists()
-
-
-def test_bench_serve_compares_a_reduced_dtype_with_float32_and_reports_the_roofline(tmp_path):
-    result, report = run_bench(
-        tmp_path, "serve", "--quick", "--check",
-        "--model", "shared", "--scale", str(SCALE), "--candidates", "16", "--requests", "4",
-        "--dense-dtype", "bfloat16", timeout=600,
-    )  # fmt: skip
-    assert set(report["deployments"]) == {"disaggregated", "disaggregated-float32"}
-    assert report["bundle"]["dense_dtype"] == "bfloat16"
-    assert report["budget_ms"] >= 25.0
-    roof = report["roofline"]
-    assert roof["served"]["dtype"] == "bfloat16" and roof["float32"]["dtype"] == "float32"
-    for r in (roof["served"], roof["float32"]):
-        assert r["achieved_gflops"] > 0 and r["peak_gflops"] > 0
-    # Checked against the bundle's own reference; the distance to float32 reported apart.
-    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
-    assert 0 < report["float32_distance"] <= 0.02
-    assert "max_rate_dtype_over_float32" in report["ratios"]
-    assert "GFLOP/s peak" in result.stdout

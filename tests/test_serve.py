@@ -26,7 +26,7 @@ from cleave.bench.loadgen import outputs_of
 from cleave.launch.process import ServeProcess
 from support.client import closed_loop, post
 from support.processes import children
-from support.served import TOLERANCE, Served, check_scores, infer_url, run_serve
+from support.served import TOLERANCE, Served, check_scores, infer_url, roomy_budget, run_serve
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -43,10 +43,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
         ("shared", 1, 1, "router-held", "rows"),
     ],
 )
-def test_scores_equal_the_original_model(models, model, shards, rankers, mode, layout):
+def test_scores_equal_the_original_model(models, model, shards, rankers, mode, layout, tmp_path):
     served = models[model]
     flags = ["--shards", str(shards), "--rankers", str(rankers), "--threads", "1"]
-    flags += ["--table-layout", layout]
+    flags += ["--table-layout", layout, *roomy_budget(tmp_path)]
     if mode != "disaggregated":
         flags.append(f"--{mode}")
     with ServeProcess(served.dir, *flags) as server:

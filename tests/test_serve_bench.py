@@ -3,16 +3,23 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 
 from __future__ import annotations
 
+import pytest
 from support.bench import FLOAT32, run_bench, serve_bench
 from support.cli import refused
 
 
 def test_bench_serve_quick_compare(tmp_path):
+    """The three ways of serving, at a reduced dense dtype (bfloat16) with its float32 twin:
+    every score checked against its own bundle's reference, the distance to float32 and each
+    dtype's roofline reported apart."""
     result, report = run_bench(
         tmp_path, "serve", "--quick", "--compare", "--check",
-        "--model", "shared", "--scale", "0.01", "--candidates", "16", *FLOAT32,
+        "--model", "shared", "--scale", "0.01", "--candidates", "16",
+        "--dense-dtype", "bfloat16",
     )  # fmt: skip
-    assert set(report["deployments"]) == {"monolithic", "disaggregated", "router-held"}
+    assert set(report["deployments"]) == {
+        "monolithic", "disaggregated", "router-held", "disaggregated-float32"
+    }  # fmt: skip
     for deployment in report["deployments"].values():
         assert [p["rate"] for p in deployment["rates"]] == [20.0, 40.0]
         for point in [deployment["single"], *deployment["rates"]]:
@@ -21,6 +28,12 @@ def test_bench_serve_quick_compare(tmp_path):
     assert report["deployments"]["disaggregated"]["rates"][0]["stages_us"]["lookup_us"] > 0
     codec = report["deployments"]["disaggregated"]["rates"][0]["metrics"]["codec_cpu_us"]
     assert codec["parse_json"] > 0 and codec["encode_json"] > 0  # the router's CPU per request
+    for name, roles in [("monolithic", {"ranker-0"}), ("disaggregated", {"shard-0", "router"})]:
+        point = report["deployments"][name]["rates"][0]  # every process's CPU per request
+        assert roles <= set(point["cpu_ms_by_role"]), point["cpu_ms_by_role"]
+        assert point["cpu_ms_per_request"] == pytest.approx(sum(point["cpu_ms_by_role"].values()))
+    assert "cpu_per_request_disagg_over_mono" in report["ratios"]
+    assert "CPU per request answered" in result.stdout
     assert "router CPU per request in parsing and encoding" in result.stdout
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
     assert {"single_p50_disagg_over_mono", "max_rate_held_over_disagg"} <= set(report["ratios"])
@@ -28,6 +41,14 @@ def test_bench_serve_quick_compare(tmp_path):
     assert held["stages_us"]["lookup_us"] > 0  # looked up in the router, no shard process
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     assert "max rate with p99 <= 25 ms" in result.stdout
+    assert report["bundle"]["dense_dtype"] == "bfloat16" and report["budget_ms"] >= 25.0
+    roof = report["roofline"]
+    assert roof["served"]["dtype"] == "bfloat16" and roof["float32"]["dtype"] == "float32"
+    for r in (roof["served"], roof["float32"]):
+        assert r["achieved_gflops"] > 0 and r["peak_gflops"] > 0
+    assert 0 < report["float32_distance"] <= 0.02
+    assert "max_rate_dtype_over_float32" in report["ratios"]
+    assert "GFLOP/s peak" in result.stdout
 
 
 def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_input_model(

@@ -345,6 +345,12 @@ def print_stages(result: dict) -> None:
         for name, p, cpu in codec:
             steps = "  ".join(f"{step} {us:.0f}" for step, us in cpu.items())
             print(f"{name:<16} {p['rate']:8.1f}  {steps}")
+    used = [(name, p) for name, p in rows if "cpu_ms_per_request" in p]
+    if used:
+        print("\nCPU per request answered, ms: every process of the deployment, then by role:")
+        for name, p in used:
+            roles = "  ".join(f"{r} {ms:.2f}" for r, ms in p["cpu_ms_by_role"].items())
+            print(f"{name:<16} {p['rate']:8.1f}  {p['cpu_ms_per_request']:6.2f}  {roles}")
 
 
 def print_hosts(result: dict) -> None:

@@ -28,6 +28,7 @@ from cleave.bench.harness.measurement import measure, paired_single
 from cleave.bench.harness.summary import (
     Ratio,
     codec_cpu_us,
+    cpu_per_request,
     max_goodput,
     max_rate,
     new_result,
@@ -227,6 +228,7 @@ RATIOS = (
         _median_of_rounds,
     ),
     Ratio("max_rate_disagg_over_mono", "disaggregated", "monolithic", ratio_of(max_rate)),
+    Ratio("cpu_per_request_disagg_over_mono", "disaggregated", "monolithic", cpu_per_request),
     Ratio(
         "max_rate_dtype_over_float32", "disaggregated", "disaggregated-float32", ratio_of(max_rate)
     ),

@@ -81,12 +81,16 @@ def measure(
         if missed:
             target.restart()
             warm_up()
-        before = scrape(target.endpoints, target.links)
+        before, cpu = scrape(target.endpoints, target.links), target.cpu_seconds()
         urls = target.infer_urls(workload)
         samples = open_loop_spread(urls, bodies, rate, args.duration, seed=int(rate), check=check)
-        after = scrape(target.endpoints, target.links)
+        cpu_after, after = target.cpu_seconds(), scrape(target.endpoints, target.links)
         metrics = breakdown(before, after)
         point = {"rate": rate, **summarize(samples, args.duration, args.budget_ms)}
+        if cpu_after and point["ok"]:  # every process of the deployment, per request answered
+            used = {role: cpu_after[role] - cpu.get(role, 0.0) for role in cpu_after}
+            point["cpu_ms_per_request"] = 1e3 * sum(used.values()) / point["ok"]
+            point["cpu_ms_by_role"] = {r: 1e3 * u / point["ok"] for r, u in sorted(used.items())}
         if len(urls) > 1:  # what the client sent each router, and what each one counted
             point["sent_by_router"] = [
                 sum(s.router == i for s in samples) for i in range(len(urls))

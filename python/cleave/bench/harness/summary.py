@@ -172,6 +172,22 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else float("nan")
 
 
+def cpu_per_request(of: dict, to: dict) -> float:
+    """CPU per request answered (every process) of `of` over `to`, at the highest rate both
+    served within budget: a request costs less CPU as batches grow with the rate."""
+
+    def served(deployment: dict) -> dict[float, float]:
+        return {
+            p["rate"]: p["cpu_ms_per_request"]
+            for p in deployment["rates"]
+            if p["within_budget"] and "cpu_ms_per_request" in p
+        }
+
+    a, b = served(of), served(to)
+    both = sorted(set(a) & set(b))
+    return ratio(a[both[-1]], b[both[-1]]) if both else float("nan")
+
+
 def max_goodput(deployment: dict) -> float:
     return max((p["goodput_rps"] for p in deployment["rates"]), default=0.0)
 

@@ -103,6 +103,20 @@ class Target:
         self.stop()
         self.start()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far (user + system) of each process of the deployment, by role; empty
+        for a deployment started elsewhere."""
+        from cleave.bench.harness.processes import cpu_seconds, process_tree
+
+        if self.server is None or self.server.proc is None:
+            return {}
+        used: dict[str, float] = {}
+        for pid, role in process_tree(self.server.proc.pid).items():
+            seconds = cpu_seconds(pid)
+            if seconds is not None:
+                used[role] = used.get(role, 0.0) + seconds
+        return used
+
     def bodies(self, workload: Workload) -> list:
         """The workload's requests in this target's protocol."""
         return workload.bodies_for.get(self.protocol, workload.bodies)
