@@ -352,6 +352,11 @@ impl ShardService {
     /// Serves decoded lookups as of `at`.
     fn lookup_decoded(&self, lookups: &[Lookup], at: u64) -> Result<(Bytes, Served), Refusal> {
         let loaded = self.loaded.get().ok_or_else(not_ready)?;
+        // Sleeping lookup workers wake while the snapshot and the response are prepared, not
+        // after the lookups are handed to them (docs/engine.md).
+        loaded
+            .engine
+            .expect(lookups.iter().map(|l| l.ids.len()).sum());
         // One version of each table for the whole request, even if an update switches now:
         // the one its as_of reads, so every shard of a split table picks the same.
         let snapshot: Snapshot = loaded.tables.read().unwrap().clone();
