@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -88,15 +87,6 @@ def describe(choice: DenseChoice) -> str:
     times = ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in choice.seconds.items())
     measured = f": {times} per batch of {choice.rows} rows" if times else ""
     return f"dense dtype {choice.dtype} (chosen by {choice.chosen_by}{measured})"
-
-
-def served_in(log_lines) -> str | None:
-    """The dense dtype a deployment's log says its rankers serve (`describe`'s line), if any."""
-    for line in log_lines:
-        found = re.search(r"dense dtype (\w+) \(chosen by ", line)
-        if found:
-            return found.group(1)
-    return None
 
 
 def probe(modules: dict, inputs: list[torch.Tensor], run) -> dict[str, float]:

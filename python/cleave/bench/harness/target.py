@@ -56,7 +56,6 @@ class Target:
 
     def start(self) -> Target:
         from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
-        from cleave.ranker.dense_dtype import served_in
 
         if self.restartable:
             from cleave.bench.machine import pinned
@@ -88,8 +87,16 @@ class Target:
             self.grpc_port = int(bound_grpc_address(log).rsplit(":", 1)[1])
         self.endpoints = metrics_endpoints(log, self.url)
         self.links = testbed_links(log)
-        self.dense_dtype = served_in(log)
+        self.dense_dtype = self._served_dtype()
         return self
+
+    def _served_dtype(self) -> str | None:
+        """What the first ranker's /metrics says it serves (every ranker serves the same)."""
+        from cleave.launch.supervisor import probe_text
+        from cleave.ranker.probes import served_dtype
+
+        url = next((u for role, u in self.endpoints.items() if role.startswith("ranker-")), None)
+        return served_dtype(probe_text(url)) if url else None
 
     def stop(self) -> None:
         if self.server is not None:
