@@ -14,30 +14,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support.helm import HELM  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
-# The modules that take longest, longest first (serial seconds on a 2-core machine, measured
-# 2026-11: docs/testing.md). Parallel runs hand whole modules to workers (--dist loadfile) in
-# collection order, so these start at once instead of ending the run alone. Only the run's
-# length depends on this list.
+# The modules that take longest, longest first (seconds within the parallel suite on a 2-core
+# machine, measured 2026-11-26: docs/testing.md). Parallel runs hand whole modules to workers
+# (--dist loadfile) in collection order, so these start at once instead of ending the run
+# alone. Only the run's length depends on this list.
 LONGEST_FIRST = [
-    "test_serve_bench.py",  # 190
-    "test_ray_runner.py",  # 127
-    "test_score.py",  # 102
-    "test_dense_precision.py",  # 88
-    "test_serve_bench_overload.py",  # 80
-    "test_serve_bench_torchrec.py",  # 80 alone
-    "test_serve.py",  # 84
-    "test_binary_tensors.py",  # 71
-    "test_incast_bench.py",  # 59
-    "test_serve_bench_testbed.py",  # 50
-    "test_serve_bench_routers.py",  # 48
-    "test_partition.py",  # 42
-    "test_torchrec.py",  # 53 alone
-    "test_tier.py",  # 40
-    "test_executables.py",  # 37
-    "test_testbed_serve.py",  # 37
-    "test_grpc_clients.py",  # 37
-    "test_update.py",  # 36
-    "test_tritonclient.py",  # 29
+    "test_score.py",  # 281
+    "test_ray_runner.py",  # 253
+    "test_serve_bench.py",  # 238
+    "test_serve.py",  # 198
+    "test_serve_bench_overload.py",  # 141
+    "test_torchrec.py",  # 134
+    "test_partition.py",  # 131
+    "test_binary_tensors.py",  # 101
+    "test_incast_bench.py",  # 100
+    "test_serve_bench_testbed.py",  # 82
+    "test_models.py",  # 88
+    "test_dense_precision.py",  # 84
+    "test_tier.py",  # 80
+    "test_tritonclient.py",  # 78
+    "test_executables.py",  # 77
+    "test_serve_bench_torchrec.py",  # 75
+    "test_grpc_clients.py",  # 65
+    "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
 ]
 
 
