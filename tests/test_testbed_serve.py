@@ -32,7 +32,10 @@ pytestmark = [
     pytest.mark.skipif(commands.unavailable() is not None, reason=commands.unavailable() or ""),
 ]
 
-BUDGET_MS = 500
+# A replica's part is retried on the other after half the budget; the retry must then start
+# on a 2-core machine shared with the rest of the suite (one 500 ms budget's retry reached its
+# shard 11 ms too late there): a budget for plumbing, not a latency claim.
+BUDGET_MS = 2000
 SLACK_S = 5.0  # for a loaded 2-core machine, not a performance claim: a hang takes 30 s
 
 
