@@ -168,7 +168,7 @@ impl<'a> Walk<'a> {
     fn skip_string(&mut self) -> Option<()> {
         self.at += 1;
         loop {
-            self.at += memchr2(b'"', b'\\', &self.bytes[self.at..])?;
+            self.at += memchr2(b'"', b'\\', self.bytes.get(self.at..)?)?;
             if self.bytes[self.at] == b'"' {
                 self.at += 1;
                 return Some(());
@@ -245,6 +245,8 @@ mod tests {
             r#"{"inputs": [{"data": [1]]"#,
             r#"{"inputs": [{"data": ["#,
             r#"{"id": "#,
+            r#"{"id": "\"#,
+            r#"{"id": "a\"#,
             "",
         ] {
             assert_eq!(cut(body.as_bytes()), None, "{body}");
