@@ -34,6 +34,7 @@ BENCHMARKS = {
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
+    "json-parse": ("cleave.bench.json_parse", "router JSON request parsing, scanner vs serde_json"),
     "torchrec-quant": (
         "cleave.bench.torchrec_quant",
         "a TorchRec DLRM's score cost of int8/int4 tables, Cleave's vs TorchRec's quantization",

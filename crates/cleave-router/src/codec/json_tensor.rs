@@ -1,18 +1,43 @@
 //! Tensor data in JSON: KServe's `data` arrays (flat or nested, row-major) in, numbers out.
 //!
-//! Deserialization collects numbers straight from the parser into one flat vector (no
-//! `serde_json::Value` tree per element) and records the nesting, so a ragged or mistyped
-//! array is reported with what was expected and what arrived.
+//! A request's array is read by the scanner (json_scan.rs) straight into the dtype's bytes;
+//! text the scanner does not take goes through serde_json's deserializer, which collects
+//! numbers into one flat vector (no `serde_json::Value` tree per element). Both record the
+//! nesting, so a ragged or mistyped array is reported with what was expected and what arrived.
 
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 
+use crate::codec::json_scan;
 use crate::tensor::{DType, Tensor};
 
+/// A request's `data` text (a JSON array, flat or nested, or a bare number) as a tensor of
+/// `dtype` and `shape`. The scanner reads it; text it refuses is read by
+/// [`parse_tensor_serde`], whose answer (an error, mostly) is the request's.
+pub fn parse_tensor(text: &str, dtype: DType, shape: &[usize]) -> Result<Tensor, String> {
+    // Room for the values the shape declares, as many as the text can hold at most.
+    let count = crate::tensor::numel(shape)
+        .unwrap_or(0)
+        .min(text.len() / 2 + 1);
+    let mut data = JsonData::typed(dtype, count * dtype.itemsize());
+    match json_scan::scan(text.as_bytes(), &mut data) {
+        Ok(()) => data.finish().into_tensor(shape),
+        Err(json_scan::Refused) => parse_tensor_serde(text, dtype, shape),
+    }
+}
+
+/// [`parse_tensor`] through serde_json's deserializer alone: the request path before the
+/// scanner, kept as its fallback and as `cleave bench json-parse`'s same-run reference. A
+/// syntax error says "data: " first; a shape or conversion error does not.
+pub fn parse_tensor_serde(text: &str, dtype: DType, shape: &[usize]) -> Result<Tensor, String> {
+    let data: JsonData = serde_json::from_str(text).map_err(|e| format!("data: {e}"))?;
+    data.into_tensor(dtype, shape)
+}
+
 /// Nesting deeper than this is refused (the parser's own stack limit is higher).
-const MAX_DEPTH: usize = 32;
+pub(crate) const MAX_DEPTH: usize = 32;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scalar {
@@ -50,8 +75,20 @@ pub struct Typed {
 }
 
 impl Leaves for Typed {
+    #[inline(always)]
     fn push(&mut self, s: Scalar) -> Result<(), String> {
-        push_converted(&mut self.bytes, s, self.dtype, self.count)?;
+        // A request's common pairs inline, each as push_converted converts it; the rest (and
+        // every error) there.
+        match (self.dtype, s) {
+            (DType::F32, Scalar::Float(v)) => {
+                self.bytes.extend_from_slice(&(v as f32).to_le_bytes())
+            }
+            (DType::I64, Scalar::UInt(v)) if v <= i64::MAX as u64 => {
+                self.bytes.extend_from_slice(&(v as i64).to_le_bytes())
+            }
+            (DType::I64, Scalar::Int(v)) => self.bytes.extend_from_slice(&v.to_le_bytes()),
+            _ => push_converted(&mut self.bytes, s, self.dtype, self.count)?,
+        }
         self.count += 1;
         Ok(())
     }
@@ -75,13 +112,34 @@ pub struct JsonData<L = Vec<Scalar>> {
 }
 
 impl<L: Leaves> JsonData<L> {
-    fn leaf(&mut self, depth: usize, s: Scalar) -> Result<(), String> {
+    /// A number (or boolean) met at `depth`.
+    #[inline(always)]
+    pub(crate) fn leaf(&mut self, depth: usize, s: Scalar) -> Result<(), String> {
         match self.leaf_depth {
             None => self.leaf_depth = Some(depth),
             Some(d) if d != depth => self.ragged = true,
             Some(_) => {}
         }
         self.values.push(s)
+    }
+
+    /// An array at `depth` closed with `len` elements (inner arrays close first).
+    pub(crate) fn closed(&mut self, depth: usize, len: usize) {
+        if self.seen.len() <= depth {
+            self.seen.resize(depth + 1, None);
+        }
+        match self.seen[depth] {
+            None => self.seen[depth] = Some(len),
+            Some(first) if first != len => self.ragged = true,
+            Some(_) => {}
+        }
+    }
+
+    /// Every depth below the deepest array holds an array, so all are set; a bare number
+    /// (a 0-d tensor) leaves `extents` empty.
+    pub(crate) fn finish(mut self) -> Self {
+        self.extents = self.seen.iter().map(|e| e.unwrap_or(0)).collect();
+        self
     }
 
     /// Checks the nesting and count against a declared shape. The error says what was
@@ -113,10 +171,7 @@ impl<L: Leaves> JsonData<L> {
             depth: 0,
         }
         .deserialize(d)?;
-        // Every depth below the deepest array holds an array, so all are set; a bare number
-        // (a 0-d tensor) leaves `extents` empty.
-        data.extents = data.seen.iter().map(|e| e.unwrap_or(0)).collect();
-        Ok(data)
+        Ok(data.finish())
     }
 }
 
@@ -143,23 +198,20 @@ impl JsonData {
 }
 
 impl JsonData<Typed> {
-    /// Parses `text` (a JSON array) straight into `dtype`'s bytes.
-    pub fn parse_typed(text: &str, dtype: DType) -> Result<JsonData<Typed>, String> {
-        let start = JsonData {
+    /// Nothing read yet; numbers will be converted to `dtype`'s bytes, `capacity` of them
+    /// reserved.
+    fn typed(dtype: DType, capacity: usize) -> JsonData<Typed> {
+        JsonData {
             values: Typed {
                 dtype,
-                bytes: Vec::new(),
+                bytes: Vec::with_capacity(capacity),
                 count: 0,
             },
             extents: Vec::new(),
             ragged: false,
             leaf_depth: None,
             seen: Vec::new(),
-        };
-        let mut de = serde_json::Deserializer::from_str(text);
-        let data = JsonData::parse(start, &mut de).map_err(|e| e.to_string())?;
-        de.end().map_err(|e| e.to_string())?;
-        Ok(data)
+        }
     }
 
     /// Checks the data against a declared shape; the tensor keeps the converted bytes.
@@ -300,15 +352,7 @@ impl<'de, L: Leaves> Visitor<'de> for Collector<'_, L> {
         {
             count += 1;
         }
-        let out = self.out;
-        if out.seen.len() <= self.depth {
-            out.seen.resize(self.depth + 1, None);
-        }
-        match out.seen[self.depth] {
-            None => out.seen[self.depth] = Some(count),
-            Some(first) if first != count => out.ragged = true,
-            Some(_) => {}
-        }
+        self.out.closed(self.depth, count);
         Ok(())
     }
 }
@@ -418,32 +462,149 @@ mod tests {
     }
 
     #[test]
-    fn typed_parsing_agrees_with_scalars() {
+    fn scanner_agrees_with_serde() {
         for (text, dtype, shape) in [
             ("[[1, 2], [3, 4]]", DType::I64, vec![2, 2]),
             ("[1.5, -2, 3e2]", DType::F32, vec![3]),
             ("[true, 0, 1]", DType::Bool, vec![3]),
             ("[0.25, 2]", DType::BF16, vec![2]),
             ("[]", DType::I32, vec![0]),
+            ("7", DType::I64, vec![]),
         ] {
-            let typed = JsonData::parse_typed(text, dtype)
-                .unwrap()
-                .into_tensor(&shape)
-                .unwrap();
+            let scanned = parse_tensor(text, dtype, &shape).unwrap();
             assert_eq!(
-                typed,
+                scanned,
                 parse(text).into_tensor(dtype, &shape).unwrap(),
                 "{text}"
             );
         }
-        let e = JsonData::parse_typed("[1, 2.5]", DType::I64).unwrap_err();
-        assert!(e.contains("element 1 is 2.5, expected an int64"), "{e}");
-        let e = JsonData::parse_typed("[1, 2] x", DType::I64).unwrap_err();
-        assert!(e.contains("trailing"), "{e}");
-        let e = JsonData::parse_typed("[[1], [2, 3]]", DType::I64)
-            .unwrap()
-            .into_tensor(&[3]);
-        assert!(e.unwrap_err().contains("ragged"));
+        let e = parse_tensor("[1, 2.5]", DType::I64, &[2]).unwrap_err();
+        assert_eq!(e, "element 1 is 2.5, expected an int64");
+        let e = parse_tensor("[1, 2] x", DType::I64, &[2]).unwrap_err();
+        assert!(e.starts_with("data: trailing characters"), "{e}");
+        let e = parse_tensor("[[1], [2, 3]]", DType::I64, &[3]).unwrap_err();
+        assert!(e.contains("ragged"), "{e}");
+        // The shape is checked before the values convert, as serde_json's path does.
+        let e = parse_tensor("[1.5, 2]", DType::I64, &[3]).unwrap_err();
+        assert_eq!(e, "shape [3] needs 3 values, data has 2");
+        let e = parse_tensor("[\"a\"]", DType::F32, &[1]).unwrap_err();
+        assert!(
+            e.starts_with("data: invalid type: string \"a\", expected a number"),
+            "{e}"
+        );
+    }
+
+    /// A number as a client may write it: integers of any size, floats of many digits,
+    /// exponents, negative zero, huge and tiny (subnormal) values.
+    fn number() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        prop_oneof![
+            any::<i64>().prop_map(|v| v.to_string()),
+            any::<u64>().prop_map(|v| v.to_string()),
+            (0u8..=255).prop_map(|v| v.to_string()),
+            any::<f32>()
+                .prop_filter("finite", |v| v.is_finite())
+                .prop_map(|v| f64::from(v).to_string()),
+            any::<f64>()
+                .prop_filter("finite", |v| v.is_finite())
+                .prop_map(|v| format!("{v:e}")),
+            any::<f64>()
+                .prop_filter("finite", |v| v.is_finite())
+                .prop_map(|v| v.to_string()),
+            "-?(0|[1-9][0-9]{0,21})(\\.[0-9]{1,24})?([eE][+-]?[0-9]{1,3})?",
+            proptest::sample::select(vec![
+                "-0",
+                "-0.0",
+                "0.0",
+                "1e308",
+                "1.8e308",
+                "4.9e-324",
+                "2.2250738585072011e-308",
+                "1e-400",
+                "-1e400",
+                "true",
+                "false",
+                "1",
+                "0",
+            ])
+            .prop_map(str::to_string),
+        ]
+    }
+
+    fn assert_same(text: &str, dtype: DType, shape: &[usize]) -> Result<(), String> {
+        let scanned = parse_tensor(text, dtype, shape);
+        let reference = parse_tensor_serde(text, dtype, shape);
+        if scanned != reference {
+            return Err(format!(
+                "{dtype:?} {shape:?} {text}: {scanned:?} vs {reference:?}"
+            ));
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        /// Arrays of numbers, flat or in rows, any whitespace: every dtype's bytes (or error)
+        /// from the scanner are serde_json's.
+        #[test]
+        fn scanned_arrays_are_serde_json_arrays(
+            numbers in proptest::collection::vec(number(), 0..24),
+            rows in 1usize..4,
+            gap in proptest::sample::select(vec![",", ", ", " ,\n", ",\t\r "]),
+            lead in proptest::sample::select(vec!["", " ", "\n  "]),
+        ) {
+            let cut = numbers.len() / rows * rows;
+            let row_len = cut / rows;
+            let flat = format!("{lead}[{}]{lead}", numbers.join(gap));
+            let nested: Vec<String> = numbers[..cut]
+                .chunks(row_len.max(1))
+                .map(|r| format!("[{lead}{}{lead}]", r.join(gap)))
+                .collect();
+            let nested = format!("[{}]", nested.join(gap));
+            for dtype in DType::ALL {
+                assert_same(&flat, dtype, &[numbers.len()]).map_err(proptest::test_runner::TestCaseError::fail)?;
+                assert_same(&flat, dtype, &[numbers.len() + 1]).map_err(proptest::test_runner::TestCaseError::fail)?;
+                assert_same(&nested, dtype, &[rows, row_len]).map_err(proptest::test_runner::TestCaseError::fail)?;
+                assert_same(&nested, dtype, &[cut]).map_err(proptest::test_runner::TestCaseError::fail)?;
+            }
+        }
+
+        /// The scanner reads every number to serde_json's scalar, to the bit (a float's last
+        /// bit seldom shows in a float32 tensor).
+        #[test]
+        fn scanned_numbers_are_serde_json_numbers(
+            numbers in proptest::collection::vec(number(), 1..24),
+        ) {
+            let text = format!("[{}]", numbers.join(","));
+            let theirs: Result<JsonData, _> = serde_json::from_str(&text);
+            let mut ours: JsonData = JsonData::default();
+            let scanned = json_scan::scan(text.as_bytes(), &mut ours);
+            proptest::prop_assert_eq!(scanned.is_ok(), theirs.is_ok(), "{}", text);
+            if let Ok(theirs) = theirs {
+                let bits = |v: &[Scalar]| -> Vec<(u8, u64)> {
+                    v.iter()
+                        .map(|s| match *s {
+                            Scalar::Int(v) => (0, v as u64),
+                            Scalar::UInt(v) => (1, v),
+                            Scalar::Float(v) => (2, v.to_bits()),
+                            Scalar::Bool(v) => (3, u64::from(v)),
+                        })
+                        .collect()
+                };
+                proptest::prop_assert_eq!(bits(&ours.values), bits(&theirs.values), "{}", text);
+            }
+        }
+
+        /// Malformed text: the same error (or the same tensor) as serde_json's path.
+        #[test]
+        fn malformed_text_fails_as_with_serde_json(
+            text in "[\\[\\]0-9 ,.eE+\\-tfalsrun\"{}:]{0,40}",
+        ) {
+            for dtype in [DType::F32, DType::I64, DType::Bool] {
+                for shape in [vec![1], vec![2], vec![]] {
+                    assert_same(&text, dtype, &shape).map_err(proptest::test_runner::TestCaseError::fail)?;
+                }
+            }
+        }
     }
 
     #[test]

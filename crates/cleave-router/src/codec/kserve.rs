@@ -8,7 +8,8 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::codec::binary_tensor::{self, BinaryError, Sections, HEADER_LENGTH};
-use crate::codec::json_tensor::{JsonData, JsonElements};
+use crate::codec::json_tensor::{parse_tensor, parse_tensor_serde, JsonElements};
+use crate::codec::kserve_cut::{self, Cut};
 use crate::error::RequestError;
 use crate::model::{Model, TensorSpec};
 use crate::pipeline::validate::{check_declared, to_held};
@@ -123,10 +124,79 @@ pub fn parse_infer(
     body: &[u8],
     header: Option<usize>,
 ) -> Result<InferRequest, RequestError> {
+    parse_infer_with(model, body, header, JsonReader::Scan)
+}
+
+/// How a request's JSON is read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum JsonReader {
+    /// The request path: the inputs' `data` cut out (kserve_cut.rs) and read by the scanner
+    /// (json_scan.rs), serde_json reading the rest.
+    Scan,
+    /// serde_json alone: the router before the scanner, kept as `cleave bench json-parse`'s
+    /// same-run reference.
+    Serde,
+}
+
+/// [`parse_infer`] with its JSON read by `reader`.
+pub fn parse_infer_with(
+    model: &Model,
+    body: &[u8],
+    header: Option<usize>,
+    reader: JsonReader,
+) -> Result<InferRequest, RequestError> {
+    if reader == JsonReader::Serde {
+        return read_request(model, body, header, DataText::Whole(parse_tensor_serde));
+    }
+    // Where the cut body reads without error, the whole one does too (kserve_cut.rs); any
+    // error is found again reading the whole body, which words it as it always has.
+    let json = header.map_or(Some(body), |n| body.get(..n));
+    if let Some(cut) = json.and_then(kserve_cut::cut) {
+        if let Ok(request) = read_request(model, body, header, DataText::Cut(&cut)) {
+            return Ok(request);
+        }
+    }
+    read_request(model, body, header, DataText::Whole(parse_tensor))
+}
+
+/// Where the inputs' `data` text is and what reads it: in the body serde_json reads, or cut
+/// out of it (named in it by index) and read by the scanner.
+#[derive(Clone, Copy)]
+enum DataText<'a> {
+    Whole(fn(&str, DType, &[usize]) -> Result<Tensor, String>),
+    Cut(&'a Cut<'a>),
+}
+
+impl DataText<'_> {
+    fn tensor(self, raw: &RawValue, dtype: DType, shape: &[usize]) -> Result<Tensor, String> {
+        match self {
+            DataText::Whole(parse) => parse(raw.get(), dtype, shape),
+            DataText::Cut(cut) => {
+                let text = raw
+                    .get()
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|i| cut.data.get(i));
+                parse_tensor(text.ok_or("data: not a cut value")?, dtype, shape)
+            }
+        }
+    }
+}
+
+fn read_request(
+    model: &Model,
+    body: &[u8],
+    header: Option<usize>,
+    data: DataText,
+) -> Result<InferRequest, RequestError> {
     let framing = |e: BinaryError| RequestError::invalid(format!("binary tensor data: {e}"));
     let (json, mut sections) = match header {
         Some(n) => binary_tensor::split(body, n).map_err(framing)?,
         None => (body, Sections::empty()),
+    };
+    let json = match data {
+        DataText::Cut(cut) => &cut.frame[..],
+        DataText::Whole(_) => json,
     };
     let raw: RawRequest = serde_json::from_slice(json).map_err(RequestError::json)?;
     if let Some(named) = raw.model_name.as_deref().filter(|n| *n != model.name) {
@@ -148,7 +218,7 @@ pub fn parse_infer(
     for input in raw.inputs {
         let index = input_slot(model, &inputs, &input.name)?;
         let spec = &model.inputs[index];
-        let tensor = convert_input(spec, input, header.is_some(), &mut sections)?;
+        let tensor = convert_input(spec, input, header.is_some(), &mut sections, data)?;
         inputs[index] = Some(tensor);
     }
     sections.finish().map_err(framing)?;
@@ -253,9 +323,10 @@ fn convert_input(
     input: RawInput,
     framed: bool,
     sections: &mut Sections,
+    data: DataText,
 ) -> Result<Tensor, RequestError> {
     let spec = &held.sent_as(&input.datatype);
-    let tensor = decode_input(spec, input, framed, sections)?;
+    let tensor = decode_input(spec, input, framed, sections, data)?;
     to_held(held, tensor)
 }
 
@@ -264,6 +335,7 @@ fn decode_input(
     input: RawInput,
     framed: bool,
     sections: &mut Sections,
+    data: DataText,
 ) -> Result<Tensor, RequestError> {
     let fail = |e: String| RequestError::input(&spec.name, e);
     let shape = input_shape(spec, &input.shape)?;
@@ -282,11 +354,7 @@ fn decode_input(
              or the other"
         ))),
         (Some(size), None) => binary_input(spec, &shape, size, framed, sections).map_err(fail),
-        (None, Some(raw)) => {
-            let data: JsonData =
-                serde_json::from_str(raw.get()).map_err(|e| fail(format!("data: {e}")))?;
-            data.into_tensor(spec.dtype, &shape).map_err(fail)
-        }
+        (None, Some(raw)) => data.tensor(raw, spec.dtype, &shape).map_err(fail),
         (None, None) if flagged == Some(true) => Err(fail(
             "parameters.binary_data is true but no parameters.binary_data_size says how many \
              bytes it has"
@@ -870,7 +938,86 @@ mod tests {
         );
     }
 
+    /// A request with its `data` as JSON (nested floats, ints), in the body's text.
+    fn json_body() -> String {
+        let m = model();
+        let ids = &m.inputs[1];
+        let inputs = serde_json::json!([
+            {"name": "dense_x", "shape": [2, 3], "datatype": "FP32",
+             "data": [[0.30000001192092896, -2.5, 1e-7], [4, -0.0, 6.000000000000001]]},
+            {"name": ids.name, "shape": [2], "datatype": ids.dtype.kserve_name(), "data": [7, 9]},
+        ]);
+        String::from_utf8(body(inputs)).unwrap()
+    }
+
+    /// The request path (`data` cut out, read by the scanner) gives what serde_json alone
+    /// gives: the same request, or the same error.
+    fn same_as_serde(body: &[u8], header: Option<usize>) -> Result<(), String> {
+        let m = model();
+        let ours = format!("{:?}", parse_infer(&m, body, header));
+        let theirs = format!(
+            "{:?}",
+            parse_infer_with(&m, body, header, JsonReader::Serde)
+        );
+        match ours == theirs {
+            true => Ok(()),
+            false => Err(format!(
+                "{}: {ours} vs {theirs}",
+                String::from_utf8_lossy(body)
+            )),
+        }
+    }
+
+    #[test]
+    fn cut_requests_read_as_whole_ones() {
+        let good = json_body();
+        // The cut is read without falling back to the whole body.
+        let cut = kserve_cut::cut(good.as_bytes()).unwrap();
+        assert!(read_request(&model(), good.as_bytes(), None, DataText::Cut(&cut)).is_ok());
+        same_as_serde(good.as_bytes(), None).unwrap();
+        for (from, to) in [
+            ("[7,9]", "[7,9.5]"),
+            ("[7,9]", "[7,\"9\"]"),
+            ("[7,9]", "[7, 9, 10]"),
+            ("[7,9]", "[7 9]"),
+            ("[7,9]", "[7,9]]"),
+            ("[7,9]", "7"),
+            ("\"data\":[7,9]", "\"d\\u0061ta\":[7,9]"),
+            ("\"data\":[7,9]", "\"data\":[7,9],\"data\":[1,2]"),
+            ("\"shape\":[2]", "\"shape\":[3]"),
+            ("-2.5", "1e999"),
+            ("\"inputs\"", "\"extra\":{\"data\":[1]},\"inputs\""),
+            ("{\"budget_ms\":25}", "{\"budget_ms\":25,\"data\":[\"]\"]}"),
+            ("}}", "}} x"),
+        ] {
+            assert!(good.contains(from), "{from} in {good}");
+            same_as_serde(good.replacen(from, to, 1).as_bytes(), None).unwrap();
+        }
+        let header = serde_json::json!({"inputs": [
+            {"name": "dense_x", "shape": [1, 3], "datatype": "FP32", "data": [1.5, 2, 3]},
+            {"name": model().inputs[1].name, "shape": [2], "datatype": "INT64",
+             "parameters": {"binary_data_size": 16}},
+        ]});
+        let ids: Vec<u8> = [7i64, 9].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (framed_body, n) = framed(header, &[&ids]);
+        same_as_serde(&framed_body, Some(n)).unwrap();
+        let cut = kserve_cut::cut(&framed_body[..n]).unwrap();
+        assert!(read_request(&model(), &framed_body, Some(n), DataText::Cut(&cut)).is_ok());
+    }
+
     proptest::proptest! {
+        /// A good request with one byte changed: the same request or error as serde_json's.
+        #[test]
+        fn a_changed_byte_reads_as_with_serde(
+            at in 0usize..1000,
+            byte in proptest::sample::select(b"[]{}\",:0123456789 -.eE\\atnx".to_vec()),
+        ) {
+            let mut text = json_body().into_bytes();
+            let at = at % text.len();
+            text[at] = byte;
+            same_as_serde(&text, None).map_err(proptest::test_runner::TestCaseError::fail)?;
+        }
+
         /// Any bytes with any header length: an answer, never a panic.
         #[test]
         fn the_decoder_never_panics(

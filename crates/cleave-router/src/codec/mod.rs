@@ -21,8 +21,10 @@ pub mod grpc;
 pub mod grpc_tensor;
 pub mod grpc_timing;
 pub mod json;
+pub mod json_scan;
 pub mod json_tensor;
 pub mod kserve;
+pub mod kserve_cut;
 pub mod kserve_rest;
 pub mod rank_form;
 
