@@ -93,7 +93,8 @@ class RankScorer:
         rows = min(2, self.job.rows)
         table = self.files.read(0, rows, self.columns)
         starts = self.schema.requests(table, rows)
-        lengths = {name: bag[1] for name, bag in self._bags(table, rows, starts).items()}
+        firsts = _firsts(table, starts)
+        lengths = {name: bag[1] for name, bag in self._bags(table, rows, firsts).items()}
         zeros = {
             f.name: torch.zeros(
                 int(lengths[f.name].sum()) if f.pooling == "none" else len(lengths[f.name]),
@@ -102,7 +103,7 @@ class RankScorer:
             for f in self.schema.features
         }
         with torch.inference_mode():
-            for values in self._dense_calls(table, rows, starts, zeros, lengths):
+            for values in self._dense_calls(table, rows, starts, firsts, zeros, lengths):
                 self.bundle.run_dense(values, self.dense)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -185,13 +186,14 @@ class RankScorer:
         table = self.files.read(start, stop, self.columns) if stop > start else None
         rows = stop - start
         starts = self.schema.requests(table, rows) if rows else None
+        firsts = _firsts(table, starts)
         requests = rows if starts is None else len(starts) - 1
         cut: dict[str, _Cut] = {}  # feature -> how its bags went to its owners
         parts: list[list[np.ndarray]] = [
             [np.array([rows, requests], dtype=np.int64)] for _ in range(self.world)
         ]
         for f, (ids, lengths, w) in zip(
-            self.schema.features, self._bags(table, rows, starts).values(), strict=True
+            self.schema.features, self._bags(table, rows, firsts).values(), strict=True
         ):
             owners = self.owners[f.table]
             c = cut[f.name] = _Cut(lengths, owners, ids, self.cuts[f.table])
@@ -203,13 +205,12 @@ class RankScorer:
         sends = [torch.from_numpy(np.concatenate([p.view(np.uint8) for p in ps])) for ps in parts]
         self.ids.start(it, sends)
         self.times["read"] += time.perf_counter() - t
-        return table, (rows, starts, cut)
+        return table, (rows, starts, firsts, cut)
 
-    def _bags(self, table, rows: int, starts) -> dict[str, tuple]:
+    def _bags(self, table, rows: int, firsts) -> dict[str, tuple]:
         """Per feature, its bags in a batch: (ids after the transform, each bag's length,
         weights or None); a bag per row, or per request for a per-request feature (from the
-        request's first row)."""
-        firsts = table.take(starts[:-1]) if starts is not None else None
+        request's first row: `firsts`)."""
         bags = {}
         for f in self.schema.features:
             source = firsts if f.request_shape is not None else table
@@ -254,7 +255,7 @@ class RankScorer:
         self.times["pool"] += time.perf_counter() - t
 
     def _finish(self, it: int, table, sent: tuple, iteration: int) -> pa.Table | None:
-        rows, starts, cut = sent
+        rows, starts, firsts, cut = sent
         requests = rows if starts is None else len(starts) - 1
 
         def size(f, owner: int) -> int:  # floats of f's rows from an owner: per bag, or per id
@@ -282,7 +283,7 @@ class RankScorer:
         lengths = {f.name: cut[f.name].total for f in self.schema.features}
         parts = []
         with torch.inference_mode():
-            for values in self._dense_calls(table, rows, starts, merged, lengths):
+            for values in self._dense_calls(table, rows, starts, firsts, merged, lengths):
                 parts.append(self.bundle.run_dense(values, self.dense))
         outputs = [torch.cat(o) for o in zip(*parts, strict=True)] if len(parts) > 1 else parts[0]
         columns = {}
@@ -301,7 +302,9 @@ class RankScorer:
         self.times["dense"] += time.perf_counter() - t
         return pa.table(columns)
 
-    def _dense_calls(self, table, rows: int, starts, merged: dict, lengths: dict) -> list[dict]:
+    def _dense_calls(
+        self, table, rows: int, starts, firsts, merged: dict, lengths: dict
+    ) -> list[dict]:
         """The dense program's inputs for a batch: one call, or one per request for a model
         with per-request inputs (a request's user is never joined with another's, as online).
         `merged`: each feature's rows from the owners; `lengths`: its bags' lengths."""
@@ -323,7 +326,6 @@ class RankScorer:
         per_row.update(self._dense_inputs(table, rows))
         if starts is None:
             return [per_row | {name: t for name, (t, _) in per_id.items()}]
-        firsts = table.take(starts[:-1])
         for name in self.schema.request_columns:
             if name in self.schema.dense_shapes:
                 per_request[name] = self._request_inputs(firsts, name)
@@ -360,6 +362,11 @@ class RankScorer:
         whole = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype)
         shape = self.schema.dense_shapes[name]
         return [whole[a:b].reshape(shape) for a, b in zip(at[:-1], at[1:], strict=True)]
+
+
+def _firsts(table, starts) -> pa.Table | None:
+    """Each request's first row of a batch (None: a model without per-request inputs)."""
+    return table.take(starts[:-1]) if starts is not None else None
 
 
 class _Cut:
