@@ -7,6 +7,7 @@ byte: element 2k in the low nibble of byte k, ceil(dim / 2) bytes, then scale an
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from pathlib import Path
 
@@ -95,6 +96,15 @@ def open_rows(path: Path, meta: dict) -> np.ndarray:
     if expected == 0:
         return np.zeros((0, meta["row_bytes"]), dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(meta["rows"], meta["row_bytes"]))
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a whole table file, hex: the table's content key (docs/bundle.md)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def crc32_of(path: Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 
@@ -71,6 +72,7 @@ def emit(
                 "dtype": table_dtype,
                 "row_bytes": table_io.row_bytes(table_dtype, int(weight.shape[1])),
                 "crc32": _crc32(raw_tables[name]),
+                "sha256": _sha256(raw_tables[name]),
                 "source": source,
             }
         )
@@ -351,6 +353,10 @@ def _unique(name: str, taken) -> str:
 
 def _crc32(raw: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(raw).data)
+
+
+def _sha256(raw: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(raw).data).hexdigest()
 
 
 def _version() -> str:
