@@ -211,6 +211,8 @@ class Supervisor:
         self.restarts: dict[str, int] = {}  # name -> restarts so far, for reports and tests
         self._recovering: dict[str, _Recovery] = {}
         self._attempts: dict[str, int] = {}  # name -> restarts in a row without a stable run
+        # The children change while watch() runs (a model version loaded or retired).
+        self._lock = threading.RLock()
 
     # -- starting ------------------------------------------------------------------------------
     def spawn(self, spec: ChildSpec, ready_timeout_s: float) -> Child:
@@ -285,38 +287,58 @@ class Supervisor:
 
     def start(self, specs: list[ChildSpec], timeout_s: float) -> list[Child]:
         """Starts children together (they load in parallel), then waits for all of them."""
-        started = [self.spawn(spec, timeout_s) for spec in specs]
-        self.children.extend(started)
-        self.groups.append([spec.name for spec in specs])
+        with self._lock:
+            started = [self.spawn(spec, timeout_s) for spec in specs]
+            self.children.extend(started)
+            self.groups.append([spec.name for spec in specs])
         self.wait_ready(started, timeout_s)
         return started
+
+    def retire(self, names: set[str], timeout_s: float) -> None:
+        """Stops these children for good (nothing restarts them): a model version unloaded,
+        or one whose load failed."""
+        with self._lock:
+            gone = [c for c in self.children if c.spec.name in names]
+            self.children = [c for c in self.children if c.spec.name not in names]
+            self.groups = [g for g in ([n for n in g if n not in names] for g in self.groups) if g]
+            for name in names:
+                self._recovering.pop(name, None)
+                self._attempts.pop(name, None)
+        self._terminate(gone, timeout_s)
 
     # -- watching ------------------------------------------------------------------------------
     def watch(self, ready_timeout_s: float) -> int:
         """Until stop(): returns 0 when stopped. A dead child is restarted with backoff while
         the others keep serving; with `fail_stop`, returns 1 as soon as a child dies."""
         while not self.stopping.wait(_WATCH_TICK_S):
-            for i, child in enumerate(self.children):
-                if self.stopping.is_set():
-                    break
-                recovery = self._recovering.get(child.spec.name)
-                if recovery is None:
-                    code = child.proc.poll()
-                    if code is None:
-                        continue
-                    what = f"{child.describe()} {_describe_exit(code)}"
-                    if self.fail_stop:
-                        self.say(f"{what}; stopping the deployment (fail-stop){child.output()}")
-                        return 1
-                    self._schedule(child, f"{what}{child.output()}")
-                elif recovery.starting is None:
-                    if time.monotonic() >= recovery.due:
-                        fresh = self.spawn(child.spec, ready_timeout_s)
-                        recovery.starting = self.children[i] = fresh
-                        recovery.ready_by = time.monotonic() + ready_timeout_s
-                else:
-                    self._follow_start(child, recovery, ready_timeout_s)
+            with self._lock:
+                if self._watch_once(ready_timeout_s):
+                    return 1
         return 0
+
+    def _watch_once(self, ready_timeout_s: float) -> bool:
+        """One look at every child; True when fail-stop says to stop."""
+        for i, child in enumerate(self.children):
+            if self.stopping.is_set():
+                break
+            recovery = self._recovering.get(child.spec.name)
+            if recovery is None:
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                what = f"{child.describe()} {_describe_exit(code)}"
+                if self.fail_stop:
+                    self.say(f"{what}; stopping the deployment (fail-stop){child.output()}")
+                    return True
+                self._schedule(child, f"{what}{child.output()}")
+            elif recovery.starting is None:
+                if time.monotonic() >= recovery.due:
+                    fresh = self.spawn(child.spec, ready_timeout_s)
+                    recovery.starting = self.children[i] = fresh
+                    recovery.ready_by = time.monotonic() + ready_timeout_s
+            else:
+                self._follow_start(child, recovery, ready_timeout_s)
+        return False
 
     def _schedule(self, child: Child, what: str) -> None:
         name = child.spec.name
@@ -367,22 +389,28 @@ class Supervisor:
         router stops before the rankers and shards it calls); SIGKILL to any child still
         running after `timeout_s`. Returns each child's exit code by name."""
         self.stopping.set()
-        by_name = {child.spec.name: child for child in self.children}
+        with self._lock:
+            by_name = {child.spec.name: child for child in self.children}
+            groups = list(self.groups)
         codes = {}
-        for group in reversed(self.groups):
+        for group in reversed(groups):
             children = [by_name[name] for name in group]
-            for child in children:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            for child in children:
-                try:
-                    child.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.say(f"{child.describe()} did not stop in {timeout_s:.0f} s; killing it")
-                    child.proc.kill()
-                    child.proc.wait()
-                codes[child.spec.name] = child.proc.returncode
+            self._terminate(children, timeout_s)
+            codes.update((child.spec.name, child.proc.returncode) for child in children)
         return codes
+
+    def _terminate(self, children: list[Child], timeout_s: float) -> None:
+        """SIGTERM to all, then SIGKILL to any still running after `timeout_s`."""
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.describe()} did not stop in {timeout_s:.0f} s; killing it")
+                child.proc.kill()
+                child.proc.wait()
 
 
 def python_argv(*args: str) -> list[str]:

@@ -44,7 +44,7 @@ def share_internal_secret(name: str) -> None:
         os.environ[INTERNAL_SECRET] = value
 
 
-def _keep_ports(config: Path, router: ChildSpec) -> None:
+def keep_router_ports(config: Path, router: ChildSpec) -> None:
     """A router given port 0 bound one: its JSON takes that port, so that a restart comes back
     on the URL the clients have (its gRPC port too)."""
     values = json.loads(config.read_text())
@@ -55,6 +55,26 @@ def _keep_ports(config: Path, router: ChildSpec) -> None:
     kept = {key: port for key, port in bound.items() if values.get(key) == 0 and port}
     if kept:
         config.write_text(json.dumps(values | kept, indent=1))
+
+
+def start_backends(
+    supervisor: Supervisor, specs: RoleSpecs, timeout: float
+) -> tuple[list[ChildSpec], list[ChildSpec]]:
+    """Starts a plan's shards and rankers and waits until they are ready: (shards, rankers),
+    at the addresses they bound (the supervisor read them from their ready lines)."""
+    shards, rankers = specs.shard_specs(), specs.ranker_specs()
+    # Shards and rankers load in parallel; the routers need them ready.
+    if rankers_choose(specs.plan):  # the first ranker chooses the dense dtype for all
+        supervisor.start(shards + rankers[:1], timeout)
+        pin_dense_dtype(rankers, rankers[0].reported.get("dtype", ""))
+        if len(rankers) > 1:
+            supervisor.start(rankers[1:], timeout)
+    else:
+        supervisor.start(shards + rankers, timeout)
+    for ranker in rankers:
+        if ranker.name in specs.control and "control" in ranker.reported:
+            specs.control[ranker.name] = ranker.reported["control"]
+    return shards, rankers
 
 
 class SupervisedRunner(Runner):
@@ -91,22 +111,10 @@ class SupervisedRunner(Runner):
         if plan.mode == "monolithic":
             routers = self.supervisor.start([specs.monolith_spec()], timeout)
         else:
-            shards, rankers = specs.shard_specs(), specs.ranker_specs()
-            # Shards and rankers load in parallel; the routers need them ready, at the
-            # addresses they bound (the supervisor read them from their ready lines).
-            if rankers_choose(plan):  # the first ranker chooses the dense dtype for all
-                self.supervisor.start(shards + rankers[:1], timeout)
-                pin_dense_dtype(rankers, rankers[0].reported.get("dtype", ""))
-                if len(rankers) > 1:
-                    self.supervisor.start(rankers[1:], timeout)
-            else:
-                self.supervisor.start(shards + rankers, timeout)
-            for ranker in rankers:
-                if ranker.name in specs.control and "control" in ranker.reported:
-                    specs.control[ranker.name] = ranker.reported["control"]
+            shards, rankers = start_backends(self.supervisor, specs, timeout)
             routers = self.supervisor.start(specs.router_specs(shards, rankers), timeout)
         for router, child in zip(plan.routers, routers, strict=True):
-            _keep_ports(specs.config_path(router.name), child.spec)
+            keep_router_ports(specs.config_path(router.name), child.spec)
         urls = [child.spec.probe for child in routers]  # each router's client URL
         mode = f"{len(plan.shards)} shards" if plan.mode == "disaggregated" else plan.mode
         self._say(f"model {plan.name!r}, {mode}, {len(plan.rankers)} rankers")
