@@ -179,6 +179,9 @@ def test_float16_tables_round_trip(tmp_path):
     bundle = cleave.load_bundle(tmp_path / "b")
     x = fresh_inputs("shared", 9, 4)
     assert (bundle.reference(*x) - model(*x)).abs().max().item() <= 1e-2
+    # Each table's content key is the SHA-256 of its file as written (docs/bundle.md).
+    for t in bundle.manifest["tables"]:
+        assert t["sha256"] == table_io.sha256_of(tmp_path / "b" / t["file"])
 
 
 def test_table_encodings():
