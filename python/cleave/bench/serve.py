@@ -309,11 +309,15 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
         targets["torchrec-eager"] = Target(
             bundle, [*flags, "--eager-model", str(workload.eager_model)], protocol=first
         )
-    for protocol in args.protocols:  # the first's keep their names; others' are NAME/PROTOCOL
+    # One deployment per mode, its router listening for every protocol asked for (gRPC too):
+    # the first protocol's target keeps the mode's name, the others' are MODE/PROTOCOL.
+    listen = "grpc" if "grpc" in args.protocols else first
+    for protocol in args.protocols:
         for name in names:
-            flags = serve_flags(args, name, protocol)
-            key = name if protocol == first else f"{name}/{protocol}"
-            targets[key] = Target(bundle, flags, protocol=protocol)
+            if protocol == first:
+                targets[name] = Target(bundle, serve_flags(args, name, listen), protocol=first)
+            else:
+                targets[f"{name}/{protocol}"] = targets[name].through(protocol)
     if not args.monolithic and workload.bundle.per_request_inputs:
         # The same ranker running the model one request per batch, as before batched programs.
         targets["disaggregated-per-request"] = Target(

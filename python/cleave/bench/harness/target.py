@@ -44,19 +44,34 @@ class Target:
         self.links: dict[str, tuple[str, str, str]] = {}  # testbed host -> its link
         self.cpus: list[int] | None = None  # the cores the deployment runs on (None: any)
         self.dense_dtype: str | None = None  # what its rankers serve, from their log
+        self.owner: Target | None = None  # the deployment this one reaches another way
+
+    def through(self, protocol: str) -> Target:
+        """This deployment reached through `protocol` (its router serves every protocol): a
+        target of its own in the report, without a deployment of its own to start."""
+        other = Target(model=self.model, want_model=self.want_model, protocol=protocol)
+        other.owner = self
+        return other
 
     @property
     def running(self) -> bool:
         """Started here and not stopped (a deployment someone else runs never is)."""
-        return self.server is not None
+        return self.owner.running if self.owner else self.server is not None
 
     @property
     def restartable(self) -> bool:
+        if self.owner is not None:
+            return self.owner.restartable
         return self.bundle is not None or self.plan is not None
 
     def start(self) -> Target:
         from cleave.bench.stages import metrics_endpoints, printed_all_metrics, testbed_links
 
+        if self.owner is not None:
+            owner = self.owner if self.owner.running else self.owner.start()
+            for key in ("url", "urls", "grpc_port", "endpoints", "links", "dense_dtype"):
+                setattr(self, key, getattr(owner, key))
+            return self
         if self.restartable:
             from cleave.bench.machine import pinned
             from cleave.launch.process import ServeProcess
@@ -99,6 +114,8 @@ class Target:
         return served_dtype(probe_text(url)) if url else None
 
     def stop(self) -> None:
+        if self.owner is not None:  # measured alone, as every deployment is
+            self.owner.stop()
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -107,7 +124,10 @@ class Target:
             self._url_dir = None
 
     def restart(self) -> None:
-        self.stop()
+        if self.owner is not None:
+            self.owner.restart()
+        else:
+            self.stop()
         self.start()
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -115,6 +135,8 @@ class Target:
         for a deployment started elsewhere."""
         from cleave.bench.harness.processes import cpu_seconds, process_tree
 
+        if self.owner is not None:
+            return self.owner.cpu_seconds()
         if self.server is None or self.server.proc is None:
             return {}
         used: dict[str, float] = {}
