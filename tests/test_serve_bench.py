@@ -67,8 +67,9 @@ def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_inp
 
 def test_bench_serve_reports_a_budget_no_request_meets_instead_of_crashing(tmp_path):
     # Every request gets 504 (the budget is 1 µs): the report says so, with "-" latencies.
-    # One deployment: each probe that misses its budget restarts it.
-    result, report = serve_bench(tmp_path, "--quick", "--budget-ms", "0.001")
+    # One deployment: the probe that misses its budget restarts it before the next one.
+    flags = ["--rates", "20,40", "--duration", "1", "--single", "10", "--budget-ms", "0.001"]
+    result, report = serve_bench(tmp_path, *flags)
     for dep in report["deployments"].values():
         assert dep["single"]["p50_ms"] is None and dep["single"]["errors"]["http_504"] > 0
         assert dep["max_rate_within_budget"] == 0.0

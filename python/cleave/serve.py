@@ -34,7 +34,10 @@ from cleave.settings import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "bundle", nargs="?", help="bundle directory (cleave partition's output); or --plan"
+        "bundle",
+        nargs="?",
+        help="bundle directory (cleave partition's output), or a model repository of "
+        "MODEL/VERSION/ bundles (docs/repository.md); or --plan",
     )
     parser.add_argument("--plan", help="deployment plan (docs/plan.md) to run instead of BUNDLE")
     parser.add_argument(
@@ -274,14 +277,46 @@ def write_url_file(path: Path, urls: list[str]) -> None:
         raise
 
 
-def run(args: argparse.Namespace) -> int:
+def _repository_from_args(args: argparse.Namespace):
+    """`cleave serve REPO`: a directory of MODEL/VERSION/ bundles (docs/repository.md)."""
+    from cleave.repository.deployment import RepositoryDeployment
+
+    refused = [
+        flag
+        for flag, value in (("--name", args.name), ("--link-gbit", args.link_gbit))
+        if value is not None
+    ]
+    if args.runner != "local":
+        refused.append(f"--runner {args.runner}")
+    if refused:
+        raise UsageError(
+            f"{', '.join(refused)}: not with a model repository (its directories name the "
+            "models; the local runner serves it)"
+        )
+    config = config_file.load(args.config)
+    _apply_flags(config, args)
+    config.check()
+    return RepositoryDeployment(Path(args.bundle).resolve(), config)
+
+
+def _deployment_from_args(args: argparse.Namespace):
+    """(what runs, how to start it): a runner and a plan, or a model repository."""
+    from cleave.repository.layout import is_repository
     from cleave.runners import RUNNERS
 
+    if args.bundle is not None and args.plan is None and is_repository(Path(args.bundle)):
+        deployment = _repository_from_args(args)
+        return deployment, deployment.start
     plan, host = _plan_from_args(args)
+    runner = RUNNERS[args.runner](**_runner_options(args, host))
+    return runner, lambda runtime: runner.start(plan, runtime)
+
+
+def run(args: argparse.Namespace) -> int:
     url_file = Path(args.url_file) if args.url_file else None
     if url_file is not None and not url_file.parent.is_dir():
         raise UsageError(f"--url-file {url_file}: directory {url_file.parent} does not exist")
-    runner = RUNNERS[args.runner](**_runner_options(args, host))
+    runner, start = _deployment_from_args(args)
     stopping = threading.Event()  # a signal asked us to stop: a failed start is then no error
 
     def on_signal(*_) -> None:
@@ -293,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="cleave-serve-"))
     wrote = False
     try:
-        urls = runner.start(plan, runtime)
+        urls = start(runtime)
         if url_file is not None:  # before the ready lines: whoever reads them finds it
             write_url_file(url_file, urls)
             wrote = True

@@ -258,6 +258,11 @@ class ServeConfig:
     )
     transport: str = setting("unix", "internal sockets: Unix (co-located) or TCP", TRANSPORTS)
     fail_stop: bool = setting(False, "a child that dies stops the deployment (default: restart it)")
+    table_memory_budget: int = setting(
+        0,
+        "model repository: bytes every version's shards may hold together (0: this machine's "
+        "memory); a load beyond it is refused (docs/repository.md)",
+    )
     ready_timeout_s: float = setting(120.0, "start-up budget per group of children")
     stop_timeout_s: float = setting(10.0, "SIGTERM -> SIGKILL grace per child")
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -297,6 +302,12 @@ class ServeConfig:
         need(self.ranker.max_queue >= 1, "ranker.max_queue", "at least 1", self.ranker.max_queue)
         need(self.ranker.threads >= 0, "ranker.threads", ">= 0", self.ranker.threads)
         need(self.shard.threads >= 1, "shard.threads", "at least 1", self.shard.threads)
+        need(
+            self.table_memory_budget >= 0,
+            "table_memory_budget",
+            ">= 0 bytes",
+            self.table_memory_budget,
+        )
         need(
             self.shard.dram_budget == 0 or self.shard.dram_budget >= 1 << 20,
             "shard.dram_budget",
