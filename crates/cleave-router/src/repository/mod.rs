@@ -1,0 +1,543 @@
+//! The model repository on the router (docs/api.md, "Model repository"): the versions it
+//! serves (registry.rs), how unversioned requests split between them (rollout.rs), and
+//! loading and unloading versions staged by the repository controller (controller.rs),
+//! each version's `Router` built by build.rs.
+
+pub mod build;
+pub mod controller;
+pub mod registry;
+pub mod rollout;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::config::{Version, VersionConfig};
+use crate::error::{ErrorKind, RequestError};
+use crate::pipeline::router::Router;
+use build::Builder;
+use controller::{Controller, ControllerError};
+use registry::{drain, Registry, UNAVAILABLE};
+use rollout::RolloutFile;
+
+/// Why a repository or rollout call was refused; each door maps it to its status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    Invalid,
+    NotFound,
+    /// The model is loading, or a state the change needs is gone.
+    Conflict,
+    /// This deployment cannot do it (no repository controller).
+    Precondition,
+    Unavailable,
+    Internal,
+}
+
+#[derive(Debug)]
+pub struct Refusal {
+    pub why: Why,
+    pub message: String,
+}
+
+impl Refusal {
+    pub fn new(why: Why, message: impl Into<String>) -> Refusal {
+        Refusal {
+            why,
+            message: message.into(),
+        }
+    }
+
+    pub fn http_status(&self) -> u16 {
+        match self.why {
+            Why::Invalid | Why::Precondition => 400,
+            Why::NotFound => 404,
+            Why::Conflict => 409,
+            Why::Unavailable => 503,
+            Why::Internal => 500,
+        }
+    }
+}
+
+impl From<RequestError> for Refusal {
+    fn from(e: RequestError) -> Refusal {
+        let why = match e.kind {
+            ErrorKind::UnknownModel => Why::NotFound,
+            _ => Why::Invalid,
+        };
+        Refusal::new(why, e.message)
+    }
+}
+
+impl From<ControllerError> for Refusal {
+    fn from(e: ControllerError) -> Refusal {
+        let why = match e.status {
+            404 => Why::NotFound,
+            409 => Why::Conflict,
+            400..=499 => Why::Invalid,
+            502..=504 => Why::Unavailable,
+            _ => Why::Internal,
+        };
+        Refusal::new(why, e.message)
+    }
+}
+
+/// One entry of `POST /v2/repository/index`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IndexEntry {
+    pub name: String,
+    pub version: String,
+    pub state: String,
+    pub reason: String,
+}
+
+/// What the controller answers a load: the versions it staged, those to drop.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadPlan {
+    add: Vec<VersionConfig>,
+    #[serde(default)]
+    remove: Vec<Version>,
+}
+
+/// The versions served, and how they change.
+pub struct Repository {
+    pub registry: Registry,
+    builder: Builder,
+    controller: Option<Controller>,
+    /// Models with a load or unload in progress.
+    busy: Mutex<HashSet<String>>,
+    rollout_file: Option<PathBuf>,
+    /// Serialises writes of the rollout file.
+    writing: Mutex<()>,
+    ready_timeout: Duration,
+    probe_timeout: Duration,
+    /// How long an unload waits for the requests that hold the version.
+    drain_bound: Duration,
+}
+
+/// How often start-up and loads re-probe backends that have not answered yet, and how often
+/// an unload checks whether its version's requests are done.
+pub const PROBE_TICK: Duration = Duration::from_millis(100);
+const DRAIN_TICK: Duration = Duration::from_millis(5);
+/// Index and release calls to the controller (a load may take `ready_timeout_ms`).
+const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub struct Settings {
+    pub controller: Option<String>,
+    pub rollout_file: Option<PathBuf>,
+    pub ready_timeout: Duration,
+    pub probe_timeout: Duration,
+    pub max_budget: Duration,
+}
+
+impl Repository {
+    /// The versions configured at start, READY, with the rollout file's state applied.
+    pub fn new(
+        routers: Vec<Router>,
+        builder: Builder,
+        settings: Settings,
+    ) -> Result<Repository, String> {
+        let controller = settings
+            .controller
+            .as_deref()
+            .map(Controller::new)
+            .transpose()?;
+        let repo = Repository {
+            registry: Registry::new(routers),
+            builder,
+            controller,
+            busy: Mutex::default(),
+            rollout_file: settings.rollout_file,
+            writing: Mutex::default(),
+            ready_timeout: settings.ready_timeout,
+            probe_timeout: settings.probe_timeout,
+            drain_bound: settings.max_budget + Duration::from_secs(1),
+        };
+        repo.restore()?;
+        Ok(repo)
+    }
+
+    /// Applies the saved rollout of each model whose versions all serve.
+    fn restore(&self) -> Result<(), String> {
+        let Some(path) = &self.rollout_file else {
+            return Ok(());
+        };
+        for (model, saved) in RolloutFile::read(path)?.models {
+            let ready = self.registry.ready_versions(&model);
+            if let Some(v) = saved.versions().iter().find(|v| !ready.contains(v)) {
+                tracing::warn!(model, version = %v, file = %path.display(), "saved rollout ignored: it names a version this router does not serve");
+                continue;
+            }
+            let applied = self.registry.with_rollout(&model, |r, _| {
+                *r = saved.clone();
+                Ok(())
+            });
+            if let Err(e) = applied {
+                tracing::warn!(model, file = %path.display(), "saved rollout ignored: {}", e.message);
+            }
+        }
+        Ok(())
+    }
+
+    fn controller(&self) -> Result<&Controller, Refusal> {
+        self.controller.as_ref().ok_or_else(|| {
+            Refusal::new(
+                Why::Precondition,
+                "this deployment's versions are fixed at start (no repository controller)",
+            )
+        })
+    }
+
+    /// Marks `model` busy until the guard drops; a second load or unload gets 409.
+    fn hold(&self, model: &str) -> Result<Busy<'_>, Refusal> {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if !busy.insert(model.to_string()) {
+            return Err(Refusal::new(
+                Why::Conflict,
+                format!("model {model} is loading"),
+            ));
+        }
+        Ok(Busy {
+            repo: self,
+            model: model.to_string(),
+        })
+    }
+
+    /// Every version on disk (the controller's index) with its state here.
+    pub async fn index(&self, ready_only: bool) -> Result<Vec<IndexEntry>, Refusal> {
+        let on_disk = match &self.controller {
+            Some(c) => disk_versions(&c.call("index", &json!({}), CONTROLLER_TIMEOUT).await?)?,
+            None => Vec::new(),
+        };
+        let index = merge_index(&on_disk, &self.registry.states());
+        Ok(index
+            .into_iter()
+            .filter(|e| !ready_only || e.state == "READY")
+            .collect())
+    }
+
+    /// Loads what the controller stages for `model` (`policy`: Triton's `version_policy`,
+    /// `version`: one more version), READY once every backend of it answers; then drops the
+    /// versions the controller says the policy no longer selects.
+    pub async fn load(
+        &self,
+        model: &str,
+        policy: Option<Value>,
+        version: Option<Version>,
+    ) -> Result<(), Refusal> {
+        let controller = self.controller()?;
+        let _busy = self.hold(model)?;
+        let loaded: Vec<String> = (self.registry.ready_versions(model).iter())
+            .map(|v| v.to_string())
+            .collect();
+        let body = json!({"model": model, "config": policy, "version": version, "loaded": loaded});
+        let answer = controller.call("load", &body, self.ready_timeout).await?;
+        let plan: LoadPlan = serde_json::from_value(answer).map_err(|e| {
+            Refusal::new(
+                Why::Internal,
+                format!("the repository controller's load answer: {e}"),
+            )
+        })?;
+        let added: Vec<Version> = plan.add.iter().map(|v| v.version).collect();
+        if let Err(e) = self.stage(model, &plan.add).await {
+            for v in &added {
+                self.registry.remove(model, *v);
+            }
+            self.release(model, &added).await;
+            return Err(e);
+        }
+        self.registry.mark_ready(model, &added);
+        tracing::info!(model, versions = ?added.iter().map(|v| v.to_string()).collect::<Vec<_>>(), "versions loaded");
+        if !plan.remove.is_empty() {
+            self.drop_versions(model, &plan.remove).await?;
+        }
+        Ok(())
+    }
+
+    /// Builds each version as LOADING and waits until its backends answer.
+    async fn stage(&self, model: &str, add: &[VersionConfig]) -> Result<(), Refusal> {
+        let mut routers = Vec::new();
+        for v in add {
+            let failed = |m: String| {
+                Refusal::new(
+                    Why::Invalid,
+                    format!("loading {}/{} failed: {m}", v.model, v.version),
+                )
+            };
+            if v.model != model {
+                return Err(failed(format!(
+                    "the controller staged it for model {model}"
+                )));
+            }
+            let router = self.builder.build(v).map_err(failed)?;
+            routers.push(self.registry.insert_loading(router).map_err(failed)?);
+        }
+        let deadline = Instant::now() + self.ready_timeout;
+        for router in routers {
+            loop {
+                let (degraded, problems) = router.probe(self.probe_timeout).await;
+                if degraded.is_empty() && problems.is_empty() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let m = &router.model;
+                    let mut all = problems;
+                    all.extend(degraded);
+                    return Err(Refusal::new(
+                        Why::Unavailable,
+                        format!(
+                            "loading {}/{} failed: backends not ready after {} ms: {}",
+                            m.name,
+                            m.version,
+                            self.ready_timeout.as_millis(),
+                            all.join("; ")
+                        ),
+                    ));
+                }
+                tokio::time::sleep(PROBE_TICK).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unloads `version` of `model`, or every version of it.
+    pub async fn unload(&self, model: &str, version: Option<Version>) -> Result<(), Refusal> {
+        self.controller()?;
+        let _busy = self.hold(model)?;
+        let versions = match version {
+            Some(v) => vec![v],
+            None => {
+                let held: Vec<Version> = (self.registry.states().into_iter())
+                    .filter(|(m, _, _)| m == model)
+                    .map(|(_, v, _)| v)
+                    .collect();
+                if held.is_empty() {
+                    self.registry.ready(model, None)?;
+                }
+                held
+            }
+        };
+        self.drop_versions(model, &versions).await
+    }
+
+    /// Unload: no new request picks them, the rollout forgets them; once the requests that
+    /// hold them are done they go, and the controller releases them.
+    async fn drop_versions(&self, model: &str, versions: &[Version]) -> Result<(), Refusal> {
+        let mut draining = Vec::new();
+        for v in versions {
+            draining.push((*v, self.registry.begin_unload(model, *v)?));
+        }
+        self.persist()?;
+        for (v, router) in draining {
+            if !drain(router, DRAIN_TICK, self.drain_bound).await {
+                tracing::warn!(model, version = %v, "unloading with requests still in flight after {} ms", self.drain_bound.as_millis());
+            }
+            self.registry.remove(model, v);
+        }
+        self.release(model, versions).await;
+        tracing::info!(model, versions = ?versions.iter().map(|v| v.to_string()).collect::<Vec<_>>(), "versions unloaded");
+        Ok(())
+    }
+
+    /// Tells the controller what no longer serves; a failure is logged (nothing serves
+    /// from those versions any more either way).
+    async fn release(&self, model: &str, versions: &[Version]) {
+        let Some(c) = &self.controller else { return };
+        if versions.is_empty() {
+            return;
+        }
+        let body = json!({"model": model, "versions": versions});
+        if let Err(e) = c.call("release", &body, CONTROLLER_TIMEOUT).await {
+            tracing::warn!(
+                model,
+                "the repository controller did not release: {}",
+                e.message
+            );
+        }
+    }
+
+    /// `GET /admin/v1/rollout`.
+    pub fn rollouts(&self) -> RolloutFile {
+        RolloutFile {
+            models: self.registry.rollouts(),
+        }
+    }
+
+    /// `percent` of `model`'s unversioned requests to `version`; 100 promotes it.
+    pub fn set_rollout(&self, model: &str, version: Version, percent: f64) -> Result<(), Refusal> {
+        if !(0.0..=100.0).contains(&percent) {
+            return Err(Refusal::new(
+                Why::Invalid,
+                format!("percent is {percent}, expected a number in [0, 100]"),
+            ));
+        }
+        self.registry.with_rollout(model, |r, ready| {
+            if !ready.contains(&version) {
+                return Err(not_ready(model, version, ready));
+            }
+            r.set(version, percent);
+            Ok(())
+        })?;
+        self.persist()
+    }
+
+    /// Clears the canary, or with none returns to the previous default.
+    pub fn rollback(&self, model: &str) -> Result<(), Refusal> {
+        self.registry.with_rollout(model, |r, ready| {
+            let mut next = r.clone();
+            next.rollback()
+                .map_err(|m| Refusal::new(Why::Conflict, m))?;
+            if !ready.contains(&next.default) {
+                return Err(not_ready(model, next.default, ready));
+            }
+            *r = next;
+            Ok(())
+        })?;
+        self.persist()
+    }
+
+    fn persist(&self) -> Result<(), Refusal> {
+        let Some(path) = &self.rollout_file else {
+            return Ok(());
+        };
+        let _one = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        self.rollouts()
+            .write(path)
+            .map_err(|m| Refusal::new(Why::Internal, m))
+    }
+}
+
+fn not_ready(model: &str, version: Version, ready: &[Version]) -> Refusal {
+    let ready: Vec<String> = ready.iter().map(|v| v.to_string()).collect();
+    Refusal::new(
+        Why::Conflict,
+        format!(
+            "version {version} of model {model} is not ready; its ready versions are {ready:?}"
+        ),
+    )
+}
+
+struct Busy<'a> {
+    repo: &'a Repository,
+    model: String,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let mut busy = self.repo.busy.lock().unwrap_or_else(|p| p.into_inner());
+        busy.remove(&self.model);
+    }
+}
+
+/// The controller's index: `{"models": [{"name", "versions": ["1", ...]}]}`.
+fn disk_versions(answer: &Value) -> Result<Vec<(String, Version)>, Refusal> {
+    #[derive(Deserialize)]
+    struct Index {
+        models: Vec<OnDisk>,
+    }
+    #[derive(Deserialize)]
+    struct OnDisk {
+        name: String,
+        versions: Vec<Version>,
+    }
+    let index: Index = serde_json::from_value(answer.clone()).map_err(|e| {
+        Refusal::new(
+            Why::Internal,
+            format!("the repository controller's index answer: {e}"),
+        )
+    })?;
+    Ok(index
+        .models
+        .into_iter()
+        .flat_map(|m| m.versions.into_iter().map(move |v| (m.name.clone(), v)))
+        .collect())
+}
+
+/// The versions on disk and those held, each once, by model then version.
+pub fn merge_index(
+    on_disk: &[(String, Version)],
+    held: &[(String, Version, registry::State)],
+) -> Vec<IndexEntry> {
+    let mut all: BTreeMap<(String, Version), &str> = on_disk
+        .iter()
+        .map(|(m, v)| ((m.clone(), *v), UNAVAILABLE))
+        .collect();
+    for (m, v, state) in held {
+        all.insert((m.clone(), *v), state.as_str());
+    }
+    all.into_iter()
+        .map(|((name, v), state)| IndexEntry {
+            name,
+            version: v.to_string(),
+            state: state.to_string(),
+            reason: String::new(),
+        })
+        .collect()
+}
+
+/// The version a request names (`?version=` or a `"version"` parameter).
+pub fn parse_version(text: &str) -> Result<Version, Refusal> {
+    text.parse().map_err(|m| Refusal::new(Why::Invalid, m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use registry::State;
+
+    #[test]
+    fn the_index_merges_disk_and_served_states() {
+        let on_disk = [
+            ("dlrm".to_string(), Version(1)),
+            ("dlrm".to_string(), Version(10)),
+            ("dlrm".to_string(), Version(2)),
+        ];
+        let held = [
+            ("dlrm".to_string(), Version(2), State::Ready),
+            ("dlrm".to_string(), Version(3), State::Loading),
+            ("a".to_string(), Version(1), State::Unloading),
+        ];
+        let got: Vec<(String, String, String)> = merge_index(&on_disk, &held)
+            .into_iter()
+            .map(|e| (e.name, e.version, e.state))
+            .collect();
+        let s = |a: &str, b: &str, c: &str| (a.to_string(), b.to_string(), c.to_string());
+        assert_eq!(
+            got,
+            [
+                s("a", "1", "UNLOADING"),
+                s("dlrm", "1", "UNAVAILABLE"),
+                s("dlrm", "2", "READY"),
+                s("dlrm", "3", "LOADING"),
+                s("dlrm", "10", "UNAVAILABLE"),
+            ]
+        );
+        let answer = json!({"models": [{"name": "dlrm", "versions": ["1", "2"]}]});
+        assert_eq!(disk_versions(&answer).unwrap().len(), 2);
+        let bad = disk_versions(&json!({"models": [{"name": "dlrm", "versions": ["x"]}]}));
+        assert!(bad
+            .unwrap_err()
+            .message
+            .contains("expected a decimal integer"));
+    }
+
+    #[test]
+    fn controller_statuses_map_to_the_callers() {
+        let why = |status| {
+            Refusal::from(ControllerError {
+                status,
+                message: String::new(),
+            })
+            .why
+        };
+        assert_eq!(why(400), Why::Invalid);
+        assert_eq!(why(404), Why::NotFound);
+        assert_eq!(why(409), Why::Conflict);
+        assert_eq!(why(507), Why::Internal);
+        assert_eq!(why(502), Why::Unavailable);
+    }
+}
