@@ -215,3 +215,23 @@ fn stages(parse: Duration, inf: &Inference) -> Stages {
         batch: inf.compute,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_may_name_only_the_urls_version() {
+        assert!(check_body_version(None, Some("7")).is_ok());
+        assert!(check_body_version(Some("2"), None).is_ok());
+        assert!(check_body_version(Some("2"), Some("2")).is_ok());
+        let e = check_body_version(Some("2"), Some("1")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message
+                .contains("model_version is \"1\" but the URL names version \"2\""),
+            "{}",
+            e.message
+        );
+    }
+}

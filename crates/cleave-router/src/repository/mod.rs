@@ -242,12 +242,16 @@ impl Repository {
                 format!("the repository controller's load answer: {e}"),
             )
         })?;
-        let added: Vec<Version> = plan.add.iter().map(|v| v.version).collect();
-        if let Err(e) = self.stage(model, &plan.add).await {
+        let mut added = Vec::new();
+        if let Err(e) = self.stage(model, &plan.add, &mut added).await {
             for v in &added {
                 self.registry.remove(model, *v);
             }
-            self.release(model, &added).await;
+            // What was staged for this load, never a version that served before.
+            let staged: Vec<Version> = (plan.add.iter().map(|v| v.version))
+                .filter(|v| !loaded.contains(&v.to_string()))
+                .collect();
+            self.release(model, &staged).await;
             return Err(e);
         }
         self.registry.mark_ready(model, &added);
@@ -258,8 +262,13 @@ impl Repository {
         Ok(())
     }
 
-    /// Builds each version as LOADING and waits until its backends answer.
-    async fn stage(&self, model: &str, add: &[VersionConfig]) -> Result<(), Refusal> {
+    /// Builds each version as LOADING (into `added`) and waits until its backends answer.
+    async fn stage(
+        &self,
+        model: &str,
+        add: &[VersionConfig],
+        added: &mut Vec<Version>,
+    ) -> Result<(), Refusal> {
         let mut routers = Vec::new();
         for v in add {
             let failed = |m: String| {
@@ -275,6 +284,7 @@ impl Repository {
             }
             let router = self.builder.build(v).map_err(failed)?;
             routers.push(self.registry.insert_loading(router).map_err(failed)?);
+            added.push(v.version);
         }
         let deadline = Instant::now() + self.ready_timeout;
         for router in routers {
