@@ -1,98 +1,33 @@
 //! The model repository on the router (docs/api.md, "Model repository"): the versions it
 //! serves (registry.rs), how unversioned requests split between them (rollout.rs), and
 //! loading and unloading versions staged by the repository controller (controller.rs),
-//! each version's `Router` built by build.rs.
+//! each version's `Router` built by build.rs; the index (index.rs) and why a call is
+//! refused (refusal.rs).
 
 pub mod build;
 pub mod controller;
+pub mod index;
+pub mod refusal;
 pub mod registry;
 pub mod rollout;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::config::{Version, VersionConfig};
-use crate::error::{ErrorKind, RequestError};
 use crate::pipeline::router::Router;
 use build::Builder;
-use controller::{Controller, ControllerError};
-use registry::{drain, Registry, UNAVAILABLE};
+use controller::Controller;
+pub use index::IndexEntry;
+use index::{disk_versions, merge_index};
+pub use refusal::{Refusal, Why};
+use registry::{drain, Registry};
 use rollout::RolloutFile;
-
-/// Why a repository or rollout call was refused; each door maps it to its status.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Why {
-    Invalid,
-    NotFound,
-    /// The model is loading, or a state the change needs is gone.
-    Conflict,
-    /// This deployment cannot do it (no repository controller).
-    Precondition,
-    Unavailable,
-    Internal,
-}
-
-#[derive(Debug)]
-pub struct Refusal {
-    pub why: Why,
-    pub message: String,
-}
-
-impl Refusal {
-    pub fn new(why: Why, message: impl Into<String>) -> Refusal {
-        Refusal {
-            why,
-            message: message.into(),
-        }
-    }
-
-    pub fn http_status(&self) -> u16 {
-        match self.why {
-            Why::Invalid | Why::Precondition => 400,
-            Why::NotFound => 404,
-            Why::Conflict => 409,
-            Why::Unavailable => 503,
-            Why::Internal => 500,
-        }
-    }
-}
-
-impl From<RequestError> for Refusal {
-    fn from(e: RequestError) -> Refusal {
-        let why = match e.kind {
-            ErrorKind::UnknownModel => Why::NotFound,
-            _ => Why::Invalid,
-        };
-        Refusal::new(why, e.message)
-    }
-}
-
-impl From<ControllerError> for Refusal {
-    fn from(e: ControllerError) -> Refusal {
-        let why = match e.status {
-            404 => Why::NotFound,
-            409 => Why::Conflict,
-            400..=499 => Why::Invalid,
-            502..=504 => Why::Unavailable,
-            _ => Why::Internal,
-        };
-        Refusal::new(why, e.message)
-    }
-}
-
-/// One entry of `POST /v2/repository/index`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct IndexEntry {
-    pub name: String,
-    pub version: String,
-    pub state: String,
-    pub reason: String,
-}
 
 /// What the controller answers a load: the versions it staged, those to drop.
 #[derive(Deserialize)]
@@ -443,111 +378,7 @@ impl Drop for Busy<'_> {
     }
 }
 
-/// The controller's index: `{"models": [{"name", "versions": ["1", ...]}]}`.
-fn disk_versions(answer: &Value) -> Result<Vec<(String, Version)>, Refusal> {
-    #[derive(Deserialize)]
-    struct Index {
-        models: Vec<OnDisk>,
-    }
-    #[derive(Deserialize)]
-    struct OnDisk {
-        name: String,
-        versions: Vec<Version>,
-    }
-    let index: Index = serde_json::from_value(answer.clone()).map_err(|e| {
-        Refusal::new(
-            Why::Internal,
-            format!("the repository controller's index answer: {e}"),
-        )
-    })?;
-    Ok(index
-        .models
-        .into_iter()
-        .flat_map(|m| m.versions.into_iter().map(move |v| (m.name.clone(), v)))
-        .collect())
-}
-
-/// The versions on disk and those held, each once, by model then version.
-pub fn merge_index(
-    on_disk: &[(String, Version)],
-    held: &[(String, Version, registry::State)],
-) -> Vec<IndexEntry> {
-    let mut all: BTreeMap<(String, Version), &str> = on_disk
-        .iter()
-        .map(|(m, v)| ((m.clone(), *v), UNAVAILABLE))
-        .collect();
-    for (m, v, state) in held {
-        all.insert((m.clone(), *v), state.as_str());
-    }
-    all.into_iter()
-        .map(|((name, v), state)| IndexEntry {
-            name,
-            version: v.to_string(),
-            state: state.to_string(),
-            reason: String::new(),
-        })
-        .collect()
-}
-
 /// The version a request names (`?version=` or a `"version"` parameter).
 pub fn parse_version(text: &str) -> Result<Version, Refusal> {
     text.parse().map_err(|m| Refusal::new(Why::Invalid, m))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use registry::State;
-
-    #[test]
-    fn the_index_merges_disk_and_served_states() {
-        let on_disk = [
-            ("dlrm".to_string(), Version(1)),
-            ("dlrm".to_string(), Version(10)),
-            ("dlrm".to_string(), Version(2)),
-        ];
-        let held = [
-            ("dlrm".to_string(), Version(2), State::Ready),
-            ("dlrm".to_string(), Version(3), State::Loading),
-            ("a".to_string(), Version(1), State::Unloading),
-        ];
-        let got: Vec<(String, String, String)> = merge_index(&on_disk, &held)
-            .into_iter()
-            .map(|e| (e.name, e.version, e.state))
-            .collect();
-        let s = |a: &str, b: &str, c: &str| (a.to_string(), b.to_string(), c.to_string());
-        assert_eq!(
-            got,
-            [
-                s("a", "1", "UNLOADING"),
-                s("dlrm", "1", "UNAVAILABLE"),
-                s("dlrm", "2", "READY"),
-                s("dlrm", "3", "LOADING"),
-                s("dlrm", "10", "UNAVAILABLE"),
-            ]
-        );
-        let answer = json!({"models": [{"name": "dlrm", "versions": ["1", "2"]}]});
-        assert_eq!(disk_versions(&answer).unwrap().len(), 2);
-        let bad = disk_versions(&json!({"models": [{"name": "dlrm", "versions": ["x"]}]}));
-        assert!(bad
-            .unwrap_err()
-            .message
-            .contains("expected a decimal integer"));
-    }
-
-    #[test]
-    fn controller_statuses_map_to_the_callers() {
-        let why = |status| {
-            Refusal::from(ControllerError {
-                status,
-                message: String::new(),
-            })
-            .why
-        };
-        assert_eq!(why(400), Why::Invalid);
-        assert_eq!(why(404), Why::NotFound);
-        assert_eq!(why(409), Why::Conflict);
-        assert_eq!(why(507), Why::Internal);
-        assert_eq!(why(502), Why::Unavailable);
-    }
 }
