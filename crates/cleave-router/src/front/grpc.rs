@@ -296,6 +296,26 @@ mod tests {
     use tonic::metadata::MetadataValue;
 
     #[test]
+    fn repository_parameters_and_codes() {
+        use model_repository_parameter::ParameterChoice as P;
+        let param = |p| ModelRepositoryParameter {
+            parameter_choice: Some(p),
+        };
+        let params = std::collections::HashMap::from([
+            ("version".to_string(), param(P::StringParam("3".into()))),
+            ("unload_dependents".to_string(), param(P::BoolParam(false))),
+        ]);
+        let json = json_parameters(params);
+        assert_eq!(json["version"], "3");
+        let c = change(&json, None).unwrap();
+        assert_eq!(c.version, Some(crate::config::Version(3)));
+        let code = |why| refused(Refusal::new(why, "m")).code();
+        assert_eq!(code(Why::Conflict), Code::Aborted);
+        assert_eq!(code(Why::Precondition), Code::FailedPrecondition);
+        assert_eq!(code(Why::NotFound), Code::NotFound);
+    }
+
+    #[test]
     fn budget_metadata() {
         let mut md = tonic::metadata::MetadataMap::new();
         assert_eq!(metadata_budget(&md).unwrap(), None);
