@@ -189,8 +189,15 @@ def test_grpc_infer_response_of_the_router():
         np.testing.assert_array_equal(out["data"], tensor(want).numpy())
     msg = pb.ModelInferResponse.FromString(bytes_)
     fields = {f.name for f, _ in msg.ListFields()}
-    assert fields == {"model_name", "id", "parameters", "outputs", "raw_output_contents"}
-    assert (msg.model_name, msg.id) == (spec["model_name"], spec["id"])
+    assert fields == {
+        "model_name",
+        "model_version",
+        "id",
+        "parameters",
+        "outputs",
+        "raw_output_contents",
+    }
+    assert (msg.model_name, msg.model_version, msg.id) == (spec["model_name"], "1", spec["id"])
     params = {k: v.int64_param for k, v in msg.parameters.items()}
     assert params == spec["parameters"]
     got = [(o.name, o.datatype, list(o.shape)) for o in msg.outputs]

@@ -20,6 +20,8 @@ use serde_json::{json, Value};
 use crate::app::App;
 use crate::app::{probe, set_health};
 use crate::codec::json::json_bytes;
+use crate::pipeline::router::Router;
+use crate::repository::{parse_version, Refusal};
 
 pub fn routes() -> axum::Router<Arc<App>> {
     axum::Router::new()
@@ -30,6 +32,8 @@ pub fn routes() -> axum::Router<Arc<App>> {
         .route("/admin/v1/rankers", post(add_ranker))
         .route("/admin/v1/rankers/drain", post(drain_ranker))
         .route("/admin/v1/rankers/remove", post(remove_ranker))
+        .route("/admin/v1/rollout", get(rollout).post(set_rollout))
+        .route("/admin/v1/rollback", post(rollback))
 }
 
 /// `{"addr": ..., "control": ...}`
@@ -37,6 +41,11 @@ pub fn routes() -> axum::Router<Arc<App>> {
 #[serde(deny_unknown_fields)]
 struct AddRanker {
     addr: String,
+    /// Which served version it changes; optional while only one serves.
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
     /// Its incast control port, when the router has incast control on (docs/traffic.md).
     control: Option<String>,
 }
@@ -46,6 +55,11 @@ struct AddRanker {
 #[serde(deny_unknown_fields)]
 struct AddShard {
     addr: String,
+    /// Which served version it changes; optional while only one serves.
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
     ranges: Vec<RangeSpec>,
 }
 
@@ -62,6 +76,27 @@ struct RangeSpec {
 #[serde(deny_unknown_fields)]
 struct Addr {
     addr: String,
+    /// Which served version it changes; optional while only one serves.
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+/// `{"model", "version", "percent"}`
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetRollout {
+    model: String,
+    version: String,
+    percent: f64,
+}
+
+/// `{"model"}`
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Rollback {
+    model: String,
 }
 
 /// A refused admin call: its status and what was wrong.
@@ -101,7 +136,7 @@ impl From<MembershipError> for AdminError {
 type Reply = Result<Response, AdminError>;
 
 /// 401 unless the call carries the configured bearer token (or none is configured).
-fn authorize(app: &App, headers: &HeaderMap) -> Result<(), AdminError> {
+pub fn authorize(app: &App, headers: &HeaderMap) -> Result<(), AdminError> {
     let Some(token) = &app.admin.token else {
         return Ok(());
     };
@@ -134,10 +169,27 @@ const RANKER_BODY: &str = r#"{"addr": "HOST:PORT", "control": "HOST:PORT" (with 
 const SHARD_BODY: &str =
     r#"{"addr": "HOST:PORT", "ranges": [{"table": T, "row_start": A, "row_end": B}, ...]}"#;
 
-/// The membership as JSON.
+/// The membership as JSON: one version's, or with several served, each version's.
 pub fn members_json(app: &App) -> Value {
-    let shards: Vec<Value> = app
-        .router
+    let routers = app.repo.registry.all_ready();
+    match routers.as_slice() {
+        [one] => router_members(one),
+        _ => {
+            let versions: Vec<Value> = (routers.iter())
+                .map(|r| {
+                    let mut m = router_members(r);
+                    m["model"] = r.model.name.clone().into();
+                    m["version"] = r.model.version.clone().into();
+                    m
+                })
+                .collect();
+            json!({ "versions": versions })
+        }
+    }
+}
+
+fn router_members(router: &Router) -> Value {
+    let shards: Vec<Value> = router
         .shards
         .members()
         .into_iter()
@@ -151,8 +203,7 @@ pub fn members_json(app: &App) -> Value {
                    "outstanding": m.outstanding, "ewma_ms": m.ewma_ms})
         })
         .collect();
-    let rankers: Vec<Value> = app
-        .router
+    let rankers: Vec<Value> = router
         .rankers
         .rankers()
         .iter()
@@ -162,6 +213,18 @@ pub fn members_json(app: &App) -> Value {
         })
         .collect();
     json!({"shards": shards, "rankers": rankers})
+}
+
+/// The version a membership call names; 400 when it names none and several serve.
+fn target(
+    app: &App,
+    model: Option<&str>,
+    version: Option<&str>,
+) -> Result<Arc<Router>, AdminError> {
+    app.repo
+        .registry
+        .target(model, version)
+        .map_err(|m| error(StatusCode::BAD_REQUEST, m))
 }
 
 fn ok_members(app: &App) -> Response {
@@ -206,7 +269,8 @@ async fn add_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes)
         .into_iter()
         .map(|r| (r.table, r.row_start..r.row_end))
         .collect();
-    app.router.shards.add(&add.addr, ranges)?;
+    let router = target(&app, add.model.as_deref(), add.version.as_deref())?;
+    router.shards.add(&add.addr, ranges)?;
     Ok(changed(&app).await)
 }
 
@@ -215,35 +279,67 @@ async fn on_addr(
     app: Arc<App>,
     headers: HeaderMap,
     body: Bytes,
-    change: impl FnOnce(&App, &str) -> Result<(), MembershipError>,
+    change: impl FnOnce(&Router, &str) -> Result<(), MembershipError>,
 ) -> Reply {
     authorize(&app, &headers)?;
     let a: Addr = parse(&body, ADDR_BODY)?;
-    change(&app, &a.addr)?;
+    let router = target(&app, a.model.as_deref(), a.version.as_deref())?;
+    change(&router, &a.addr)?;
     Ok(changed(&app).await)
 }
 
 async fn drain_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
-    on_addr(app, headers, body, |app, a| app.router.shards.drain(a)).await
+    on_addr(app, headers, body, |router, a| router.shards.drain(a)).await
 }
 
 async fn remove_shard(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
-    on_addr(app, headers, body, |app, a| app.router.shards.remove(a)).await
+    on_addr(app, headers, body, |router, a| router.shards.remove(a)).await
 }
 
 async fn add_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
     authorize(&app, &headers)?;
     let add: AddRanker = parse(&body, RANKER_BODY)?;
-    app.router.rankers.add(&add.addr, add.control.as_deref())?;
+    let router = target(&app, add.model.as_deref(), add.version.as_deref())?;
+    router.rankers.add(&add.addr, add.control.as_deref())?;
     Ok(changed(&app).await)
 }
 
 async fn drain_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
-    on_addr(app, headers, body, |app, a| app.router.rankers.drain(a)).await
+    on_addr(app, headers, body, |router, a| router.rankers.drain(a)).await
 }
 
 async fn remove_ranker(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
-    on_addr(app, headers, body, |app, a| app.router.rankers.remove(a)).await
+    on_addr(app, headers, body, |router, a| router.rankers.remove(a)).await
+}
+
+async fn rollout(State(app): State<Arc<App>>, headers: HeaderMap) -> Reply {
+    authorize(&app, &headers)?;
+    let state = serde_json::to_vec(&app.repo.rollouts()).expect("a rollout state serializes");
+    Ok(json_bytes(StatusCode::OK, state))
+}
+
+const ROLLOUT_BODY: &str = r#"{"model": NAME, "version": "V", "percent": P (0 to 100)}"#;
+
+async fn set_rollout(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    authorize(&app, &headers)?;
+    let set: SetRollout = parse(&body, ROLLOUT_BODY)?;
+    let version = parse_version(&set.version).map_err(refused)?;
+    (app.repo)
+        .set_rollout(&set.model, version, set.percent)
+        .map_err(refused)?;
+    rollout(State(app), headers).await
+}
+
+async fn rollback(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    authorize(&app, &headers)?;
+    let back: Rollback = parse(&body, r#"{"model": NAME}"#)?;
+    app.repo.rollback(&back.model).map_err(refused)?;
+    rollout(State(app), headers).await
+}
+
+fn refused(r: Refusal) -> AdminError {
+    let status = StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+    error(status, r.message)
 }
 
 #[cfg(test)]

@@ -1,22 +1,24 @@
-//! What every part of the router shares: `App` (the pipeline, budgets, body limits,
+//! What every part of the router shares: `App` (the served versions, budgets, body limits,
 //! admission, health, the front door's counters, the admin settings) and the health probe
 //! that keeps its readiness current.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cleave_shard::ProbeReport;
 use cleave_wire::health::Health;
 
 use crate::admission::{Admission, ShedReason};
 use crate::budget::Budget;
-use crate::error::{ErrorKind, RequestError};
-use crate::metrics::{DoorStats, FrontStats};
-use crate::pipeline::router::Router;
+use crate::error::RequestError;
+use crate::metrics::{DoorStats, FrontStats, Metrics};
+use crate::repository::Repository;
 
 /// What the handlers share.
 pub struct App {
-    pub router: Router,
+    /// The versions served (each with its own `Router`).
+    pub repo: Repository,
+    /// The router's one set of metrics (each version's `Router` shares it).
+    pub metrics: Arc<Metrics>,
     pub default_budget_ms: f64,
     pub max_budget_ms: f64,
     pub body: BodyLimits,
@@ -28,21 +30,6 @@ pub struct App {
 }
 
 impl App {
-    pub fn model(&self, name: &str) -> Result<&crate::model::Model, RequestError> {
-        let model = &self.router.model;
-        if model.name == name {
-            Ok(model)
-        } else {
-            Err(RequestError::new(
-                ErrorKind::UnknownModel,
-                format!(
-                    "unknown model {name:?}; this router serves {:?}",
-                    model.name
-                ),
-            ))
-        }
-    }
-
     /// Sets the budget a request asked for, within the router's largest.
     pub fn set_budget(&self, budget: &mut Budget, asked: Option<f64>) -> Result<(), RequestError> {
         let Some(ms) = asked else { return Ok(()) };
@@ -136,32 +123,31 @@ impl AdminConfig {
 pub const ROLE: &str = "router";
 pub const STARTING: &str = "starting: backends not probed yet";
 
-/// Probes every backend once: (degraded, problems). A shard replica down is only degraded
-/// while another replica serves its ranges, a range with no replica is a problem (the probe
-/// also ejects the silent replicas and readmits the ready ones); a ranker down is only
-/// degraded while another ranker answers.
+/// Probes the backends of every READY version once: (degraded, problems), each prefixed
+/// with `model/version: ` when several versions serve.
 pub async fn probe(app: &App, timeout: Duration) -> (Vec<String>, Vec<String>) {
-    let (shards, rankers) = tokio::join!(
-        app.router.shards.probe(timeout),
-        app.router.rankers.probe(timeout)
-    );
-    split_health(shards, rankers, app.router.rankers.rankers().len())
-}
-
-fn split_health(
-    shards: ProbeReport,
-    rankers: Vec<String>,
-    n_rankers: usize,
-) -> (Vec<String>, Vec<String>) {
-    let (mut degraded, mut problems) = (shards.degraded, shards.problems);
-    if rankers.len() < n_rankers {
-        degraded.extend(rankers);
-        (degraded, problems)
-    } else {
-        problems.extend(rankers);
-        problems.push("no ranker answers".into());
-        (degraded, problems)
+    let routers = app.repo.registry.all_ready();
+    if routers.is_empty() {
+        return (vec![], vec!["no model version is ready".into()]);
     }
+    let probes: Vec<_> = (routers.iter().cloned())
+        .map(|r| tokio::spawn(async move { r.probe(timeout).await }))
+        .collect();
+    let mut reports = Vec::with_capacity(probes.len());
+    for probe in probes {
+        let failed = |e: tokio::task::JoinError| (vec![], vec![format!("probe failed: {e}")]);
+        reports.push(probe.await.unwrap_or_else(failed));
+    }
+    if let [(degraded, problems)] = reports.as_slice() {
+        return (degraded.clone(), problems.clone());
+    }
+    let (mut degraded, mut problems) = (Vec::new(), Vec::new());
+    for (router, (d, p)) in routers.iter().zip(reports) {
+        let at = |m: String| format!("{}/{}: {m}", router.model.name, router.model.version);
+        degraded.extend(d.into_iter().map(at));
+        problems.extend(p.into_iter().map(at));
+    }
+    (degraded, problems)
 }
 
 /// Records the probe's findings; logs when readiness changes, so an operator sees
@@ -197,35 +183,5 @@ mod tests {
             .unwrap()
             .token
             .is_none());
-    }
-
-    #[test]
-    fn a_ranker_or_replica_down_degrades_a_range_down_is_a_problem() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let shards = |degraded: &[&str], problems: &[&str]| ProbeReport {
-            degraded: s(degraded),
-            problems: s(problems),
-        };
-        assert_eq!(split_health(shards(&[], &[]), s(&[]), 2), (s(&[]), s(&[])));
-        assert_eq!(
-            split_health(shards(&[], &[]), s(&["ranker a: down"]), 2),
-            (s(&["ranker a: down"]), s(&[]))
-        );
-        assert_eq!(
-            split_health(shards(&[], &["range b: none"]), s(&["ranker a: down"]), 2),
-            (s(&["ranker a: down"]), s(&["range b: none"]))
-        );
-        assert_eq!(
-            split_health(
-                shards(&["replica c: ejected"], &[]),
-                s(&["ranker a: down"]),
-                2
-            ),
-            (s(&["replica c: ejected", "ranker a: down"]), s(&[]))
-        );
-        assert_eq!(
-            split_health(shards(&[], &[]), s(&["ranker a: down"]), 1),
-            (s(&[]), s(&["ranker a: down", "no ranker answers"]))
-        );
     }
 }

@@ -119,6 +119,75 @@ pub struct RouterConfig {
     /// connection's initial window in bytes, at least the largest shard response; none: off.
     #[serde(default)]
     pub response_credits: Option<u64>,
+    /// The version of the top-level `model` (its `bundle`, `shards`, `rankers`).
+    #[serde(default)]
+    pub version: Version,
+    /// More (model, version) pairs served from the start (disaggregated mode only).
+    #[serde(default)]
+    pub models: Vec<VersionConfig>,
+    /// Base URL of the controller that stages versions (docs/api.md, "Model repository");
+    /// none: the versions served are fixed at start.
+    #[serde(default)]
+    pub repository_controller: Option<String>,
+    /// Where the rollout state is kept across restarts; none: not kept.
+    #[serde(default)]
+    pub rollout_file: Option<PathBuf>,
+}
+
+/// A model version: a decimal integer, written as a string in JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version(pub u64);
+
+impl Default for Version {
+    fn default() -> Version {
+        Version(1)
+    }
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::str::FromStr for Version {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Version, String> {
+        let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        match s.parse() {
+            Ok(v) if digits => Ok(Version(v)),
+            _ => Err(format!(
+                "version {s:?} is not a version: expected a decimal integer such as \"3\""
+            )),
+        }
+    }
+}
+
+impl serde::Serialize for Version {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Version {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Version, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// One (model, version) the router serves: its bundle and backends.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionConfig {
+    pub model: String,
+    pub version: Version,
+    pub bundle: PathBuf,
+    #[serde(default)]
+    pub shards: Vec<ShardRoute>,
+    pub rankers: Vec<String>,
+    #[serde(default)]
+    pub ranker_control: std::collections::HashMap<String, String>,
 }
 
 /// Rows `[row_start, row_end)` of `table` live on the shard at `addr`.
@@ -221,22 +290,40 @@ impl RouterConfig {
         Ok(c)
     }
 
+    /// Every (model, version) served at start: the top-level one first, then `models`.
+    pub fn served(&self) -> Vec<VersionConfig> {
+        let top = VersionConfig {
+            model: self.model.clone(),
+            version: self.version,
+            bundle: self.bundle.clone(),
+            shards: self.shards.clone(),
+            rankers: self.rankers.clone(),
+            ranker_control: self.ranker_control.clone(),
+        };
+        std::iter::once(top).chain(self.models.clone()).collect()
+    }
+
     fn check(&self) -> Result<(), String> {
         let bad = |m: String| Err(format!("router config: {m}"));
-        if self.model.is_empty() || self.model.contains('/') {
+        if !self.models.is_empty() && self.mode != ConfigMode::Disaggregated {
             return bad(format!(
-                "model name {:?} must be non-empty without '/'",
-                self.model
+                "\"models\" (more model versions) needs mode \"disaggregated\", not {:?}",
+                self.mode
             ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for v in self.served() {
+            v.check(self.incast_control)
+                .map_err(|m| format!("router config: {m}"))?;
+            if !seen.insert((v.model.clone(), v.version)) {
+                return bad(format!("{}/{} is configured twice", v.model, v.version));
+            }
         }
         if !(self.admit_share > 0.0 && self.admit_share <= 1.0) {
             return bad(format!(
                 "admit_share is {}, expected a share of the budget in (0, 1]",
                 self.admit_share
             ));
-        }
-        if self.rankers.is_empty() {
-            return bad("\"rankers\" is empty; at least one ranker address is needed".into());
         }
         let mode: Mode = self.mode.into();
         if mode == Mode::Monolithic && !self.shards.is_empty() {
@@ -276,13 +363,32 @@ impl RouterConfig {
                 return bad(format!("{key} is 0, expected at least 1"));
             }
         }
-        if self.incast_control {
+        Ok(())
+    }
+}
+
+impl VersionConfig {
+    /// The checks each served version passes, whether configured at start or loaded later.
+    pub fn check(&self, incast_control: bool) -> Result<(), String> {
+        if self.model.is_empty() || self.model.contains('/') {
+            return Err(format!(
+                "model name {:?} must be non-empty without '/'",
+                self.model
+            ));
+        }
+        if self.rankers.is_empty() {
+            return Err(format!(
+                "\"rankers\" of {}/{} is empty; at least one ranker address is needed",
+                self.model, self.version
+            ));
+        }
+        if incast_control {
             if let Some(r) = self
                 .rankers
                 .iter()
                 .find(|r| !self.ranker_control.contains_key(*r))
             {
-                return bad(format!(
+                return Err(format!(
                     "incast_control is on but ranker {r} has no control address in \
                      \"ranker_control\" (expected {{\"{r}\": \"HOST:PORT\"}})"
                 ));
@@ -290,7 +396,7 @@ impl RouterConfig {
         }
         for r in &self.shards {
             if r.row_start >= r.row_end {
-                return bad(format!(
+                return Err(format!(
                     "shard {} for table {:?}: rows [{}, {}) are empty",
                     r.addr, r.table, r.row_start, r.row_end
                 ));
@@ -428,5 +534,56 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(c.ranker_control["b:1"], "b:2");
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_decimal_integers() {
+        assert_eq!("12".parse::<Version>().unwrap(), Version(12));
+        for bad in ["", "v1", "1.0", "-1", "+1", "99999999999999999999999"] {
+            let e = bad.parse::<Version>().unwrap_err();
+            assert!(e.contains("expected a decimal integer"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn more_versions_in_the_config() {
+        let base = r#""model": "m", "bundle": "b", "rankers": ["a:1"]"#;
+        let c = RouterConfig::from_json(&format!("{{{base}}}")).unwrap();
+        assert_eq!((c.version, c.models.len()), (Version(1), 0));
+        let c = RouterConfig::from_json(&format!(
+            r#"{{{base}, "version": "2", "models": [{{"model": "m", "version": "3",
+                "bundle": "b3", "shards": [], "rankers": ["a:2"]}}]}}"#
+        ))
+        .unwrap();
+        let served: Vec<(String, Version)> = c
+            .served()
+            .into_iter()
+            .map(|v| (v.model, v.version))
+            .collect();
+        assert_eq!(served, [("m".into(), Version(2)), ("m".into(), Version(3))]);
+        let e = RouterConfig::from_json(&format!(r#"{{{base}, "version": "two"}}"#));
+        assert!(e.unwrap_err().contains("expected a decimal integer"));
+        let e = RouterConfig::from_json(&format!(
+            r#"{{{base}, "models": [{{"model": "m", "version": "1", "bundle": "b",
+                "rankers": ["a:1"]}}]}}"#
+        ));
+        assert!(e.unwrap_err().contains("m/1 is configured twice"));
+        let e = RouterConfig::from_json(&format!(
+            r#"{{{base}, "mode": "monolithic", "models": [{{"model": "m", "version": "2",
+                "bundle": "b", "rankers": ["a:1"]}}]}}"#
+        ));
+        assert!(e
+            .unwrap_err()
+            .contains("\"models\" (more model versions) needs mode"));
+        let e = RouterConfig::from_json(&format!(
+            r#"{{{base}, "models": [{{"model": "m", "version": "2", "bundle": "b",
+                "rankers": ["a:1"], "extra": 1}}]}}"#
+        ));
+        assert!(e.unwrap_err().contains("unknown field `extra`"));
     }
 }

@@ -6,6 +6,7 @@
 //! recorded the same way for all. Doors (front/) only gather the head and the message.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::{RankerLoad, Shed, Stages};
@@ -14,7 +15,7 @@ use crate::budget::Budget;
 use crate::codec::Codec;
 use crate::error::{ErrorKind, Failure, RequestError, Stage};
 use crate::metrics::thread_cpu;
-use crate::pipeline::router::Inference;
+use crate::pipeline::router::{Inference, Router};
 use crate::tensor::Tensor;
 
 /// The optional header (REST) or metadata (gRPC) that gives a request's budget before its
@@ -22,9 +23,17 @@ use crate::tensor::Tensor;
 /// "Admission control").
 pub const BUDGET_HEADER: &str = "cleave-budget-ms";
 
+/// The optional header (REST) or metadata (gRPC) whose value picks a request's version
+/// stably during a canary (docs/api.md, "Versions and rollout").
+pub const KEY_HEADER: &str = "cleave-request-key";
+
 /// What a door knows of a request before its body.
 pub struct Head {
     pub model: String,
+    /// The version the request names; none: its model's rollout chooses.
+    pub version: Option<String>,
+    /// The request key (`cleave-request-key`) a canary's choice hashes.
+    pub key: Option<String>,
     /// When its first byte arrived.
     pub arrival: Instant,
     /// The budget its head asks for (`cleave-budget-ms`), or what is wrong with its head.
@@ -42,23 +51,40 @@ where
     R: FnOnce((Instant, f64)) -> F,
     F: Future<Output = Result<C::Message, RequestError>>,
 {
-    let metrics = &app.router.metrics;
+    let metrics = &app.metrics;
     metrics.request();
     let arrival = head.arrival;
     let mut budget = Budget::new(arrival, app.default_budget_ms);
     let mut admitted = false;
-    let result = run(app, codec, &head, receive, &mut budget, &mut admitted).await;
+    let mut chosen = None;
+    let result = run(
+        app,
+        codec,
+        &head,
+        receive,
+        &mut budget,
+        &mut admitted,
+        &mut chosen,
+    )
+    .await;
+    let served = chosen.as_ref().map(|r: &Arc<Router>| &r.served);
     let trace_id = cleave_wire::log::trace_id(budget.trace_id);
     let (model, protocol) = (head.model.as_str(), codec.protocol().as_str());
     let mut response = match result {
         Ok(reply) => {
             metrics.observe(Stage::Total, arrival.elapsed());
+            if let Some(served) = served {
+                served.answered(arrival.elapsed());
+            }
             tracing::debug!(%trace_id, model, protocol, elapsed_us = arrival.elapsed().as_micros() as u64, "answered");
             reply
         }
         Err(failure) => {
             let e = &failure.error;
             metrics.error(e.kind);
+            if let Some(served) = served {
+                served.error(e.kind);
+            }
             if admitted && e.kind == ErrorKind::Deadline {
                 metrics.expired_after_admission();
             }
@@ -82,13 +108,21 @@ async fn run<C, R, F>(
     receive: R,
     budget: &mut Budget,
     admitted: &mut bool,
+    chosen: &mut Option<Arc<Router>>,
 ) -> Result<C::Response, Failure>
 where
     C: Codec,
     R: FnOnce((Instant, f64)) -> F,
     F: Future<Output = Result<C::Message, RequestError>>,
 {
-    let model = app.model(&head.model)?;
+    // Held until the reply is encoded: an unload of this version waits for it.
+    let router =
+        app.repo
+            .registry
+            .choose(&head.model, head.version.as_deref(), head.key.as_deref())?;
+    router.served.request();
+    let router = &*chosen.insert(router);
+    let model = &router.model;
     let asked = head.asked.clone()?;
     app.set_budget(budget, asked)?;
     // A message read before admission that took its whole budget to arrive is late, as a
@@ -96,14 +130,14 @@ where
     if head.message_read {
         budget.check(Stage::Parse)?;
     }
-    let load = RankerLoad::of(&app.router.rankers);
+    let load = RankerLoad::of(&router.rankers);
     let mut permit = app
         .admission
         .admit(budget.start.elapsed(), budget.budget, &load)
         .await
         .map_err(shed)?;
     *admitted = true;
-    app.router.metrics.admitted();
+    app.metrics.admitted();
 
     // The body's own budget_ms is not known until it is read: reading is bounded by the
     // head's budget, else by the largest budget a body may ask for (and by the rate).
@@ -111,11 +145,12 @@ where
     let until = budget.start + Duration::from_secs_f64(read_ms / 1e3);
     let message = receive((until, read_ms)).await?;
 
-    let metrics = &app.router.metrics;
+    let metrics = &app.metrics;
     let cpu = thread_cpu();
     let parsed = codec.parse(model, message);
     metrics.codec_cpu_plus("parse", codec.protocol(), cpu, codec.decode_cpu());
     let parsed = parsed?;
+    check_body_version(head.version.as_deref(), parsed.version.as_deref())?;
     app.set_budget(budget, parsed.budget_ms)?;
     // The request's own size, charged before any lookup (the adaptive rule).
     let rows = rows(model, &parsed.inputs);
@@ -123,7 +158,7 @@ where
         .fit(&mut permit, rows, budget.left())
         .map_err(shed)?;
     let parsed_at = budget.start.elapsed();
-    let inf = match app.router.infer(parsed.inputs, budget).await {
+    let inf = match router.infer(parsed.inputs, budget).await {
         Ok(inf) => inf,
         Err(e) => {
             if e.kind == ErrorKind::Deadline {
@@ -134,10 +169,23 @@ where
     };
     app.admission
         .observe(&permit, stages(parsed_at, &inf), budget.budget);
+    if let Some(first) = inf.outputs.first().and_then(|t| t.to_f32()) {
+        router.served.scores(&first);
+    }
     let cpu = thread_cpu();
     let (reply, protocol) = codec.encode(model, parsed.context, inf);
     metrics.codec_cpu_plus("encode", protocol, cpu, codec.encode_cpu());
     Ok(reply)
+}
+
+/// A body's own `model_version` must be the URL's, when both name one.
+fn check_body_version(url: Option<&str>, body: Option<&str>) -> Result<(), RequestError> {
+    match (url, body) {
+        (Some(url), Some(body)) if url != body => Err(RequestError::invalid(format!(
+            "the body's model_version is {body:?} but the URL names version {url:?}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn shed(shed: Shed) -> Failure {
@@ -165,5 +213,25 @@ fn stages(parse: Duration, inf: &Inference) -> Stages {
         lookup: inf.lookup,
         transfer: inf.transfer,
         batch: inf.compute,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_may_name_only_the_urls_version() {
+        assert!(check_body_version(None, Some("7")).is_ok());
+        assert!(check_body_version(Some("2"), None).is_ok());
+        assert!(check_body_version(Some("2"), Some("2")).is_ok());
+        let e = check_body_version(Some("2"), Some("1")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidInput);
+        assert!(
+            e.message
+                .contains("model_version is \"1\" but the URL names version \"2\""),
+            "{}",
+            e.message
+        );
     }
 }

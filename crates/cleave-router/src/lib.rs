@@ -7,8 +7,9 @@
 //! router fits with shards and rankers.
 //!
 //! The modules import one way (tests/layers.rs checks it): `serve` wires everything;
-//! `front` (the doors) → `admin`, `envelope` → `codec`, `admission`, `app` → `pipeline` →
-//! `backend`; `shed_log` → `app`; below them all `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
+//! `front` (the doors) → `admin`, `envelope` → `codec`, `admission`, `app` → `repository`
+//! (the versions served) → `pipeline` → `backend`; `shed_log` → `app`; below them all
+//! `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
 
 pub mod admin;
 pub mod admission;
@@ -23,6 +24,7 @@ pub mod front;
 pub mod metrics;
 pub mod model;
 pub mod pipeline;
+pub mod repository;
 pub mod serve;
 pub mod shed_log;
 pub mod tensor;

@@ -105,6 +105,50 @@ pub struct Metrics {
     requests: IntCounter,
     admitted: IntCounter,
     expired_after_admission: IntCounter,
+    /// The per-version families (docs/api.md, "Metrics"), resolved per version by `version`.
+    by_version: VersionFamilies,
+}
+
+/// The score histogram's buckets: wide enough for logits, fine near probabilities' ends.
+const SCORE_BUCKETS: [f64; 17] = [
+    -10.0, -5.0, -2.0, -1.0, -0.5, 0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 2.0, 5.0, 10.0,
+];
+
+struct VersionFamilies {
+    requests: IntCounterVec,
+    errors: IntCounterVec,
+    latency: HistogramVec,
+    score: HistogramVec,
+}
+
+/// One served version's series, resolved once when the version is built.
+pub struct VersionMetrics {
+    requests: IntCounter,
+    /// One per `ErrorKind::ALL`, in its order.
+    errors: Vec<IntCounter>,
+    latency: Histogram,
+    score: Histogram,
+}
+
+impl VersionMetrics {
+    pub fn request(&self) {
+        self.requests.inc();
+    }
+
+    pub fn error(&self, kind: ErrorKind) {
+        self.errors[kind as usize].inc();
+    }
+
+    pub fn answered(&self, total: Duration) {
+        self.latency.observe(total.as_secs_f64());
+    }
+
+    /// Every value of the model's first output.
+    pub fn scores(&self, values: &[f32]) {
+        for &v in values {
+            self.score.observe(v as f64);
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -173,7 +217,9 @@ impl Metrics {
             &["step", "protocol"],
         )?;
         registry.register(Box::new(codec_count.clone()))?;
+        let by_version = VersionFamilies::new(&registry)?;
         Ok(Self {
+            by_version,
             codec_cpu,
             codec_count,
             stages: Stage::ALL
@@ -189,6 +235,21 @@ impl Metrics {
             expired_after_admission,
             registry,
         })
+    }
+
+    /// The series of one served version.
+    pub fn version(&self, model: &str, version: &str) -> VersionMetrics {
+        let f = &self.by_version;
+        let labels = [model, version];
+        VersionMetrics {
+            requests: f.requests.with_label_values(&labels),
+            errors: ErrorKind::ALL
+                .iter()
+                .map(|k| f.errors.with_label_values(&[model, version, k.as_str()]))
+                .collect(),
+            latency: f.latency.with_label_values(&labels),
+            score: f.score.with_label_values(&labels),
+        }
     }
 
     /// Records time spent in `stage` (stages without a histogram are ignored).
@@ -307,6 +368,55 @@ impl Metrics {
             text.push_str(&format!("# encoding the router's metrics failed: {e}\n"));
         }
         text
+    }
+}
+
+impl VersionFamilies {
+    fn new(registry: &Registry) -> prometheus::Result<VersionFamilies> {
+        let labels = &["model", "version"];
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "cleave_router_version_requests_total",
+                "Inference requests routed to each model version.",
+            ),
+            labels,
+        )?;
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "cleave_router_version_errors_total",
+                "Failed requests of each model version, by kind of error.",
+            ),
+            &["model", "version", "kind"],
+        )?;
+        let latency = HistogramVec::new(
+            HistogramOpts::new(
+                "cleave_router_version_latency_seconds",
+                "Total latency of the answered requests of each model version.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            labels,
+        )?;
+        let score = HistogramVec::new(
+            HistogramOpts::new(
+                "cleave_router_version_score",
+                "Values of the first output of each model version's answers (a canary's \
+                 distribution against the default's).",
+            )
+            .buckets(SCORE_BUCKETS.to_vec()),
+            labels,
+        )?;
+        for c in [&requests, &errors] {
+            registry.register(Box::new(c.clone()))?;
+        }
+        for h in [&latency, &score] {
+            registry.register(Box::new(h.clone()))?;
+        }
+        Ok(VersionFamilies {
+            requests,
+            errors,
+            latency,
+            score,
+        })
     }
 }
 

@@ -136,6 +136,8 @@ pub enum Mode {
 #[derive(Debug, Clone)]
 pub struct Model {
     pub name: String,
+    /// The version this manifest is served as ("1" unless the router's config says).
+    pub version: String,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
     pub boundary: Vec<TensorSpec>,
@@ -256,6 +258,7 @@ impl Model {
         }
         Ok(Model {
             name: name.to_string(),
+            version: "1".into(),
             inputs,
             outputs,
             boundary,

@@ -7,13 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cleave_wire::health::Health;
-use cleave_wire::{ClientConfig, IoThreads};
+use cleave_wire::IoThreads;
 use tokio::sync::watch;
 
 use crate::admission::Admission;
 use crate::app::{probe, set_health, AdminConfig, App, BodyLimits, ROLE, STARTING};
-use crate::backend::ranker::RankerPool;
-use crate::config::{ConfigMode, RouterConfig};
+use crate::config::RouterConfig;
 use crate::front::auth::{self, BearerToken};
 use crate::front::conn::Timeouts;
 use crate::front::door::{self, DoorConfig};
@@ -21,13 +20,8 @@ use crate::front::grpc_layer::GrpcFront;
 use crate::front::rest::routes;
 use crate::front::tls::TlsFiles;
 use crate::metrics::{DoorStats, Metrics};
-use crate::model::{Mode, Model};
-use crate::pipeline::held::HeldShards;
-use crate::pipeline::router::Router;
-use crate::pipeline::sparse::Shards;
-
-/// How often start-up re-probes backends that have not answered yet.
-const STARTUP_PROBE: Duration = Duration::from_millis(100);
+use crate::repository::build::Builder;
+use crate::repository::{Repository, Settings, PROBE_TICK};
 
 /// Serves until `shutdown` completes. `on_ready` gets the HTTP address once every backend
 /// answered. Errors (bad bundle, port taken, backends never ready) say what and where.
@@ -36,49 +30,24 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_ready: impl FnOnce(SocketAddr),
 ) -> Result<(), String> {
-    let mode: Mode = config.mode.into();
-    let model = Model::load(&config.model, &config.bundle)?;
     let io = IoThreads::new("cleave-router-io", config.threads)
         .map_err(|e| format!("cannot start I/O threads: {e}"))?;
     let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
-    let shards = match (mode, config.mode) {
-        (_, ConfigMode::RouterHeld) => {
-            Shards::held(HeldShards::open(&config.bundle, config.held_threads)?)
-        }
-        (Mode::Disaggregated, _) => {
-            let cap = Duration::from_secs_f64(config.max_budget_ms / 1e3);
-            let attempt = (config.shard_timeout_ms > 0)
-                .then(|| Duration::from_millis(config.shard_timeout_ms));
-            let credits = config.response_credits;
-            Shards::new(
-                &model,
-                &config.shards,
-                &io,
-                connect_timeout,
-                cap,
-                attempt,
-                credits,
-            )?
-        }
-        (Mode::Monolithic, _) => Shards::none(),
+    let metrics = Arc::new(Metrics::default());
+    let builder = Builder::new(&config, io.clone(), metrics.clone());
+    let routers = (config.served().iter())
+        .map(|v| builder.build(v))
+        .collect::<Result<Vec<_>, String>>()?;
+    let settings = Settings {
+        controller: config.repository_controller.clone(),
+        rollout_file: config.rollout_file.clone(),
+        ready_timeout: Duration::from_millis(config.ready_timeout_ms),
+        probe_timeout: connect_timeout,
+        max_budget: Duration::from_secs_f64(config.max_budget_ms / 1e3),
     };
-    let client = ClientConfig {
-        connections: config.ranker_connections.max(1),
-        connect_timeout,
-        ..ClientConfig::default()
-    };
-    let rankers = RankerPool::new(&config.rankers, &io, client)?;
-    if config.incast_control {
-        rankers.start_incast(&config.ranker_control, config.incast_threshold_bytes);
-    }
     let app = Arc::new(App {
-        router: Router {
-            model,
-            mode,
-            shards,
-            rankers,
-            metrics: Metrics::default(),
-        },
+        repo: Repository::new(routers, builder, settings)?,
+        metrics,
         default_budget_ms: config.budget_ms,
         max_budget_ms: config.max_budget_ms,
         body: BodyLimits {
@@ -202,7 +171,7 @@ pub async fn serve(
             ));
         }
         tokio::select! {
-            _ = tokio::time::sleep(STARTUP_PROBE) => {}
+            _ = tokio::time::sleep(PROBE_TICK) => {}
             _ = wait_stop(stop_rx.clone()) => break false,
         }
     };

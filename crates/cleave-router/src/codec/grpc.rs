@@ -56,6 +56,7 @@ impl Codec for GrpcCodec {
         Ok(Parsed {
             inputs: req.request.inputs,
             budget_ms: req.request.budget_ms,
+            version: None,
             context: GrpcContext {
                 id: req.request.id,
                 outputs: req.request.outputs,

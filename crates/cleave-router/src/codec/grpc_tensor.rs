@@ -60,6 +60,8 @@ pub fn parse_grpc(model: &Model, req: ModelInferRequest) -> Result<GrpcRequest, 
         request: InferRequest {
             id,
             budget_ms,
+            // The message's model_version chose the version before the message was parsed.
+            version: None,
             inputs,
             outputs,
             binary: vec![false; model.outputs.len()],
@@ -284,7 +286,7 @@ pub fn grpc_response(
     }
     ModelInferResponse {
         model_name: model.name.clone(),
-        model_version: String::new(),
+        model_version: model.version.clone(),
         id: id.unwrap_or_default(),
         parameters,
         outputs: tensors,

@@ -48,6 +48,7 @@ impl Codec for RankForm {
         Ok(Parsed {
             inputs: req.inputs,
             budget_ms: req.budget_ms,
+            version: None,
             context: RankContext {
                 id: req.id,
                 candidates: req.candidates,
@@ -64,6 +65,7 @@ impl Codec for RankForm {
             .collect();
         let body = json!({
             "model_name": model.name,
+            "model_version": model.version,
             "id": context.id,
             "candidates": context.candidates,
             "outputs": serde_json::to_value(NestedOutputs(outputs)).unwrap_or(Value::Null),

@@ -21,6 +21,8 @@ pub struct InferRequest {
     pub id: Option<String>,
     /// `parameters.budget_ms`, when given.
     pub budget_ms: Option<f64>,
+    /// The body's `model_version`, when given.
+    pub version: Option<String>,
     /// Indexed like `model.inputs`; `None` where the request did not give the input.
     pub inputs: Vec<Option<Tensor>>,
     /// Indices into `model.outputs` the client asked for; `None` = all.
@@ -37,8 +39,8 @@ struct RawRequest<'a> {
     // KServe's Python SDK names the model (and version) in the body too.
     #[serde(borrow, default)]
     model_name: Option<Cow<'a, str>>,
-    #[serde(borrow, default, rename = "model_version")]
-    _model_version: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    model_version: Option<Cow<'a, str>>,
     #[serde(default)]
     parameters: Option<Map<String, Value>>,
     #[serde(borrow)]
@@ -230,6 +232,7 @@ fn read_request(
     Ok(InferRequest {
         id: raw.id,
         budget_ms,
+        version: raw.model_version.map(Cow::into_owned),
         inputs,
         outputs,
         binary,
@@ -431,6 +434,7 @@ struct ResponseOutput<'a> {
 #[derive(Serialize)]
 struct Response<'a> {
     model_name: &'a str,
+    model_version: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     id: Option<&'a str>,
     parameters: &'a Map<String, Value>,
@@ -459,6 +463,7 @@ pub fn infer_response(
     let is_binary = |i: usize| binary.get(i).copied().unwrap_or(false);
     let response = Response {
         model_name: &model.name,
+        model_version: &model.version,
         id,
         parameters,
         outputs: pick
@@ -517,7 +522,7 @@ pub fn model_metadata(model: &Model) -> Value {
     };
     let mut metadata = serde_json::json!({
         "name": model.name,
-        "versions": ["1"],
+        "versions": [model.version],
         "platform": "cleave",
         "inputs": tensors(&model.inputs),
         "outputs": tensors(&model.outputs),
@@ -759,7 +764,7 @@ mod tests {
         let v: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(
             v,
-            serde_json::json!({"model_name": "dlrm", "id": "r1", "parameters": {},
+            serde_json::json!({"model_name": "dlrm", "model_version": "1", "id": "r1", "parameters": {},
                 "outputs": [{"name": "output_0", "datatype": "FP32", "shape": [2, 1],
                              "data": [0.5, 0.25]}]})
         );
@@ -776,7 +781,7 @@ mod tests {
         let v: Value = serde_json::from_slice(&reply.body[..n]).unwrap();
         assert_eq!(
             v,
-            serde_json::json!({"model_name": "dlrm", "parameters": {},
+            serde_json::json!({"model_name": "dlrm", "model_version": "1", "parameters": {},
                 "outputs": [{"name": "output_0", "datatype": "FP32", "shape": [2, 1],
                              "parameters": {"binary_data_size": 8}}]})
         );

@@ -63,6 +63,7 @@ impl InferContext {
         Ok(Parsed {
             inputs: req.inputs,
             budget_ms: req.budget_ms,
+            version: req.version,
             context: InferContext {
                 id: req.id,
                 outputs: req.outputs,

@@ -82,6 +82,8 @@ pub struct Parsed<C> {
     pub inputs: Vec<Option<Tensor>>,
     /// The budget the message asks for, when it does.
     pub budget_ms: Option<f64>,
+    /// The version the message itself names (a KServe JSON body's `model_version`).
+    pub version: Option<String>,
     pub context: C,
 }
 

@@ -10,5 +10,6 @@ pub mod conn;
 pub mod door;
 pub mod grpc;
 pub mod grpc_layer;
+pub mod repository;
 pub mod rest;
 pub mod tls;

@@ -22,7 +22,7 @@ use crate::codec::binary_tensor::header_length;
 use crate::codec::json::{error_response, json_bytes, RankForm};
 use crate::codec::kserve::model_metadata;
 use crate::codec::kserve_rest::Kserve;
-use crate::envelope::{self, Head, BUDGET_HEADER};
+use crate::envelope::{self, Head, BUDGET_HEADER, KEY_HEADER};
 use crate::error::{ErrorKind, RequestError};
 use crate::front::body::{discard, read_body};
 use crate::front::conn::Arrival;
@@ -38,8 +38,25 @@ pub fn routes(app: Arc<App>) -> axum::Router {
         .route("/v2/models/{name}/ready", get(model_ready))
         .route("/v2/models/{name}/infer", post(infer))
         .route("/v2/models/{name}/rank", post(rank))
+        .route(
+            "/v2/models/{name}/versions/{version}",
+            get(version_metadata),
+        )
+        .route(
+            "/v2/models/{name}/versions/{version}/ready",
+            get(version_ready),
+        )
+        .route(
+            "/v2/models/{name}/versions/{version}/infer",
+            post(version_infer),
+        )
+        .route(
+            "/v2/models/{name}/versions/{version}/rank",
+            post(version_rank),
+        )
         .route("/metrics", get(metrics))
         .merge(admin::routes())
+        .merge(crate::front::repository::routes())
         .fallback(|| async {
             error_response(
                 &RequestError::new(
@@ -63,17 +80,38 @@ async fn infer(
     Path(name): Path<String>,
     request: Request,
 ) -> Response {
-    inference(&app, name, request, Form::Infer).await
+    inference(&app, (name, None), request, Form::Infer).await
 }
 
 async fn rank(State(app): State<Arc<App>>, Path(name): Path<String>, request: Request) -> Response {
-    inference(&app, name, request, Form::Rank).await
+    inference(&app, (name, None), request, Form::Rank).await
+}
+
+async fn version_infer(
+    State(app): State<Arc<App>>,
+    Path((name, version)): Path<(String, String)>,
+    request: Request,
+) -> Response {
+    inference(&app, (name, Some(version)), request, Form::Infer).await
+}
+
+async fn version_rank(
+    State(app): State<Arc<App>>,
+    Path((name, version)): Path<(String, String)>,
+    request: Request,
+) -> Response {
+    inference(&app, (name, Some(version)), request, Form::Rank).await
 }
 
 /// Reads the head, picks the codec, and hands the request to the envelope. A body the
 /// envelope did not ask for (the request was refused or failed first) is discarded when that
 /// is cheap, so that the connection stays usable; otherwise the response closes it.
-async fn inference(app: &App, model: String, request: Request, form: Form) -> Response {
+async fn inference(
+    app: &App,
+    (model, version): (String, Option<String>),
+    request: Request,
+    form: Form,
+) -> Response {
     // Without the front door (tests calling the routes directly), the handler's start.
     let arrival = request
         .extensions()
@@ -89,8 +127,12 @@ async fn inference(app: &App, model: String, request: Request, form: Form) -> Re
         Ok(asked)
     });
     let binary = binary.ok().flatten();
+    let key =
+        (parts.headers.get(KEY_HEADER)).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let head = Head {
         model,
+        version,
+        key,
         arrival,
         asked,
         message_read: false,
@@ -153,27 +195,58 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn model_ready(State(app): State<Arc<App>>, Path(name): Path<String>) -> Response {
-    match app.model(&name) {
+    match app.repo.registry.ready(&name, None) {
+        Ok(_) => readiness(&app),
+        Err(e) => error_response(&e.into()),
+    }
+}
+
+async fn version_ready(
+    State(app): State<Arc<App>>,
+    Path((name, version)): Path<(String, String)>,
+) -> Response {
+    match app.repo.registry.ready(&name, Some(&version)) {
         Ok(_) => readiness(&app),
         Err(e) => error_response(&e.into()),
     }
 }
 
 async fn metadata(State(app): State<Arc<App>>, Path(name): Path<String>) -> Response {
-    match app.model(&name) {
-        Ok(model) => json_bytes(
-            StatusCode::OK,
-            model_metadata(model).to_string().into_bytes(),
-        ),
-        Err(e) => error_response(&e.into()),
+    versioned_metadata(&app, &name, None)
+}
+
+async fn version_metadata(
+    State(app): State<Arc<App>>,
+    Path((name, version)): Path<(String, String)>,
+) -> Response {
+    versioned_metadata(&app, &name, Some(&version))
+}
+
+/// The named (else the default) version's metadata; the default's lists every READY version.
+fn versioned_metadata(app: &App, name: &str, version: Option<&str>) -> Response {
+    let router = match app.repo.registry.ready(name, version) {
+        Ok(router) => router,
+        Err(e) => return error_response(&e.into()),
+    };
+    let mut body = model_metadata(&router.model);
+    if version.is_none() {
+        let ready = app.repo.registry.ready_versions(name);
+        body["versions"] = ready.iter().map(|v| v.to_string()).collect();
     }
+    json_bytes(StatusCode::OK, body.to_string().into_bytes())
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let text = app
-        .router
-        .metrics
-        .render(&app.router.rankers.loads(), &app.front_stats());
+    // A ranker serving several versions is one series.
+    let mut loads: Vec<(String, u64, f64)> = Vec::new();
+    for router in app.repo.registry.all_ready() {
+        for load in router.rankers.loads() {
+            if !loads.iter().any(|l| l.0 == load.0) {
+                loads.push(load);
+            }
+        }
+    }
+    let text = app.metrics.render(&loads, &app.front_stats());
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],

@@ -1,6 +1,7 @@
 //! One request's way through the router, whatever JSON form it came in:
 //! check → lookups on the shards → one fused payload to a ranker → outputs.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -9,7 +10,7 @@ use crate::backend::payload::{encode_request, RANK, RANK_FULL};
 use crate::backend::ranker::RankerPool;
 use crate::budget::Budget;
 use crate::error::{ErrorKind, RequestError, Stage};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, VersionMetrics};
 use crate::model::{DenseSource, Mode, Model};
 use crate::pipeline::kjt;
 use crate::pipeline::sparse::Shards;
@@ -33,16 +34,30 @@ pub struct Inference {
     pub batch_requests: u32,
 }
 
-/// The request pipeline shared by every HTTP handler.
+/// The request pipeline of one served model version: its manifest, routing table and
+/// rankers.
 pub struct Router {
     pub model: Model,
     pub mode: Mode,
     pub shards: Shards,
     pub rankers: RankerPool,
-    pub metrics: Metrics,
+    /// The router's one set of metrics, shared by every version.
+    pub metrics: Arc<Metrics>,
+    /// This version's own series.
+    pub served: VersionMetrics,
 }
 
 impl Router {
+    /// Probes this version's backends once: (degraded, problems). A shard replica down is
+    /// only degraded while another replica serves its ranges, a range with no replica is a
+    /// problem (the probe also ejects the silent replicas and readmits the ready ones); a
+    /// ranker down is only degraded while another ranker answers.
+    pub async fn probe(&self, timeout: Duration) -> (Vec<String>, Vec<String>) {
+        let (shards, rankers) =
+            tokio::join!(self.shards.probe(timeout), self.rankers.probe(timeout));
+        split_health(shards, rankers, self.rankers.rankers().len())
+    }
+
     /// Runs checked-to-be inputs (indexed like `model.inputs`) through lookups and a ranker.
     /// `budget` started when the request arrived; parsing has already spent part of it.
     pub async fn infer(
@@ -128,6 +143,22 @@ impl Router {
     }
 }
 
+fn split_health(
+    shards: cleave_shard::ProbeReport,
+    rankers: Vec<String>,
+    n_rankers: usize,
+) -> (Vec<String>, Vec<String>) {
+    let (mut degraded, mut problems) = (shards.degraded, shards.problems);
+    if rankers.len() < n_rankers {
+        degraded.extend(rankers);
+        (degraded, problems)
+    } else {
+        problems.extend(rankers);
+        problems.push("no ranker answers".into());
+        (degraded, problems)
+    }
+}
+
 /// A ranker's outputs must be the manifest's, sized by this request's symbols.
 fn check_outputs(
     model: &Model,
@@ -163,4 +194,40 @@ fn check_outputs(
             })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cleave_shard::ProbeReport;
+
+    #[test]
+    fn a_ranker_or_replica_down_degrades_a_range_down_is_a_problem() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let shards = |degraded: &[&str], problems: &[&str]| ProbeReport {
+            degraded: s(degraded),
+            problems: s(problems),
+        };
+        assert_eq!(split_health(shards(&[], &[]), s(&[]), 2), (s(&[]), s(&[])));
+        assert_eq!(
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(shards(&[], &["range b: none"]), s(&["ranker a: down"]), 2),
+            (s(&["ranker a: down"]), s(&["range b: none"]))
+        );
+        assert_eq!(
+            split_health(
+                shards(&["replica c: ejected"], &[]),
+                s(&["ranker a: down"]),
+                2
+            ),
+            (s(&["replica c: ejected", "ranker a: down"]), s(&[]))
+        );
+        assert_eq!(
+            split_health(shards(&[], &[]), s(&["ranker a: down"]), 1),
+            (s(&[]), s(&["ranker a: down", "no ranker answers"]))
+        );
+    }
 }
