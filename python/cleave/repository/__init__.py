@@ -1,0 +1,1 @@
+"""Model repositories: many models and versions in one deployment (docs/repository.md)."""

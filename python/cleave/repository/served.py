@@ -1,0 +1,182 @@
+"""What a repository deployment serves, and the processes behind it (docs/repository.md): each
+model version's rankers, and the shards of the tables no served version had before. A table
+whose key (layout.TableKey) a served version already has is looked up where it already is,
+so a version that changes only its dense weights starts rankers and no shard.
+
+`stage` starts a version's processes and returns the router's entry for it; `release` stops
+what no remaining version uses. Either leaves nothing behind when it fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleave.bundle import manifest as manifest_io
+from cleave.errors import CleaveError
+from cleave.launch.supervisor import ChildFailed, Supervisor
+from cleave.plan import local_plan, this_machine
+from cleave.plan.check import SHARD_MARGIN_BYTES
+from cleave.repository.layout import TableKey, table_keys
+from cleave.runners.local import LocalBinding
+from cleave.runners.roles import RoleSpecs
+from cleave.runners.supervised import start_backends
+from cleave.settings import ServeConfig
+
+GIB = 1 << 30
+
+
+class LoadError(CleaveError):
+    """A version that cannot be loaded; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Version:
+    model: str
+    version: int
+    bundle: Path
+    keys: dict[str, TableKey]  # its tables
+    children: list[str]  # the processes started for it: rankers, shards of its new tables
+    entry: dict  # the router's configuration of it (crates/cleave-router, config.rs)
+
+
+@dataclass
+class TableHome:
+    """Where a table's rows are served: routes to the shards that hold them."""
+
+    routes: list[dict]
+    shards: set[str]
+    users: set[tuple[str, int]] = field(default_factory=set)
+
+
+class Served:
+    """The versions served, their tables and their processes. Calls are serialised."""
+
+    def __init__(self, config: ServeConfig, supervisor: Supervisor, runtime: Path, host: str):
+        self.config = config
+        self.supervisor = supervisor
+        self.runtime = runtime
+        self.host = host
+        self.versions: dict[tuple[str, int], Version] = {}
+        self.homes: dict[TableKey, TableHome] = {}
+        self.shard_bytes: dict[str, int] = {}  # a shard's memory: rows, within its DRAM budget
+        self.lock = threading.Lock()
+        budget = config.table_memory_budget
+        self.memory_budget = budget or int(this_machine("h0").memory_gib * GIB)
+
+    def stage(self, model: str, version: int, bundle: Path) -> dict:
+        """Starts the version's processes, waits until they are ready (its rankers check the
+        dense program on the bundle's probe batch first), and returns its router entry."""
+        with self.lock:
+            if (model, version) in self.versions:
+                return self.versions[(model, version)].entry
+            manifest = manifest_io.read(bundle)  # BundleError, naming the file, if corrupt
+            keys = table_keys(bundle, manifest)
+            plan = self._plan(model, version, bundle, keys)
+            self._check_memory(model, version, plan)
+            specs = RoleSpecs(plan, LocalBinding(plan, self.runtime, self.host), self.runtime)
+            names = [r.name for r in [*plan.shards, *plan.rankers]]
+            timeout = self.config.ready_timeout_s
+            try:
+                shards, rankers = start_backends(self.supervisor, specs, timeout)
+            except ChildFailed as err:
+                self.supervisor.retire(set(names), self.config.stop_timeout_s)
+                raise LoadError(f"{model} version {version} did not start: {err}") from None
+            address = {spec.name: spec.address for spec in shards}
+            new_homes = {}
+            for shard in plan.shards:
+                for table, (a, b) in shard.ranges.items():
+                    home = new_homes.setdefault(keys[table], TableHome([], set()))
+                    home.routes.append(
+                        {"table": table, "row_start": a, "row_end": b, "addr": address[shard.name]}
+                    )
+                    home.shards.add(shard.name)
+                self.shard_bytes[shard.name] = _shard_bytes(shard, manifest)
+            self.homes.update(new_homes)
+            routes = []
+            for key in keys.values():
+                self.homes[key].users.add((model, version))
+                routes += self.homes[key].routes
+            entry = {
+                "model": model,
+                "version": str(version),
+                "bundle": str(bundle),
+                "shards": routes,
+                "rankers": [spec.address for spec in rankers],
+            }
+            self.versions[(model, version)] = Version(model, version, bundle, keys, names, entry)
+            shared = sorted(set(keys) - {t for s in plan.shards for t in s.ranges})
+            self.supervisor.say(
+                f"{model} version {version}: {len(rankers)} rankers, {len(shards)} new shards; "
+                f"tables served already: {', '.join(shared) or 'none'}"
+            )
+            for spec in [*shards, *rankers]:
+                self.supervisor.say(f"metrics {spec.name} {spec.probe}/metrics")
+            return entry
+
+    def entries(self) -> list[dict]:
+        """The router's entry of every version served, by model and version."""
+        with self.lock:
+            return [self.versions[key].entry for key in sorted(self.versions)]
+
+    def release(self, model: str, version: int) -> None:
+        """Stops the version's rankers and the shards that no other served version uses."""
+        with self.lock:
+            served = self.versions.pop((model, version), None)
+            if served is None:
+                return
+            stop = set(served.children) - {s for h in self.homes.values() for s in h.shards}
+            for key in served.keys.values():
+                home = self.homes[key]
+                home.users.discard((model, version))
+                if not home.users:
+                    stop |= home.shards
+                    del self.homes[key]
+            # A shard holding several tables stops only when none of them is used any more.
+            stop -= {s for h in self.homes.values() for s in h.shards}
+            for name in stop:
+                self.shard_bytes.pop(name, None)
+            self.supervisor.retire(stop, self.config.stop_timeout_s)
+
+    def _plan(self, model: str, version: int, bundle: Path, keys: dict[str, TableKey]):
+        """The version's roles: `cleave serve`'s layout for its bundle, its shards cut down to
+        the tables not served yet, every role named after the version."""
+        plan = local_plan(bundle, self.config)
+        prefix = f"{model}-{version}-"
+        new = {name for name, key in keys.items() if key not in self.homes}
+        shards = []
+        for shard in plan.shards:
+            ranges = {t: r for t, r in shard.ranges.items() if t in new}
+            if ranges:
+                shards.append(dataclasses.replace(shard, name=prefix + shard.name, ranges=ranges))
+        plan.shards = shards
+        plan.rankers = [dataclasses.replace(r, name=prefix + r.name) for r in plan.rankers]
+        return plan
+
+    def _check_memory(self, model: str, version: int, plan) -> None:
+        """Refuses a version whose new tables do not fit beside the served ones."""
+        manifest = manifest_io.read(plan.bundle_path(), whole=False)
+        held = sum(b + SHARD_MARGIN_BYTES for b in self.shard_bytes.values())
+        need = sum(_shard_bytes(s, manifest) + SHARD_MARGIN_BYTES for s in plan.shards)
+        if held + need > self.memory_budget:
+            raise LoadError(
+                f"{model} version {version} does not fit: its new tables need "
+                f"{need / GIB:.3f} GiB (rows plus {SHARD_MARGIN_BYTES >> 20} MiB a shard), the "
+                f"served versions hold {held / GIB:.3f} GiB, and the budget is "
+                f"{self.memory_budget / GIB:.3f} GiB (table_memory_budget, or this machine's "
+                "memory); unload a version or raise the budget",
+                status=507,
+            )
+
+
+def _shard_bytes(shard, manifest: dict) -> int:
+    """The memory a shard's ranges take: their rows, or at most its DRAM budget (the rest is
+    read from SSD, docs/tiers.md)."""
+    row_bytes = {t["name"]: int(t["row_bytes"]) for t in manifest["tables"]}
+    rows = sum((b - a) * row_bytes[t] for t, (a, b) in shard.ranges.items())
+    return min(rows, shard.dram_budget) if shard.dram_budget else rows
