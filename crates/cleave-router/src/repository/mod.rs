@@ -93,6 +93,9 @@ impl Repository {
             drain_bound: settings.max_budget + Duration::from_secs(1),
         };
         repo.restore()?;
+        // Written at once: a restart then keeps each model's default even before any rollout
+        // (the default at start is the highest version configured, which a restart may change).
+        repo.persist().map_err(|r| r.message)?;
         Ok(repo)
     }
 

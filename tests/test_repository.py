@@ -1,0 +1,322 @@
+"""`cleave serve REPO` (docs/repository.md): several models and versions in one deployment,
+driven by Triton's own clients (HTTP and gRPC, unmodified): the repository index, loads and
+unloads, inference on explicit and default versions, each version's scores its model's;
+tables shared between versions and models; loads that fail leave nothing behind; a canary,
+promotion, rollback and unload under load with no failed request; the rollout state through a
+router restart.
+
+One deployment for the module (its tests run in order): dlrm versions 1 and 2 (2 changes the
+dense weights and one table) and dlrm-b version 1 (other dense weights, every table dlrm's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from cleave.launch.process import ServeProcess
+from cleave.repository.deployment import ROLLOUT_FILE
+from support.client import closed_loop, post
+from support.processes import child_processes, get
+from support.repository import Versions, break_probe, corrupt, max_error
+from support.served import TOLERANCE, grpc_target
+from support.triton import triton_inputs
+from support.waiting import wait_for
+from tritonclient.utils import InferenceServerException
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
+
+SHARD_MARGIN = 64 << 20  # cleave.plan.check.SHARD_MARGIN_BYTES
+OUTPUTS = ["output_0"]  # the reference dlrm's one output
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    dlrm, other = Versions(root, "dlrm"), Versions(root, "dlrm-b")
+    v1 = dlrm.write(1)
+    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
+    other.write(1, dense=0.2)
+    tables = json.loads((v1 / "manifest.json").read_text())["tables"]
+    size = {t["name"]: t["rows"] * t["row_bytes"] for t in tables}
+    return root, dlrm, other, size
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    root, _, _, size = repo
+    # The memory budget holds what starts (two shards: every table, then dlrm 2's emb_l_0)
+    # and nothing more: a version that brings a table of its own does not fit.
+    budget = sum(size.values()) + size["emb_l_0"] + 2 * SHARD_MARGIN + (1 << 20)
+    config = tmp_path_factory.mktemp("config") / "serve.toml"
+    config.write_text(
+        f"table_memory_budget = {budget}\n[router]\nbudget_ms = 20000\nshed = false\n"
+    )
+    flags = ["--config", str(config), "--grpc-port", "0", "--threads", "1"]
+    with ServeProcess(root, *flags) as server:
+        yield server
+
+
+def _http(server):
+    return httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
+
+
+def _infer(client, versions, model="dlrm", version="", headers=None):
+    """One request through tritonclient: (the version that answered, its error from that
+    version's own model's scores)."""
+    arrays, want = versions.arrays(3)
+    grpc = isinstance(client, grpcclient.InferenceServerClient)
+    inputs = triton_inputs(grpcclient if grpc else httpclient, arrays)
+    result = client.infer(model, inputs, model_version=version, headers=headers)
+    response = result.get_response()
+    served = response.model_version if grpc else response["model_version"]
+    got = [result.as_numpy(name).astype(np.float64) for name in OUTPUTS]
+    return served, max_error(got, want[served])
+
+
+def _index(client) -> dict[tuple[str, str], str]:
+    index = client.get_model_repository_index()
+    if not isinstance(index, list):  # gRPC: a message
+        index = [{"name": m.name, "version": m.version, "state": m.state} for m in index.models]
+    return {(m["name"], m["version"]): m["state"] for m in index}
+
+
+def test_tritonclient_sees_every_version_and_each_scores_as_its_model(server, repo):
+    _, dlrm, other, _ = repo
+    grpc = grpcclient.InferenceServerClient(url=grpc_target(server))
+    with _http(server) as http:
+        for client in (http, grpc):
+            assert _index(client) == {
+                ("dlrm", "1"): "READY",
+                ("dlrm", "2"): "READY",
+                ("dlrm-b", "1"): "READY",
+            }
+            for version in ("1", "2"):
+                served, error = _infer(client, dlrm, version=version)
+                assert served == version and error <= TOLERANCE, (client, version, error)
+            # No version named: the latest present at start.
+            served, error = _infer(client, dlrm)
+            assert served == "2" and error <= TOLERANCE
+            served, error = _infer(client, other, model="dlrm-b")
+            assert served == "1" and error <= TOLERANCE
+        meta = http.get_model_metadata("dlrm")
+        assert meta["versions"] == ["1", "2"]
+        assert http.is_model_ready("dlrm", "1") and http.is_model_ready("dlrm-b")
+        assert not http.is_model_ready("dlrm", "7")
+        with pytest.raises(InferenceServerException, match="version"):
+            _infer(http, dlrm, version="7")
+    grpc.close()
+
+
+def _shard_tables(server) -> dict[str, set[str]]:
+    """Each shard process's tables, from its /metrics (the URLs `cleave serve` logged)."""
+    urls = {
+        line.split()[3]: line.split()[4]
+        for line in list(server.log)
+        if " metrics " in line and "-shard-" in line
+    }
+    tables = {}
+    for name, url in urls.items():
+        status, text = get(url)
+        if status != 200:
+            continue  # a shard since stopped
+        tables[name] = {
+            part.split('table="')[1].split('"')[0]
+            for part in text.splitlines()
+            if part.startswith("cleave_shard_table_rows{")
+        }
+    return tables
+
+
+def test_versions_and_models_share_the_tables_they_have_in_common(server, repo):
+    _, _, _, size = repo
+    tables = _shard_tables(server)
+    # dlrm 1 brought every table; dlrm 2 only the one it changed; dlrm-b none.
+    assert tables == {"dlrm-1-shard-0": set(size), "dlrm-2-shard-0": {"emb_l_0"}}
+    log = "\n".join(server.log)
+    assert "dlrm-b version 1: 1 rankers, 0 new shards" in log
+
+
+def _processes(server) -> set[int]:
+    return set(child_processes(server.proc.pid))
+
+
+def _load_error(client, *args, **kwargs) -> str:
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model(*args, **kwargs)
+    return str(err.value)
+
+
+def test_loads_that_fail_leave_nothing_behind(server, repo):
+    root, dlrm, _, _ = repo
+    before = _processes(server)
+    corrupt(dlrm.write(4, dense=0.3))
+    break_probe(dlrm.write(5, dense=0.4))
+    dlrm.write(6, dense=0.5, table="emb_l.1.weight")  # a table of its own: over the budget
+    with _http(server) as http:
+        message = _load_error(http, "dlrm", query_params={"version": "4"})
+        assert "manifest.json" in message and "not valid JSON" in message
+        message = _load_error(http, "dlrm", query_params={"version": "5"})
+        assert "probe batch" in message
+        message = _load_error(http, "dlrm", query_params={"version": "6"})
+        assert "does not fit" in message and "table_memory_budget" in message
+        assert "no model 'nope'" in _load_error(http, "nope")
+        assert "no version 9" in _load_error(http, "dlrm", query_params={"version": "9"})
+        bad = json.dumps({"version_policy": {"newest": 1}})
+        assert "version_policy: expected one of" in _load_error(http, "dlrm", config=bad)
+        # Nothing started stays; what served serves on, and nothing else does.
+        assert _processes(server) == before
+        index = _index(http)
+        assert [index[("dlrm", v)] for v in "456"] == ["UNAVAILABLE"] * 3
+        for version in ("1", "2"):
+            served, error = _infer(http, dlrm, version=version)
+            assert served == version and error <= TOLERANCE
+        for version in ("4", "5", "6"):
+            with pytest.raises(InferenceServerException):
+                _infer(http, dlrm, version=version)
+
+
+def test_a_second_load_of_a_loading_model_is_refused(server, repo):
+    root, dlrm, _, _ = repo
+    dlrm.write(3, dense=-0.1)  # dense weights only: rankers, no shard
+    with _http(server) as http:
+        done = []
+        first = threading.Thread(
+            target=lambda: done.append(http_load(server, "dlrm", "3")), daemon=True
+        )
+        first.start()
+        with _http(server) as other:
+            wait_for(lambda: _index(other).get(("dlrm", "3")) == "LOADING", "v3 loading", 60)
+            message = _load_error(other, "dlrm", query_params={"version": "3"})
+        assert "loading" in message
+        first.join(120)
+        assert done == [200]
+        assert _index(http)[("dlrm", "3")] == "READY"
+        served, error = _infer(http, dlrm, version="3")
+        assert served == "3" and error <= TOLERANCE
+        # Loaded later, it takes no unversioned traffic by itself.
+        assert _infer(http, dlrm)[0] == "2"
+
+
+def http_load(server, model, version) -> int:
+    status, _ = post(f"{server.url}/v2/repository/models/{model}/load?version={version}", {})
+    return status
+
+
+def _keyed(server, dlrm, key: str) -> str:
+    body, want = dlrm.requests(1)[0]
+    request = urllib.request.Request(
+        f"{server.url}/v2/models/dlrm/infer",
+        data=body,
+        headers={"content-type": "application/json", "cleave-request-key": key},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        reply = json.loads(response.read())
+    version = reply["model_version"]
+    got = [np.asarray(o["data"], dtype=np.float64).reshape(o["shape"]) for o in reply["outputs"]]
+    assert max_error(got, want[version]) <= TOLERANCE
+    return version
+
+
+def _rollout(server, **body) -> dict:
+    status, reply = post(f"{server.url}/admin/v1/rollout", body)
+    assert status == 200, reply
+    return reply
+
+
+def test_canary_promotion_rollback_and_unload_under_load(server, repo):
+    _, dlrm, _, _ = repo
+    results, finish = closed_loop(f"{server.url}/v2/models/dlrm/infer", dlrm.requests(6))
+    try:
+        wait_for(lambda: len(results) > 5, "requests to flow", 60)
+        _rollout(server, model="dlrm", version="3", percent=10)
+        keys = [f"user-{i}" for i in range(40)]
+        first = {key: _keyed(server, dlrm, key) for key in keys}
+        assert {first[key] for key in keys} <= {"2", "3"}
+        assert 0 < sum(v == "3" for v in first.values()) < len(keys)  # 10% of 40, stably
+        assert all(_keyed(server, dlrm, key) == first[key] for key in keys[:10])
+
+        _rollout(server, model="dlrm", version="3", percent=100)  # promoted
+        assert {_keyed(server, dlrm, key) for key in keys[:5]} == {"3"}
+        status, reply = post(f"{server.url}/admin/v1/rollback", {"model": "dlrm"})
+        assert status == 200, reply
+        assert {_keyed(server, dlrm, key) for key in keys[:5]} == {"2"}
+
+        count = len(results)
+        wait_for(lambda: len(results) > count + 5, "requests after the rollback", 60)
+        with _http(server) as http:
+            http.unload_model("dlrm", query_params={"version": "1"})
+            assert ("dlrm", "1") not in {k for k, s in _index(http).items() if s == "READY"}
+            with pytest.raises(InferenceServerException):
+                _infer(http, dlrm, version="1")
+        count = len(results)
+        wait_for(lambda: len(results) > count + 5, "requests after the unload", 60)
+    finally:
+        finish()
+    failed = [(status, reply) for _, _, status, reply, _ in results if status != 200]
+    assert not failed, failed[:3]
+    for _, _, _, reply, want in results:
+        version = reply["model_version"]
+        got = [np.asarray(o["data"], np.float64).reshape(o["shape"]) for o in reply["outputs"]]
+        assert max_error(got, want[version]) <= TOLERANCE
+    # dlrm 1's shard still holds tables the others use: it stays; its ranker stopped.
+    assert "dlrm-1-shard-0" in _shard_tables(server)
+    log = "\n".join(server.log)
+    assert "dlrm-1-ranker-0" in log
+    status, _ = get(_metrics_url(server, "dlrm-1-ranker-0"))
+    assert status != 200
+
+
+def _metrics_url(server, name: str) -> str:
+    line = next(x for x in server.log if f" metrics {name} " in x)
+    return line.split()[4]
+
+
+def test_rollout_state_survives_a_router_restart(server, repo):
+    root, dlrm, _, _ = repo
+    _rollout(server, model="dlrm", version="3", percent=25)
+    state = _get_json(f"{server.url}/admin/v1/rollout")
+    assert state["models"]["dlrm"]["canary"] == {"version": "3", "percent": 25.0}
+    assert json.loads((root / ROLLOUT_FILE).read_text())  # persisted in the repository
+    argvs = child_processes(server.proc.pid)
+    router = next(pid for pid, argv in argvs.items() if "cleave-router" in argv[0])
+    os.kill(router, signal.SIGKILL)
+    wait_for(lambda: _router_restarted(server, router), "the router to come back", 60)
+    assert _get_json(f"{server.url}/admin/v1/rollout") == state
+    # It serves what its predecessor did: version 3, loaded after the start, and not 1.
+    with _http(server) as http:
+        ready = {key for key, state in _index(http).items() if state == "READY"}
+        assert ready == {("dlrm", "2"), ("dlrm", "3"), ("dlrm-b", "1")}
+        assert _infer(http, dlrm, version="3")[0] == "3"
+    # Malformed rollouts change nothing.
+    for body in (
+        {"model": "dlrm", "version": "3", "percent": 101},
+        {"model": "dlrm", "version": "1", "percent": 5},  # unloaded
+        {"model": "dlrm", "percent": 5},
+        {"model": "nope", "version": "1", "percent": 5},
+    ):
+        status, reply = post(f"{server.url}/admin/v1/rollout", body)
+        assert 400 <= status < 500, (body, reply)
+    assert _get_json(f"{server.url}/admin/v1/rollout") == state
+
+
+def _get_json(url: str) -> dict:
+    status, text = get(url)
+    assert status == 200, text
+    return json.loads(text)
+
+
+def _router_restarted(server, old: int) -> bool:
+    argvs = child_processes(server.proc.pid)
+    pids = [pid for pid, argv in argvs.items() if "cleave-router" in argv[0]]
+    return bool(pids) and old not in pids and get(f"{server.url}/v2/health/ready")[0] == 200
