@@ -37,6 +37,7 @@ BENCHMARKS = {
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
     "json-parse": ("cleave.bench.json_parse", "router JSON request parsing, scanner vs serde_json"),
+    "repository": ("cleave.bench.repository", "a model repository's memory per loaded version"),
     "torchrec-quant": (
         "cleave.bench.torchrec_quant",
         "a TorchRec DLRM's score cost of int8/int4 tables, Cleave's vs TorchRec's quantization",

@@ -169,8 +169,7 @@ class Served:
                 f"{need / GIB:.3f} GiB (rows plus {SHARD_MARGIN_BYTES >> 20} MiB a shard), the "
                 f"served versions hold {held / GIB:.3f} GiB, and the budget is "
                 f"{self.memory_budget / GIB:.3f} GiB (table_memory_budget, or this machine's "
-                "memory); unload a version or raise the budget",
-                status=507,
+                "memory); unload a version or raise the budget"
             )
 
 
