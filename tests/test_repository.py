@@ -196,7 +196,8 @@ def test_a_second_load_of_a_loading_model_is_refused(server, repo):
         )
         first.start()
         with _http(server) as other:
-            wait_for(lambda: _index(other).get(("dlrm", "3")) == "LOADING", "v3 loading", 60)
+            started = "dlrm version 3: loading"
+            wait_for(lambda: any(started in line for line in server.log), "v3 loading", 60)
             message = _load_error(other, "dlrm", query_params={"version": "3"})
         assert "loading" in message
         first.join(120)
@@ -206,6 +207,8 @@ def test_a_second_load_of_a_loading_model_is_refused(server, repo):
         assert served == "3" and error <= TOLERANCE
         # Loaded later, it takes no unversioned traffic by itself.
         assert _infer(http, dlrm)[0] == "2"
+    # Nothing a load started was killed (a child must outlive the thread that started it).
+    assert not [line for line in server.log if "killed by SIGKILL" in line]
 
 
 def http_load(server, model, version) -> int:

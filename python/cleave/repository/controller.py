@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -111,16 +112,24 @@ class ControllerServer:
 
     def __init__(self, controller: Controller, host: str = "127.0.0.1"):
         token = secrets.token_hex(16)
-        routes = {f"/{token}/{name}": getattr(controller, name) for name in _ROUTES}
+        routes = {f"/{token}/{name}": (name, getattr(controller, name)) for name in _ROUTES}
+        # Every call runs on this one long-lived thread: the processes a load starts are
+        # killed when the thread that started them ends (the supervisor's PR_SET_PDEATHSIG
+        # follows the thread, not the process), so a request's own thread must not.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="repository")
+        worker = self.worker
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (the standard library's name)
-                call = routes.get(self.path)
-                if call is None:
+                if self.path not in routes:
                     return self._answer(404, {"error": "no such controller endpoint"})
+                name, call = routes[self.path]
                 try:
                     body = self._body()
-                    self._answer(200, call(body))
+                    if name == "index":  # reads the disk only: never waits behind a load
+                        self._answer(200, call(body))
+                    else:
+                        self._answer(200, worker.submit(call, body).result())
                 except LoadError as err:
                     self._answer(err.status, {"error": str(err)})
                 except (CleaveError, UsageError) as err:
@@ -158,6 +167,7 @@ class ControllerServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.worker.shutdown(wait=False, cancel_futures=True)
 
 
 _ROUTES = ("index", "load", "release")

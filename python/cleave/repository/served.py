@@ -75,6 +75,7 @@ class Served:
         with self.lock:
             if (model, version) in self.versions:
                 return self.versions[(model, version)].entry
+            self.supervisor.say(f"{model} version {version}: loading {bundle}")
             manifest = manifest_io.read(bundle)  # BundleError, naming the file, if corrupt
             keys = table_keys(bundle, manifest)
             plan = self._plan(model, version, bundle, keys)
