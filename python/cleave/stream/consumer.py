@@ -357,7 +357,9 @@ class Stream:
             duplicate += len(records) - len(fresh)
             if not fresh:
                 continue
-            last = {p: max(o for q, o, _ in fresh if q == p) for p, _, _ in fresh}
+            last: dict[int, int] = {}
+            for p, o, _ in fresh:
+                last[p] = max(last.get(p, -1), o)
             need = [a for a in shards if any(have[a].get(p, -1) < o for p, o in last.items())]
             if not need:
                 continue
