@@ -120,13 +120,12 @@ def run(args) -> int:
     }
     if args.instance:
         config["group.instance.id"] = args.instance
-    consumer = Consumer(config)
     metrics = Metrics()
     if args.metrics:
         print(f"metrics on http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)
     stream = Stream(
         target,
-        consumer,
+        lambda: Consumer(config),
         args.topic,
         args.batch_records,
         args.batch_ms / 1e3,
@@ -136,10 +135,7 @@ def run(args) -> int:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop between batches, leave the group
         signal.signal(sig, lambda *_: stream.stop())
-    try:
-        stream.run()
-    finally:
-        consumer.close()
+    stream.run()
     return 0
 
 
@@ -236,6 +232,10 @@ class _RateLimited:
         self.last, self.held = now, 0
 
 
+class _Fatal(Exception):
+    """The Kafka client cannot go on; a new one must be made."""
+
+
 @dataclass
 class _Batch:
     """A batch's usable records per table: (partition, offset, Record) each."""
@@ -250,7 +250,7 @@ class Stream:
     def __init__(
         self,
         deployment: Deployment,
-        consumer,
+        connect,
         topic: str,
         batch_records: int,
         batch_s: float,
@@ -258,7 +258,7 @@ class Stream:
         timeout_s: float,
         metrics: Metrics,
     ):
-        self.deployment, self.consumer, self.topic = deployment, consumer, topic
+        self.deployment, self.connect, self.topic = deployment, connect, topic
         self.batch_records, self.batch_s = batch_records, batch_s
         self.switch_margin_s, self.timeout_s, self.metrics = switch_margin_s, timeout_s, metrics
         self.owned: set[int] = set()
@@ -270,13 +270,35 @@ class Stream:
         self.stopping.set()
 
     def run(self) -> None:
-        self.consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked)
+        self._subscribe()
         log.info("following %s for model %s", self.topic, self.deployment.model)
-        while not self.stopping.is_set():
-            messages = self._collect()
-            messages = [m for m in messages if m.partition() in self.owned]
-            if messages:
-                self._apply(messages)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    messages = self._collect()
+                    messages = [m for m in messages if m.partition() in self.owned]
+                    if messages:
+                        self._apply(messages)
+                except _Fatal as err:
+                    # A client in a fatal state (fenced by the group, say) never recovers: a
+                    # new one reads from the committed offsets, and the shards' sources say
+                    # what was applied since.
+                    log.warning("kafka client failed (%s): connecting a new one", err)
+                    self._close()
+                    self._subscribe()
+        finally:
+            self._close()
+
+    def _subscribe(self) -> None:
+        self.owned = set()
+        self.consumer = self.connect()
+        self.consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked)
+
+    def _close(self) -> None:
+        try:
+            self.consumer.close()
+        except Exception as err:  # a fatal client may refuse to leave the group cleanly
+            log.warning("closing the kafka client: %s", err)
 
     def _assigned(self, _consumer, partitions) -> None:
         self.owned |= {p.partition for p in partitions}
@@ -296,6 +318,8 @@ class Stream:
                 break
             for m in self.consumer.consume(min(self.batch_records - len(out), 10000), wait):
                 if m.error():
+                    if m.error().fatal():
+                        raise _Fatal(str(m.error()))
                     log.warning("kafka: %s", m.error())
                     continue
                 out.append(m)
@@ -408,17 +432,24 @@ class Stream:
                 break
             except KafkaException as err:
                 code = err.args[0].code()
+                if err.args[0].fatal() or code in (
+                    KafkaError._FATAL,
+                    KafkaError.FENCED_INSTANCE_ID,
+                ):
+                    raise _Fatal(str(err)) from None  # the batch serves; a new client skips it
                 if code in (
                     KafkaError.ILLEGAL_GENERATION,
                     KafkaError.UNKNOWN_MEMBER_ID,
                     KafkaError.REBALANCE_IN_PROGRESS,
                 ):  # the partitions moved: their new owner skips what the shards have
                     log.warning("commit dropped (%s): the shards' sources cover it", err)
-                    break
+                    return
                 self.metrics.batches.labels("retried").inc()
                 log.warning("commit failed, again in %.1f s: %s", wait, err)
                 self.stopping.wait(wait)
                 wait = min(wait * 2, BACKOFF_S[1])
+        else:
+            return  # stopped before the commit: the shards' sources cover the batch
         self.metrics.batches.labels("committed").inc()
         self.metrics.serving.set(time.time())
         log.info(

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cleave.bundle import tables as table_io
 from cleave.errors import CleaveError
-from cleave.update import _stored
 
 RECORD_MAGIC = b"CLVS"
 RECORD_VERSION = 1
@@ -48,10 +48,10 @@ def record_key(model: str, table: str) -> bytes:
 def encode_record(model: str, table: dict, ids, rows, version: str = "") -> bytes:
     """The value of one record: new `rows` for `ids` of `table` (its manifest entry: name,
     dim, dtype, row_bytes, rows) of `model` at `version` ("": whichever serves). `rows` are
-    floats of shape (n, dim) for float32/float16 tables or the stored bytes, uint8
-    (n, row_bytes), as for `cleave.update.write_delta`."""
+    floats of shape (n, dim), stored as the table's dtype (row-wise quantized ones
+    quantized), or the stored bytes, uint8 of shape (n, row_bytes)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    data = _stored(table, rows)
+    data = _stored(table, np.asarray(rows))
     if len(data) != len(ids):
         raise RecordError(f"{len(ids)} ids but {len(data)} rows")
     names = [s.encode() for s in (model, version, table["name"], table["dtype"])]
@@ -60,6 +60,19 @@ def encode_record(model: str, table: dict, ids, rows, version: str = "") -> byte
         int(table["row_bytes"]), len(ids),
     )  # fmt: skip
     return header + b"".join(names) + ids.astype("<u8").tobytes() + data.tobytes()
+
+
+def _stored(table: dict, rows: np.ndarray) -> np.ndarray:
+    dim, row_bytes = int(table["dim"]), int(table["row_bytes"])
+    if rows.dtype == np.uint8 and rows.ndim == 2 and rows.shape[1] == row_bytes:
+        return rows
+    if rows.dtype.kind == "f" and rows.ndim == 2 and rows.shape[1] == dim:
+        return table_io.encode(rows, table["dtype"])
+    raise RecordError(
+        f"table {table['name']!r} ({table['dtype']} x {dim}): rows must be floats of shape "
+        f"(n, {dim}) or the stored bytes, uint8 of shape (n, {row_bytes}); got {rows.dtype} "
+        f"{rows.shape}"
+    )
 
 
 def decode_record(value: bytes, tables: dict[str, dict], model: str, version: str) -> Record:
