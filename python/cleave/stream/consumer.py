@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -288,6 +289,7 @@ class Stream:
                     self._subscribe()
         finally:
             self._close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _subscribe(self) -> None:
         self.owned = set()
@@ -405,7 +407,7 @@ class Stream:
             started = time.monotonic()
             apply_changes(changes, self.timeout_s, log.info, self.switch_margin_s)
             log.info(
-                "batch of %d records serves: %d rows to %s in %.2f s",
+                "batch of %d records serves: %d of them applied to %s in %.2f s",
                 size, applied, ", ".join(c.table for c in changes),
                 time.monotonic() - started,
             )  # fmt: skip
