@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def main() -> None:
         measure(args, root, broker)
     finally:
         broker.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def deployment(root: Path, scale: float):
