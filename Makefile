@@ -18,7 +18,7 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ray,torchrec]'
+	$(PY) -m pip install -q -e '.[dev,ray,torchrec,stream]'
 	$(PY) -m pip install -q --no-deps $(TORCHREC)
 	cargo build --release --bins -p cleave-shard -p cleave-router -p cleave-flow
 	install -m 755 target/release/cleave-shard target/release/cleave-router target/release/cleave-incast \
@@ -27,14 +27,18 @@ $(STAMP): $(SOURCES)
 
 # Tools built project-locally into .tools/bin from the Go module proxy: helm for the chart
 # checks (tests/test_helm.py), vegeta as the independent load generator of `cleave bench serve
-# --overload --generator vegeta`. Each stamp names the version, so a second run builds nothing
-# and a new pin rebuilds. Needs `go` on PATH.
+# --overload --generator vegeta`; and Apache Kafka's broker jars, resolved by Maven
+# (tools/kafka/pom.xml) into .tools/kafka/libs, for the streaming tests (tests/support/kafka.py).
+# Each stamp names the version, so a second run builds nothing and a new pin rebuilds. Needs
+# `go`, and `mvn` with Java 17 or later, on PATH.
 HELM_VERSION   := v3.22.0
 HELM_STAMP     := .tools/helm-$(HELM_VERSION).stamp
 VEGETA_VERSION := v12.12.0
 VEGETA_STAMP   := .tools/vegeta-$(VEGETA_VERSION).stamp
+KAFKA_VERSION  := 4.1.1
+KAFKA_STAMP    := .tools/kafka-$(KAFKA_VERSION).stamp
 
-tools: $(HELM_STAMP) $(VEGETA_STAMP)
+tools: $(HELM_STAMP) $(VEGETA_STAMP) $(KAFKA_STAMP)
 
 $(HELM_STAMP):
 	@command -v go >/dev/null || { echo "make tools: needs go on PATH to build helm"; exit 2; }
@@ -46,6 +50,14 @@ $(VEGETA_STAMP):
 	@command -v go >/dev/null || { echo "make tools: needs go on PATH to build vegeta"; exit 2; }
 	mkdir -p .tools/bin
 	GOBIN=$(abspath .tools/bin) go install github.com/tsenart/vegeta/v12@$(VEGETA_VERSION)
+	touch $@
+
+$(KAFKA_STAMP): tools/kafka/pom.xml
+	@command -v mvn >/dev/null || { echo "make tools: needs mvn (and Java 17+) for Kafka"; exit 2; }
+	rm -rf .tools/kafka .tools/kafka-*.stamp
+	mvn -q -B -f tools/kafka/pom.xml -Dkafka.version=$(KAFKA_VERSION) \
+		dependency:copy-dependencies -DincludeScope=runtime \
+		-DoutputDirectory=$(abspath .tools/kafka/libs)
 	touch $@
 
 demo: $(STAMP)

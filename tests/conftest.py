@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support.helm import HELM  # noqa: E402
+from support.kafka import Broker  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
 # The modules that take longest, longest first (seconds within the parallel suite on a 2-core
@@ -87,3 +88,12 @@ def models(tmp_path_factory) -> dict[str, Served]:
 def helm() -> Path:
     assert HELM.exists(), f"{HELM} is missing: `make tools` builds it (test-python runs it)"
     return HELM
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory) -> Broker:
+    """One Kafka broker (a KRaft node) for the run: once per xdist worker that asks for it,
+    so the streaming tests stay in one module (tests/test_stream.py)."""
+    broker = Broker(tmp_path_factory.mktemp("kafka")).start()
+    yield broker
+    broker.stop()

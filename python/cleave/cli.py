@@ -24,6 +24,7 @@ COMMANDS = {
     "score": ("cleave.score.cli", "score a Parquet file in bulk over ranks, tables split"),
     "demo": ("cleave.demo", "partition, serve and load the Criteo-shaped model end to end"),
     "testbed": ("cleave.testbed.cli", "emulated multi-host network of namespaces on this machine"),
+    "stream": ("cleave.stream.consumer", "apply row updates from a Kafka topic as they arrive"),
 }
 BENCHMARKS = {
     "lookup": ("cleave.bench.lookup", "pooled lookup rate vs PyTorch and the memory limit"),

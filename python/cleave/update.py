@@ -156,17 +156,30 @@ class _Shard:
             ) from None
 
 
-def _switch(shard: _Shard, base: dict) -> tuple[int, int] | str:
+def _switch(shard: _Shard, header: dict) -> tuple[int, int] | str:
     """(the version `shard` switched to, µs its switch came after the switch time), or why it
     could not."""
     try:
-        reply = shard.step({**base, "op": "switch"})
+        reply = shard.step({**header, "op": "switch"})
         return int(reply["version"]), int(reply.get("late_us") or 0)
     except UpdateError as err:
         return str(err)
 
 
 SWITCH_MARGIN_S = 2.0  # from sending the switch to its switch time: it must reach every shard
+
+
+@dataclass
+class Change:
+    """One table's new version for `apply_changes`: `source` is a delta (kind "rows") or a
+    table file (kind "file"), for the shards at `addrs`; `tag`, if given, is recorded by each
+    shard with the version it switches to (reported by the UPDATE `status` step)."""
+
+    table: str
+    source: Path
+    kind: str
+    addrs: list[str]
+    tag: object = None
 
 
 def apply_update(
@@ -184,25 +197,42 @@ def apply_update(
     "One version per request"). Returns {addr: new version} once that time has passed. A failed
     stage aborts the update on every shard (the old version keeps serving) and raises
     UpdateError."""
+    change = Change(table, source, kind, addrs)
+    return apply_changes([change], timeout_s, log, switch_margin_s)[table]
+
+
+def apply_changes(
+    changes: list[Change],
+    timeout_s: float = 60.0,
+    log=None,
+    switch_margin_s: float = SWITCH_MARGIN_S,
+) -> dict[str, dict[str, int]]:
+    """`apply_update` of several tables (one change per table) with one switch time for all:
+    a request reads every table old or every table new. Returns {table: {addr: version}}."""
     log = log or (lambda _m: None)
-    update = secrets.randbits(63)
-    shards = [_Shard(a, timeout_s) for a in addrs]
-    base = {"update": update, "table": table}
+    if len({c.table for c in changes}) != len(changes):
+        raise UpdateError(f"one change per table, got {[c.table for c in changes]}")
+    clients = {a: _Shard(a, timeout_s) for c in changes for a in c.addrs}
+    steps = [
+        (clients[a], {"update": secrets.randbits(63), "table": c.table}, c)
+        for c in changes
+        for a in dict.fromkeys(c.addrs)
+    ]
     try:
-        for shard in shards:
+        for shard, base, change in steps:
             offset = 0
-            with source.open("rb") as f:
+            with change.source.open("rb") as f:
                 while True:  # bounded: the file's size / CHUNK_BYTES chunks
                     data = f.read(CHUNK_BYTES)
                     last = len(data) < CHUNK_BYTES
-                    h = {**base, "op": "stage", "kind": kind, "offset": offset, "last": last}
-                    reply = shard.step(h, data)
+                    h = {**base, "op": "stage", "kind": change.kind, "offset": offset}
+                    reply = shard.step({**h, "last": last}, data)
                     offset += len(data)
                     if last:
                         break
-            log(f"staged on {shard.addr}: version {reply.get('version')}")
+            log(f"staged on {shard.addr}: version {reply.get('version')} of {change.table}")
     except UpdateError:
-        for shard in shards:
+        for shard, base, _ in steps:
             try:
                 shard.step({**base, "op": "abort"})
             except UpdateError as err:  # an unreachable shard drops it when it restarts
@@ -211,16 +241,22 @@ def apply_update(
         raise
     # Every shard gets the same switch time, far enough ahead for the switch to reach them all.
     switch_at_us = int((time.time() + switch_margin_s) * 1e6)
-    switch = {**base, "switch_at_unix_us": switch_at_us}
-    with ThreadPoolExecutor(max_workers=min(len(shards), 32)) as pool:
-        outcomes = list(pool.map(_switch, shards, [switch] * len(shards)))
+    headers = [
+        {**base, "switch_at_unix_us": switch_at_us}
+        | ({} if change.tag is None else {"source": change.tag})
+        for _, base, change in steps
+    ]
+    with ThreadPoolExecutor(max_workers=min(len(steps), 32)) as pool:
+        outcomes = list(pool.map(_switch, [s for s, _, _ in steps], headers))
     failed = [v for v in outcomes if isinstance(v, str)]
     if failed:
         raise UpdateError(
             "switch failed on some shards after every shard had staged (they keep serving the "
             "old version; run the update again): " + "; ".join(failed)
         )
-    for shard, (_, late_us) in zip(shards, outcomes, strict=True):
+    out: dict[str, dict[str, int]] = {c.table: {} for c in changes}
+    for (shard, _, change), (version, late_us) in zip(steps, outcomes, strict=True):
+        out[change.table][shard.addr] = version
         if late_us:
             log(
                 f"warning: the switch reached {shard.addr} {late_us / 1e3:.1f} ms after the "
@@ -228,7 +264,13 @@ def apply_update(
                 "--switch-margin-ms)"
             )
     time.sleep(max(0.0, switch_at_us / 1e6 - time.time()))  # serving it when this returns
-    return {s.addr: v for s, (v, _) in zip(shards, outcomes, strict=True)}
+    return out
+
+
+def table_status(addr: str, table: str, timeout_s: float = 10.0) -> dict:
+    """The shard at `addr`'s committed `version` of `table` and the `source` (tag) its last
+    switch recorded (None if none did)."""
+    return _Shard(addr, timeout_s).step({"op": "status", "update": 0, "table": table})
 
 
 def add_arguments(parser) -> None:

@@ -188,7 +188,7 @@ impl ShardService {
             }
             "switch" => {
                 current()?;
-                let staged = updates.switch(h.update, &h.table)?;
+                let staged = updates.switch(h.update, &h.table, h.source.clone())?;
                 let version = staged.version;
                 let mut tables = loaded.tables.write().unwrap();
                 let replaced = tables.get(&h.table).cloned();
@@ -224,9 +224,16 @@ impl ShardService {
                 updates.abort(h.update)?;
                 None
             }
+            "status" => {
+                let held = current()?;
+                let source = updates.source(&h.table)?;
+                let reply = serde_json::json!({"table": h.table, "update": h.update,
+                    "version": held.version, "source": source});
+                return Ok(Bytes::from(reply.to_string()));
+            }
             other => {
                 return Err(StepError::BadMessage(format!(
-                    "op {other:?}, expected \"stage\", \"switch\" or \"abort\""
+                    "op {other:?}, expected \"stage\", \"switch\", \"abort\" or \"status\""
                 )))
             }
         };

@@ -9,6 +9,11 @@
 //!   the commit point), then swaps the table in; lookups in flight keep the version they
 //!   started with, which is freed when the last of them ends.
 //! * `abort`: drops a staged version and its files.
+//! * `status`: the table's serving version and the `source` its last switch recorded.
+//!
+//! A switch may carry a `source` (any JSON value: a stream consumer's topic and offsets,
+//! docs/streaming.md); it is stored with the version in `state.json` and reported by `status`,
+//! so a consumer that dies after a switch and before its offset commit applies nothing twice.
 //!
 //! On start, [`replay`] opens each table at its committed version and deletes every file in
 //! the state directory that `state.json` does not name (staged, never switched updates).
@@ -71,6 +76,9 @@ pub struct Header {
     /// earlier time keep reading the version before (docs/tiers.md, "One version per request").
     #[serde(default)]
     pub switch_at_unix_us: u64,
+    /// switch: where the update came from, kept with the version (see the module's docs).
+    #[serde(default)]
+    pub source: Option<serde_json::Value>,
 }
 
 /// Splits an UPDATE payload into its header and data.
@@ -106,6 +114,9 @@ pub struct Committed {
     pub version: u64,
     /// The table file, in the state directory.
     pub file: String,
+    /// What the switch that committed it said it applied (its `source`), if anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<serde_json::Value>,
 }
 
 fn load_state(dir: &Path) -> Result<State, String> {
@@ -304,7 +315,12 @@ impl Updates {
     /// Takes update `id`'s staged version, recording it in state.json first (the commit).
     /// The caller swaps it in; `previous` (the file it replaces, if in the state directory) is
     /// deleted here (open maps and descriptors keep its rows for lookups in flight).
-    pub fn switch(&self, id: u64, table: &str) -> Result<Staged, StepError> {
+    pub fn switch(
+        &self,
+        id: u64,
+        table: &str,
+        source: Option<serde_json::Value>,
+    ) -> Result<Staged, StepError> {
         let dir = self.dir()?.to_path_buf();
         let _one = self.switching.lock().unwrap();
         let staged = {
@@ -322,6 +338,7 @@ impl Updates {
             Committed {
                 version: staged.version,
                 file: staged.file.clone(),
+                source,
             },
         );
         let text = serde_json::to_vec_pretty(&state).expect("state serialises");
@@ -333,6 +350,12 @@ impl Updates {
             let _ = std::fs::remove_file(dir.join(old.file));
         }
         Ok(staged)
+    }
+
+    /// The `source` recorded with `table`'s committed version (None: never switched with one).
+    pub fn source(&self, table: &str) -> Result<Option<serde_json::Value>, StepError> {
+        let state = load_state(self.dir()?).map_err(StepError::BadMessage)?;
+        Ok(state.tables.get(table).and_then(|c| c.source.clone()))
     }
 
     /// Drops update `id` (staged or partly received); unknown ids are not an error.
@@ -443,6 +466,12 @@ mod tests {
             (h.op.as_str(), h.update, h.last, data),
             ("stage", 7, true, &b"xy"[..])
         );
+        let p = payload(
+            r#"{"op":"switch","update":7,"table":"t0","source":{"topic":"rows","offsets":{"0":41}}}"#,
+            b"",
+        );
+        let (h, _) = decode(&p).unwrap();
+        assert_eq!(h.source.unwrap()["offsets"]["0"], 41);
         for (bad, says) in [
             (vec![1u8], "shorter than the u32"),
             (payload("{", b""), "not the expected JSON"),
@@ -464,17 +493,30 @@ mod tests {
         std::fs::write(dir.path().join("t0.v2.tbl"), b"committed").unwrap();
         std::fs::write(dir.path().join("t0.v3.tbl"), b"staged").unwrap();
         std::fs::write(dir.path().join("t0.u9.part"), b"part").unwrap();
-        let state =
-            r#"{"format":"cleave-shard-state","tables":{"t0":{"version":2,"file":"t0.v2.tbl"}}}"#;
+        std::fs::write(dir.path().join("t1.v1.tbl"), b"streamed").unwrap();
+        let state = r#"{"format":"cleave-shard-state","tables":{
+            "t0":{"version":2,"file":"t0.v2.tbl"},
+            "t1":{"version":1,"file":"t1.v1.tbl","source":{"topic":"rows","offsets":{"0":9}}}}}"#;
         std::fs::write(dir.path().join(STATE_FILE), state).unwrap();
         let tables = replay(dir.path()).unwrap();
         assert_eq!(tables["t0"].version, 2);
+        assert_eq!(tables["t0"].source, None);
+        // A switch's source survives the restart, and `status` reads it back.
+        let updates = Updates::new(
+            Some(dir.path().to_path_buf()),
+            dir.path().to_path_buf(),
+            None,
+            OpenOptions::default(),
+        );
+        let source = updates.source("t1").unwrap().unwrap();
+        assert_eq!(source["offsets"]["0"], 9);
+        assert_eq!(updates.source("t0").unwrap(), None);
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
-        assert_eq!(left, [".lock", "state.json", "t0.v2.tbl"]);
+        assert_eq!(left, [".lock", "state.json", "t0.v2.tbl", "t1.v1.tbl"]);
         let err = replay(dir.path()).unwrap_err();
         assert!(err.contains("another shard uses it"), "{err}");
         let bad = tempfile::tempdir().unwrap();
