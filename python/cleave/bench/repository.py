@@ -15,13 +15,14 @@ import copy
 import json
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from cleave.bench.harness.processes import process_table
 from cleave.bench.harness.summary import write_json
-from cleave.bench.machine import describe
+from cleave.bench.machine import describe, parse_pin, pinned
 from cleave.errors import UsageError
 
 MODEL = "dlrm"
@@ -30,6 +31,18 @@ MODEL = "dlrm"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=0.05, help="dlrm's table scale")
     parser.add_argument("--table", default="emb_l.2.weight", help="the parameter version 2 changes")
+    parser.add_argument(
+        "--load-share",
+        type=float,
+        default=0.5,
+        help="the rollout's open-loop load, a share of the closed-loop capacity (0: no rollout)",
+    )
+    parser.add_argument("--budget-ms", type=float, default=250.0, help="each request's budget")
+    parser.add_argument("--candidates", type=int, default=100, help="rows per request")
+    parser.add_argument("--hold-s", type=float, default=4.0, help="seconds between rollout steps")
+    parser.add_argument(
+        "--pin", default="auto", help="SERVER:CLIENT CPU lists for the rollout (auto, off)"
+    )
     parser.add_argument("--workdir", help="where the repository goes (default: a temporary one)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="a smoke run (tests, CI)")
@@ -43,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
     from cleave.models import MODELS
 
     if args.quick:
-        args.scale = 0.002
+        args.scale, args.hold_s, args.candidates = 0.002, 1.0, 16
+    if not 0 <= args.load_share < 1 or args.budget_ms <= 0 or args.candidates < 1:
+        raise UsageError("--load-share: expected [0, 1); --budget-ms and --candidates: > 0")
+    server_cpus, client_cpus = parse_pin(args.pin)
     if not args.scale > 0:
         raise UsageError(f"--scale: expected > 0, got {args.scale}")
     base, example = MODELS[MODEL].factory(scale=args.scale, seed=0)
@@ -51,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--table: {MODEL} has no parameter {args.table!r}")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="cleave-bench-repository-")) / "repo"
 
-    def write(version: int, dense: float, table: str | None = None) -> dict:
+    def write(version: int, dense: float, table: str | None = None):
+        """Version `version`'s bundle; its model (its manifest for version 1)."""
         model = copy.deepcopy(base)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -60,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             if table:
                 dict(model.named_parameters())[table].add_(0.01)
         path = cleave.partition(model, example).save(root / MODEL / str(version), overwrite=True)
-        return json.loads((path / "manifest.json").read_text())
+        return json.loads((path / "manifest.json").read_text()) if version == 1 else model
 
     manifest = write(1, 0.0)
     size = {t["source"]: t["rows"] * t["row_bytes"] for t in manifest["tables"]}
@@ -75,13 +92,19 @@ def run(args: argparse.Namespace) -> int:
         "copy_bytes": sum(size.values()),
         "steps": [],
     }
-    with ServeProcess(root, "--threads", "1") as server:
+    models = {"1": base}
+    with pinned(server_cpus):  # every role started inherits the server's cores
+        server = ServeProcess(root, "--threads", "1").start()
+    with server:
         result["steps"].append(_step("start: version 1", server, 0.0, row_bytes))
-        write(2, 0.1, args.table)
-        write(3, -0.1)
+        models["2"], models["3"] = write(2, 0.1, args.table), write(3, -0.1)
         for version in ("2", "3"):
             took = _load(server.url, version)
             result["steps"].append(_step(f"load version {version}", server, took, row_bytes))
+        if args.load_share:
+            with pinned(client_cpus):
+                result["rollout"] = _rollout(server.url, models, example, args)
+            result["rollout"]["layout"] = {"server_cpus": server_cpus, "client_cpus": client_cpus}
     grew = result["steps"][1]["table_bytes"] - result["steps"][0]["table_bytes"]
     result["ratios"] = {
         "table_growth_over_changed_table": grew / result["changed_table_bytes"],
@@ -97,13 +120,99 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(url: str, version: str) -> float:
+    return _post(f"{url}/v2/repository/models/{MODEL}/load?version={version}", {})
+
+
+def _post(url: str, body: dict) -> float:
+    """POSTs `body`; the seconds until it was answered (an error status raises)."""
     request = urllib.request.Request(
-        f"{url}/v2/repository/models/{MODEL}/load?version={version}", b"{}", method="POST"
+        url, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
     )
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         response.read()
     return time.perf_counter() - start
+
+
+def _rollout(url: str, models: dict, example, args) -> dict:
+    """Open-loop load at --load-share of the closed-loop capacity, each request with its
+    budget, while version 2 goes through a 10% canary, promotion, rollback, promotion again,
+    and version 1 is unloaded: every answer checked against the model of the version that
+    says it served it."""
+    import numpy as np
+    import torch
+    import torch.utils._pytree as pytree
+
+    import cleave
+    from cleave.bench.loadgen import closed_loop, infer_body, open_loop, outputs_of
+    from cleave.models import RequestGenerator
+
+    bundle = cleave.partition(models["1"], example)  # for its inputs' names
+    generator = RequestGenerator(MODEL, scale=args.scale, seed=7, min_pooling=0)
+    bodies, want = [], []
+    for _ in range(16):
+        batch = generator.batch(args.candidates)
+        bodies.append(infer_body(bundle.named_inputs(*batch), budget_ms=args.budget_ms))
+        with torch.inference_mode():
+            want.append(
+                {
+                    v: [t.double().numpy() for t in pytree.tree_leaves(m(*batch))]
+                    for v, m in models.items()
+                }
+            )
+    infer = f"{url}/v2/models/{MODEL}/infer"
+    seconds = 3.0
+    capacity = sum(s.status == 200 for s in closed_loop(infer, bodies, 8, seconds)) / seconds
+    rate = args.load_share * capacity
+    served: dict[str, int] = {}
+
+    def check(index: int, reply: dict) -> float:
+        version = reply.get("model_version", "")
+        served[version] = served.get(version, 0) + 1
+        if version not in want[index]:  # a version that should not serve: never right
+            return float("inf")
+        pairs = zip(outputs_of(reply), want[index][version], strict=True)
+        return max(float(np.abs(g - w).max()) for g, w in pairs)
+
+    admin = f"{url}/admin/v1"
+    steps = [
+        ("canary 10%", f"{admin}/rollout", {"model": MODEL, "version": "2", "percent": 10}),
+        ("promote", f"{admin}/rollout", {"model": MODEL, "version": "2", "percent": 100}),
+        ("rollback", f"{admin}/rollback", {"model": MODEL}),
+        ("promote again", f"{admin}/rollout", {"model": MODEL, "version": "2", "percent": 100}),
+        ("unload version 1", f"{url}/v2/repository/models/{MODEL}/unload?version=1", {}),
+    ]
+    duration = args.hold_s * (len(steps) + 2)
+    samples: list = []
+    load = threading.Thread(
+        target=lambda: samples.extend(
+            open_loop(infer, bodies, rate, duration, timeout_s=10.0, seed=1, check=check)
+        )
+    )
+    load.start()
+    done = []
+    time.sleep(args.hold_s)  # the steps are spread over the load: each runs under it
+    for name, where, body in steps:
+        done.append({"step": name, "took_s": _post(where, body)})
+        time.sleep(args.hold_s)
+    load.join()
+    failed: dict[str, int] = {}
+    for sample in samples:
+        if sample.status != 200:
+            failed[sample.error or "unknown"] = failed.get(sample.error or "unknown", 0) + 1
+    diffs = [s.max_abs_diff for s in samples if s.max_abs_diff is not None]
+    return {
+        "capacity_rps": capacity,
+        "rate_rps": rate,
+        "budget_ms": args.budget_ms,
+        "candidates": args.candidates,
+        "sent": len(samples),
+        "ok": sum(s.status == 200 for s in samples),
+        "failed": failed,
+        "served_by_version": served,
+        "max_abs_diff": max(diffs) if diffs else None,
+        "steps": done,
+    }
 
 
 def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
@@ -167,6 +276,16 @@ def print_table(result: dict) -> None:
             f"{s['shard_processes']:>6} {s['ranker_processes']:>7} "
             f"{s['shard_rss_bytes'] / mib:>13.1f} {s['ranker_rss_bytes'] / mib:>14.1f}"
         )
+    if "rollout" in result:
+        r = result["rollout"]
+        share = r["rate_rps"] / r["capacity_rps"]
+        print(
+            f"rollout under load: {r['rate_rps']:.0f}/s ({share:.0%} of "
+            f"{r['capacity_rps']:.0f}/s), {r['candidates']} candidates, {r['budget_ms']:g} ms "
+            f"budget: {r['ok']} of {r['sent']} answered 200, failed {r['failed'] or 'none'}; "
+            f"by version {r['served_by_version']}; max score error {r['max_abs_diff']}"
+        )
+        print("  steps: " + ", ".join(f"{s['step']} {s['took_s']:.2f} s" for s in r["steps"]))
     r = result["ratios"]
     print(
         f"table growth of version 2 / its changed table: "

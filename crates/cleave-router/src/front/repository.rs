@@ -147,17 +147,10 @@ async fn load(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(e) = authorize(&app, &headers) {
-        return e.into_response();
-    }
-    let run = async {
-        let c = change(&parameters(&body)?, query.version.as_deref())?;
-        app.repo.load(&name, c.policy, c.version).await
-    };
-    match run.await {
-        Ok(()) => ok(json!({})),
-        Err(r) => refused(r),
-    }
+    change_model(&app, &headers, &body, query, |c| {
+        app.repo.load(&name, c.policy, c.version)
+    })
+    .await
 }
 
 async fn unload(
@@ -167,14 +160,32 @@ async fn unload(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(e) = authorize(&app, &headers) {
+    change_model(&app, &headers, &body, query, |c| {
+        app.repo.unload(&name, c.version)
+    })
+    .await
+}
+
+/// A load or unload: the admin token, the change its parameters and query ask for, `run` it.
+async fn change_model<F, R>(
+    app: &App,
+    headers: &HeaderMap,
+    body: &Bytes,
+    query: VersionQuery,
+    run: F,
+) -> Response
+where
+    F: FnOnce(Change) -> R,
+    R: std::future::Future<Output = Result<(), Refusal>>,
+{
+    if let Err(e) = authorize(app, headers) {
         return e.into_response();
     }
-    let run = async {
-        let c = change(&parameters(&body)?, query.version.as_deref())?;
-        app.repo.unload(&name, c.version).await
+    let c = match parameters(body).and_then(|p| change(&p, query.version.as_deref())) {
+        Ok(c) => c,
+        Err(r) => return refused(r),
     };
-    match run.await {
+    match run(c).await {
         Ok(()) => ok(json!({})),
         Err(r) => refused(r),
     }
