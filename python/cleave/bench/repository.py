@@ -93,9 +93,8 @@ def run(args: argparse.Namespace) -> int:
         "steps": [],
     }
     models = {"1": base}
-    with pinned(server_cpus):  # every role started inherits the server's cores
-        server = ServeProcess(root, "--threads", "1").start()
-    with server:
+    # Every role started inherits the server's cores; the load generator runs on the others.
+    with pinned(server_cpus), ServeProcess(root, "--threads", "1") as server:
         result["steps"].append(_step("start: version 1", server, 0.0, row_bytes))
         models["2"], models["3"] = write(2, 0.1, args.table), write(3, -0.1)
         for version in ("2", "3"):
