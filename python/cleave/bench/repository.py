@@ -182,6 +182,8 @@ def _rollout(url: str, models: dict, example, args) -> dict:
         ("unload version 1", f"{url}/v2/repository/models/{MODEL}/unload?version=1", {}),
     ]
     duration = args.hold_s * (len(steps) + 2)
+    # The same load with nothing changing first: what the deployment fails on its own.
+    baseline = _failed(open_loop(infer, bodies, rate, duration, timeout_s=10.0, seed=2))
     samples: list = []
     load = threading.Thread(
         target=lambda: samples.extend(
@@ -189,16 +191,20 @@ def _rollout(url: str, models: dict, example, args) -> dict:
         )
     )
     load.start()
-    done = []
+    start, done = time.perf_counter(), []
     time.sleep(args.hold_s)  # the steps are spread over the load: each runs under it
     for name, where, body in steps:
-        done.append({"step": name, "took_s": _post(where, body)})
+        at = time.perf_counter() - start
+        done.append({"step": name, "at_s": at, "took_s": _post(where, body)})
         time.sleep(args.hold_s)
     load.join()
-    failed: dict[str, int] = {}
-    for sample in samples:
-        if sample.status != 200:
-            failed[sample.error or "unknown"] = failed.get(sample.error or "unknown", 0) + 1
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        refusals = [  # why the router refused what it refused, whole run
+            line
+            for line in response.read().decode().splitlines()
+            if line.startswith(("cleave_router_shed_total", "cleave_router_errors_total"))
+            and not line.endswith(" 0")
+        ]
     diffs = [s.max_abs_diff for s in samples if s.max_abs_diff is not None]
     return {
         "capacity_rps": capacity,
@@ -207,11 +213,23 @@ def _rollout(url: str, models: dict, example, args) -> dict:
         "candidates": args.candidates,
         "sent": len(samples),
         "ok": sum(s.status == 200 for s in samples),
-        "failed": failed,
+        "failed": _failed(samples),
+        "baseline_failed": baseline,
+        "router_refusals": refusals,
+        "failed_at_s": [round(x.scheduled_s, 2) for x in samples if x.status != 200],
         "served_by_version": served,
         "max_abs_diff": max(diffs) if diffs else None,
         "steps": done,
     }
+
+
+def _failed(samples) -> dict[str, int]:
+    """Requests not answered 200, by kind."""
+    failed: dict[str, int] = {}
+    for sample in samples:
+        if sample.status != 200:
+            failed[sample.error or "unknown"] = failed.get(sample.error or "unknown", 0) + 1
+    return failed
 
 
 def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
@@ -281,10 +299,12 @@ def print_table(result: dict) -> None:
         print(
             f"rollout under load: {r['rate_rps']:.0f}/s ({share:.0%} of "
             f"{r['capacity_rps']:.0f}/s), {r['candidates']} candidates, {r['budget_ms']:g} ms "
-            f"budget: {r['ok']} of {r['sent']} answered 200, failed {r['failed'] or 'none'}; "
+            f"budget: {r['ok']} of {r['sent']} answered 200, failed {r['failed'] or 'none'} "
+            f"(the same load unchanged: {r['baseline_failed'] or 'none'}); "
             f"by version {r['served_by_version']}; max score error {r['max_abs_diff']}"
         )
-        print("  steps: " + ", ".join(f"{s['step']} {s['took_s']:.2f} s" for s in r["steps"]))
+        steps = (f"{s['step']} at {s['at_s']:.1f} s ({s['took_s']:.2f} s)" for s in r["steps"])
+        print("  steps: " + ", ".join(steps) + f"; failures at {r['failed_at_s']} s")
     r = result["ratios"]
     print(
         f"table growth of version 2 / its changed table: "
