@@ -273,6 +273,32 @@ def table_status(addr: str, table: str, timeout_s: float = 10.0) -> dict:
     return _Shard(addr, timeout_s).step({"op": "status", "update": 0, "table": table})
 
 
+def bundle_tables(bundle: Path) -> dict[str, dict]:
+    """The bundle's tables by name, from its manifest."""
+    manifest_path = Path(bundle) / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise UpdateError(f"{manifest_path}: {err}") from None
+    return {t["name"]: t for t in manifest.get("tables", [])}
+
+
+def use_plan_secret(plan) -> None:
+    """Every UPDATE connection proves the deployment's secret (docs/security.md): the plan's
+    `internal_secret_env`, copied into the variable the connections read."""
+    secret_env = plan.router.internal_secret_env
+    if secret_env:
+        secret = os.environ.get(secret_env, "")
+        if not secret:
+            raise UpdateError(f"the plan's internal_secret_env {secret_env} is unset or empty")
+        os.environ[_SECRET_ENV] = secret
+
+
+def live_shards(router: str, table: str, token: str | None) -> list[str]:
+    """The router's live shard replicas holding `table`, each address once."""
+    return list(dict.fromkeys(t.addr for t in targets_from_router(router, table, token)))
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--plan", required=True, help="the deployment plan (its bundle, secret)")
     parser.add_argument("--table", required=True, help="the table to update")
@@ -303,12 +329,7 @@ def run(args) -> int:
     if not 0 <= args.switch_margin_ms <= 600_000:
         raise UpdateError(f"--switch-margin-ms: expected 0..600000, got {args.switch_margin_ms}")
     plan = load_plan(args.plan)
-    manifest_path = plan.bundle_path() / "manifest.json"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as err:
-        raise UpdateError(f"{manifest_path}: {err}") from None
-    tables = {t["name"]: t for t in manifest.get("tables", [])}
+    tables = bundle_tables(plan.bundle_path())
     table = tables.get(args.table)
     if table is None:
         raise UpdateError(f"--table {args.table!r}: the bundle has {sorted(tables)}")
@@ -325,19 +346,12 @@ def run(args) -> int:
                 f"--file {source}: {size} bytes, expected {expected} ({table['rows']} rows of "
                 f"{table['row_bytes']} bytes, {table['dtype']} x {table['dim']})"
             )
-    secret_env = plan.router.internal_secret_env
-    if secret_env:  # prove the deployment's secret in every HELLO (docs/security.md)
-        secret = os.environ.get(secret_env, "")
-        if not secret:
-            raise UpdateError(f"the plan's internal_secret_env {secret_env} is unset or empty")
-        os.environ[_SECRET_ENV] = secret
+    use_plan_secret(plan)
     if args.shard:
         addrs = list(dict.fromkeys(args.shard))
     else:
         token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
-        addrs = list(
-            dict.fromkeys(t.addr for t in targets_from_router(args.router, args.table, token))
-        )
+        addrs = live_shards(args.router, args.table, token)
         if not addrs:
             raise UpdateError(f"--router {args.router}: no live shard holds table {args.table!r}")
     kind = "rows" if args.rows else "file"

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cleave.bench.harness.processes import process_table
+from cleave.bench.harness.processes import process_table, sample_process
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, parse_pin, pinned
 from cleave.errors import UsageError
@@ -238,8 +238,7 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
     for line in list(server.log):
         if " metrics " in line and "-shard-" in line:
             table_bytes += _shard_table_bytes(line.split()[4], row_bytes)
-    children = [pid for pid, (parent, _) in process_table().items() if parent == server.proc.pid]
-    argv = {pid: process_table()[pid][1] for pid in children if pid in process_table()}
+    argv = {pid: a for pid, (parent, a) in process_table().items() if parent == server.proc.pid}
     shards = [pid for pid, a in argv.items() if Path(a[0]).name == "cleave-shard"]
     rankers = [pid for pid, a in argv.items() if "ranker" in a]
     return {
@@ -248,8 +247,8 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
         "table_bytes": table_bytes,
         "shard_processes": len(shards),
         "ranker_processes": len(rankers),
-        "shard_rss_bytes": sum(_rss(pid) for pid in shards),
-        "ranker_rss_bytes": sum(_rss(pid) for pid in rankers),
+        "shard_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in shards),
+        "ranker_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in rankers),
     }
 
 
@@ -267,16 +266,6 @@ def _shard_table_bytes(url: str, row_bytes: dict[str, int]) -> int:
             table = line.split('table="')[1].split('"')[0]
             held += float(line.rsplit(" ", 1)[1]) * row_bytes[table]
     return int(held)
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def print_table(result: dict) -> None:

@@ -79,7 +79,7 @@ class Served:
             manifest = manifest_io.read(bundle)  # BundleError, naming the file, if corrupt
             keys = table_keys(bundle, manifest)
             plan = self._plan(model, version, bundle, keys)
-            self._check_memory(model, version, plan)
+            self._check_memory(model, version, plan, manifest)
             specs = RoleSpecs(plan, LocalBinding(plan, self.runtime, self.host), self.runtime)
             names = [r.name for r in [*plan.shards, *plan.rankers]]
             timeout = self.config.ready_timeout_s
@@ -159,9 +159,8 @@ class Served:
         plan.rankers = [dataclasses.replace(r, name=prefix + r.name) for r in plan.rankers]
         return plan
 
-    def _check_memory(self, model: str, version: int, plan) -> None:
+    def _check_memory(self, model: str, version: int, plan, manifest: dict) -> None:
         """Refuses a version whose new tables do not fit beside the served ones."""
-        manifest = manifest_io.read(plan.bundle_path(), whole=False)
         held = sum(b + SHARD_MARGIN_BYTES for b in self.shard_bytes.values())
         need = sum(_shard_bytes(s, manifest) + SHARD_MARGIN_BYTES for s in plan.shards)
         if held + need > self.memory_budget:

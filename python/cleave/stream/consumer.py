@@ -13,7 +13,6 @@ twice, and a shard that has a batch is not sent it again.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -35,8 +34,10 @@ from cleave.update import (
     Change,
     UpdateError,
     apply_changes,
+    bundle_tables,
+    live_shards,
     table_status,
-    targets_from_router,
+    use_plan_secret,
     write_delta,
 )
 
@@ -45,7 +46,6 @@ SERVED_VERSION = "1"  # the version a deployment of one bundle serves (the route
 BACKOFF_S = (0.2, 5.0)  # first and longest wait between retries of a failed step
 # Test hook (tests/test_stream.py): exit between a batch's switch and its offset commit.
 EXIT_BEFORE_COMMIT_ENV = "CLEAVE_STREAM_EXIT_BEFORE_COMMIT"
-_SECRET_ENV = "CLEAVE_INTERNAL_SECRET"
 
 
 class StreamError(CleaveError):
@@ -158,27 +158,16 @@ class Deployment:
 
             plan = load_plan(args.plan)
             bundle, name = plan.bundle_path(), plan.name
-            secret_env = plan.router.internal_secret_env
-            if secret_env:  # every UPDATE connection proves it (docs/security.md)
-                secret = os.environ.get(secret_env, "")
-                if not secret:
-                    raise StreamError(f"the plan's internal_secret_env {secret_env} is unset")
-                os.environ[_SECRET_ENV] = secret
+            use_plan_secret(plan)
         else:
             bundle = Path(args.bundle)
             name = args.name or bundle.resolve().name
-        manifest_path = Path(bundle) / "manifest.json"
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as err:
-            raise StreamError(f"{manifest_path}: {err}") from None
+        tables = bundle_tables(bundle)
         token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
-        tables = {t["name"]: t for t in manifest.get("tables", [])}
         return cls(name, args.model_version, tables, args.router, token)
 
     def shards(self, table: str) -> list[str]:
-        found = targets_from_router(self.router, table, self.token)
-        return list(dict.fromkeys(t.addr for t in found))
+        return live_shards(self.router, table, self.token)
 
 
 class Metrics:
