@@ -17,6 +17,8 @@ COMMANDS = {
     "serve": ("cleave.serve", "serve a bundle or a model repository on this machine"),
     "plan": ("cleave.plan.cli", "write or check a deployment plan: which role runs on which host"),
     "simulate": ("cleave.simulate.cli", "replay a cluster trace: fragmentation, GPUs, loaning"),
+    "profile": ("cleave.sizing.profile", "measure what a bundle's request costs on this machine"),
+    "size": ("cleave.sizing.cli", "the cheapest hosts for a rate at a p99, written as a plan"),
     "scale": ("cleave.runners.ray_scale", "add or remove rankers or shard replicas on Ray"),
     "update": ("cleave.update", "stage and switch a table's new rows on every live shard"),
     "rollout": ("cleave.repository.rollout", "send a share of a model's traffic to a version"),

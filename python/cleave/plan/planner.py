@@ -25,10 +25,24 @@ PER_HOST = 100
 # Topology-aware requests the config does not give: a ranker's cores when its threads are
 # "auto", and the memory of a ranker and a router (their own, beside no table rows).
 RANKER_CORES, RANKER_MEMORY_GIB, ROUTER_MEMORY_GIB = 4, 1.0, 0.5
+# Host labels `pool: <one of these>` on every host put each role kind on its own hosts.
+POOLS = ("routers", "shards", "rankers")
 
 
 def layout(hosts: list[Host]) -> tuple[list[Host], list[Host], list[Host]]:
-    """(router hosts, shard hosts, ranker hosts)."""
+    """(router hosts, shard hosts, ranker hosts): as their `pool` labels say when every host
+    has one (`cleave size` writes them), else by the rules in docs/plan.md."""
+    pools = [h.labels.get("pool") for h in hosts]
+    if any(pools):
+        by_pool = {p: [h for h in hosts if h.labels.get("pool") == p] for p in POOLS}
+        wrong = [f"{h.name}: {p!r}" for h, p in zip(hosts, pools, strict=True) if p not in POOLS]
+        empty = [p for p in POOLS if not by_pool[p]]
+        if wrong or empty:
+            raise UsageError(
+                f"hosts: labels.pool: expected one of {list(POOLS)} on every host and each on "
+                f"some host, got {', '.join(wrong) or 'no bad label'}; none for {empty or '-'}"
+            )
+        return by_pool["routers"], by_pool["shards"], by_pool["rankers"]
     gpu = [h for h in hosts if h.gpus > 0]
     if gpu and len(gpu) < len(hosts):  # some hosts have GPUs: they are the rankers'
         rest = [h for h in hosts if h.gpus == 0]

@@ -1,0 +1,452 @@
+"""The cheapest mix of hosts for a rate at a p99 (docs/sizing.md, "The search").
+
+A disaggregated deployment has three pools, each of one machine kind: routers, shards (range
+groups of two replicas each, so losing a host loses no row) and rankers (one dtype, one thread
+count). For every mix of kinds, dtype and thread count, each pool first gets the fewest hosts
+that carry the rate within the CPU headroom, the NIC headroom and (shards) the memory; then,
+while the predicted p99 is above the target, the host that buys the most latency per dollar
+is added; last, each pool gets one host more than it needs (N+1: any one host may fail). The
+cheapest mix wins; the next ones are the runners-up. Monolithic serving (every host holds all
+tables and runs the whole model) is sized the same way, for the cost comparison."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from cleave.errors import UsageError
+from cleave.plan.check import GIB, SHARD_MARGIN_BYTES
+from cleave.sizing import queueing
+from cleave.sizing.catalog import MachineKind
+
+MEMORY_SHARE = 0.85  # of a host's memory for table rows; the rest for the OS and processes
+RTT_MS = 0.05  # one hop's round trip inside a data center, beside the serialization delay
+MAX_HOSTS = 256  # per pool, unless the catalog's max_count is lower
+# Router CPU per request when the profile has no measurement: a fixed part and a part per
+# byte it moves (request in, lookups out and back, the ranker's payload out, reply back),
+# the orders of magnitude of docs/benchmarks.md's router profile (binary tensors).
+ROUTER_FIXED_US, ROUTER_NS_PER_BYTE = 150.0, 1.0
+
+
+@dataclass(frozen=True)
+class Target:
+    rate: float  # requests per second
+    p99_ms: float
+    headroom: float = 0.7  # the most CPU or NIC utilization a pool is sized for
+
+
+@dataclass
+class Pool:
+    name: str  # routers, shards, rankers, monolithic
+    kind: MachineKind
+    hosts: int
+    servers_per_host: int  # processes x threads that each take one request at a time
+    service_ms: float  # one request's (shards: one range group's lookup) time on one server
+    arrivals_per_request: int = 1  # shards: one lookup per range group
+    quantile: float = queueing.QUANTILE
+    bytes_per_request: float = 0.0  # the most of in or out on a host's NIC, per request
+    memory_bytes: float = 0.0  # table bytes over the whole pool (replicas included)
+    binding: str = "rate"  # what set the host count
+    extra: dict = field(default_factory=dict)
+
+    def servers(self, hosts: int | None = None) -> int:
+        return (self.hosts if hosts is None else hosts) * self.servers_per_host
+
+    def p99_ms(self, rate: float, hosts: int | None = None) -> float:
+        arrivals = rate * self.arrivals_per_request
+        s = self.service_ms / 1e3
+        return queueing.p99_s(self.servers(hosts), s, arrivals, self.quantile) * 1e3
+
+    def cpu_util(self, rate: float, hosts: int | None = None) -> float:
+        arrivals = rate * self.arrivals_per_request
+        return queueing.utilization(self.servers(hosts), self.service_ms / 1e3, arrivals)
+
+    def nic_util(self, rate: float, hosts: int | None = None) -> float:
+        hosts = self.hosts if hosts is None else hosts
+        return rate / hosts * self.bytes_per_request / self.kind.nic_bytes_per_s
+
+    def memory_ok(self, hosts: int) -> bool:
+        per_host = self.memory_bytes / hosts + (2 * SHARD_MARGIN_BYTES if self.memory_bytes else 0)
+        return per_host <= self.kind.memory_gib * GIB * MEMORY_SHARE
+
+    def cost(self) -> float:
+        return self.hosts * self.kind.price_per_hour
+
+    def describe(self, rate: float) -> dict:
+        return {
+            "pool": self.name,
+            "kind": self.kind.kind,
+            "hosts": self.hosts,
+            "servers_per_host": self.servers_per_host,
+            "service_ms": round(self.service_ms, 4),
+            "cpu_utilization": round(self.cpu_util(rate), 3),
+            "nic_utilization": round(self.nic_util(rate), 3),
+            "p99_ms": round(self.p99_ms(rate), 3),
+            "binding": self.binding,
+            "cost_per_hour": round(self.cost(), 4),
+            **self.extra,
+        }
+
+
+@dataclass
+class Mix:
+    pools: list[Pool]
+    fixed_ms: float  # serialization and round trips, independent of load
+    problem: str = ""  # why this mix cannot meet the target ("" when it does)
+
+    def cost(self) -> float:
+        return sum(p.cost() for p in self.pools)
+
+    def p99_ms(self, rate: float) -> float:
+        """Summing the stages' p99s: an upper bound of the request's p99."""
+        return self.fixed_ms + sum(p.p99_ms(rate) for p in self.pools)
+
+    def max_rate(self, target: Target) -> float:
+        """The highest rate at which the predicted p99 stays within the target (bisection)."""
+        lo, hi = 0.0, target.rate
+        while self.p99_ms(hi) <= target.p99_ms and hi < 1e9:
+            lo, hi = hi, hi * 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.p99_ms(mid) <= target.p99_ms else (lo, mid)
+        return lo
+
+    def describe(self, target: Target) -> dict:
+        return {
+            "cost_per_hour": round(self.cost(), 4),
+            "p99_ms": round(self.p99_ms(target.rate), 3),
+            "max_rate": round(self.max_rate(target), 1),
+            "fixed_ms": round(self.fixed_ms, 3),
+            "pools": [p.describe(target.rate) for p in self.pools],
+        }
+
+
+def dense_ms(profile: dict, dtype: str, threads: int, rows: int) -> float:
+    """The profiled ms of a batch of `rows`, linear between the measured batch sizes and
+    beyond the largest (time grows with rows once the batch fills the cores)."""
+    points = sorted((int(r), ms) for r, ms in profile["dense"][dtype][str(threads)].items())
+    if not points:
+        raise UsageError(f"profile: no dense timings for {dtype} on {threads} threads")
+    if len(points) == 1 or rows <= points[0][0]:
+        return points[0][1] * (rows / points[0][0] if len(points) == 1 else 1.0)
+    for (r0, m0), (r1, m1) in itertools.pairwise(points):
+        if rows <= r1:
+            return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+    (r0, m0), (r1, m1) = points[-2], points[-1]
+    return max(m1, m1 + (m1 - m0) * (rows - r1) / (r1 - r0))
+
+
+def router_us(profile: dict, candidates: int) -> tuple[float, str]:
+    """The router's CPU per request: measured in the profile, else the model above."""
+    measured = profile.get("router", {}).get("cpu_us_per_request")
+    if measured:
+        return float(measured), "measured"
+    b = profile["bytes_per_candidate"]
+    through = candidates * (
+        b["request"] + b["lookup_request"] + b["lookup_reply"] + b["rank"] + 2 * b["reply"]
+    )
+    return ROUTER_FIXED_US + ROUTER_NS_PER_BYTE * through / 1e3, "estimated"
+
+
+class Sizer:
+    def __init__(self, manifest: dict, profile: dict, kinds: list[MachineKind], target: Target):
+        if not target.rate > 0 or not target.p99_ms > 0:
+            raise UsageError(
+                f"--rate and --p99-ms must be positive, got {target.rate}, {target.p99_ms}"
+            )
+        if not 0 < target.headroom <= 1:
+            raise UsageError(f"--headroom: expected a share in (0, 1], got {target.headroom}")
+        self.profile, self.kinds, self.target = profile, kinds, target
+        self.candidates = int(profile["traffic"]["candidates"])
+        self.table_bytes = float(sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]))
+        self.bytes = profile["bytes_per_candidate"]
+        self.router_us, self.router_source = router_us(profile, self.candidates)
+        shard = profile["shard"]
+        self.shard_call_us, self.shard_ns_per_id = shard["call_us"], shard["ns_per_id"]
+        self.ids = shard["ids_per_request"]
+        self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Every table must fit the catalog: cut over as many shard hosts as may be bought."""
+        best = max(self.kinds, key=lambda k: k.memory_gib * min(k.max_count, MAX_HOSTS))
+        hosts = min(best.max_count, MAX_HOSTS)
+        room = hosts * (best.memory_gib * GIB * MEMORY_SHARE - 2 * SHARD_MARGIN_BYTES)
+        if 2 * self.table_bytes > room:
+            raise UsageError(
+                f"no machine in the catalog can hold the tables: {self.table_bytes / GIB:.1f} "
+                f"GiB, twice (two replicas of every row), need {2 * self.table_bytes / GIB:.1f} "
+                f"GiB; the most the catalog offers is {hosts} x {best.kind} = "
+                f"{max(room, 0) / GIB:.1f} GiB for rows"
+            )
+
+    # -- pools ---------------------------------------------------------------------------
+
+    def rankers(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
+        return Pool(
+            "rankers",
+            kind,
+            1,
+            max(1, kind.cpus // threads),
+            dense_ms(self.profile, dtype, threads, self.candidates) / kind.cpu_speed,
+            bytes_per_request=self.candidates * (self.bytes["rank"] + self.bytes["reply"]),
+            extra={"dtype": dtype, "threads": threads},
+        )
+
+    def shards(self, kind: MachineKind, hosts: int) -> Pool:
+        """`hosts` range groups of two replicas: a request makes one lookup per group."""
+        per_group_us = self.shard_call_us + self.ids * self.shard_ns_per_id / 1e3 / hosts
+        reply = self.candidates * (self.bytes["lookup_reply"] + self.bytes["lookup_request"])
+        return Pool(
+            "shards",
+            kind,
+            hosts,
+            kind.cpus,
+            per_group_us / 1e3 / kind.cpu_speed,
+            arrivals_per_request=hosts,
+            # The slowest of `hosts` lookups decides: each must be within 1 - 0.01/hosts.
+            quantile=queueing.QUANTILE ** (1.0 / hosts),
+            bytes_per_request=reply,
+            memory_bytes=2 * self.table_bytes,
+        )
+
+    def routers(self, kind: MachineKind) -> Pool:
+        b = self.bytes
+        inward = b["request"] + b["lookup_reply"] + b["reply"]
+        outward = b["lookup_request"] + b["rank"] + b["reply"]
+        return Pool(
+            "routers",
+            kind,
+            1,
+            kind.cpus,
+            self.router_us / 1e3 / kind.cpu_speed,
+            bytes_per_request=self.candidates * max(inward, outward),
+            extra={"cpu_us_per_request": round(self.router_us, 1), "source": self.router_source},
+        )
+
+    def monolithic(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
+        lookups_ms = self.ids * self.shard_ns_per_id / 1e6
+        dense = dense_ms(self.profile, dtype, threads, self.candidates)
+        # The router's and the lookups' CPU run on the request's own threads here.
+        service = (dense + (self.router_us / 1e3 + lookups_ms) / threads) / kind.cpu_speed
+        b = self.bytes
+        return Pool(
+            "monolithic",
+            kind,
+            1,
+            max(1, kind.cpus // threads),
+            service,
+            bytes_per_request=self.candidates * max(b["request"], b["reply"]),
+            memory_bytes=self.table_bytes,  # every host holds every table: per host, below
+            extra={"dtype": dtype, "threads": threads},
+        )
+
+    # -- the search ----------------------------------------------------------------------
+
+    def fixed_ms(self, pools: list[Pool]) -> float:
+        by = {p.name: p for p in pools}
+        ms = 0.0
+        if "rankers" in by:
+            ms += self.candidates * self.bytes["rank"] / by["rankers"].kind.nic_bytes_per_s * 1e3
+            s = by["shards"]
+            reply = self.candidates * self.bytes["lookup_reply"] / s.hosts
+            ms += reply / s.kind.nic_bytes_per_s * 1e3 + 3 * RTT_MS  # client, shards, ranker
+        else:
+            ms += RTT_MS
+        return ms
+
+    def fewest(self, pool: Pool, least: int) -> Pool | None:
+        """The fewest hosts (at least `least`) within the headroom and the memory, then one
+        more (N+1); None when the kind's count cannot."""
+        rate, headroom = self.target.rate, self.target.headroom
+        most = min(pool.kind.max_count, MAX_HOSTS)
+        for hosts in range(least, most + 1):
+            if pool.name == "shards":
+                pool = self.shards(pool.kind, hosts)
+            checks = {
+                "cpu": pool.cpu_util(rate, hosts) <= headroom,
+                "nic": pool.nic_util(rate, hosts) <= headroom,
+                "memory": pool.name == "monolithic" or pool.memory_ok(hosts),
+            }
+            if all(checks.values()):
+                pool.hosts = hosts
+                pool.binding = _binding(pool, rate, hosts, least)
+                return pool
+        return None
+
+    def mix(self, router_kind, shard_kind, ranker_kind, dtype, threads) -> Mix:
+        pools = [
+            self.fewest(self.routers(router_kind), 1),
+            self.fewest(self.shards(shard_kind, 1), 2),
+            self.fewest(self.rankers(ranker_kind, dtype, threads), 1),
+        ]
+        if any(p is None for p in pools):
+            pool_names = ("routers", "shards", "rankers")
+            names = [n for n, p in zip(pool_names, pools, strict=True) if p is None]
+            return Mix([], 0.0, f"{', '.join(names)}: more hosts than the catalog offers")
+        return self._meet_latency(Mix(pools, self.fixed_ms(pools)))
+
+    def monolithic_mix(self, kind, dtype, threads) -> Mix:
+        if self.table_bytes + 2 * SHARD_MARGIN_BYTES > kind.memory_gib * GIB * MEMORY_SHARE:
+            return Mix([], 0.0, f"{kind.kind} cannot hold every table")
+        pool = self.fewest(self.monolithic(kind, dtype, threads), 1)
+        if pool is None:
+            return Mix([], 0.0, f"monolithic on {kind.kind}: more hosts than the catalog offers")
+        return self._meet_latency(Mix([pool], self.fixed_ms([pool])))
+
+    def _meet_latency(self, mix: Mix) -> Mix:
+        """Adds hosts where they buy the most p99 per dollar until the target is met, then
+        one spare host per pool."""
+        rate, goal = self.target.rate, self.target.p99_ms
+        for _ in range(4 * MAX_HOSTS):
+            now = mix.p99_ms(rate)
+            if now <= goal:
+                break
+            best, gain = None, 0.0
+            for p in mix.pools:
+                if p.hosts >= min(p.kind.max_count, MAX_HOSTS):
+                    continue
+                grown = self.shards(p.kind, p.hosts + 1) if p.name == "shards" else None
+                trial = [grown if q is p and grown else q for q in mix.pools]
+                p.hosts += 1
+                after = Mix(trial, self.fixed_ms(trial)).p99_ms(rate)
+                p.hosts -= 1
+                per_dollar = (now - after) / p.kind.price_per_hour
+                if per_dollar > gain:
+                    best, gain = (p, grown), per_dollar
+            if best is None:
+                floor = mix.p99_ms(rate)
+                return Mix(mix.pools, mix.fixed_ms, _latency_problem(mix, rate, goal, floor))
+            p, grown = best
+            if grown:
+                grown.binding = "latency"
+                mix.pools[mix.pools.index(p)] = grown
+            else:
+                p.hosts += 1
+                p.binding = "latency"
+            mix.fixed_ms = self.fixed_ms(mix.pools)
+        else:
+            return Mix(mix.pools, mix.fixed_ms, "latency: no host count meets the p99")
+        for i, p in enumerate(mix.pools):  # N+1
+            if p.hosts < min(p.kind.max_count, MAX_HOSTS):
+                spare = self.shards(p.kind, p.hosts + 1) if p.name == "shards" else p
+                if spare is not p:
+                    spare.binding = p.binding
+                    mix.pools[i] = spare
+                else:
+                    p.hosts += 1
+            else:
+                mix.problem = f"{p.name}: no spare {p.kind.kind} left for N+1"
+        mix.fixed_ms = self.fixed_ms(mix.pools)
+        return mix
+
+    def options(self) -> tuple[list[tuple], list[tuple]]:
+        """(disaggregated mixes, monolithic mixes) to try: every kind, dtype and thread count
+        the profile measured (GPU rankers need a GPU profile: none here)."""
+        dense = self.profile["dense"]
+        ranker_options = [
+            (k, d, int(t)) for k in self.kinds for d in dense for t in dense[d] if int(t) <= k.cpus
+        ]
+        if not ranker_options:
+            raise UsageError(
+                "no machine kind has as many cores as the profile's thread counts "
+                f"({sorted({int(t) for d in dense for t in dense[d]})})"
+            )
+        disaggregated = [
+            (r, s, k, d, t) for r in self.kinds for s in self.kinds for k, d, t in ranker_options
+        ]
+        return disaggregated, ranker_options
+
+    def size(self) -> dict:
+        disaggregated, ranker_options = self.options()
+        mixes = [(self.mix(*o), o) for o in disaggregated]
+        good = sorted((m for m in mixes if not m[0].problem), key=lambda m: m[0].cost())
+        mono = [(self.monolithic_mix(*o), o) for o in ranker_options]
+        mono_good = sorted((m for m in mono if not m[0].problem), key=lambda m: m[0].cost())
+        if not good:
+            raise UsageError(self._unreachable(mixes))
+        chosen, option = good[0]
+        result = {
+            "target": {
+                "rate": self.target.rate,
+                "p99_ms": self.target.p99_ms,
+                "headroom": self.target.headroom,
+                "candidates": self.candidates,
+            },
+            "chosen": {**chosen.describe(self.target), **_option(option)},
+            "runners_up": [
+                {**m.describe(self.target), **_option(o)} for m, o in _distinct(good[1:], 3)
+            ],
+            "monolithic": (
+                {**mono_good[0][0].describe(self.target), **_option(mono_good[0][1], True)}
+                if mono_good
+                else {"problem": "; ".join(sorted({m.problem for m, _ in mono}))}
+            ),
+            "router_cpu_us": {"value": round(self.router_us, 1), "source": self.router_source},
+        }
+        result["chosen_mix"] = chosen
+        return result
+
+    def _unreachable(self, mixes: list[tuple[Mix, tuple]]) -> str:
+        """The target cannot be met: which constraint, and the best any mix can do."""
+        problems = sorted({m.problem for m, _ in mixes})
+        with_pools = [m for m, _ in mixes if m.pools]
+        best = ""
+        if with_pools:
+            fastest = min(with_pools, key=lambda m: m.p99_ms(self.target.rate))
+            floor = fastest.p99_ms(self.target.rate)
+            most = max(m.max_rate(self.target) for m in with_pools)
+            at_target = (
+                f"{most:.0f}/s at a p99 of {self.target.p99_ms:g} ms"
+                if most >= 1
+                else f"no rate at a p99 of {self.target.p99_ms:g} ms"
+            )
+            rate = self.target.rate
+            best = f"; the best it can do: p99 {floor:.2f} ms at {rate:g}/s, or {at_target}"
+        return (
+            f"cannot meet {self.target.rate:g} requests/s at a p99 of {self.target.p99_ms:g} ms "
+            f"with this catalog: {problems[0]}"
+            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + best
+        )
+
+
+def _binding(pool: Pool, rate: float, hosts: int, least: int) -> str:
+    if hosts == least:
+        return "minimum" if pool.name != "shards" else "minimum (two replicas)"
+    fewer = hosts - 1
+    if pool.name != "monolithic" and not pool.memory_ok(fewer):
+        return "memory"
+    return "nic" if pool.nic_util(rate, fewer) > pool.cpu_util(rate, fewer) else "cpu"
+
+
+def _latency_problem(mix: Mix, rate: float, goal: float, floor: float) -> str:
+    service = mix.fixed_ms + sum(p.service_ms for p in mix.pools)
+    return (
+        f"latency: the service times alone add up to {service:.2f} ms (p99 {floor:.2f} ms at "
+        f"the most hosts), above the {goal:g} ms target"
+    )
+
+
+def _option(option: tuple, monolithic: bool = False) -> dict:
+    if monolithic:
+        kind, dtype, threads = option
+        return {"kinds": {"monolithic": kind.kind}, "dtype": dtype, "threads": threads}
+    router, shard, ranker, dtype, threads = option
+    return {
+        "kinds": {"routers": router.kind, "shards": shard.kind, "rankers": ranker.kind},
+        "dtype": dtype,
+        "threads": threads,
+    }
+
+
+def _distinct(mixes: list, n: int) -> list:
+    """The first `n` mixes that differ in their pools' kinds and counts."""
+    seen, out = set(), []
+    for m, o in mixes:
+        key = tuple((p.kind.kind, p.hosts) for p in m.pools) + (o[3], o[4])
+        if key not in seen:
+            seen.add(key)
+            out.append((m, o))
+        if len(out) == n:
+            break
+    return out

@@ -1,0 +1,208 @@
+"""`cleave profile` and `cleave size`: a profile measured with a real shard process, a catalog,
+the cheapest plan that meets a rate at a p99 (checked as `cleave plan --check` checks plans),
+the queueing model against closed forms, and bad input refused with what was expected."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import yaml
+from cleave.bundle.manifest import served_dtypes
+from cleave.cli import main
+from cleave.plan.files import load_plan
+from cleave.sizing import queueing
+from cleave.sizing.catalog import parse_catalog
+from cleave.sizing.search import dense_ms
+from support.cli import refused
+
+CATALOG = {
+    "machines": [
+        {"kind": "c-4", "cpus": 4, "memory_gib": 16, "nic_gbit": 10, "price_per_hour": 0.17},
+        {"kind": "c-16", "cpus": 16, "memory_gib": 64, "nic_gbit": 25, "price_per_hour": 0.68},
+        {"kind": "m-16", "cpus": 16, "memory_gib": 128, "nic_gbit": 25, "price_per_hour": 0.9},
+    ]
+}
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def profiled(models, tmp_path_factory) -> dict:
+    """dlrm and dcn (the DLRMv2-shaped model) profiled once, quick, and a catalog file."""
+    root = tmp_path_factory.mktemp("sizing")
+    catalog = root / "catalog.yaml"
+    catalog.write_text(yaml.safe_dump(CATALOG))
+    out = {"catalog": catalog, "root": root}
+    for name in ("dlrm", "dcn"):
+        path = root / f"{name}.json"
+        run("profile", str(models[name].dir), "-o", str(path), "--quick", "--threads", "1,2")
+        out[name] = path
+    return out
+
+
+def test_a_profile_holds_every_measurement(models, profiled):
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = json.loads((models["dcn"].dir / "manifest.json").read_text())
+    assert set(profile["tables"]) == {t["name"] for t in manifest["tables"]}
+    assert all(t["ns_per_id"] > 0 for t in profile["tables"].values())
+    shard = profile["shard"]
+    assert shard["cpu_us_per_request"] > 0 and shard["ids_per_request"] > 0
+    # Every dtype the bundle approves, both thread counts, growing batch sizes.
+    assert list(profile["dense"]) == served_dtypes(manifest)
+    for per_threads in profile["dense"].values():
+        assert set(per_threads) == {"1", "2"}
+        for per_batch in per_threads.values():
+            assert len(per_batch) >= 2 and all(ms > 0 for ms in per_batch.values())
+    b = profile["bytes_per_candidate"]
+    assert b["lookup_reply"] > 0 and b["rank"] >= b["lookup_reply"] and b["reply"] > 0
+    hits = profile["cache"]["hit_rate"]
+    assert hits == sorted(hits) and 0 < hits[-1] <= 1
+
+
+@pytest.mark.parametrize("name", ["dlrm", "dcn"])
+def test_size_writes_the_cheapest_plan_that_checks(models, profiled, tmp_path, name):
+    plan_path, explained = tmp_path / "plan.yaml", tmp_path / "size.json"
+    # A target this machine's speed allows: the dense program's time sets the floor.
+    profile = json.loads(profiled[name].read_text())
+    p99 = max(25.0, 4 * dense_ms(profile, "float32", 1, 100))
+    printed = run(
+        "size", str(models[name].dir), "--rate", "2000", "--p99-ms", str(p99),
+        "--catalog", str(profiled["catalog"]), "--profile", str(profiled[name]),
+        "-o", str(plan_path), "--json", str(explained),
+    )  # fmt: skip
+    result = json.loads(explained.read_text())
+    chosen = result["chosen"]
+    assert chosen["p99_ms"] <= p99 and chosen["max_rate"] >= 2000
+    assert all(p["cpu_utilization"] <= 0.7 and p["nic_utilization"] <= 0.7 for p in chosen["pools"])
+    # No runner-up is cheaper than the choice.
+    assert all(r["cost_per_hour"] >= chosen["cost_per_hour"] for r in result["runners_up"])
+    assert "binding" in printed and "runner-up 1" in printed and "monolithic" in printed
+    # The plan: every pool on its own labelled hosts, N+1 (two replicas, two routers).
+    plan = load_plan(plan_path)
+    pools = {h.name: h.labels["pool"] for h in plan.hosts}
+    assert {pools[s.host] for s in plan.shards} == {"shards"}
+    assert {pools[r.host] for r in plan.rankers} == {"rankers"}
+    assert {pools[r.host] for r in plan.routers} == {"routers"}
+    assert len(plan.routers) >= 2 and len({s.group for s in plan.shards}) * 2 == len(plan.shards)
+    hosts = {p["pool"]: p["hosts"] for p in chosen["pools"]}
+    assert sum(hosts.values()) == len(plan.hosts)
+    assert "OK" in run("plan", "--check", str(plan_path))
+    cost = sum(p["cost_per_hour"] for p in chosen["pools"])
+    assert math.isclose(cost, chosen["cost_per_hour"], rel_tol=1e-3)
+
+
+def test_more_rate_costs_more_hosts(models, profiled, tmp_path):
+    costs = []
+    for rate in ("500", "20000"):
+        out = tmp_path / f"{rate}.json"
+        run(
+            "size", str(models["dlrm"].dir), "--rate", rate, "--p99-ms", "25",
+            "--catalog", str(profiled["catalog"]), "--profile", str(profiled["dlrm"]),
+            "-o", str(tmp_path / f"{rate}.yaml"), "--json", str(out),
+        )  # fmt: skip
+        costs.append(json.loads(out.read_text())["chosen"]["cost_per_hour"])
+    assert costs[1] > costs[0]
+
+
+def test_bad_input_is_refused_with_what_was_expected(models, profiled, tmp_path):
+    bundle, catalog = str(models["dlrm"].dir), str(profiled["catalog"])
+    plan = tmp_path / "plan.yaml"
+    common = ["-o", str(plan), "--profile", str(profiled["dlrm"])]
+    # A profile of another bundle.
+    err = refused("size", bundle, "--rate", "100", "--p99-ms", "25", "--catalog", catalog,
+                  "-o", str(plan), "--profile", str(profiled["dcn"]))  # fmt: skip
+    assert "measured on another bundle" in err and "cleave profile" in err
+    # A catalog whose machines cannot hold the tables, even cut over every host it offers.
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(yaml.safe_dump({"machines": [{
+        "kind": "t-1", "cpus": 1, "memory_gib": 0.05, "nic_gbit": 1, "price_per_hour": 0.01,
+        "max_count": 1,
+    }]}))  # fmt: skip
+    err = refused(
+        "size", bundle, "--rate", "100", "--p99-ms", "25", "--catalog", str(tiny), *common
+    )
+    assert "no machine in the catalog can hold the tables" in err and "1 x t-1" in err
+    # Unreachable: a p99 below what one request takes, and a rate beyond what may be bought.
+    err = refused(
+        "size", bundle, "--rate", "100", "--p99-ms", "0.01", "--catalog", catalog, *common
+    )
+    assert "latency" in err and "the best it can do: p99" in err
+    few = tmp_path / "few.yaml"
+    few.write_text(yaml.safe_dump({"machines": [{**CATALOG["machines"][0], "max_count": 3}]}))
+    err = refused("size", bundle, "--rate", "1e7", "--p99-ms", "25", "--catalog", str(few), *common)
+    assert "more hosts than the catalog offers" in err and "/s at a p99 of 25 ms" in err
+    assert not plan.exists()  # nothing written by a refusal
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    err = refused("size", bundle, "--rate", "1", "--p99-ms", "25", "--catalog", catalog,
+                  "-o", str(plan), "--profile", str(garbage))  # fmt: skip
+    assert "expected a profile JSON" in err
+    err = refused("size", bundle, "--rate", "-1", "--p99-ms", "25", "--catalog", catalog, *common)
+    assert "must be positive" in err
+
+
+@pytest.mark.parametrize(
+    "machines, expected",
+    [
+        ("nope", "expected a mapping with a list `machines`"),
+        ([], "expected at least one machine kind"),
+        ([{"kind": "a", "cpus": 4, "memory_gib": 8, "nic_gbit": 10}], "price_per_hour: missing"),
+        ([{**CATALOG["machines"][0], "cpus": -2}], "cpus: expected a positive int"),
+        ([{**CATALOG["machines"][0], "cpus": 2.5}], "cpus: expected a int"),
+        ([{**CATALOG["machines"][0], "gpu": 1}], "unknown keys ['gpu']"),
+        ([{**CATALOG["machines"][0], "kind": "Big Box"}], "expected a DNS label"),
+        ([CATALOG["machines"][0]] * 2, "kind 'c-4' is listed twice"),
+    ],
+)
+def test_a_bad_catalog_names_the_field(machines, expected):
+    from cleave.errors import UsageError
+
+    data = machines if machines == "nope" else {"machines": machines}
+    with pytest.raises(UsageError) as err:
+        parse_catalog(data, "c.yaml")
+    assert expected in str(err.value)
+
+
+def test_erlang_c_matches_closed_forms():
+    # M/M/1: an arrival waits with probability rho; M/M/2 at 1 Erlang: 1/3.
+    assert math.isclose(queueing.erlang_c(1, 0.5), 0.5)
+    assert math.isclose(queueing.erlang_c(2, 1.0), 1 / 3)
+    assert queueing.erlang_c(4, 4.0) == 1.0
+    # M/M/1's waiting tail: P(W > t) = rho * exp(-(mu - lambda) t).
+    service, rate = 0.01, 50.0  # rho = 0.5
+    want = service + math.log(0.5 / 0.01) / (100.0 - 50.0)
+    assert math.isclose(queueing.p99_s(1, service, rate), want)
+    assert queueing.p99_s(1, service, 100.0) == math.inf
+    assert queueing.p99_s(8, service, 1.0) == service  # almost never waits
+
+
+def test_dense_time_is_interpolated_between_batch_sizes():
+    profile = {"dense": {"float32": {"1": {"1": 1.0, "10": 2.0, "20": 4.0}}}}
+    assert dense_ms(profile, "float32", 1, 1) == 1.0
+    assert math.isclose(dense_ms(profile, "float32", 1, 5), 1.0 + 4 / 9)
+    assert math.isclose(dense_ms(profile, "float32", 1, 40), 8.0)  # beyond: the last slope
+
+
+def test_pool_labels_place_each_role_on_its_pool(models):
+    from cleave.errors import UsageError
+    from cleave.plan.planner import make_plan
+    from cleave.plan.schema import Host
+    from cleave.settings import ServeConfig
+
+    hosts = [Host(f"h{i}", 4, 16.0, 0, {"pool": p}) for i, p in enumerate(
+        ["rankers", "shards", "routers", "shards"])]  # fmt: skip
+    plan = make_plan(models["dlrm"].dir, hosts, 2, 2, 1, 1, ServeConfig())
+    assert {s.host for s in plan.shards} == {"h1", "h3"}
+    assert [r.host for r in plan.rankers] == ["h0"] and [r.host for r in plan.routers] == ["h2"]
+    hosts[2] = Host("h2", 4, 16.0, 0, {})
+    with pytest.raises(UsageError, match="h2: None.*none for \\['routers'\\]"):
+        make_plan(models["dlrm"].dir, hosts, 2, 2, 1, 1, ServeConfig())
