@@ -166,7 +166,9 @@ def test_a_killed_lone_ranker_costs_503s_only_until_it_is_back(models):
     assert failed, "no request observed the outage"
     for t, status, reply in failed:
         assert status == 503, reply  # unavailable, never a 502 or a hang
-        assert "ranker" in reply["error"], reply
+        # The ranker's absence, or the admission limit it lowered meanwhile (seen on a
+        # machine busy with other workers: 16 rows in flight, limit 22).
+        assert "ranker" in reply["error"] or reply.get("stage") == "admission", reply
         # The launcher's "ready again" line is read a moment after the ranker answers.
         assert killed_at <= t <= back_at + 1.0, (t - killed_at, back_at - killed_at)
     assert results[-1][2] == 200

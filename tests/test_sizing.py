@@ -42,9 +42,10 @@ def profiled(models, tmp_path_factory) -> dict:
     catalog = root / "catalog.yaml"
     catalog.write_text(yaml.safe_dump(CATALOG))
     out = {"catalog": catalog, "root": root}
-    for name in ("dlrm", "dcn"):
+    for name, serve in (("dlrm", ["--no-serve"]), ("dcn", [])):  # one router timed: seconds
         path = root / f"{name}.json"
-        run("profile", str(models[name].dir), "-o", str(path), "--quick", "--threads", "1,2")
+        flags = ["-o", str(path), "--quick", "--threads", "1,2", *serve]
+        run("profile", str(models[name].dir), *flags)
         out[name] = path
     return out
 
@@ -66,6 +67,13 @@ def test_a_profile_holds_every_measurement(models, profiled):
     assert b["lookup_reply"] > 0 and b["rank"] >= b["lookup_reply"] and b["reply"] > 0
     hits = profile["cache"]["hit_rate"]
     assert hits == sorted(hits) and 0 < hits[-1] <= 1
+    # The router, timed on the bundle served with requests synthesized from its manifest.
+    router = profile["router"]
+    assert router["measured"] and router["cpu_us_per_request"] > 0 and router["requests"] >= 50
+    assert json.loads(profiled["dlrm"].read_text())["router"] == {
+        "measured": False,
+        "why": "not asked (--no-serve)",
+    }
 
 
 @pytest.mark.parametrize("name", ["dlrm", "dcn"])
@@ -86,6 +94,8 @@ def test_size_writes_the_cheapest_plan_that_checks(models, profiled, tmp_path, n
     # No runner-up is cheaper than the choice.
     assert all(r["cost_per_hour"] >= chosen["cost_per_hour"] for r in result["runners_up"])
     assert "binding" in printed and "runner-up 1" in printed and "monolithic" in printed
+    source = {"dlrm": "estimated", "dcn": "measured"}[name]
+    assert result["router_cpu_us"]["source"] == source and f"({source})" in printed
     # The plan: every pool on its own labelled hosts, N+1 (two replicas, two routers).
     plan = load_plan(plan_path)
     pools = {h.name: h.labels["pool"] for h in plan.hosts}

@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of the ids")
     parser.add_argument("--threads", default=None, help="dense thread counts, e.g. 1,4")
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes, shorter runs")
+    parser.add_argument(
+        "--no-serve",
+        action="store_true",
+        help="do not serve the bundle to time the router (cleave size then estimates it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         alpha=args.alpha,
         threads=threads,
         quick=args.quick,
+        serve=not args.no_serve,
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +97,7 @@ def measure(
     alpha: float,
     threads: list[int],
     quick: bool,
+    serve: bool = True,
 ) -> dict:
     from cleave.bundle import manifest as manifest_io
 
@@ -110,6 +117,9 @@ def measure(
         "dense": _dense(bundle_dir, threads, QUICK_BATCHES if quick else BATCHES, quick),
         "bytes_per_candidate": _bytes(bundle_dir, manifest, features, ids_per_candidate),
         "cache": _cache_curve(features, ids_per_candidate, alpha),
+        "router": _router(bundle_dir, manifest, traffic, quick, rng)
+        if serve
+        else _unmeasured("not asked (--no-serve)"),
     }
     profile["seconds"] = round(time.monotonic() - started, 1)
     return profile
@@ -287,6 +297,20 @@ def _ready_address(proc: subprocess.Popen) -> str:
     )
 
 
+def _router(bundle_dir: Path, manifest: dict, traffic: dict, quick: bool, rng) -> dict:
+    from cleave.sizing.router import Unsupported, measure_router, synthetic_inputs
+
+    try:
+        named = synthetic_inputs(manifest, traffic["candidates"], traffic["ids_per_candidate"], rng)
+    except Unsupported as why:
+        return _unmeasured(f"cannot synthesize its requests: {why}")
+    return {"measured": True, **measure_router(bundle_dir, named, 1.0 if quick else 2.0)}
+
+
+def _unmeasured(why: str) -> dict:
+    return {"measured": False, "why": why}
+
+
 def _dense(bundle_dir: Path, threads: list[int], batches, quick: bool) -> dict:
     """ms per batch: dtype -> threads -> batch rows -> median of timed runs."""
     import torch
@@ -453,6 +477,14 @@ def print_summary(profile: dict) -> None:
         for t, per_batch in per_threads.items():
             cells = "  ".join(f"{rows}: {ms:.3f}" for rows, ms in per_batch.items())
             print(f"{dtype:<9} {t:>7}  {cells}")
+    router = profile["router"]
+    if router["measured"]:
+        print(
+            f"router: {router['cpu_us_per_request']:.0f} us CPU per request "
+            f"({router['request_bytes']} B binary requests), p50 {router['p50_ms']:.3f} ms"
+        )
+    else:
+        print(f"router: not measured: {router['why']}")
     b = profile["bytes_per_candidate"]
     print(
         f"bytes per candidate: request {b['request']:.0f}, to shards {b['lookup_request']:.0f}, "

@@ -1,0 +1,139 @@
+"""The router's CPU per request, measured for `cleave profile`: the bundle served on this
+machine (one shard, one ranker, Unix sockets), binary-tensor requests of the profile's shape
+synthesized from the manifest's inputs, sent one at a time; the router process's CPU time
+over the requests answered. A bundle whose inputs this cannot synthesize (a TorchRec KJT, a
+symbolic size it cannot resolve) is not measured: `cleave size` then estimates (search.py)."""
+
+from __future__ import annotations
+
+import http.client
+import time
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+
+WARM_UP = 5
+MIN_REQUESTS, MAX_REQUESTS = 50, 20_000
+
+
+class Unsupported(Exception):
+    """The manifest's inputs are of a kind `synthetic_inputs` does not build."""
+
+
+def synthetic_inputs(manifest: dict, candidates: int, ids_per_candidate: float, rng) -> dict:
+    """Manifest-named tensors of one request: `candidates` rows, `ids_per_candidate` ids per
+    bag (offsets and lengths layouts), ids uniform over each table's rows, dense inputs from a
+    standard normal, weights 1. Inputs outside the batch (a user's history: `[1, N]`) get
+    `ids_per_candidate * candidates` ids."""
+    import torch
+
+    k = max(1, round(ids_per_candidate))
+    specs = {i["name"]: i for i in manifest["inputs"]}
+    tables = {t["name"]: int(t["rows"]) for t in manifest["tables"]}
+    if any(f.get("layout") == "kjt" for f in manifest["features"]):
+        raise Unsupported("a KeyedJaggedTensor input")
+    sizes: dict[str, int] = {"B": candidates}
+    rows_of: dict[str, int] = {}
+    for f in manifest["features"]:
+        rows_of[f["ids"]] = tables[f["table"]]
+        bag_input = f.get("offsets") or f.get("lengths")
+        if bag_input:
+            bags = _resolve(specs[bag_input]["shape"][0], sizes)
+            symbol = specs[f["ids"]]["shape"][0]
+            if isinstance(symbol, str):
+                sizes.setdefault(symbol, bags * k)
+    named = {}
+    for name, spec in specs.items():
+        shape = [_resolve(d, sizes, default=k * candidates) for d in spec["shape"]]
+        role, dtype = spec["role"], getattr(torch, spec["dtype"])
+        if role in ("ids", "both"):
+            high = rows_of.get(name, 1)
+            named[name] = torch.from_numpy(rng.integers(0, high, size=shape)).to(dtype)
+        elif role == "offsets":
+            bags = shape[0]
+            step = _ids_len(manifest, name, named, sizes, specs) // max(1, bags)
+            named[name] = torch.arange(bags, dtype=dtype) * step
+        elif role == "lengths":
+            step = _ids_len(manifest, name, named, sizes, specs) // max(1, shape[0])
+            named[name] = torch.full(shape, step, dtype=dtype)
+        elif role == "weights":
+            named[name] = torch.ones(shape, dtype=dtype)
+        elif role == "dense":
+            named[name] = torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+        else:  # unused
+            named[name] = torch.zeros(shape, dtype=dtype)
+    return named
+
+
+def _resolve(dim, sizes: dict[str, int], default: int | None = None) -> int:
+    if isinstance(dim, int):
+        return dim
+    if dim in sizes:
+        return sizes[dim]
+    if default is None:
+        raise Unsupported(f"the size {dim!r}")
+    sizes[dim] = default
+    return default
+
+
+def _ids_len(manifest, bag_input: str, named, sizes, specs) -> int:
+    """How many ids the feature whose bags `bag_input` describes has."""
+    for f in manifest["features"]:
+        if bag_input in (f.get("offsets"), f.get("lengths")):
+            return _resolve(specs[f["ids"]]["shape"][0], sizes)
+    raise Unsupported(f"offsets {bag_input!r} of no feature")
+
+
+def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
+    """Serves the bundle and sends `named` as a binary-tensor request, one at a time."""
+    from cleave.bench.harness.processes import role_pid
+    from cleave.bench.loadgen import binary_infer_body
+    from cleave.launch.process import ServeProcess
+
+    body = binary_infer_body(named)
+    server = ServeProcess(bundle_dir, "--shards", "1", "--rankers", "1", "--threads", "1").start()
+    try:
+        url = urllib.parse.urlsplit(server.url)
+        path = f"/v2/models/{Path(bundle_dir).resolve().name}/infer"
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        for _ in range(WARM_UP):
+            _send(conn, path, body)
+        router = role_pid(server.proc.pid, "router")
+        before, start, latencies = cpu_ns(router), time.perf_counter(), []
+        while (time.perf_counter() - start < seconds or len(latencies) < MIN_REQUESTS) and len(
+            latencies
+        ) < MAX_REQUESTS:
+            t0 = time.perf_counter()
+            _send(conn, path, body)
+            latencies.append(time.perf_counter() - t0)
+        cpu = (cpu_ns(router) - before) / 1e9
+        conn.close()
+    finally:
+        server.stop()
+    return {
+        "cpu_us_per_request": round(cpu / len(latencies) * 1e6, 1),
+        "p50_ms": round(float(np.median(latencies)) * 1e3, 3),
+        "requests": len(latencies),
+        "request_bytes": len(body),
+    }
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process, ns (schedstat: finer than /proc/PID/stat's
+    clock ticks, which are 10 ms: a few hundred requests' worth of router time)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+def _send(conn: http.client.HTTPConnection, path: str, body) -> None:
+    conn.request("POST", path, body=bytes(body), headers=body.headers)
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"the served bundle answered {response.status}: {data[:300]!r}")
