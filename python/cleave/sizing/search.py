@@ -11,6 +11,7 @@ tables and runs the whole model) is sized the same way, for the cost comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from cleave.sizing.catalog import MachineKind
 MEMORY_SHARE = 0.85  # of a host's memory for table rows; the rest for the OS and processes
 RTT_MS = 0.05  # one hop's round trip inside a data center, beside the serialization delay
 MAX_HOSTS = 256  # per pool, unless the catalog's max_count is lower
+ROUTER_MEMORY_BYTES = 1 << 30  # a router's own memory: buffers of the requests in flight
 # Router CPU per request when the profile has no measurement: a fixed part and a part per
 # byte it moves (request in, lookups out and back, the ranker's payload out, reply back),
 # the orders of magnitude of docs/benchmarks.md's router profile (binary tensors).
@@ -46,6 +48,8 @@ class Pool:
     quantile: float = queueing.QUANTILE
     bytes_per_request: float = 0.0  # the most of in or out on a host's NIC, per request
     memory_bytes: float = 0.0  # table bytes over the whole pool (replicas included)
+    memory_per_host: float = 0.0  # bytes every host holds whole (a router's cache)
+    hit_rate: float = 0.0  # shards: the share of lookups the routers' caches answer
     binding: str = "rate"  # what set the host count
     extra: dict = field(default_factory=dict)
 
@@ -67,6 +71,7 @@ class Pool:
 
     def memory_ok(self, hosts: int) -> bool:
         per_host = self.memory_bytes / hosts + (2 * SHARD_MARGIN_BYTES if self.memory_bytes else 0)
+        per_host += self.memory_per_host
         return per_host <= self.kind.memory_gib * GIB * MEMORY_SHARE
 
     def cost(self) -> float:
@@ -192,10 +197,14 @@ class Sizer:
             extra={"dtype": dtype, "threads": threads},
         )
 
-    def shards(self, kind: MachineKind, hosts: int) -> Pool:
-        """`hosts` range groups of two replicas: a request makes one lookup per group."""
-        per_group_us = self.shard_call_us + self.ids * self.shard_ns_per_id / 1e3 / hosts
-        reply = self.candidates * (self.bytes["lookup_reply"] + self.bytes["lookup_request"])
+    def shards(self, kind: MachineKind, hosts: int, hit_rate: float = 0.0) -> Pool:
+        """`hosts` range groups of two replicas: a request makes one lookup per group, for
+        the ids the routers' caches do not answer."""
+        missed = 1.0 - hit_rate
+        per_group_us = self.shard_call_us + missed * self.ids * self.shard_ns_per_id / 1e3 / hosts
+        reply = (
+            self.candidates * missed * (self.bytes["lookup_reply"] + self.bytes["lookup_request"])
+        )
         return Pool(
             "shards",
             kind,
@@ -207,9 +216,20 @@ class Sizer:
             quantile=queueing.QUANTILE ** (1.0 / hosts),
             bytes_per_request=reply,
             memory_bytes=2 * self.table_bytes,
+            hit_rate=hit_rate,
         )
 
-    def routers(self, kind: MachineKind) -> Pool:
+    def regrown(self, pool: Pool, hosts: int) -> Pool:
+        """A copy of the pool with `hosts` hosts: shards are rebuilt (their range groups, so
+        their service times, follow the hosts)."""
+        if pool.name != "shards":
+            return dataclasses.replace(pool, hosts=hosts, extra=dict(pool.extra))
+        grown = self.shards(pool.kind, hosts, pool.hit_rate)
+        grown.binding = pool.binding
+        return grown
+
+    def routers(self, kind: MachineKind, cache: dict | None = None) -> Pool:
+        """`cache`: the hottest rows each router keeps (a point of the profile's hit curve)."""
         b = self.bytes
         inward = b["request"] + b["lookup_reply"] + b["reply"]
         outward = b["lookup_request"] + b["rank"] + b["reply"]
@@ -220,7 +240,13 @@ class Sizer:
             kind.cpus,
             self.router_us / 1e3 / kind.cpu_speed,
             bytes_per_request=self.candidates * max(inward, outward),
-            extra={"cpu_us_per_request": round(self.router_us, 1), "source": self.router_source},
+            memory_per_host=ROUTER_MEMORY_BYTES + (cache["bytes"] if cache else 0),
+            extra={
+                "cpu_us_per_request": round(self.router_us, 1),
+                "source": self.router_source,
+                "cache_bytes": cache["bytes"] if cache else 0,
+                "cache_hit_rate": cache["hit_rate"] if cache else 0.0,
+            },
         )
 
     def monolithic(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
@@ -255,28 +281,26 @@ class Sizer:
         return ms
 
     def fewest(self, pool: Pool, least: int) -> Pool | None:
-        """The fewest hosts (at least `least`) within the headroom and the memory, then one
-        more (N+1); None when the kind's count cannot."""
+        """A copy of the pool with the fewest hosts (at least `least`) within the headroom and
+        the memory; None when the kind's count cannot."""
         rate, headroom = self.target.rate, self.target.headroom
-        most = min(pool.kind.max_count, MAX_HOSTS)
-        for hosts in range(least, most + 1):
-            if pool.name == "shards":
-                pool = self.shards(pool.kind, hosts)
+        for hosts in range(least, _most(pool) + 1):
+            pool = self.regrown(pool, hosts)
             checks = {
                 "cpu": pool.cpu_util(rate, hosts) <= headroom,
                 "nic": pool.nic_util(rate, hosts) <= headroom,
                 "memory": pool.name == "monolithic" or pool.memory_ok(hosts),
             }
             if all(checks.values()):
-                pool.hosts = hosts
                 pool.binding = _binding(pool, rate, hosts, least)
                 return pool
         return None
 
-    def mix(self, router_kind, shard_kind, ranker_kind, dtype, threads) -> Mix:
+    def mix(self, router_kind, shard_kind, ranker_kind, dtype, threads, cache) -> Mix:
+        hit = cache["hit_rate"] if cache else 0.0
         pools = [
-            self.fewest(self.routers(router_kind), 1),
-            self.fewest(self.shards(shard_kind, 1), 2),
+            self.fewest(self.routers(router_kind, cache), 1),
+            self.fewest(self.shards(shard_kind, 1, hit), 2),
             self.fewest(self.rankers(ranker_kind, dtype, threads), 1),
         ]
         if any(p is None for p in pools):
@@ -302,38 +326,27 @@ class Sizer:
             if now <= goal:
                 break
             best, gain = None, 0.0
-            for p in mix.pools:
-                if p.hosts >= min(p.kind.max_count, MAX_HOSTS):
+            for i, p in enumerate(mix.pools):
+                if p.hosts >= _most(p):
                     continue
-                grown = self.shards(p.kind, p.hosts + 1) if p.name == "shards" else None
-                trial = [grown if q is p and grown else q for q in mix.pools]
-                p.hosts += 1
-                after = Mix(trial, self.fixed_ms(trial)).p99_ms(rate)
-                p.hosts -= 1
-                per_dollar = (now - after) / p.kind.price_per_hour
+                trial = list(mix.pools)
+                trial[i] = self.regrown(p, p.hosts + 1)
+                per_dollar = (now - Mix(trial, self.fixed_ms(trial)).p99_ms(rate)) / (
+                    p.kind.price_per_hour
+                )
                 if per_dollar > gain:
-                    best, gain = (p, grown), per_dollar
+                    best, gain = (i, trial[i]), per_dollar
             if best is None:
-                floor = mix.p99_ms(rate)
-                return Mix(mix.pools, mix.fixed_ms, _latency_problem(mix, rate, goal, floor))
-            p, grown = best
-            if grown:
-                grown.binding = "latency"
-                mix.pools[mix.pools.index(p)] = grown
-            else:
-                p.hosts += 1
-                p.binding = "latency"
+                return Mix(mix.pools, mix.fixed_ms, _latency_problem(mix, rate, goal, now))
+            i, grown = best
+            grown.binding = "latency"
+            mix.pools[i] = grown
             mix.fixed_ms = self.fixed_ms(mix.pools)
         else:
             return Mix(mix.pools, mix.fixed_ms, "latency: no host count meets the p99")
         for i, p in enumerate(mix.pools):  # N+1
-            if p.hosts < min(p.kind.max_count, MAX_HOSTS):
-                spare = self.shards(p.kind, p.hosts + 1) if p.name == "shards" else p
-                if spare is not p:
-                    spare.binding = p.binding
-                    mix.pools[i] = spare
-                else:
-                    p.hosts += 1
+            if p.hosts < _most(p):
+                mix.pools[i] = self.regrown(p, p.hosts + 1)
             else:
                 mix.problem = f"{p.name}: no spare {p.kind.kind} left for N+1"
         mix.fixed_ms = self.fixed_ms(mix.pools)
@@ -352,9 +365,18 @@ class Sizer:
                 f"({sorted({int(t) for d in dense for t in dense[d]})})"
             )
         disaggregated = [
-            (r, s, k, d, t) for r in self.kinds for s in self.kinds for k, d, t in ranker_options
+            (r, s, k, d, t, c)
+            for r in self.kinds
+            for s in self.kinds
+            for k, d, t in ranker_options
+            for c in self.caches()
         ]
         return disaggregated, ranker_options
+
+    def caches(self) -> list[dict | None]:
+        """No cache, and each point of the profile's hit curve: the hottest rows a router
+        keeps, the share of lookups it answers (a bag of K ids only when all K hit: h^K)."""
+        return [None]
 
     def size(self) -> dict:
         disaggregated, ranker_options = self.options()
@@ -410,6 +432,10 @@ class Sizer:
         )
 
 
+def _most(pool: Pool) -> int:
+    return min(pool.kind.max_count, MAX_HOSTS)
+
+
 def _binding(pool: Pool, rate: float, hosts: int, least: int) -> str:
     if hosts == least:
         return "minimum" if pool.name != "shards" else "minimum (two replicas)"
@@ -431,11 +457,12 @@ def _option(option: tuple, monolithic: bool = False) -> dict:
     if monolithic:
         kind, dtype, threads = option
         return {"kinds": {"monolithic": kind.kind}, "dtype": dtype, "threads": threads}
-    router, shard, ranker, dtype, threads = option
+    router, shard, ranker, dtype, threads, cache = option
     return {
         "kinds": {"routers": router.kind, "shards": shard.kind, "rankers": ranker.kind},
         "dtype": dtype,
         "threads": threads,
+        "router_cache_bytes": cache["bytes"] if cache else 0,
     }
 
 
@@ -444,6 +471,7 @@ def _distinct(mixes: list, n: int) -> list:
     seen, out = set(), []
     for m, o in mixes:
         key = tuple((p.kind.kind, p.hosts) for p in m.pools) + (o[3], o[4])
+        key += (o[5]["bytes"] if o[5] else 0,)
         if key not in seen:
             seen.add(key)
             out.append((m, o))
