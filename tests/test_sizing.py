@@ -216,3 +216,40 @@ def test_pool_labels_place_each_role_on_its_pool(models):
     hosts[2] = Host("h2", 4, 16.0, 0, {})
     with pytest.raises(UsageError, match="h2: None.*none for \\['routers'\\]"):
         make_plan(models["dlrm"].dir, hosts, 2, 2, 1, 1, ServeConfig())
+
+
+def test_requests_are_synthesized_from_the_manifest_kjts_included():
+    import numpy as np
+    from cleave.sizing.router import Unsupported, _resolve, synthetic_inputs
+
+    manifest = {
+        "inputs": [
+            {"name": "dense", "role": "dense", "shape": ["B", 3], "dtype": "float32"},
+            {"name": "kjt.values", "role": "ids", "shape": ["N0"], "dtype": "int64"},
+            {"name": "kjt.lengths", "role": "lengths", "shape": ["2*B"], "dtype": "int64"},
+        ],
+        "tables": [{"name": "t_a", "rows": 7}, {"name": "t_b", "rows": 1000}],
+        "kjts": [
+            {
+                "name": "kjt",
+                "keys": ["a", "b"],
+                "values": "kjt.values",
+                "lengths": "kjt.lengths",
+                "weights": None,
+            }
+        ],  # fmt: skip
+        "features": [
+            {"name": "a", "layout": "kjt", "kjt": "kjt", "key": "a", "table": "t_a"},
+            {"name": "b", "layout": "kjt", "kjt": "kjt", "key": "b", "table": "t_b"},
+        ],
+    }
+    named = synthetic_inputs(manifest, 10, 3.0, np.random.default_rng(0))
+    assert list(named) == ["dense", "kjt.values", "kjt.lengths"]
+    assert named["dense"].shape == (10, 3) and named["kjt.lengths"].tolist() == [3] * 20
+    values = named["kjt.values"].numpy()
+    assert len(values) == 60 and values[:30].max() < 7 and values[30:].max() >= 7  # key order
+    assert _resolve("B+1", {"B": 4}) == 5 and _resolve(5, {}) == 5
+    with pytest.raises(Unsupported):
+        _resolve("N9", {"B": 4})
+    with pytest.raises(Unsupported):
+        _resolve("__import__('os')", {"B": 4})

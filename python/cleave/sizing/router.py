@@ -7,6 +7,7 @@ symbolic size it cannot resolve) is not measured: `cleave size` then estimates (
 from __future__ import annotations
 
 import http.client
+import re
 import time
 import urllib.parse
 from pathlib import Path
@@ -23,19 +24,22 @@ class Unsupported(Exception):
 
 def synthetic_inputs(manifest: dict, candidates: int, ids_per_candidate: float, rng) -> dict:
     """Manifest-named tensors of one request: `candidates` rows, `ids_per_candidate` ids per
-    bag (offsets and lengths layouts), ids uniform over each table's rows, dense inputs from a
-    standard normal, weights 1. Inputs outside the batch (a user's history: `[1, N]`) get
-    `ids_per_candidate * candidates` ids."""
+    bag (offsets, lengths and KeyedJaggedTensor layouts), ids uniform over each table's rows,
+    dense inputs from a standard normal, weights 1. Inputs outside the batch (a user's history:
+    `[1, N]`) get `ids_per_candidate * candidates` ids."""
     import torch
 
     k = max(1, round(ids_per_candidate))
     specs = {i["name"]: i for i in manifest["inputs"]}
     tables = {t["name"]: int(t["rows"]) for t in manifest["tables"]}
-    if any(f.get("layout") == "kjt" for f in manifest["features"]):
-        raise Unsupported("a KeyedJaggedTensor input")
     sizes: dict[str, int] = {"B": candidates}
+    named = {}
+    for kjt in manifest.get("kjts", []):
+        named.update(_kjt(kjt, manifest, specs, tables, sizes, k, rng))
     rows_of: dict[str, int] = {}
     for f in manifest["features"]:
+        if f.get("layout") == "kjt":
+            continue
         rows_of[f["ids"]] = tables[f["table"]]
         bag_input = f.get("offsets") or f.get("lengths")
         if bag_input:
@@ -43,8 +47,9 @@ def synthetic_inputs(manifest: dict, candidates: int, ids_per_candidate: float, 
             symbol = specs[f["ids"]]["shape"][0]
             if isinstance(symbol, str):
                 sizes.setdefault(symbol, bags * k)
-    named = {}
     for name, spec in specs.items():
+        if name in named:
+            continue
         shape = [_resolve(d, sizes, default=k * candidates) for d in spec["shape"]]
         role, dtype = spec["role"], getattr(torch, spec["dtype"])
         if role in ("ids", "both"):
@@ -52,10 +57,10 @@ def synthetic_inputs(manifest: dict, candidates: int, ids_per_candidate: float, 
             named[name] = torch.from_numpy(rng.integers(0, high, size=shape)).to(dtype)
         elif role == "offsets":
             bags = shape[0]
-            step = _ids_len(manifest, name, named, sizes, specs) // max(1, bags)
+            step = _ids_len(manifest, name, sizes, specs) // max(1, bags)
             named[name] = torch.arange(bags, dtype=dtype) * step
         elif role == "lengths":
-            step = _ids_len(manifest, name, named, sizes, specs) // max(1, shape[0])
+            step = _ids_len(manifest, name, sizes, specs) // max(1, shape[0])
             named[name] = torch.full(shape, step, dtype=dtype)
         elif role == "weights":
             named[name] = torch.ones(shape, dtype=dtype)
@@ -63,21 +68,56 @@ def synthetic_inputs(manifest: dict, candidates: int, ids_per_candidate: float, 
             named[name] = torch.from_numpy(rng.standard_normal(shape)).to(dtype)
         else:  # unused
             named[name] = torch.zeros(shape, dtype=dtype)
-    return named
+    return {spec["name"]: named[spec["name"]] for spec in manifest["inputs"]}
+
+
+def _kjt(kjt: dict, manifest: dict, specs: dict, tables: dict, sizes: dict, k: int, rng) -> dict:
+    """A KeyedJaggedTensor's inputs: `lengths` (keys x bags, key-major, k each), `values`
+    (each key's ids over its table's rows, in key order), `weights` (1) when it has them."""
+    import torch
+
+    table_of = {
+        f["key"]: f["table"]
+        for f in manifest["features"]
+        if f.get("layout") == "kjt" and f.get("kjt") == kjt["name"]
+    }
+    keys = kjt["keys"]
+    if set(keys) - set(table_of):
+        raise Unsupported(f"KJT {kjt['name']!r} keys without a table: {set(keys) - set(table_of)}")
+    lengths = specs[kjt["lengths"]]
+    count = _resolve(lengths["shape"][0], sizes)
+    bags = count // len(keys)
+    values = np.concatenate([rng.integers(0, tables[table_of[key]], bags * k) for key in keys])
+    out = {
+        kjt["lengths"]: torch.full((count,), k, dtype=getattr(torch, lengths["dtype"])),
+        kjt["values"]: torch.from_numpy(values).to(getattr(torch, specs[kjt["values"]]["dtype"])),
+    }
+    if kjt.get("weights"):
+        dtype = getattr(torch, specs[kjt["weights"]]["dtype"])
+        out[kjt["weights"]] = torch.ones(len(values), dtype=dtype)
+    return out
 
 
 def _resolve(dim, sizes: dict[str, int], default: int | None = None) -> int:
+    """A manifest dimension: a number, a symbol (`B`, `N0`) or an expression of them (`26*B`,
+    `B+1`); an unknown symbol gets `default`, or raises Unsupported without one."""
     if isinstance(dim, int):
         return dim
     if dim in sizes:
         return sizes[dim]
-    if default is None:
+    if re.fullmatch(r"[A-Za-z_]\w*", dim):
+        if default is None:
+            raise Unsupported(f"the size {dim!r}")
+        sizes[dim] = default
+        return default
+    known = re.sub(r"[A-Za-z_]\w*", lambda m: str(sizes.get(m.group(), "?")), dim)
+    if not re.fullmatch(r"[0-9+*() -]+", known):
         raise Unsupported(f"the size {dim!r}")
-    sizes[dim] = default
-    return default
+    # Only digits and + * ( ) - remain: arithmetic, nothing else to evaluate.
+    return int(eval(known, {"__builtins__": {}}))
 
 
-def _ids_len(manifest, bag_input: str, named, sizes, specs) -> int:
+def _ids_len(manifest, bag_input: str, sizes, specs) -> int:
     """How many ids the feature whose bags `bag_input` describes has."""
     for f in manifest["features"]:
         if bag_input in (f.get("offsets"), f.get("lengths")):
