@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -180,6 +181,13 @@ def test_a_bad_catalog_names_the_field(machines, expected):
     with pytest.raises(UsageError) as err:
         parse_catalog(data, "c.yaml")
     assert expected in str(err.value)
+
+
+def test_the_shipped_example_catalog_reads():
+    from cleave.sizing.catalog import load_catalog
+
+    kinds = load_catalog(Path(__file__).parents[1] / "deploy" / "catalogs" / "example.yaml")
+    assert len(kinds) >= 5 and any(k.gpus for k in kinds)
 
 
 def test_erlang_c_matches_closed_forms():
