@@ -55,9 +55,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print_explanation(result)
-    from cleave.plan.cli import describe
-
-    print(f"cleave size: wrote {output}: {describe(plan)}")
+    groups = len({s.group for s in plan.shards})
+    print(
+        f"cleave size: wrote {output}: {len(plan.hosts)} hosts: {len(plan.routers)} routers, "
+        f"{len(plan.shards)} shards in {groups} range groups, {len(plan.rankers)} rankers "
+        f"(`cleave plan --check {output}` lists where each runs)"
+    )
     return 0
 
 
