@@ -166,7 +166,8 @@ def _features(manifest: dict) -> list[dict]:
                 "rows": int(t["rows"]),
                 "dim": int(t["dim"]),
                 "row_bytes": int(t["row_bytes"]),
-                "pooling": f.get("pooling"),
+                # Gathered rows: no pooling ("none" in the manifest, or absent).
+                "pooling": None if f.get("pooling") in (None, "none") else f["pooling"],
                 "weighted": bool(f.get("weights")),
             }
         )
