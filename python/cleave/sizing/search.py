@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from cleave.errors import UsageError
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES
+from cleave.plan.planner import RANKER_MEMORY_GIB
 from cleave.sizing import queueing
 from cleave.sizing.catalog import MachineKind
 
@@ -187,11 +188,13 @@ class Sizer:
     # -- pools ---------------------------------------------------------------------------
 
     def rankers(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
+        # A ranker process per `threads` cores, as many as the host's memory holds.
+        memory = int(kind.memory_gib * MEMORY_SHARE / RANKER_MEMORY_GIB)
         return Pool(
             "rankers",
             kind,
             1,
-            max(1, kind.cpus // threads),
+            max(1, min(kind.cpus // threads, memory)),
             dense_ms(self.profile, dtype, threads, self.candidates) / kind.cpu_speed,
             bytes_per_request=self.candidates * (self.bytes["rank"] + self.bytes["reply"]),
             extra={"dtype": dtype, "threads": threads},
