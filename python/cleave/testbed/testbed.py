@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cleave.errors import UsageError
 from cleave.testbed import exit_hooks, naming, resources, shaping, state
+from cleave.testbed import racks as racks_module
 from cleave.testbed.commands import TestbedError, ip, require_privileges
 from cleave.testbed.owner import CLI, PROCESS, Owner
 
@@ -25,10 +26,11 @@ STOP_WAIT_S = 2.0  # per signal, for processes started with popen
 class Host:
     index: int
     name: str  # h0, h1, ...
-    netns: str  # cleave-<slot>-h<index>
+    netns: str  # cleave-<slot>-h<index>, or its rack's cleave-<slot>-r<rack>
     address: str  # 198.18.x.(11+index)
-    veth: str  # the host's interface, inside netns
+    veth: str  # the host's interface (its NIC), inside netns
     bridge_port: str  # its peer on the bridge, in the root namespace
+    rack: int | None = None  # with racks: which (hosts_per_rack consecutive hosts each)
 
 
 def _check_positive(what: str, value: float, upper: float) -> float:
@@ -56,6 +58,8 @@ class Testbed:
         queue_kb: float = shaping.DEFAULT_QUEUE_KB,
         name: str | None = None,
         detached: bool = False,
+        racks: int | None = None,
+        mode: str = "tor",
     ):
         if isinstance(hosts, bool) or not isinstance(hosts, int):
             raise UsageError(f"hosts must be an integer, got {hosts!r}")
@@ -71,6 +75,15 @@ class Testbed:
             burst_kb=_check_positive("burst_kb", burst_kb, 1024.0 * 1024),
             queue_kb=_check_positive("queue_kb", queue_kb, 1024.0 * 1024),
         )
+        # Racks (racks.py): `hosts` split into `racks` racks of equal size, wired per `mode`.
+        self.racks = racks
+        self.mode = mode
+        if racks is not None:
+            if isinstance(racks, bool) or not isinstance(racks, int) or racks < 1:
+                raise UsageError(f"racks must be an integer >= 1, got {racks!r}")
+            if hosts % racks:
+                raise UsageError(f"hosts ({hosts}) must be a multiple of racks ({racks})")
+            racks_module.check(racks, hosts // racks, mode, naming.MAX_HOSTS)
         self.host_count = hosts
         self.requested_name = name
         self.detached = detached
@@ -166,16 +179,24 @@ class Testbed:
         ip("link", "set", "dev", n.bridge, "alias", owner.alias())
         ip("addr", "add", f"{n.root_address}/{prefix}", "dev", n.bridge)
         ip("link", "set", "dev", n.bridge, "up")
+        per_rack = self.host_count // self.racks if self.racks else 0
+        for r in range(self.racks or 0):
+            ip("netns", "add", n.rack_netns(r))
+            ip("-n", n.rack_netns(r), "link", "set", "dev", "lo", "up")
+            racks_module.sysctls(n.rack_netns(r))
         for i in range(self.host_count):
+            rack = i // per_rack if per_rack else None
             host = Host(
                 index=i,
                 name=f"h{i}",
-                netns=n.netns(i),
+                netns=n.netns(i) if rack is None else n.rack_netns(rack),
                 address=n.host_address(i),
                 veth=n.host_veth(i),
                 bridge_port=n.bridge_veth(i),
+                rack=rack,
             )
-            ip("netns", "add", host.netns)
+            if rack is None:
+                ip("netns", "add", host.netns)
             ip(
                 "link",
                 "add",
@@ -189,12 +210,29 @@ class Testbed:
                 host.netns,
             )
             ip("link", "set", "dev", host.bridge_port, "master", n.bridge, "up")
-            ip("-n", host.netns, "link", "set", "dev", "lo", "up")
+            if rack is None:
+                ip("-n", host.netns, "link", "set", "dev", "lo", "up")
             ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", host.veth)
             ip("-n", host.netns, "link", "set", "dev", host.veth, "up")
             shaping.apply(host.veth, self.shape, netns=host.netns)  # host -> bridge
             shaping.apply(host.bridge_port, self.shape)  # bridge -> host
             self._hosts.append(host)
+        for r in range(self.racks or 0):
+            self._wire_rack(r, prefix)
+
+    def _wire_rack(self, rack: int, prefix: int) -> None:
+        netns = naming.Names(self._require_up()).rack_netns(rack)
+        nics = [(h.veth, h.address) for h in self._hosts if h.rack == rack]
+        if self.mode == "tor":
+            racks_module.wire_tor(netns, nics, prefix, self.subnet)
+            return
+        per_rack = len(nics)
+        peers = [(h.index % per_rack, h.address) for h in self._hosts if h.rack != rack]
+        racks_module.wire_pool(netns, nics, peers, per_rack)
+
+    def rack_hosts(self, rack: int) -> list[Host]:
+        """The hosts of ``rack``, in order (their NICs are the rack's)."""
+        return [h for h in self.hosts if h.rack == rack]
 
     def down(self) -> None:
         """Stop processes started in the hosts and remove everything this testbed made.
@@ -260,11 +298,12 @@ class Testbed:
         return str(naming.Names(self._require_up()).subnet)
 
     def __repr__(self) -> str:
+        racked = f", racks={self.racks}, mode={self.mode}" if self.racks else ""
         if self._slot is None:
-            return f"Testbed(hosts={self.host_count}, link_gbit={self.shape.gbit:g}, down)"
+            return f"Testbed(hosts={self.host_count}, link_gbit={self.shape.gbit:g}{racked}, down)"
         return (
             f"Testbed({self._name!r}, slot={self._slot}, subnet={self.subnet}, "
-            f"hosts={self.host_count}, link_gbit={self.shape.gbit:g})"
+            f"hosts={self.host_count}, link_gbit={self.shape.gbit:g}{racked})"
         )
 
     # -- using it --------------------------------------------------------------------------
@@ -314,6 +353,18 @@ class Testbed:
         and shaping survive."""
         h = self.host(host)
         set_link(h.netns, h.veth, h.bridge_port, up)
+        if up and h.rack is not None:
+            self._restore_routes(h)
+
+    def _restore_routes(self, nic: Host) -> None:
+        """A NIC's link up again: its routes back (the kernel dropped them when it went down)."""
+        per_rack = self.host_count // (self.racks or 1)
+        k = nic.index % per_rack
+        if self.mode == "tor":
+            racks_module.tor_routes(nic.netns, k, nic.veth, nic.address, self.subnet)
+            return
+        peers = [h.address for h in self.hosts if h.rack != nic.rack and h.index % per_rack == k]
+        racks_module.pool_routes(nic.netns, nic.veth, nic.address, peers)
 
 
 def set_link(netns: str, veth: str, bridge_port: str, up: bool) -> None:
