@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleave.errors import UsageError
-from cleave.runners.roles import Binding
+from cleave.runners.roles import Binding, listen_address
 from cleave.runners.supervised import SupervisedRunner
 from cleave.testbed import Testbed
 from cleave.testbed.commands import require_privileges
@@ -53,7 +53,7 @@ class TestbedBinding(Binding):
         return self.testbed.hosts[self.index[role.host]].address
 
     def listen(self, role: Shard | Ranker) -> str:
-        return f"{self.address(role)}:{self.ports[(role.name, 'port')]}"
+        return listen_address(self.plan.transport, self.address(role), self.ports[(role.name, "port")])
 
     def metrics_port(self, role: Shard | Ranker) -> int:
         return self.ports[(role.name, "metrics")]
