@@ -77,13 +77,18 @@ def testbed_name(plan_name: str) -> str:
 
 
 class TestbedRunner(SupervisedRunner):
-    """`link_gbit`: every host link's rate, each direction (`--link-gbit`)."""
+    """`link_gbit`: every host link's rate, each direction (`--link-gbit`); `racks`: the plan's
+    hosts in that many racks of equal size, wired `rack_mode` (`--racks`, `--rack-mode`)."""
 
     __test__ = False  # not a pytest test class despite the name
 
-    def __init__(self, link_gbit: float = 1.0, log=None):
+    def __init__(
+        self, link_gbit: float = 1.0, log=None, racks: int | None = None, rack_mode: str = "tor"
+    ):
         super().__init__(log)
         self.link_gbit = link_gbit
+        self.racks = racks
+        self.rack_mode = rack_mode
         self.testbed: Testbed | None = None
 
     def bind(self, plan: Plan, plan_dir: Path) -> Binding:
@@ -92,10 +97,16 @@ class TestbedRunner(SupervisedRunner):
             # the launcher (in the root namespace) cannot reach to learn it is ready.
             raise UsageError(
                 "transport: 'unix' cannot run on the testbed (roles are probed over their "
-                "host's address); expected transport: tcp"
+                "host's address); expected transport: tcp or mptcp"
             )
         require_privileges()  # a clear UsageError before anything is made
-        testbed = Testbed(len(plan.hosts), link_gbit=self.link_gbit, name=testbed_name(plan.name))
+        testbed = Testbed(
+            len(plan.hosts),
+            link_gbit=self.link_gbit,
+            name=testbed_name(plan.name),
+            racks=self.racks,
+            mode=self.rack_mode,
+        )
         self.testbed = testbed.up()
         self._say(
             f"testbed {testbed.name!r}: "

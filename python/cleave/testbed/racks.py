@@ -5,11 +5,12 @@ bridge. Two wirings of the same NICs:
 
 * ``tor``: a packet leaves by the NIC of the address it is sent from (policy routing, one
   table per NIC): each host has its own NIC only, today's one-link-per-host shape.
-* ``pool``: a packet to a peer NIC's address leaves by the NIC of the same index in this rack
-  (one /32 route per peer address), and every NIC is an MPTCP ``subflow`` endpoint, so an
-  MPTCP connection opens one subflow per NIC of the connecting rack and the replies of the
-  far end spread over the far rack's NICs too. A request still reaches a host through its
-  own NIC (its address lives there); the bulk that flows back does not.
+* ``pool``: every NIC is an MPTCP ``subflow`` endpoint, so an MPTCP connection opens one
+  subflow per NIC of the connecting rack, subflow k (bound to NIC k) goes to the far rack's
+  NIC k (policy routing on the outgoing interface), and the far end's replies to the address
+  of NIC k leave by its own NIC k (a /32 route per peer address): subflow k crosses the two
+  racks' NICs k, both ways, whatever hosts the ends are on. The connection's first subflow
+  goes straight to the host's own NIC.
 
 Both: ARP answered only by the NIC that holds the address (arp_ignore 1, arp_announce 2), and
 reverse-path filtering off (a reply may come in by another NIC than the one it left by).
@@ -22,6 +23,7 @@ from cleave.testbed.commands import ip
 
 MODES = ("tor", "pool")
 TABLE_BASE = 100  # routing table of NIC k in ToR mode: 100 + k
+OIF_TABLE_BASE = 200  # pool mode: routes of the sockets bound to NIC k: 200 + k
 MAX_SUBFLOWS = 8  # the kernel's ceiling for `ip mptcp limits`
 
 
@@ -64,12 +66,15 @@ def wire_tor(netns: str, nics: list[tuple[str, str]], prefix: int, subnet: str) 
 
 
 def wire_pool(
-    netns: str, nics: list[tuple[str, str]], peers: list[tuple[int, str]], hosts_per_rack: int
+    netns: str, nics: list[tuple[str, str]], peers: list[tuple[str, list[str]]]
 ) -> None:
-    """``peers``: (index in its rack, address) of every NIC of the other racks."""
+    """``peers``: every NIC address of the other racks, with the addresses of the NICs of its
+    rack in rack order (the gateways a subflow bound to this rack's NIC k goes through)."""
     for k, (dev, src) in enumerate(nics):
-        pool_routes(netns, dev, src, [a for j, a in peers if j % len(nics) == k])
-    n = str(min(hosts_per_rack, MAX_SUBFLOWS))
+        table = str(OIF_TABLE_BASE + k)
+        ip("-n", netns, "rule", "add", "oif", dev, "table", table, "pref", table)
+        pool_routes(netns, k, dev, src, peers)
+    n = str(min(len(nics), MAX_SUBFLOWS))
     ip("-n", netns, "mptcp", "limits", "set", "subflows", n, "add_addr_accepted", n)
     for k, (dev, address) in enumerate(nics):
         ip("-n", netns, "mptcp", "endpoint", "add", address, "dev", dev, "id", str(k + 1), "subflow")
@@ -84,6 +89,20 @@ def tor_routes(netns: str, k: int, dev: str, address: str, subnet: str) -> None:
     ip("-n", netns, "route", "replace", subnet, "dev", dev, "src", address, "table", table)
 
 
-def pool_routes(netns: str, dev: str, src: str, peers: list[str]) -> None:
-    for address in peers:
-        ip("-n", netns, "route", "replace", f"{address}/32", "dev", dev, "src", src)
+def pool_routes(
+    netns: str, k: int, dev: str, src: str, peers: list[tuple[str, list[str]]]
+) -> None:
+    """NIC k's routes in pool mode. Main table: a peer NIC of index k is reached straight
+    through this rack's NIC k (so the bulk a host sends back to a subflow's address leaves
+    by the NIC of that subflow). Table OIF_TABLE_BASE + k, for sockets bound to NIC k (the
+    subflows the path manager opens from its endpoint): any peer address through the NIC
+    of index k of the peer's rack, which delivers it to the peer's rack namespace (the
+    address is local there), so subflows arrive over every NIC of the far rack too."""
+    table = str(OIF_TABLE_BASE + k)
+    for address, gateways in peers:
+        if gateways.index(address) % len(gateways) == k:
+            ip("-n", netns, "route", "replace", f"{address}/32", "dev", dev, "src", src)
+        if k < len(gateways):
+            via = gateways[k]
+            ip("-n", netns, "route", "replace", f"{address}/32", "via", via, "dev", dev,
+               "src", src, "onlink", "table", table)

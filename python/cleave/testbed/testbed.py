@@ -226,9 +226,12 @@ class Testbed:
         if self.mode == "tor":
             racks_module.wire_tor(netns, nics, prefix, self.subnet)
             return
-        per_rack = len(nics)
-        peers = [(h.index % per_rack, h.address) for h in self._hosts if h.rack != rack]
-        racks_module.wire_pool(netns, nics, peers, per_rack)
+        racks_module.wire_pool(netns, nics, self._peers(rack))
+
+    def _peers(self, rack: int) -> list[tuple[str, list[str]]]:
+        """Each NIC address of the other racks, with its rack's NIC addresses in order."""
+        of_rack = {r: [h.address for h in self._hosts if h.rack == r] for r in range(self.racks or 0)}
+        return [(h.address, of_rack[h.rack]) for h in self._hosts if h.rack not in (None, rack)]
 
     def rack_hosts(self, rack: int) -> list[Host]:
         """The hosts of ``rack``, in order (their NICs are the rack's)."""
@@ -363,8 +366,7 @@ class Testbed:
         if self.mode == "tor":
             racks_module.tor_routes(nic.netns, k, nic.veth, nic.address, self.subnet)
             return
-        peers = [h.address for h in self.hosts if h.rack != nic.rack and h.index % per_rack == k]
-        racks_module.pool_routes(nic.netns, nic.veth, nic.address, peers)
+        racks_module.pool_routes(nic.netns, k, nic.veth, nic.address, self._peers(nic.rack))
 
 
 def set_link(netns: str, veth: str, bridge_port: str, up: bool) -> None:
