@@ -394,4 +394,13 @@ def host_link(address: str) -> tuple[str, str, str]:
     if slot is None or index is None:
         raise UsageError(f"{address!r} is no testbed host address (expected one in {naming.RANGE})")
     n = naming.Names(slot)
-    return n.netns(index), n.host_veth(index), n.bridge_veth(index)
+    netns = n.netns(index)
+    names = resources.netns_names()
+    if netns not in names:  # a racked testbed: the host's NIC is in its rack's namespace
+        racks = [ns for ns in names if ns.startswith(f"{naming.NETNS_PREFIX}{slot}-r")]
+        netns = next(
+            (ns for ns in racks if ip("-n", ns, "link", "show", "dev", n.host_veth(index),
+                                      check=False)),
+            netns,
+        )
+    return netns, n.host_veth(index), n.bridge_veth(index)
