@@ -4,6 +4,7 @@ bridge in the root namespace, which also holds an address on it (docs/testbed.md
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -60,6 +61,7 @@ class Testbed:
         detached: bool = False,
         racks: int | None = None,
         mode: str = "tor",
+        rack_gbit: list[float] | None = None,
     ):
         if isinstance(hosts, bool) or not isinstance(hosts, int):
             raise UsageError(f"hosts must be an integer, got {hosts!r}")
@@ -84,6 +86,12 @@ class Testbed:
             if hosts % racks:
                 raise UsageError(f"hosts ({hosts}) must be a multiple of racks ({racks})")
             racks_module.check(racks, hosts // racks, mode, naming.MAX_HOSTS)
+        # Each rack's NIC rate, where racks differ (a bench's client rack, say); else link_gbit.
+        self.rack_gbit = None
+        if rack_gbit is not None:
+            if racks is None or len(rack_gbit) != racks:
+                raise UsageError(f"rack_gbit must give one rate per rack, got {rack_gbit!r}")
+            self.rack_gbit = [_check_positive("rack_gbit", g, 100.0) for g in rack_gbit]
         self.host_count = hosts
         self.requested_name = name
         self.detached = detached
@@ -214,8 +222,9 @@ class Testbed:
                 ip("-n", host.netns, "link", "set", "dev", "lo", "up")
             ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", host.veth)
             ip("-n", host.netns, "link", "set", "dev", host.veth, "up")
-            shaping.apply(host.veth, self.shape, netns=host.netns)  # host -> bridge
-            shaping.apply(host.bridge_port, self.shape)  # bridge -> host
+            shape = self.shape_of(host)
+            shaping.apply(host.veth, shape, netns=host.netns)  # host -> bridge
+            shaping.apply(host.bridge_port, shape)  # bridge -> host
             self._hosts.append(host)
         for r in range(self.racks or 0):
             self._wire_rack(r, prefix)
@@ -232,6 +241,12 @@ class Testbed:
         """Each NIC address of the other racks, with its rack's NIC addresses in order."""
         of_rack = {r: [h.address for h in self._hosts if h.rack == r] for r in range(self.racks or 0)}
         return [(h.address, of_rack[h.rack]) for h in self._hosts if h.rack not in (None, rack)]
+
+    def shape_of(self, host: Host) -> shaping.Shape:
+        """The shaping of ``host``'s link: its rack's rate where racks have their own."""
+        if self.rack_gbit is None or host.rack is None:
+            return self.shape
+        return dataclasses.replace(self.shape, gbit=self.rack_gbit[host.rack])
 
     def rack_hosts(self, rack: int) -> list[Host]:
         """The hosts of ``rack``, in order (their NICs are the rack's)."""
@@ -340,16 +355,16 @@ class Testbed:
         link, both directions (docs/testbed.md, "Priority for control traffic"): what
         RDMA QoS does for a control channel."""
         for h in self.hosts:
-            shaping.add_priority_port(h.veth, self.shape, port, netns=h.netns)
-            shaping.add_priority_port(h.bridge_port, self.shape, port)
+            shaping.add_priority_port(h.veth, self.shape_of(h), port, netns=h.netns)
+            shaping.add_priority_port(h.bridge_port, self.shape_of(h), port)
 
     def prioritize_dscp(self, dscp: int) -> None:
         """IPv4 packets marked ``dscp`` go in the higher-priority htb class on every host link,
         both directions: every Cleave control connection marks its packets (DSCP EF,
         docs/protocol.md "Priority of control traffic"), as a network with QoS would honour."""
         for h in self.hosts:
-            shaping.add_priority_dscp(h.veth, self.shape, dscp, netns=h.netns)
-            shaping.add_priority_dscp(h.bridge_port, self.shape, dscp)
+            shaping.add_priority_dscp(h.veth, self.shape_of(h), dscp, netns=h.netns)
+            shaping.add_priority_dscp(h.bridge_port, self.shape_of(h), dscp)
 
     def set_link(self, host: Host | int | str, up: bool) -> None:
         """Take the host's link down (both veth ends) or bring it back; its address, routes
