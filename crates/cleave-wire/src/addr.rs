@@ -43,13 +43,11 @@ impl FromStr for Address {
             None => (s, false),
         };
         match rest.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
-                Ok(if mptcp {
-                    Address::Mptcp(rest.to_owned())
-                } else {
-                    Address::Tcp(rest.to_owned())
-                })
-            }
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(if mptcp {
+                Address::Mptcp(rest.to_owned())
+            } else {
+                Address::Tcp(rest.to_owned())
+            }),
             _ => Err(format!(
                 "address {s:?}: expected host:port, mptcp:host:port or unix:/path"
             )),

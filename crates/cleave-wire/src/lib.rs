@@ -40,5 +40,5 @@ pub use ewma::Ewma;
 pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
 pub use queue::QueuePolicy;
-pub use sockets::{mptcp_refused_by_kernel, mptcp_subflows};
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use sockets::{mptcp_refused_by_kernel, mptcp_subflows};

@@ -62,7 +62,6 @@ impl Drop for Listed {
 // TcpStream/TcpListener carry it unchanged. A peer without MPTCP is met over plain TCP by the
 // kernel itself; only a kernel that refuses the protocol is handled here.
 
-
 const IPPROTO_MPTCP: libc::c_int = 262;
 const SOL_MPTCP: libc::c_int = 284;
 const MPTCP_INFO: libc::c_int = 1;

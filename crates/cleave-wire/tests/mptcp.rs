@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cleave_wire::{Address, Client, ClientConfig, Handler, IoThreads, Request, Responder, Server, ServerConfig};
+use cleave_wire::{
+    Address, Client, ClientConfig, Handler, IoThreads, Request, Responder, Server, ServerConfig,
+};
 
 struct Echo;
 
@@ -28,12 +30,19 @@ fn round_trip(listen: &str) -> bool {
     let local = server.local_addr().clone();
     assert!(matches!(local, Address::Mptcp(_)), "{local}");
     let io = IoThreads::new("test-io", 1).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let client = Client::new(local.clone(), io, ClientConfig::default());
     rt.block_on(async {
         let payload = Bytes::from_static(b"over every path");
         let got = client
-            .call(cleave_wire::frame::kind::FIRST_APP, payload.clone(), Duration::from_secs(5))
+            .call(
+                cleave_wire::frame::kind::FIRST_APP,
+                payload.clone(),
+                Duration::from_secs(5),
+            )
             .await
             .unwrap();
         assert_eq!(got, payload);
@@ -47,7 +56,10 @@ fn mptcp_connection_is_made() {
         eprintln!("skipped: net.mptcp.enabled is not 1 on this kernel");
         return;
     }
-    assert!(round_trip("mptcp:127.0.0.1:0"), "the connection fell back to TCP");
+    assert!(
+        round_trip("mptcp:127.0.0.1:0"),
+        "the connection fell back to TCP"
+    );
 }
 
 #[test]
@@ -74,7 +86,10 @@ fn refused_by_the_kernel_falls_back_to_tcp() {
         None => eprintln!("skipped: cannot make a network namespace (needs root)"),
         Some(is_mptcp) => {
             assert!(!is_mptcp, "MPTCP is disabled in this namespace");
-            assert!(cleave_wire::mptcp_refused_by_kernel(), "the fallback was not logged");
+            assert!(
+                cleave_wire::mptcp_refused_by_kernel(),
+                "the fallback was not logged"
+            );
         }
     }
 }
