@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -37,8 +36,13 @@ BUDGET_MS = 1000
 
 def _tx(tb: Testbed, dev: str) -> int:
     host = next(h for h in tb.hosts if h.veth == dev)
-    proc = tb.run(host, ["cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
-                  capture_output=True, text=True, check=True)
+    proc = tb.run(
+        host,
+        ["cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(proc.stdout)
 
 
@@ -71,12 +75,21 @@ def test_a_bulk_transfer_leaves_by_one_nic_or_by_every_nic_of_the_rack(mode):
     with Testbed(8, 0.2, racks=2, mode=mode) as tb:
         sender, receiver = tb.host(5), tb.host(0)  # rack 1's second host, rack 0's first
         nics = [h.veth for h in tb.rack_hosts(1)]
-        server = tb.popen(sender, [sys.executable, "-c", SENDER, sender.address, str(nbytes)],
-                          stdout=subprocess.PIPE, text=True)
+        server = tb.popen(
+            sender,
+            [sys.executable, "-c", SENDER, sender.address, str(nbytes)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline().strip() == "listening"
         before = {d: _tx(tb, d) for d in nics}
-        got = tb.run(receiver, [sys.executable, "-c", RECEIVER, sender.address],
-                     capture_output=True, text=True, check=True)
+        got = tb.run(
+            receiver,
+            [sys.executable, "-c", RECEIVER, sender.address],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert server.wait(30) == 0
         received, is_mptcp = map(int, got.stdout.split())
         assert received == nbytes

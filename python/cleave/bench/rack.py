@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate", type=float, help="requests/s offered (default: 70%% of the hot NIC in ToR)"
     )
     parser.add_argument("--case-s", type=float, help="seconds offered per case (default 60)")
-    parser.add_argument("--budget-ms", type=float, default=1000.0, help="per request (default 1000)")
+    parser.add_argument(
+        "--budget-ms", type=float, default=1000.0, help="per request (default 1000)"
+    )
     parser.add_argument("--rows", type=int, help="table rows (default 800000; quick 80000)")
 
 
@@ -235,7 +237,7 @@ def drive_case(tb, client, case: dict, ports: dict, mode: str, args) -> dict:
     times: list[float] = []
     series: dict[str, list[int]] = {h: [] for h in ports}
     util: dict[str, list[float]] = {h: [] for h in ports}
-    for (ta, a), (tb_, b) in zip(sampler.samples, sampler.samples[1:]):
+    for (ta, a), (tb_, b) in zip(sampler.samples, sampler.samples[1:], strict=False):
         times.append(round(tb_ - t0, 3))
         for h in ports:
             series[h].append(b[h] - a[h])
@@ -348,12 +350,15 @@ def _goodput_ratio(by: dict) -> float | None:
 
 def _without_series(result: dict) -> dict:
     drop = ("nic_times_s", "nic_bytes_per_sample", "nic_utilisation")
-    return {**result, "cases": [{k: v for k, v in c.items() if k not in drop} for c in result["cases"]]}
+    return {
+        **result,
+        "cases": [{k: v for k, v in c.items() if k not in drop} for c in result["cases"]],
+    }
 
 
 def print_table(result: dict) -> None:
-    head = f"{'ids':8} {'mode':5} {'avg ms':>8} {'p99 ms':>8} {'goodput/s':>10} {'failed':>7}  hot NIC MB"
-    print(head, file=sys.stderr)
+    head = f"{'ids':8} {'mode':5} {'avg ms':>8} {'p99 ms':>8} {'goodput/s':>10} {'failed':>7}"
+    print(head + "  hot NIC MB", file=sys.stderr)
     for c in result["cases"]:
         hot = max(c["nic_sent_bytes"].values()) / 1e6
         avg = c["embedding_avg_ms"] or float("nan")

@@ -53,7 +53,9 @@ class TestbedBinding(Binding):
         return self.testbed.hosts[self.index[role.host]].address
 
     def listen(self, role: Shard | Ranker) -> str:
-        return listen_address(self.plan.transport, self.address(role), self.ports[(role.name, "port")])
+        return listen_address(
+            self.plan.transport, self.address(role), self.ports[(role.name, "port")]
+        )
 
     def metrics_port(self, role: Shard | Ranker) -> int:
         return self.ports[(role.name, "metrics")]

@@ -65,9 +65,7 @@ def wire_tor(netns: str, nics: list[tuple[str, str]], prefix: int, subnet: str) 
     ip("-n", netns, "mptcp", "limits", "set", "subflows", "0", "add_addr_accepted", "0")
 
 
-def wire_pool(
-    netns: str, nics: list[tuple[str, str]], peers: list[tuple[str, list[str]]]
-) -> None:
+def wire_pool(netns: str, nics: list[tuple[str, str]], peers: list[tuple[str, list[str]]]) -> None:
     """``peers``: every NIC address of the other racks, with the addresses of the NICs of its
     rack in rack order (the gateways a subflow bound to this rack's NIC k goes through)."""
     for k, (dev, src) in enumerate(nics):
@@ -77,7 +75,19 @@ def wire_pool(
     n = str(min(len(nics), MAX_SUBFLOWS))
     ip("-n", netns, "mptcp", "limits", "set", "subflows", n, "add_addr_accepted", n)
     for k, (dev, address) in enumerate(nics):
-        ip("-n", netns, "mptcp", "endpoint", "add", address, "dev", dev, "id", str(k + 1), "subflow")
+        ip(
+            "-n",
+            netns,
+            "mptcp",
+            "endpoint",
+            "add",
+            address,
+            "dev",
+            dev,
+            "id",
+            str(k + 1),
+            "subflow",
+        )
 
 
 # The routes through a NIC go when its link goes down; Testbed.set_link puts them back
@@ -89,9 +99,7 @@ def tor_routes(netns: str, k: int, dev: str, address: str, subnet: str) -> None:
     ip("-n", netns, "route", "replace", subnet, "dev", dev, "src", address, "table", table)
 
 
-def pool_routes(
-    netns: str, k: int, dev: str, src: str, peers: list[tuple[str, list[str]]]
-) -> None:
+def pool_routes(netns: str, k: int, dev: str, src: str, peers: list[tuple[str, list[str]]]) -> None:
     """NIC k's routes in pool mode. Main table: a peer NIC of index k is reached straight
     through this rack's NIC k (so the bulk a host sends back to a subflow's address leaves
     by the NIC of that subflow). Table OIF_TABLE_BASE + k, for sockets bound to NIC k (the
@@ -104,5 +112,19 @@ def pool_routes(
             ip("-n", netns, "route", "replace", f"{address}/32", "dev", dev, "src", src)
         if k < len(gateways):
             via = gateways[k]
-            ip("-n", netns, "route", "replace", f"{address}/32", "via", via, "dev", dev,
-               "src", src, "onlink", "table", table)
+            ip(
+                "-n",
+                netns,
+                "route",
+                "replace",
+                f"{address}/32",
+                "via",
+                via,
+                "dev",
+                dev,
+                "src",
+                src,
+                "onlink",
+                "table",
+                table,
+            )

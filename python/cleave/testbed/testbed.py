@@ -239,7 +239,9 @@ class Testbed:
 
     def _peers(self, rack: int) -> list[tuple[str, list[str]]]:
         """Each NIC address of the other racks, with its rack's NIC addresses in order."""
-        of_rack = {r: [h.address for h in self._hosts if h.rack == r] for r in range(self.racks or 0)}
+        of_rack = {
+            r: [h.address for h in self._hosts if h.rack == r] for r in range(self.racks or 0)
+        }
         return [(h.address, of_rack[h.rack]) for h in self._hosts if h.rack not in (None, rack)]
 
     def shape_of(self, host: Host) -> shaping.Shape:
@@ -414,8 +416,11 @@ def host_link(address: str) -> tuple[str, str, str]:
     if netns not in names:  # a racked testbed: the host's NIC is in its rack's namespace
         racks = [ns for ns in names if ns.startswith(f"{naming.NETNS_PREFIX}{slot}-r")]
         netns = next(
-            (ns for ns in racks if ip("-n", ns, "link", "show", "dev", n.host_veth(index),
-                                      check=False)),
+            (
+                ns
+                for ns in racks
+                if ip("-n", ns, "link", "show", "dev", n.host_veth(index), check=False)
+            ),
             netns,
         )
     return netns, n.host_veth(index), n.bridge_veth(index)
