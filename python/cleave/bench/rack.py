@@ -16,7 +16,9 @@ Every connection is `mptcp:`.
 * `uniform` ids: every host sends an equal share; the NICs are loaded alike in both modes.
 
 Both modes run on the same links at the same offered load (Poisson arrivals at --rate, the
-same seeds), each with a budget per request (--budget-ms: the client's timeout). Reported
+same seeds), each with a budget per request (--budget-ms: the client's timeout). Both
+testbeds are up at once and the four cases run interleaved, round after round (--rounds of
+--case-s each), so the shared machine's other load falls on both modes alike. Reported
 per case: the embedding stage's average and p99 latency (from each request's scheduled
 arrival, so queueing in front of a saturated NIC counts), goodput at the budget (requests
 answered within it, per second offered), and each shard NIC's bytes per 100 ms (what its
@@ -28,6 +30,7 @@ utilisation over time for each case (like DRack's Fig. 9(j)).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -66,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate", type=float, help="requests/s offered (default: 70%% of the hot NIC in ToR)"
     )
-    parser.add_argument("--case-s", type=float, help="seconds offered per case (default 60)")
+    parser.add_argument(
+        "--case-s", type=float, help="seconds offered per case and round (default 20)"
+    )
+    parser.add_argument("--rounds", type=int, help="rounds of the 4 cases (default 3; quick 1)")
     parser.add_argument(
         "--budget-ms", type=float, default=1000.0, help="per request (default 1000)"
     )
@@ -182,42 +188,33 @@ class NicSampler:
         self._thread.join(5)
 
 
-def run_mode(mode: str, args, bundle: Path, rows: int, rate: float, case_s: float) -> list:
+def start_mode(stack: contextlib.ExitStack, mode: str, args, bundle: Path, rows: int):
+    """A testbed wired `mode` with a shard on each of its 8 shard hosts: (testbed, routes,
+    client host, shard host name -> bridge port)."""
     from cleave.testbed.testbed import Testbed
 
     gbit = [args.link_gbit] * RACKS + [CLIENT_GBIT]
     hosts = (RACKS + 1) * HOSTS_PER_RACK
     shards = RACKS * HOSTS_PER_RACK
     per = rows // shards
-    cases = []
-    with Testbed(hosts, args.link_gbit, racks=RACKS + 1, mode=mode, rack_gbit=gbit) as tb:
-        routes = []
-        for i in range(shards):
-            h = tb.host(i)
-            lo, hi = i * per, rows if i == shards - 1 else (i + 1) * per
-            argv = [sys.executable, "-m", "cleave.cli", "shard", "--bundle", str(bundle)]
-            argv += ["--listen", f"mptcp:{h.address}:{SHARD_PORT}", "--rows", f"t0={lo}:{hi}"]
-            argv += ["--metrics-port", str(METRICS_PORT), "--threads", "1"]
-            tb.popen(h, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            routes.append(("t0", lo, hi, f"mptcp:{h.address}:{SHARD_PORT}"))
-        client = tb.host(shards)  # the client rack's first host
-        ports = {tb.host(i).name: tb.host(i).bridge_port for i in range(shards)}
-        for kind in IDS:
-            case = {
-                "routes": routes,
-                "ids": kind,
-                "rows": rows,
-                "distinct": 256,
-                "seed": 11,
-                "rate": rate,
-                "case_s": case_s,
-                "budget_ms": args.budget_ms,
-            }
-            cases.append(drive_case(tb, client, case, ports, mode, args))
-    return cases
+    tb = stack.enter_context(
+        Testbed(hosts, args.link_gbit, racks=RACKS + 1, mode=mode, rack_gbit=gbit)
+    )
+    routes = []
+    for i in range(shards):
+        h = tb.host(i)
+        lo, hi = i * per, rows if i == shards - 1 else (i + 1) * per
+        argv = [sys.executable, "-m", "cleave.cli", "shard", "--bundle", str(bundle)]
+        argv += ["--listen", f"mptcp:{h.address}:{SHARD_PORT}", "--rows", f"t0={lo}:{hi}"]
+        argv += ["--metrics-port", str(METRICS_PORT), "--threads", "1"]
+        tb.popen(h, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        routes.append(("t0", lo, hi, f"mptcp:{h.address}:{SHARD_PORT}"))
+    ports = {tb.host(i).name: tb.host(i).bridge_port for i in range(shards)}
+    return tb, routes, tb.host(shards), ports  # the client: the client rack's first host
 
 
-def drive_case(tb, client, case: dict, ports: dict, mode: str, args) -> dict:
+def drive_case(tb, client, case: dict, ports: dict, args) -> dict:
+    """One round of one case: each request's (latency ms, answered) and the NICs' bytes."""
     argv = [sys.executable, "-c", "from cleave.bench.rack import drive; drive()"]
     proc = tb.popen(client, [*argv, json.dumps(case)], stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "start":
@@ -231,10 +228,6 @@ def drive_case(tb, client, case: dict, ports: dict, mode: str, args) -> dict:
     if proc.returncode != 0:
         raise CleaveError(f"the client failed (exit code {proc.returncode})")
     data = json.loads(out)
-    lat = np.array([r[1] for r in data["results"]]) * 1e3
-    ok = np.array([r[2] for r in data["results"]], dtype=bool)
-    within = ok & (lat <= args.budget_ms)
-    answered = lat[ok]
     t0 = sampler.samples[0][0]
     link = args.link_gbit * 1e9 / 8
     times: list[float] = []
@@ -246,19 +239,46 @@ def drive_case(tb, client, case: dict, ports: dict, mode: str, args) -> dict:
             series[h].append(b[h] - a[h])
             util[h].append(round((b[h] - a[h]) / ((tb_ - ta) * link), 4))
     return {
-        "ids": case["ids"],
-        "mode": mode,
-        "offered_rps": case["rate"],
-        "requests": int(len(lat)),
-        "failed": int((~ok).sum()),
-        "embedding_avg_ms": float(answered.mean()) if len(answered) else None,
-        "embedding_p50_ms": nearest_rank(answered, 0.5),
-        "embedding_p99_ms": nearest_rank(answered, 0.99),
-        "goodput_rps": float(within.sum() / case["case_s"]),
-        "nic_sent_bytes": {h: int(sum(v)) for h, v in series.items()},
+        "latency_ms": [r[1] * 1e3 for r in data["results"]],
+        "answered": [r[2] for r in data["results"]],
         "nic_times_s": times,
         "nic_bytes_per_sample": series,
         "nic_utilisation": util,
+    }
+
+
+def summarise(kind: str, mode: str, rounds: list[dict], rate: float, case_s: float, args):
+    """One case over its rounds: every request of every round together; the NIC series of
+    the first round (what the plot draws)."""
+    lat = np.array([v for r in rounds for v in r["latency_ms"]])
+    ok = np.array([v for r in rounds for v in r["answered"]], dtype=bool)
+    answered = lat[ok]
+    within = ok & (lat <= args.budget_ms)
+    sent = {
+        h: sum(sum(r["nic_bytes_per_sample"][h]) for r in rounds)
+        for h in rounds[0]["nic_bytes_per_sample"]
+    }
+    per_round = [
+        float(np.mean(np.array(r["latency_ms"])[np.array(r["answered"], dtype=bool)]))
+        for r in rounds
+        if any(r["answered"])
+    ]
+    return {
+        "ids": kind,
+        "mode": mode,
+        "offered_rps": rate,
+        "rounds": len(rounds),
+        "requests": int(len(lat)),
+        "failed": int((~ok).sum()),
+        "embedding_avg_ms": float(answered.mean()) if len(answered) else None,
+        "embedding_avg_ms_per_round": per_round,
+        "embedding_p50_ms": nearest_rank(answered, 0.5),
+        "embedding_p99_ms": nearest_rank(answered, 0.99),
+        "goodput_rps": float(within.sum() / (case_s * len(rounds))),
+        "nic_sent_bytes": {h: int(v) for h, v in sent.items()},
+        "nic_times_s": rounds[0]["nic_times_s"],
+        "nic_bytes_per_sample": rounds[0]["nic_bytes_per_sample"],
+        "nic_utilisation": rounds[0]["nic_utilisation"],
     }
 
 
@@ -288,12 +308,14 @@ def run(args: argparse.Namespace) -> int:
     rows = args.rows or (80_000 if args.quick else 800_000)
     if rows < RACKS * HOSTS_PER_RACK:
         raise UsageError(f"--rows must be >= {RACKS * HOSTS_PER_RACK}, got {rows}")
-    case_s = args.case_s or (4.0 if args.quick else 60.0)
+    case_s = args.case_s or (4.0 if args.quick else 20.0)
+    rounds = args.rounds or (1 if args.quick else 3)
     share = hot_share(rows)
     hot_bytes = share * IDS_PER_REQUEST * 4 * DIM  # per request, zipf
     # 70% of the hot NIC in ToR mode: it saturates in bursts, and not at all when pooled.
     rate = args.rate or 0.7 * args.link_gbit * 1e9 / 8 / hot_bytes
-    for what, v in (("--rate", rate), ("--case-s", case_s), ("--budget-ms", args.budget_ms)):
+    checks = (("--rate", rate), ("--case-s", case_s), ("--budget-ms", args.budget_ms))
+    for what, v in (*checks, ("--rounds", rounds)):
         if not v > 0:
             raise UsageError(f"{what} must be > 0, got {v}")
     with tempfile.TemporaryDirectory(prefix="cleave-bench-rack-") as tmp:
@@ -304,10 +326,32 @@ def run(args: argparse.Namespace) -> int:
             lambda t, n: rng.standard_normal((n, DIM), dtype=np.float32),
             "cleave bench rack",
         )
-        cases = []
-        for mode in MODES:
-            print(f"cleave bench rack: {mode} mode, {rate:.1f} requests/s", file=sys.stderr)
-            cases += run_mode(mode, args, bundle, rows, rate, case_s)
+        # Both testbeds up at once and the cases interleaved, round after round: the
+        # machine's other load (it is shared) falls on ToR and pool alike.
+        raw: dict[tuple[str, str], list[dict]] = {(k, m): [] for k in IDS for m in MODES}
+        with contextlib.ExitStack() as stack:
+            beds = {m: start_mode(stack, m, args, bundle, rows) for m in MODES}
+            for r in range(rounds):
+                for kind in IDS:
+                    for mode in MODES:
+                        tb, routes, client, ports = beds[mode]
+                        case = {
+                            "routes": routes,
+                            "ids": kind,
+                            "rows": rows,
+                            "distinct": 256,
+                            "seed": 11 + r,
+                            "rate": rate,
+                            "case_s": case_s,
+                            "budget_ms": args.budget_ms,
+                        }
+                        print(
+                            f"cleave bench rack: round {r + 1}/{rounds}, {kind} ids, {mode}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        raw[(kind, mode)].append(drive_case(tb, client, case, ports, args))
+        cases = [summarise(k, m, raw[(k, m)], rate, case_s, args) for k in IDS for m in MODES]
     by = {(c["ids"], c["mode"]): c for c in cases}
 
     def ratio(kind: str) -> float | None:
@@ -328,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         "zipf_hot_share": share,
         "rate_rps": rate,
         "case_s": case_s,
+        "rounds": rounds,
         "budget_ms": args.budget_ms,
         "transport": "mptcp",
         "cases": cases,
