@@ -260,6 +260,9 @@ def _plan_from_args(args: argparse.Namespace):
 def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
     if args.ray_address is not None and args.runner != "ray":
         raise UsageError("--ray-address: only with --runner ray")
+    racked = args.racks is not None or args.rack_mode is not None
+    if racked and args.runner != "testbed":
+        raise UsageError("--racks, --rack-mode: only with --runner testbed")
     if args.runner == "ray":
         if args.host is not None or args.link_gbit is not None:
             raise UsageError("--host, --link-gbit: not with --runner ray (routers bind their node)")
@@ -276,8 +279,6 @@ def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
             "racks": args.racks,
             "rack_mode": args.rack_mode or "tor",
         }
-    if args.racks is not None or args.rack_mode is not None:
-        raise UsageError("--racks, --rack-mode: only with --runner testbed")
     if args.link_gbit is not None:  # only emulated links have a rate
         raise UsageError("--link-gbit: only with --runner testbed")
     return {"host": host} if host is not None else {}
