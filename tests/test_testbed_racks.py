@@ -238,3 +238,27 @@ def host_addresses(server: ServeProcess) -> dict[str, str]:
             pairs = rest.split(": ", 1)[1].split(", ")
             return dict(pair.split("=", 1) for pair in pairs)
     raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
+
+
+def test_a_shard_on_a_kernel_that_refuses_mptcp_logs_and_serves_over_tcp(tmp_path):
+    """`net.mptcp.enabled = 0` in the shard host's namespace: its `mptcp:` listener is plain
+    TCP, said once on stderr, and an MPTCP client (the root namespace's) is answered."""
+    from cleave import _native
+    from cleave.bench.harness.bundles import Table, write_bundle
+    from cleave.launch.supervisor import find_executable
+
+    rows = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    bundle = write_bundle(tmp_path / "b", [Table("t", 8, 4)], lambda t, n: rows[:n], "test")
+    with Testbed(1, 1.0) as tb:
+        host = tb.host(0)
+        tb.run(host, ["sysctl", "-qw", "net.mptcp.enabled=0"], check=True)
+        address = f"mptcp:{host.address}:7000"
+        argv = [find_executable("cleave-shard"), "--bundle", str(bundle), "--listen", address]
+        shard = tb.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert shard.stdout.readline().startswith(f"ready {address}")
+        client = _native.ShardClient([("t", 0, 8, address)], timeout_s=10)
+        (got,) = client.lookup([("t", "gather", np.array([5, 1]), [])])
+        assert np.array_equal(got, rows[[5, 1]])
+        shard.terminate()
+        _, err = shard.communicate(timeout=30)
+    assert "the kernel refuses MPTCP sockets; transport mptcp falls back to TCP" in err
