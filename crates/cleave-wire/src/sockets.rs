@@ -63,8 +63,6 @@ impl Drop for Listed {
 // kernel itself; only a kernel that refuses the protocol is handled here.
 
 const IPPROTO_MPTCP: libc::c_int = 262;
-const SOL_MPTCP: libc::c_int = 284;
-const MPTCP_INFO: libc::c_int = 1;
 const TCP_IS_MPTCP: libc::c_int = 43;
 
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
@@ -207,22 +205,4 @@ pub(crate) fn is_mptcp(fd: BorrowedFd<'_>) -> bool {
         )
     };
     rc == 0 && on == 1
-}
-
-/// The subflows an MPTCP connection has opened beyond its first (MPTCP_INFO's
-/// `mptcpi_subflows`), or None for a socket that is not MPTCP.
-pub fn mptcp_subflows(fd: BorrowedFd<'_>) -> Option<u8> {
-    let mut info = [0u8; 64];
-    let mut len = info.len() as libc::socklen_t;
-    // SAFETY: `info` and `len` outlive the call and describe a buffer of `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            SOL_MPTCP,
-            MPTCP_INFO,
-            info.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    (rc == 0 && len > 0).then_some(info[0])
 }
