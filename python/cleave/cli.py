@@ -35,6 +35,7 @@ BENCHMARKS = {
     "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
     "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
+    "rack": ("cleave.bench.rack", "a hot shard host on the rack testbed: ToR vs pooled NICs"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),

@@ -48,6 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--link-gbit", type=float, help="testbed runner: host link rate, Gbit/s (default 1.0)"
     )
+    parser.add_argument(
+        "--racks",
+        type=int,
+        help="testbed runner: the plan's hosts in R racks of equal size (docs/testbed.md, 'Racks')",
+    )
+    parser.add_argument(
+        "--rack-mode",
+        choices=["tor", "pool"],
+        help="testbed runner with --racks: each host's own NIC (tor, default) or its rack's (pool)",
+    )
     parser.add_argument("--config", help="TOML file (docs/serving.md); flags override it")
     parser.add_argument("--http-port", type=int, help="client port; 0: ephemeral (default)")
     parser.add_argument(
@@ -228,7 +238,7 @@ def _plan_from_args(args: argparse.Namespace):
             f"{', '.join(given)}: not with --plan (the plan says it); "
             "expected only --runner, --http-port, --grpc-port, --tls-cert, --tls-key, "
             "--auth-token-file, --host (local runner), --name, "
-            "--fail-stop, --url-file, --link-gbit, --ray-address"
+            "--fail-stop, --url-file, --link-gbit, --racks, --rack-mode, --ray-address"
         )
     plan = load_plan(args.plan)
     _apply_security(plan.router, args)
@@ -250,6 +260,9 @@ def _plan_from_args(args: argparse.Namespace):
 def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
     if args.ray_address is not None and args.runner != "ray":
         raise UsageError("--ray-address: only with --runner ray")
+    racked = args.racks is not None or args.rack_mode is not None
+    if racked and args.runner != "testbed":
+        raise UsageError("--racks, --rack-mode: only with --runner testbed")
     if args.runner == "ray":
         if args.host is not None or args.link_gbit is not None:
             raise UsageError("--host, --link-gbit: not with --runner ray (routers bind their node)")
@@ -259,7 +272,13 @@ def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
             raise UsageError(
                 "--host: not with --runner testbed (routers bind their host's testbed address)"
             )
-        return {"link_gbit": 1.0 if args.link_gbit is None else args.link_gbit}
+        if args.rack_mode is not None and args.racks is None:
+            raise UsageError("--rack-mode: only with --racks")
+        return {
+            "link_gbit": 1.0 if args.link_gbit is None else args.link_gbit,
+            "racks": args.racks,
+            "rack_mode": args.rack_mode or "tor",
+        }
     if args.link_gbit is not None:  # only emulated links have a rate
         raise UsageError("--link-gbit: only with --runner testbed")
     return {"host": host} if host is not None else {}

@@ -75,7 +75,9 @@ enum Conn {
 impl Conn {
     fn open(addr: &Address) -> io::Result<Conn> {
         let mut c = match addr {
-            Address::Tcp(a) => {
+            // An MPTCP listener takes plain TCP too: the load generator's own connections
+            // need no second path.
+            Address::Tcp(a) | Address::Mptcp(a) => {
                 let s = TcpStream::connect(a.as_str())?;
                 s.set_nodelay(true)?;
                 Conn::Tcp(s)

@@ -278,7 +278,7 @@ impl Shard {
 /// The metrics server listens on the listen address's host (loopback for Unix sockets).
 fn metrics_host(listen: &Address) -> IpAddr {
     match listen {
-        Address::Tcp(a) => a
+        Address::Tcp(a) | Address::Mptcp(a) => a
             .to_socket_addrs()
             .ok()
             .and_then(|mut it| it.next())

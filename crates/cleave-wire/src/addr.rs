@@ -1,4 +1,6 @@
-//! Addresses (`host:port` or `unix:/path`) and the stream/listener types over both.
+//! Addresses (`host:port`, `mptcp:host:port` or `unix:/path`) and the stream/listener types
+//! over them. An MPTCP connection is a TCP stream to everything above this file: the frames,
+//! HELLO and credits are unchanged; only the socket's protocol differs (sockets.rs).
 
 use std::fmt;
 use std::io;
@@ -19,6 +21,9 @@ pub enum Address {
     Tcp(String),
     /// `unix:/path/to/socket`.
     Unix(PathBuf),
+    /// `mptcp:host:port`: as `Tcp`, over a Multipath TCP socket (`transport: mptcp`,
+    /// docs/protocol.md "Multipath TCP"); plain TCP where the kernel refuses MPTCP.
+    Mptcp(String),
 }
 
 impl FromStr for Address {
@@ -33,12 +38,28 @@ impl FromStr for Address {
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
-        match s.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
-                Ok(Address::Tcp(s.to_owned()))
-            }
-            _ => Err(format!("address {s:?}: expected host:port or unix:/path")),
+        let (rest, mptcp) = match s.strip_prefix("mptcp:") {
+            Some(rest) => (rest, true),
+            None => (s, false),
+        };
+        match rest.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(if mptcp {
+                Address::Mptcp(rest.to_owned())
+            } else {
+                Address::Tcp(rest.to_owned())
+            }),
+            _ => Err(format!(
+                "address {s:?}: expected host:port, mptcp:host:port or unix:/path"
+            )),
         }
+    }
+}
+
+impl Address {
+    /// Opens one connection to this address as a Client's would and says whether it runs
+    /// Multipath TCP end to end (tests and `cleave` diagnostics; false for TCP and Unix).
+    pub async fn connects_mptcp(&self) -> io::Result<bool> {
+        Ok(Stream::connect(self).await?.is_mptcp())
     }
 }
 
@@ -47,6 +68,7 @@ impl fmt::Display for Address {
         match self {
             Address::Tcp(a) => f.write_str(a),
             Address::Unix(p) => write!(f, "unix:{}", p.display()),
+            Address::Mptcp(a) => write!(f, "mptcp:{a}"),
         }
     }
 }
@@ -68,6 +90,20 @@ impl Stream {
                 Ok(Stream::Tcp(s))
             }
             Address::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
+            Address::Mptcp(a) => {
+                let s = crate::sockets::mptcp_connect(a).await?;
+                s.set_nodelay(true)?;
+                Ok(Stream::Tcp(s))
+            }
+        }
+    }
+
+    /// Whether this connection runs Multipath TCP end to end (false for plain TCP, for an
+    /// MPTCP socket that fell back to TCP, and for Unix sockets).
+    pub fn is_mptcp(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => crate::sockets::is_mptcp(s.as_fd()),
+            Stream::Unix(_) => false,
         }
     }
 
@@ -248,7 +284,8 @@ impl AsyncWrite for Stream {
 /// before any thread starts.
 #[derive(Debug)]
 pub enum StdListener {
-    Tcp(std::net::TcpListener),
+    /// A TCP listener; `true` when its socket is MPTCP (it accepts plain TCP peers too).
+    Tcp(std::net::TcpListener, bool),
     Unix(std::os::unix::net::UnixListener, PathBuf),
 }
 
@@ -266,7 +303,16 @@ impl StdListener {
                 })?;
                 let l = std::net::TcpListener::bind(sa)?;
                 l.set_nonblocking(true)?;
-                StdListener::Tcp(l)
+                StdListener::Tcp(l, false)
+            }
+            Address::Mptcp(a) => {
+                let sa = a.to_socket_addrs()?.next().ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{a} resolves to nothing"),
+                    )
+                })?;
+                StdListener::Tcp(crate::sockets::mptcp_listener(sa)?, true)
             }
             Address::Unix(p) => {
                 if p.exists() {
@@ -289,7 +335,8 @@ impl StdListener {
     /// The address peers connect to (the real port when bound to port 0).
     pub fn local_addr(&self) -> io::Result<Address> {
         Ok(match self {
-            StdListener::Tcp(l) => Address::Tcp(l.local_addr()?.to_string()),
+            StdListener::Tcp(l, false) => Address::Tcp(l.local_addr()?.to_string()),
+            StdListener::Tcp(l, true) => Address::Mptcp(l.local_addr()?.to_string()),
             StdListener::Unix(_, p) => Address::Unix(p.clone()),
         })
     }
@@ -305,7 +352,7 @@ pub enum Listener {
 impl Listener {
     pub fn from_std(l: StdListener) -> io::Result<Listener> {
         Ok(match l {
-            StdListener::Tcp(l) => Listener::Tcp(TcpListener::from_std(l)?),
+            StdListener::Tcp(l, _) => Listener::Tcp(TcpListener::from_std(l)?),
             StdListener::Unix(l, p) => Listener::Unix(UnixListener::from_std(l)?, p),
         })
     }
@@ -343,10 +390,28 @@ mod tests {
         assert_eq!("[::1]:80".parse(), Ok(Address::Tcp("[::1]:80".into())));
         assert_eq!("unix:/tmp/s".parse(), Ok(Address::Unix("/tmp/s".into())));
         assert_eq!(
+            "mptcp:10.0.0.1:80".parse(),
+            Ok(Address::Mptcp("10.0.0.1:80".into()))
+        );
+        assert_eq!(
+            "mptcp:[::1]:80".parse::<Address>().unwrap().to_string(),
+            "mptcp:[::1]:80"
+        );
+        assert_eq!(
             "unix:/tmp/s".parse::<Address>().unwrap().to_string(),
             "unix:/tmp/s"
         );
-        for bad in ["", "host", "host:", ":80", "host:99999", "unix:"] {
+        for bad in [
+            "",
+            "host",
+            "host:",
+            ":80",
+            "host:99999",
+            "unix:",
+            "mptcp:",
+            "mptcp:host",
+            "mptcp::80",
+        ] {
             let err = bad.parse::<Address>().unwrap_err();
             assert!(err.contains("expected"), "{bad}: {err}");
         }

@@ -41,3 +41,4 @@ pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, Fr
 pub use io::IoThreads;
 pub use queue::QueuePolicy;
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use sockets::mptcp_refused_by_kernel;

@@ -199,7 +199,7 @@ def make_plan(
     return Plan(
         **_common(bundle, config),
         mode=deployment_mode(config),
-        transport=config.transport if len(used) == 1 else "tcp",
+        transport="tcp" if config.transport == "unix" and len(used) > 1 else config.transport,
         hosts=list(hosts),
         shards=plan_shards,
         rankers=plan_rankers,

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from cleave.errors import UsageError
+from cleave.runners.roles import listen_host
 from cleave.settings import IncastConfig, RankerConfig, choice_list, default, doc
 
 
@@ -27,7 +28,7 @@ def _flag(cls: type, name: str, more: str = "") -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, help="bundle directory")
-    parser.add_argument("--listen", required=True, help="host:port or unix:/path")
+    parser.add_argument("--listen", required=True, help="host:port, mptcp:host:port or unix:/path")
     parser.add_argument("--device", **_flag(RankerConfig, "device"))
     parser.add_argument("--dense-dtype", **_flag(RankerConfig, "dense_dtype"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -217,9 +218,9 @@ def _probes(batcher, address: str, port: int | None, control=None):
         return None
     from cleave.ranker.probes import Probes
 
-    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0]
+    host = listen_host(address)
     try:
-        return Probes(batcher, host.strip("[]"), port, control)
+        return Probes(batcher, host, port, control)
     except OSError as err:
         raise UsageError(f"--metrics-port {port}: cannot listen on {host}: {err}") from None
 
@@ -233,7 +234,7 @@ def _control(args: argparse.Namespace, server):
     from cleave.ranker.control import CongestionMeter, ControlServer
 
     address = server.address
-    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0].strip("[]")
+    host = listen_host(address)
     link = args.link_gbit * 1e9 / 8
     window = args.incast_window_bytes
     # B in the start-by deadline is learnt from the payloads' transfers, from --link-gbit on.

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cleave.runners.roles import Binding
+from cleave.runners.roles import Binding, listen_address
 from cleave.runners.supervised import SupervisedRunner
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class LocalBinding(Binding):
         logical = max(Counter(_ports(plan)).values(), default=1) == 1
         self.ports: dict[tuple[str, str], int] = {}
         for role in [*plan.shards, *plan.rankers]:
-            if self.transport == "tcp":
+            if self.transport != "unix":
                 self.ports[(role.name, "port")] = role.port if logical else 0
             self.ports[(role.name, "metrics")] = role.metrics_port if logical else 0
         if plan.incast_control:
@@ -70,7 +70,7 @@ class LocalBinding(Binding):
     def listen(self, role: Shard | Ranker) -> str:
         if self.transport == "unix":
             return f"unix:{self.runtime / role.name}.sock"
-        return f"{LOOPBACK}:{self.ports[(role.name, 'port')]}"
+        return listen_address(self.transport, LOOPBACK, self.ports[(role.name, "port")])
 
     def metrics_port(self, role: Shard | Ranker) -> int:
         return self.ports[(role.name, "metrics")]

@@ -21,7 +21,8 @@ class Binding:
     there); a restarted role comes back on the ports it had."""
 
     def listen(self, role: Shard | Ranker) -> str:
-        """The role's --listen address: `HOST:PORT` (port 0: it binds one) or `unix:PATH`."""
+        """The role's --listen address: `HOST:PORT` (port 0: it binds one), `mptcp:HOST:PORT`
+        or `unix:PATH`."""
         raise NotImplementedError
 
     def metrics_port(self, role: Shard | Ranker) -> int:
@@ -43,6 +44,18 @@ class Binding:
         return argv
 
 
+def listen_address(transport: str, host: str, port: int) -> str:
+    """A TCP role's --listen address under `transport` (tcp or mptcp)."""
+    return f"{'mptcp:' if transport == 'mptcp' else ''}{host}:{port}"
+
+
+def listen_host(listen: str) -> str:
+    """The host of a --listen address (loopback for a Unix socket), without brackets."""
+    if listen.startswith("unix:"):
+        return "127.0.0.1"
+    return listen.removeprefix("mptcp:").rsplit(":", 1)[0].strip("[]")
+
+
 def _url_host(host: str) -> str:
     """A bound host as a URL's: a wildcard is probed on loopback; IPv6 in brackets."""
     if host in ("", "0.0.0.0"):
@@ -54,8 +67,7 @@ def _url_host(host: str) -> str:
 
 def probe_base(listen: str, port: int) -> str:
     """The base URL of a shard's or ranker's probes: its metrics port on its listen host."""
-    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0].strip("[]")
-    return f"http://{_url_host(host)}:{port}"
+    return f"http://{_url_host(listen_host(listen))}:{port}"
 
 
 def client_url(host: str, port: int, tls: bool = False) -> str:
@@ -66,8 +78,8 @@ def client_url(host: str, port: int, tls: bool = False) -> str:
 def control_address(listen: str, port: int) -> str:
     """A ranker's control address: its control port on its listen host (loopback for a Unix
     socket; control is always TCP)."""
-    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0]
-    return f"{host}:{port}"
+    host = listen_host(listen)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def rankers_choose(plan: Plan) -> bool:

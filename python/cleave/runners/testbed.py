@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleave.errors import UsageError
-from cleave.runners.roles import Binding
+from cleave.runners.roles import Binding, listen_address
 from cleave.runners.supervised import SupervisedRunner
 from cleave.testbed import Testbed
 from cleave.testbed.commands import require_privileges
@@ -53,7 +53,9 @@ class TestbedBinding(Binding):
         return self.testbed.hosts[self.index[role.host]].address
 
     def listen(self, role: Shard | Ranker) -> str:
-        return f"{self.address(role)}:{self.ports[(role.name, 'port')]}"
+        return listen_address(
+            self.plan.transport, self.address(role), self.ports[(role.name, "port")]
+        )
 
     def metrics_port(self, role: Shard | Ranker) -> int:
         return self.ports[(role.name, "metrics")]
@@ -77,13 +79,18 @@ def testbed_name(plan_name: str) -> str:
 
 
 class TestbedRunner(SupervisedRunner):
-    """`link_gbit`: every host link's rate, each direction (`--link-gbit`)."""
+    """`link_gbit`: every host link's rate, each direction (`--link-gbit`); `racks`: the plan's
+    hosts in that many racks of equal size, wired `rack_mode` (`--racks`, `--rack-mode`)."""
 
     __test__ = False  # not a pytest test class despite the name
 
-    def __init__(self, link_gbit: float = 1.0, log=None):
+    def __init__(
+        self, link_gbit: float = 1.0, log=None, racks: int | None = None, rack_mode: str = "tor"
+    ):
         super().__init__(log)
         self.link_gbit = link_gbit
+        self.racks = racks
+        self.rack_mode = rack_mode
         self.testbed: Testbed | None = None
 
     def bind(self, plan: Plan, plan_dir: Path) -> Binding:
@@ -92,10 +99,16 @@ class TestbedRunner(SupervisedRunner):
             # the launcher (in the root namespace) cannot reach to learn it is ready.
             raise UsageError(
                 "transport: 'unix' cannot run on the testbed (roles are probed over their "
-                "host's address); expected transport: tcp"
+                "host's address); expected transport: tcp or mptcp"
             )
         require_privileges()  # a clear UsageError before anything is made
-        testbed = Testbed(len(plan.hosts), link_gbit=self.link_gbit, name=testbed_name(plan.name))
+        testbed = Testbed(
+            len(plan.hosts),
+            link_gbit=self.link_gbit,
+            name=testbed_name(plan.name),
+            racks=self.racks,
+            mode=self.rack_mode,
+        )
         self.testbed = testbed.up()
         self._say(
             f"testbed {testbed.name!r}: "

@@ -56,7 +56,8 @@ INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
 # work in flight to the backends, or the latency estimate against the budget (the old rule).
 ADMISSION_RULES = Choices(("adaptive", "estimate"))
 # Internal sockets: Unix sockets (every role on one host) or TCP.
-TRANSPORTS = Choices(("unix", "tcp"))
+# mptcp: TCP addresses over Multipath TCP sockets (docs/protocol.md, "Multipath TCP").
+TRANSPORTS = Choices(("unix", "tcp", "mptcp"))
 DEVICES = Choices(("auto", "cpu", "cuda"))
 # How shards split the tables (cleave/plan/planner.py, table_ranges): every table cut into
 # row ranges, or whole tables spread over the shards (what `cleave score`'s ranks hold).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cleave.testbed import instances, shaping
+from cleave.testbed import instances, racks, shaping
 from cleave.testbed.testbed import Testbed
 
 DEFAULT_NAME = "default"
@@ -15,7 +15,23 @@ DEFAULT_NAME = "default"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="create N hosts; prints HOSTNAME NETNS ADDRESS per host")
-    up.add_argument("--hosts", type=int, required=True, metavar="N", help="hosts, 1..200")
+    count = up.add_mutually_exclusive_group(required=True)
+    count.add_argument("--hosts", type=int, metavar="N", help="hosts, 1..200")
+    count.add_argument(
+        "--racks",
+        type=int,
+        metavar="R",
+        help="racks of --hosts-per-rack hosts each (docs/testbed.md, 'Racks')",
+    )
+    up.add_argument(
+        "--hosts-per-rack", type=int, default=4, metavar="H", help="with --racks (default 4)"
+    )
+    up.add_argument(
+        "--mode",
+        choices=racks.MODES,
+        default="tor",
+        help="with --racks: each host's own NIC (tor) or every NIC of its rack (pool)",
+    )
     up.add_argument(
         "--link-gbit",
         type=float,
@@ -56,16 +72,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    racked = args.racks is not None
+    if racked:
+        racks.check(args.racks, args.hosts_per_rack, args.mode, 200)
     tb = Testbed(
-        args.hosts,
+        args.racks * args.hosts_per_rack if racked else args.hosts,
         args.link_gbit,
         burst_kb=args.burst_kb,
         queue_kb=args.queue_kb,
         name=args.name,
         detached=True,
+        racks=args.racks,
+        mode=args.mode,
     ).up()
     for h in tb.hosts:
-        print(f"{h.name} {h.netns} {h.address}")
+        print(f"{h.name} {h.netns} {h.address}" + (f" rack{h.rack}" if racked else ""))
     print(f"root - {tb.root_address}", flush=True)
     print(
         f"testbed {tb.name!r} is up: slot {tb.slot}, {tb.subnet}, {tb.shape.gbit:g} Gbit/s "

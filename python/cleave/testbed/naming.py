@@ -3,7 +3,7 @@
 Slot S (0..511) owns the /24 number S inside the RFC 2544 benchmarking range 198.18.0.0/15,
 so instances never share a subnet. Everything it creates carries the id:
 
-* namespaces  ``cleave-S-hI``           (host I)
+* namespaces  ``cleave-S-hI``           (host I), or ``cleave-S-rR`` (rack R: its hosts share it)
 * bridge      ``clvSbr``                (root namespace)
 * veth pair   ``clvShI`` (inside host I) and ``clvSbI`` (bridge port, root namespace)
 
@@ -25,7 +25,7 @@ ROOT_OFFSET = 1
 NETNS_PREFIX = "cleave-"
 LINK_PREFIX = "clv"
 
-NETNS_RE = re.compile(r"^cleave-(\d{1,3})-h(\d{1,3})$")
+NETNS_RE = re.compile(r"^cleave-(\d{1,3})-[hr](\d{1,3})$")
 LINK_RE = re.compile(r"^clv(\d{1,3})(br|[hb]\d{1,3})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 
@@ -51,6 +51,9 @@ class Names:
 
     def netns(self, index: int) -> str:
         return f"{NETNS_PREFIX}{self.slot}-h{index}"
+
+    def rack_netns(self, rack: int) -> str:
+        return f"{NETNS_PREFIX}{self.slot}-r{rack}"
 
     def host_veth(self, index: int) -> str:
         return f"{LINK_PREFIX}{self.slot}h{index}"

@@ -4,6 +4,7 @@ bridge in the root namespace, which also holds an address on it (docs/testbed.md
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from cleave.errors import UsageError
 from cleave.testbed import exit_hooks, naming, resources, shaping, state
+from cleave.testbed import racks as racks_module
 from cleave.testbed.commands import TestbedError, ip, require_privileges
 from cleave.testbed.owner import CLI, PROCESS, Owner
 
@@ -25,10 +27,11 @@ STOP_WAIT_S = 2.0  # per signal, for processes started with popen
 class Host:
     index: int
     name: str  # h0, h1, ...
-    netns: str  # cleave-<slot>-h<index>
+    netns: str  # cleave-<slot>-h<index>, or its rack's cleave-<slot>-r<rack>
     address: str  # 198.18.x.(11+index)
-    veth: str  # the host's interface, inside netns
+    veth: str  # the host's interface (its NIC), inside netns
     bridge_port: str  # its peer on the bridge, in the root namespace
+    rack: int | None = None  # with racks: which (hosts_per_rack consecutive hosts each)
 
 
 def _check_positive(what: str, value: float, upper: float) -> float:
@@ -56,6 +59,9 @@ class Testbed:
         queue_kb: float = shaping.DEFAULT_QUEUE_KB,
         name: str | None = None,
         detached: bool = False,
+        racks: int | None = None,
+        mode: str = "tor",
+        rack_gbit: list[float] | None = None,
     ):
         if isinstance(hosts, bool) or not isinstance(hosts, int):
             raise UsageError(f"hosts must be an integer, got {hosts!r}")
@@ -71,6 +77,21 @@ class Testbed:
             burst_kb=_check_positive("burst_kb", burst_kb, 1024.0 * 1024),
             queue_kb=_check_positive("queue_kb", queue_kb, 1024.0 * 1024),
         )
+        # Racks (racks.py): `hosts` split into `racks` racks of equal size, wired per `mode`.
+        self.racks = racks
+        self.mode = mode
+        if racks is not None:
+            if isinstance(racks, bool) or not isinstance(racks, int) or racks < 1:
+                raise UsageError(f"racks must be an integer >= 1, got {racks!r}")
+            if hosts % racks:
+                raise UsageError(f"hosts ({hosts}) must be a multiple of racks ({racks})")
+            racks_module.check(racks, hosts // racks, mode, naming.MAX_HOSTS)
+        # Each rack's NIC rate, where racks differ (a bench's client rack, say); else link_gbit.
+        self.rack_gbit = None
+        if rack_gbit is not None:
+            if racks is None or len(rack_gbit) != racks:
+                raise UsageError(f"rack_gbit must give one rate per rack, got {rack_gbit!r}")
+            self.rack_gbit = [_check_positive("rack_gbit", g, 100.0) for g in rack_gbit]
         self.host_count = hosts
         self.requested_name = name
         self.detached = detached
@@ -166,16 +187,24 @@ class Testbed:
         ip("link", "set", "dev", n.bridge, "alias", owner.alias())
         ip("addr", "add", f"{n.root_address}/{prefix}", "dev", n.bridge)
         ip("link", "set", "dev", n.bridge, "up")
+        per_rack = self.host_count // self.racks if self.racks else 0
+        for r in range(self.racks or 0):
+            ip("netns", "add", n.rack_netns(r))
+            ip("-n", n.rack_netns(r), "link", "set", "dev", "lo", "up")
+            racks_module.sysctls(n.rack_netns(r))
         for i in range(self.host_count):
+            rack = i // per_rack if per_rack else None
             host = Host(
                 index=i,
                 name=f"h{i}",
-                netns=n.netns(i),
+                netns=n.netns(i) if rack is None else n.rack_netns(rack),
                 address=n.host_address(i),
                 veth=n.host_veth(i),
                 bridge_port=n.bridge_veth(i),
+                rack=rack,
             )
-            ip("netns", "add", host.netns)
+            if rack is None:
+                ip("netns", "add", host.netns)
             ip(
                 "link",
                 "add",
@@ -189,12 +218,41 @@ class Testbed:
                 host.netns,
             )
             ip("link", "set", "dev", host.bridge_port, "master", n.bridge, "up")
-            ip("-n", host.netns, "link", "set", "dev", "lo", "up")
+            if rack is None:
+                ip("-n", host.netns, "link", "set", "dev", "lo", "up")
             ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", host.veth)
             ip("-n", host.netns, "link", "set", "dev", host.veth, "up")
-            shaping.apply(host.veth, self.shape, netns=host.netns)  # host -> bridge
-            shaping.apply(host.bridge_port, self.shape)  # bridge -> host
+            shape = self.shape_of(host)
+            shaping.apply(host.veth, shape, netns=host.netns)  # host -> bridge
+            shaping.apply(host.bridge_port, shape)  # bridge -> host
             self._hosts.append(host)
+        for r in range(self.racks or 0):
+            self._wire_rack(r, prefix)
+
+    def _wire_rack(self, rack: int, prefix: int) -> None:
+        netns = naming.Names(self._require_up()).rack_netns(rack)
+        nics = [(h.veth, h.address) for h in self._hosts if h.rack == rack]
+        if self.mode == "tor":
+            racks_module.wire_tor(netns, nics, prefix, self.subnet)
+            return
+        racks_module.wire_pool(netns, nics, self._peers(rack))
+
+    def _peers(self, rack: int) -> list[tuple[str, list[str]]]:
+        """Each NIC address of the other racks, with its rack's NIC addresses in order."""
+        of_rack = {
+            r: [h.address for h in self._hosts if h.rack == r] for r in range(self.racks or 0)
+        }
+        return [(h.address, of_rack[h.rack]) for h in self._hosts if h.rack not in (None, rack)]
+
+    def shape_of(self, host: Host) -> shaping.Shape:
+        """The shaping of ``host``'s link: its rack's rate where racks have their own."""
+        if self.rack_gbit is None or host.rack is None:
+            return self.shape
+        return dataclasses.replace(self.shape, gbit=self.rack_gbit[host.rack])
+
+    def rack_hosts(self, rack: int) -> list[Host]:
+        """The hosts of ``rack``, in order (their NICs are the rack's)."""
+        return [h for h in self.hosts if h.rack == rack]
 
     def down(self) -> None:
         """Stop processes started in the hosts and remove everything this testbed made.
@@ -260,11 +318,12 @@ class Testbed:
         return str(naming.Names(self._require_up()).subnet)
 
     def __repr__(self) -> str:
+        racked = f", racks={self.racks}, mode={self.mode}" if self.racks else ""
         if self._slot is None:
-            return f"Testbed(hosts={self.host_count}, link_gbit={self.shape.gbit:g}, down)"
+            return f"Testbed(hosts={self.host_count}, link_gbit={self.shape.gbit:g}{racked}, down)"
         return (
             f"Testbed({self._name!r}, slot={self._slot}, subnet={self.subnet}, "
-            f"hosts={self.host_count}, link_gbit={self.shape.gbit:g})"
+            f"hosts={self.host_count}, link_gbit={self.shape.gbit:g}{racked})"
         )
 
     # -- using it --------------------------------------------------------------------------
@@ -298,22 +357,33 @@ class Testbed:
         link, both directions (docs/testbed.md, "Priority for control traffic"): what
         RDMA QoS does for a control channel."""
         for h in self.hosts:
-            shaping.add_priority_port(h.veth, self.shape, port, netns=h.netns)
-            shaping.add_priority_port(h.bridge_port, self.shape, port)
+            shaping.add_priority_port(h.veth, self.shape_of(h), port, netns=h.netns)
+            shaping.add_priority_port(h.bridge_port, self.shape_of(h), port)
 
     def prioritize_dscp(self, dscp: int) -> None:
         """IPv4 packets marked ``dscp`` go in the higher-priority htb class on every host link,
         both directions: every Cleave control connection marks its packets (DSCP EF,
         docs/protocol.md "Priority of control traffic"), as a network with QoS would honour."""
         for h in self.hosts:
-            shaping.add_priority_dscp(h.veth, self.shape, dscp, netns=h.netns)
-            shaping.add_priority_dscp(h.bridge_port, self.shape, dscp)
+            shaping.add_priority_dscp(h.veth, self.shape_of(h), dscp, netns=h.netns)
+            shaping.add_priority_dscp(h.bridge_port, self.shape_of(h), dscp)
 
     def set_link(self, host: Host | int | str, up: bool) -> None:
         """Take the host's link down (both veth ends) or bring it back; its address, routes
         and shaping survive."""
         h = self.host(host)
         set_link(h.netns, h.veth, h.bridge_port, up)
+        if up and h.rack is not None:
+            self._restore_routes(h)
+
+    def _restore_routes(self, nic: Host) -> None:
+        """A NIC's link up again: its routes back (the kernel dropped them when it went down)."""
+        per_rack = self.host_count // (self.racks or 1)
+        k = nic.index % per_rack
+        if self.mode == "tor":
+            racks_module.tor_routes(nic.netns, k, nic.veth, nic.address, self.subnet)
+            return
+        racks_module.pool_routes(nic.netns, k, nic.veth, nic.address, self._peers(nic.rack))
 
 
 def set_link(netns: str, veth: str, bridge_port: str, up: bool) -> None:
@@ -341,4 +411,16 @@ def host_link(address: str) -> tuple[str, str, str]:
     if slot is None or index is None:
         raise UsageError(f"{address!r} is no testbed host address (expected one in {naming.RANGE})")
     n = naming.Names(slot)
-    return n.netns(index), n.host_veth(index), n.bridge_veth(index)
+    netns = n.netns(index)
+    names = resources.netns_names()
+    if netns not in names:  # a racked testbed: the host's NIC is in its rack's namespace
+        racks = [ns for ns in names if ns.startswith(f"{naming.NETNS_PREFIX}{slot}-r")]
+        netns = next(
+            (
+                ns
+                for ns in racks
+                if ip("-n", ns, "link", "show", "dev", n.host_veth(index), check=False)
+            ),
+            netns,
+        )
+    return netns, n.host_veth(index), n.bridge_veth(index)
