@@ -121,6 +121,16 @@ impl Router {
             .await?;
         let r = &ranked.response;
         let batch_requests = r.batch_requests;
+        if let Some(cache) = self.metrics.cache.get() {
+            // The batch the ranker ran this request in, in rows: its requests times this
+            // one's rows (the first feature's leading dim), and the queue behind it.
+            let rows = pooled
+                .first()
+                .and_then(|t| t.dims.first())
+                .copied()
+                .unwrap_or(1);
+            cache.observe(batch_requests as u64, rows as u64, r.queue_depth as u64);
+        }
         let (queue, compute) = (
             Duration::from_micros(r.queue_us as u64),
             Duration::from_micros(r.compute_us as u64),
