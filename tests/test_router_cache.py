@@ -20,10 +20,10 @@ import cleave
 import numpy as np
 import pytest
 from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.errors import UsageError
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
 from cleave.plan.files import load_plan, save_plan
-from cleave.errors import UsageError
 from cleave.settings.config_file import load
 from cleave.update import write_delta
 
@@ -87,8 +87,15 @@ def world(tmp_path_factory):
     generator = RequestGenerator("dlrm", scale=0.01, seed=7, min_pooling=1)
     # Repeated bodies: the second of each pair hits what the first inserted.
     bodies = [infer_body(partitioned.named_inputs(*generator.batch(b))) for b in (1, 8, 4)]
-    return {"bundle": bundle, "plan": plan_path, "name": plan.name, "table": table,
-            "delta": delta, "rows": rows, "bodies": bodies}
+    return {
+        "bundle": bundle,
+        "plan": plan_path,
+        "name": plan.name,
+        "table": table,
+        "delta": delta,
+        "rows": rows,
+        "bodies": bodies,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +181,13 @@ def test_bad_cache_settings_are_refused_with_clear_errors(world):
     )
     assert "router.cache" in refused({"cache": "lru"})
     # The router checks them too, for configs written by hand.
-    config = {"model": "m", "bundle": str(world["bundle"]), "rankers": ["127.0.0.1:1"],
-              "cache": "adaptive", "memory_budget_bytes": 1 << 20}
+    config = {
+        "model": "m",
+        "bundle": str(world["bundle"]),
+        "rankers": ["127.0.0.1:1"],
+        "cache": "adaptive",
+        "memory_budget_bytes": 1 << 20,
+    }
     path = world["bundle"].parent / "bad-router.json"
     path.write_text(json.dumps(config))
     router = shutil.which("cleave-router", path=str(Path(sys.executable).parent))

@@ -36,7 +36,10 @@ BENCHMARKS = {
     "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
-    "cache": ("cleave.bench.cache", "the router's embedding cache off, fixed, adaptive, 20-120% load"),
+    "cache": (
+        "cleave.bench.cache",
+        "router embedding cache: off, fixed, adaptive",
+    ),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),

@@ -222,6 +222,7 @@ def apply_changes(
         for c in changes
         for a in dict.fromkeys(c.addrs)
     ]
+
     def abort_all():
         for shard, base, _ in steps:
             try:

@@ -94,7 +94,10 @@ class Poller:
 def config_toml(path: Path, mode: str) -> Path:
     lines = ["[router]", f'cache = "{mode}"']
     if mode != "off":
-        lines += [f"memory_budget_bytes = {BUDGET}", f"activation_bytes_per_sample = {ACTIVATION_BYTES}"]
+        lines += [
+            f"memory_budget_bytes = {BUDGET}",
+            f"activation_bytes_per_sample = {ACTIVATION_BYTES}",
+        ]
     if mode == "fixed":
         lines.append(f"cache_bytes = {FIXED}")
     lines += ["[ranker]", f"max_batch = {MAX_BATCH}"]
@@ -117,21 +120,27 @@ def step_rows(samples, stats: list[dict], step_s: float, rates: list[float], bud
         good = sum(1 for x in ok if x <= budget_s)
         window = [p for p in stats if lo <= p["t"] < hi]
         first, last = (window[0], window[-1]) if window else ({}, {})
-        diff = {k: last.get(k, 0) - first.get(k, 0)
-                for k in ("hits", "misses", "lookups_avoided", "bytes_not_sent")}
+        diff = {
+            k: last.get(k, 0) - first.get(k, 0)
+            for k in ("hits", "misses", "lookups_avoided", "bytes_not_sent")
+        }
         looked = diff["hits"] + diff["misses"]
         batches = [p["ranker_max_batch"] for p in window if "ranker_max_batch" in p]
-        out.append({
-            "load": rate, "sent": len(inside),
-            "p50_ms": float(np.percentile(ok, 50) * 1e3) if ok else None,
-            "p99_ms": float(np.percentile(ok, 99) * 1e3) if ok else None,
-            "goodput": good / step_s,
-            "hit_rate": diff["hits"] / looked if looked else 0.0,
-            "lookups_sent": diff["misses"], "lookups_avoided": diff["lookups_avoided"],
-            "bytes_not_sent": diff["bytes_not_sent"],
-            "max_batch": min(batches) if batches else nocache_max_batch(),
-            "limit_bytes": last.get("limit_bytes", 0),
-        })
+        out.append(
+            {
+                "load": rate,
+                "sent": len(inside),
+                "p50_ms": float(np.percentile(ok, 50) * 1e3) if ok else None,
+                "p99_ms": float(np.percentile(ok, 99) * 1e3) if ok else None,
+                "goodput": good / step_s,
+                "hit_rate": diff["hits"] / looked if looked else 0.0,
+                "lookups_sent": diff["misses"],
+                "lookups_avoided": diff["lookups_avoided"],
+                "bytes_not_sent": diff["bytes_not_sent"],
+                "max_batch": min(batches) if batches else nocache_max_batch(),
+                "limit_bytes": last.get("limit_bytes", 0),
+            }
+        )
     return out
 
 
@@ -167,21 +176,29 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
 
 def ratios(by_mode: dict) -> dict:
     low, over = 0, len(STEPS) - 1
+
     def at(mode, step, key):
         return by_mode[mode][step][key]
+
     def ratio(a, b):
         return a / b if b else None
+
     return {
         "overload_max_batch_adaptive_over_nocache": ratio(
-            at("adaptive", over, "max_batch"), at("off", over, "max_batch")),
+            at("adaptive", over, "max_batch"), at("off", over, "max_batch")
+        ),
         "overload_max_batch_fixed_over_nocache": ratio(
-            at("fixed", over, "max_batch"), at("off", over, "max_batch")),
+            at("fixed", over, "max_batch"), at("off", over, "max_batch")
+        ),
         "overload_goodput_adaptive_over_nocache": ratio(
-            at("adaptive", over, "goodput"), at("off", over, "goodput")),
+            at("adaptive", over, "goodput"), at("off", over, "goodput")
+        ),
         "low_load_p99_adaptive_over_fixed": ratio(
-            at("adaptive", low, "p99_ms") or 0, at("fixed", low, "p99_ms") or 0),
+            at("adaptive", low, "p99_ms") or 0, at("fixed", low, "p99_ms") or 0
+        ),
         "low_load_lookups_sent_adaptive_over_fixed": ratio(
-            at("adaptive", low, "lookups_sent"), at("fixed", low, "lookups_sent")),
+            at("adaptive", low, "lookups_sent"), at("fixed", low, "lookups_sent")
+        ),
     }
 
 
@@ -195,7 +212,8 @@ def plot(result: dict, path: Path) -> Path:
         axes[0].plot(x, [r["max_batch"] for r in rows], marker="o", label=mode)
         axes[1].plot(x, [r["p99_ms"] or float("nan") for r in rows], marker="o", label=mode)
         axes[2].plot(x, [r["hit_rate"] for r in rows], marker="o", label=mode)
-    for ax, title in zip(axes, ("rankers' largest batch (rows)", "p99 (ms)", "cache hit rate")):
+    titles = ("rankers' largest batch (rows)", "p99 (ms)", "cache hit rate")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xlabel("load (% of no-cache capacity)")
         ax.set_title(title)
         ax.legend()
@@ -232,22 +250,31 @@ def run(args: argparse.Namespace) -> int:
                 bundle, workdir, mode, bodies, capacity, args, pins, log
             )
     result = {
-        "bench": "cache", "capacity_rps": capacity, "steps": list(STEPS),
-        "budget_bytes": BUDGET, "fixed_cache_bytes": FIXED,
-        "activation_bytes_per_sample": ACTIVATION_BYTES, "ranker_max_batch": MAX_BATCH,
+        "bench": "cache",
+        "capacity_rps": capacity,
+        "steps": list(STEPS),
+        "budget_bytes": BUDGET,
+        "fixed_cache_bytes": FIXED,
+        "activation_bytes_per_sample": ACTIVATION_BYTES,
+        "ranker_max_batch": MAX_BATCH,
         "pin": {"server": pins[0], "client": pins[1]},
-        "modes": by_mode, "ratios": ratios(by_mode),
+        "modes": by_mode,
+        "ratios": ratios(by_mode),
     }
     print(json.dumps(result))
-    print(f"{'mode':9} {'load':>5} {'p50 ms':>7} {'p99 ms':>7} {'good/s':>7} {'hit':>5} "
-          f"{'sent':>7} {'avoided':>8} {'batch':>5}")
+    print(
+        f"{'mode':9} {'load':>5} {'p50 ms':>7} {'p99 ms':>7} {'good/s':>7} {'hit':>5} "
+        f"{'sent':>7} {'avoided':>8} {'batch':>5}"
+    )
     for mode, rows in by_mode.items():
         for r in rows:
             p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
             p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
-            print(f"{mode:9} {r['load_share']:5.1f} {p50:>7} {p99:>7} {r['goodput']:7.1f} "
-                  f"{r['hit_rate']:5.2f} {r['lookups_sent']:7d} {r['lookups_avoided']:8d} "
-                  f"{r['max_batch']:5d}")
+            print(
+                f"{mode:9} {r['load_share']:5.1f} {p50:>7} {p99:>7} {r['goodput']:7.1f} "
+                f"{r['hit_rate']:5.2f} {r['lookups_sent']:7d} {r['lookups_avoided']:8d} "
+                f"{r['max_batch']:5d}"
+            )
     for k, v in result["ratios"].items():
         print(f"{k}: {v if v is None else round(v, 3)}")
     if args.json:
