@@ -110,6 +110,11 @@ impl EmbedCache {
         }
     }
 
+    /// The rankers' largest batch (rows) now.
+    pub fn max_batch(&self) -> usize {
+        self.policy.max_batch()
+    }
+
     pub fn stats(&self) -> CacheStats {
         let (bytes, limit, entries) = self.store.size();
         let c = &self.counters;
