@@ -145,7 +145,7 @@ def step_rows(samples, stats: list[dict], step_s: float, rates: list[float], bud
 
 
 def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pins, log):
-    from cleave.bench.loadgen import closed_loop, open_loop_phases
+    from cleave.bench.loadgen import closed_loop, open_loop_phases, sequential
     from cleave.bench.machine import pinned
     from cleave.launch.process import ServeProcess
 
@@ -156,6 +156,9 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
     try:
         url = f"{server.url}/v2/models/{bundle.name}/infer"
         with pinned(client_cpus):
+            # Every body once, one at a time: the working set is inserted at idle, so that the
+            # steps compare the caches' sizes, not their cold starts.
+            sequential(url, bodies, len(bodies))
             if capacity is None:  # the no-cache deployment's: 4 closed-loop clients
                 closed_loop(url, bodies, 4, args.step_s / 2)
                 done = closed_loop(url, bodies, 4, args.step_s)

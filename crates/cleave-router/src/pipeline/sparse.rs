@@ -131,7 +131,7 @@ impl Shards {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let values: Vec<Vec<f32>> = match (&self.held, &self.client, &self.cache) {
-            (None, Some(_), Some((cache, ids))) => {
+            (None, Some(_), Some((cache, ids))) if cache.holds() => {
                 let tables: Vec<u32> = batch.iter().map(|l| ids[&l.table]).collect();
                 let split = cache.split(&batch, &tables, budget.start_unix_us());
                 let fetched = if split.misses.is_empty() {
@@ -143,12 +143,15 @@ impl Shards {
                     .finish(split, fetched, &row_dims)
                     .map_err(|e| RequestError::new(ErrorKind::Shard, e).at(Stage::Lookup))?
             }
-            _ => self
-                .fetch(&batch, budget)
-                .await?
-                .into_iter()
-                .map(|p| p.values)
-                .collect(),
+            _ => {
+                if let Some((cache, _)) = &self.cache {
+                    cache.passed(&batch);
+                }
+                (self.fetch(&batch, budget).await?)
+                    .into_iter()
+                    .map(|p| p.values)
+                    .collect()
+            }
         };
         values
             .into_iter()

@@ -79,6 +79,18 @@ impl EmbedCache {
         self.policy.mode() != CacheMode::Off
     }
 
+    /// Whether the cache may hold anything now: an adaptive cache shrunk to nothing at
+    /// overload is passed by (its key work would only cost CPU), see [`EmbedCache::passed`].
+    pub fn holds(&self) -> bool {
+        self.policy.limit() > 0
+    }
+
+    /// Counts a batch sent past an empty cache as misses (each row or bag).
+    pub fn passed(&self, batch: &[ShardLookup]) {
+        let rows: usize = batch.iter().map(|l| l.rows()).sum();
+        self.counters.misses.fetch_add(rows as u64, Relaxed);
+    }
+
     /// A new id for `table` as one served version names it. Versions never share ids: a
     /// version's tables are whatever its own shards serve, so a new model version starts
     /// cold and cannot read another version's rows.

@@ -10,9 +10,10 @@
 //! * `off`: no cache; the largest batch is `min(max_batch, budget / activation)`.
 //! * `fixed`: `cache_bytes` always.
 //! * `adaptive`: a sliding window over the last `window` ranker replies (each says how many
-//!   requests its batch joined and how many were queued behind it) gives the demand, the
-//!   largest batch (in rows) the window saw, doubled while requests queue (the batch the
-//!   ranker will want next). The policy reserves that many rows with headroom for the rankers
+//!   requests its batch joined and how many were queued behind it) gives the demand: the
+//!   batch the ranker would run if it could take everything waiting, (joined + queued) × the
+//!   request's rows, at the window's 90th percentile (one burst does not empty the cache,
+//!   a sustained rise does). The policy reserves that many rows with headroom for the rankers
 //!   and gives the cache the rest, up to `cache_bytes` (0: the whole budget). Idle rankers
 //!   (small batches, no queue) leave the cache almost all of it; growing batches shrink it,
 //!   down to nothing at overload, where the rankers keep their whole no-cache batch.
@@ -44,8 +45,8 @@ impl CacheMode {
 /// The reserve for batches is the demand times this: a batch a little larger than the
 /// largest one seen lately must not find the memory taken.
 pub const HEADROOM: f64 = 1.25;
-/// Mean queue depth (requests waiting per reply) over the window above which demand doubles.
-pub const QUEUED: f64 = 1.0;
+/// The window's percentile taken as the demand.
+pub const DEMAND_PERCENTILE: usize = 90;
 /// The reserve never falls below this share of `max_batch`: the first burst after an idle
 /// spell finds room for a batch while the window catches up.
 pub const MIN_RESERVE_SHARE: usize = 8;
@@ -65,10 +66,11 @@ pub struct PolicyConfig {
     pub window: usize,
 }
 
+/// One reply's demand: the rows of the batch the ranker would have run with everything
+/// waiting in it.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
-    batch_rows: u64,
-    queue_depth: u64,
+    wanted_rows: u64,
 }
 
 pub struct Policy {
@@ -118,8 +120,7 @@ impl Policy {
                 w.pop_front();
             }
             w.push_back(Sample {
-                batch_rows: batch_requests.max(1) * rows.max(1),
-                queue_depth,
+                wanted_rows: (batch_requests.max(1) + queue_depth).saturating_mul(rows.max(1)),
             });
             demand_rows(&w)
         };
@@ -169,15 +170,15 @@ impl Policy {
     }
 }
 
-/// The window's demand: its largest batch, doubled while requests queue on average.
+/// The window's demand: its `DEMAND_PERCENTILE`th percentile of wanted rows.
 fn demand_rows(w: &VecDeque<Sample>) -> u64 {
-    let peak = w.iter().map(|s| s.batch_rows).max().unwrap_or(0);
-    let queued = w.iter().map(|s| s.queue_depth as f64).sum::<f64>() / w.len().max(1) as f64;
-    if queued > QUEUED {
-        peak.saturating_mul(2)
-    } else {
-        peak
+    let mut wanted: Vec<u64> = w.iter().map(|s| s.wanted_rows).collect();
+    if wanted.is_empty() {
+        return 0;
     }
+    wanted.sort_unstable();
+    // Nearest rank: the smallest value at or above the percentile's share of the window.
+    wanted[(wanted.len() * DEMAND_PERCENTILE).div_ceil(100) - 1]
 }
 
 #[cfg(test)]
@@ -218,8 +219,9 @@ mod tests {
         // Batches of 8 requests of 4 rows: 32 rows, 40 with headroom.
         assert_eq!(p.observe(8, 4, 0), Some((512 - 40) << 20));
         assert_eq!(p.max_batch(), 40);
-        // A queue builds: the demand doubles (64 rows, 80 reserved).
-        p.observe(8, 4, 6);
+        // A queue builds: 8 joined and 8 waiting want 64 rows, 80 reserved (the window's
+        // 90th percentile of 4 replies is its largest).
+        p.observe(8, 4, 8);
         assert_eq!(p.limit(), (512 - 80) << 20);
         // Overload: batches at the rankers' max; the cache shrinks to what 256 rows leave,
         // and the rankers keep the no-cache batch.
@@ -230,6 +232,22 @@ mod tests {
             p.observe(1, 1, 0);
         }
         assert_eq!(p.limit(), (512 - 32) << 20);
+    }
+
+    #[test]
+    fn one_burst_in_a_long_window_does_not_empty_the_cache() {
+        let mut c = cfg(CacheMode::Adaptive, 0);
+        c.window = 20;
+        let p = Policy::new(c);
+        for _ in 0..18 {
+            p.observe(4, 4, 0);
+        }
+        p.observe(64, 4, 64);
+        p.observe(64, 4, 64);
+        // The 90th percentile of 18 replies of 16 rows and two of 512: 16 rows (the floor, 32).
+        assert_eq!(p.limit(), (512 - 32) << 20);
+        p.observe(64, 4, 64);
+        assert_eq!(p.limit(), 256 << 20, "three in 20 is more than 10%: sustained");
     }
 
     #[test]
