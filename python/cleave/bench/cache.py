@@ -230,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
     from cleave.bench.machine import parse_pin
     from cleave.models import MODELS
 
-    if args.quick:
-        args.step_s, args.scale = 1.0, 0.01
+    if args.quick:  # the shape of a run, not a measurement
+        args.step_s, args.scale = 0.3, 0.01
 
     def log(m):
         print(m, flush=True, file=__import__("sys").stderr)
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         bundle = partitioned.save(workdir / "dlrm")
         manifest = json.loads((bundle / "manifest.json").read_text())
         manifest["_scale"] = args.scale
-        bodies = skewed_bodies(partitioned, manifest, args.alpha, 64 if args.quick else 512, 3)
+        bodies = skewed_bodies(partitioned, manifest, args.alpha, 16 if args.quick else 512, 3)
         capacity, by_mode = None, {}
         for mode in MODES:
             log(f"cache {mode}")
