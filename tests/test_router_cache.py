@@ -194,3 +194,30 @@ def test_bad_cache_settings_are_refused_with_clear_errors(world):
     proc = subprocess.run([router, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "activation_bytes_per_sample" in proc.stderr, proc.stderr
+
+
+def test_bench_cache_quick_writes_every_mode_step_and_ratio(tmp_path):
+    out = tmp_path / "cache.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "bench", "cache", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"off", "fixed", "adaptive"}
+    for rows in result["modes"].values():
+        assert [r["load_share"] for r in rows] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+        for key in ("hit_rate", "lookups_sent", "lookups_avoided", "bytes_not_sent", "p99_ms"):
+            assert all(key in r for r in rows), key
+        assert all(r["max_batch"] >= 1 and r["goodput"] >= 0 for r in rows)
+    assert all(r["hit_rate"] == 0 for r in result["modes"]["off"])
+    assert any(r["hit_rate"] > 0 for r in result["modes"]["fixed"])
+    assert {
+        "overload_max_batch_adaptive_over_nocache",
+        "overload_goodput_adaptive_over_nocache",
+        "low_load_p99_adaptive_over_fixed",
+        "low_load_lookups_sent_adaptive_over_fixed",
+    } <= set(result["ratios"])
+    assert out.with_suffix(".png").stat().st_size > 0

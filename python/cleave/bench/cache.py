@@ -25,6 +25,10 @@ ACTIVATION_BYTES = 256 << 10
 MAX_BATCH = 64
 BUDGET = MAX_BATCH * ACTIVATION_BYTES
 FIXED = BUDGET // 2
+# Rows a request: four requests fill a batch of MAX_BATCH.
+CANDIDATES = 16
+# Closed-loop clients that find the capacity: enough to keep every stage busy.
+CAPACITY_CLIENTS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def skewed_bodies(partitioned, manifest: dict, alpha: float, count: int, seed: int) -> list:
-    """Request bodies of 4 candidates whose ids follow the tier benchmark's skew."""
+    """Request bodies of CANDIDATES rows whose ids follow the tier benchmark's skew."""
     from cleave.bench.loadgen import infer_body
     from cleave.bench.tier import scatter, zipf_ranks
     from cleave.models import RequestGenerator
@@ -48,7 +52,7 @@ def skewed_bodies(partitioned, manifest: dict, alpha: float, count: int, seed: i
     rows = {t["name"]: int(t["rows"]) for t in manifest["tables"]}
     bodies = []
     for _ in range(count):
-        named = partitioned.named_inputs(*generator.batch(4))
+        named = partitioned.named_inputs(*generator.batch(CANDIDATES))
         for f in manifest["features"]:
             ids = np.asarray(named[f["ids"]])
             n = rows[f["table"]]
@@ -159,9 +163,9 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
             # Every body once, one at a time: the working set is inserted at idle, so that the
             # steps compare the caches' sizes, not their cold starts.
             sequential(url, bodies, len(bodies))
-            if capacity is None:  # the no-cache deployment's: 4 closed-loop clients
-                closed_loop(url, bodies, 4, args.step_s / 2)
-                done = closed_loop(url, bodies, 4, args.step_s)
+            if capacity is None:  # the no-cache deployment's
+                closed_loop(url, bodies, CAPACITY_CLIENTS, args.step_s / 2)
+                done = closed_loop(url, bodies, CAPACITY_CLIENTS, args.step_s)
                 capacity = sum(1 for s in done if not s.error) / args.step_s
                 log(f"  capacity {capacity:.1f}/s")
             rates = [capacity * f for f in STEPS]
@@ -245,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         bundle = partitioned.save(workdir / "dlrm")
         manifest = json.loads((bundle / "manifest.json").read_text())
         manifest["_scale"] = args.scale
-        bodies = skewed_bodies(partitioned, manifest, args.alpha, 16 if args.quick else 512, 3)
+        bodies = skewed_bodies(partitioned, manifest, args.alpha, 16 if args.quick else 1024, 3)
         capacity, by_mode = None, {}
         for mode in MODES:
             log(f"cache {mode}")
