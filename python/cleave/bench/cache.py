@@ -18,12 +18,12 @@ import numpy as np
 
 STEPS = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
 MODES = ("off", "fixed", "adaptive")
-# The rankers' memory per row of a batch and the host budget for it and the cache: a budget
-# of exactly a full batch plus the fixed cache's size would hide the trade-off, so the budget
-# holds a full batch of max_batch rows and the fixed cache takes half of it.
+# The rankers' memory per row of a batch, and the host budget it shares with the cache: room
+# for one and a half full batches of MAX_BATCH rows. The fixed cache takes half the budget and
+# so leaves 0.75 of a full batch; the adaptive one takes what the batches leave.
 ACTIVATION_BYTES = 256 << 10
 MAX_BATCH = 64
-BUDGET = MAX_BATCH * ACTIVATION_BYTES
+BUDGET = MAX_BATCH * ACTIVATION_BYTES * 3 // 2
 FIXED = BUDGET // 2
 # Rows a request: four requests fill a batch of MAX_BATCH.
 CANDIDATES = 16
@@ -188,6 +188,8 @@ def ratios(by_mode: dict) -> dict:
         return by_mode[mode][step][key]
 
     def ratio(a, b):
+        if a == b == 0:  # e.g. no lookup sent by either: equal
+            return 1.0
         return a / b if b else None
 
     return {
