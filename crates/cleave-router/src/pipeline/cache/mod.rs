@@ -180,7 +180,7 @@ impl EmbedCache {
         for (i, (l, (keys, got))) in batch.iter().zip(keys.iter().zip(&got)).enumerate() {
             // Each distinct missing key once, with every position it fills.
             let mut first: HashMap<&Key, usize> = HashMap::new();
-            let mut rows: Vec<(Key, Vec<usize>)> = Vec::new();
+            let mut rows: Vec<Missing> = Vec::new();
             for (pos, (k, g)) in keys.iter().zip(got).enumerate() {
                 if let Some(values) = g {
                     let ids = match &k.item {
@@ -283,11 +283,14 @@ pub struct Split {
     /// The lookups to send (only the missing rows or bags, each once).
     pub misses: Vec<ShardLookup>,
     /// Per lookup sent: which lookup of the batch, and per row sent its key and positions.
-    sent: Vec<(usize, Vec<(Key, Vec<usize>)>)>,
+    sent: Vec<(usize, Vec<Missing>)>,
 }
 
+/// A distinct missing row or bag of one lookup: its key and every position it fills.
+type Missing = (Key, Vec<usize>);
+
 /// The lookup of `l`'s missing `rows` (in their order).
-fn miss_lookup(l: &ShardLookup, rows: &[(Key, Vec<usize>)]) -> ShardLookup {
+fn miss_lookup(l: &ShardLookup, rows: &[Missing]) -> ShardLookup {
     let mut out = ShardLookup {
         table: l.table.clone(),
         op: l.op,

@@ -247,7 +247,11 @@ mod tests {
         // The 90th percentile of 18 replies of 16 rows and two of 512: 16 rows (the floor, 32).
         assert_eq!(p.limit(), (512 - 32) << 20);
         p.observe(64, 4, 64);
-        assert_eq!(p.limit(), 256 << 20, "three in 20 is more than 10%: sustained");
+        assert_eq!(
+            p.limit(),
+            256 << 20,
+            "three in 20 is more than 10%: sustained"
+        );
     }
 
     #[test]
