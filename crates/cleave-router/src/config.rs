@@ -5,8 +5,6 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use crate::model::Mode;
-pub use crate::pipeline::cache::policy::CacheMode;
-use crate::pipeline::cache::policy::PolicyConfig;
 
 /// Everything a router process needs. Times are in milliseconds.
 #[derive(Debug, Clone, Deserialize)]
@@ -152,6 +150,26 @@ pub struct RouterConfig {
     /// The rankers' `max_batch` (rows), which the memory budget may lower.
     #[serde(default = "default_ranker_max_batch")]
     pub ranker_max_batch: usize,
+}
+
+/// The cache's mode (`cache` in the router's config).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    #[default]
+    Off,
+    Fixed,
+    Adaptive,
+}
+
+impl CacheMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheMode::Off => "off",
+            CacheMode::Fixed => "fixed",
+            CacheMode::Adaptive => "adaptive",
+        }
+    }
 }
 
 fn default_cache_window() -> usize {
@@ -437,17 +455,6 @@ impl RouterConfig {
             ));
         }
         Ok(())
-    }
-
-    pub fn cache_policy(&self) -> PolicyConfig {
-        PolicyConfig {
-            mode: self.cache,
-            cache_bytes: self.cache_bytes,
-            budget_bytes: self.memory_budget_bytes,
-            activation_bytes_per_sample: self.activation_bytes_per_sample,
-            ranker_max_batch: self.ranker_max_batch,
-            window: self.cache_window,
-        }
     }
 }
 

@@ -109,7 +109,38 @@ pub struct Metrics {
     by_version: VersionFamilies,
     /// The embedding cache every version looks up through (set once, by the builder), here
     /// because every part that reports to it or reads it already holds the metrics.
-    pub cache: std::sync::OnceLock<Arc<crate::pipeline::cache::EmbedCache>>,
+    pub cache: std::sync::OnceLock<Arc<dyn CacheHandle>>,
+}
+
+/// What /metrics shows of the cache.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStats {
+    pub mode: &'static str,
+    /// Rows and bags answered by the cache.
+    pub hits: u64,
+    /// Rows and bags sent to the shards (each distinct one of a request once).
+    pub misses: u64,
+    /// Ids the shards did not have to look up.
+    pub ids_avoided: u64,
+    /// Request and response bytes that did not cross the network.
+    pub bytes_not_sent: u64,
+    pub bytes: u64,
+    pub limit: u64,
+    pub entries: u64,
+    /// The rankers' largest batch the memory budget allows beside the cache.
+    pub ranker_max_batch: u64,
+}
+
+/// The router's embedding cache (pipeline/cache/) as the handlers and the pipeline use it;
+/// a trait here so that this module does not import the pipeline.
+pub trait CacheHandle: Send + Sync {
+    fn stats(&self) -> CacheStats;
+    /// One ranker reply: its batch's requests, this request's rows, the queue behind it.
+    fn observe(&self, batch_requests: u64, rows: u64, queue_depth: u64);
+    /// The rankers' largest batch (rows) now.
+    fn max_batch(&self) -> usize;
+    /// An update of `table` switches at `at_us` (Unix µs; 0: now): returns the new epoch.
+    fn switch(&self, table: &str, at_us: u64) -> Result<u64, String>;
 }
 
 /// The score histogram's buckets: wide enough for logits, fine near probabilities' ends.
@@ -379,10 +410,7 @@ impl Metrics {
 }
 
 /// The cache's series (docs/cache.md, "Metrics"), read at the scrape.
-fn cache_families(
-    s: &crate::pipeline::cache::CacheStats,
-    families: &mut Vec<prometheus::proto::MetricFamily>,
-) {
+fn cache_families(s: &CacheStats, families: &mut Vec<prometheus::proto::MetricFamily>) {
     let one = |v: u64| [(vec![], v as f64)];
     for (kind, name, help, value) in [
         (

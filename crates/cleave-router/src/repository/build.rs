@@ -10,6 +10,7 @@ use crate::backend::ranker::RankerPool;
 use crate::config::{ConfigMode, RouterConfig, VersionConfig};
 use crate::metrics::Metrics;
 use crate::model::{Mode, Model};
+use crate::pipeline::cache::policy::PolicyConfig;
 use crate::pipeline::cache::EmbedCache;
 use crate::pipeline::held::HeldShards;
 use crate::pipeline::router::Router;
@@ -34,10 +35,12 @@ pub struct Builder {
 
 impl Builder {
     pub fn new(config: &RouterConfig, io: IoThreads, metrics: Arc<Metrics>) -> Builder {
-        let cache = Arc::new(EmbedCache::new(config.cache_policy()));
+        let cache = Arc::new(EmbedCache::new(PolicyConfig::of(config)));
         if cache.enabled() {
             // A second builder of the same metrics keeps the first's cache.
-            let _ = metrics.cache.set(cache.clone());
+            let _ = metrics
+                .cache
+                .set(cache.clone() as Arc<dyn crate::metrics::CacheHandle>);
         }
         Builder {
             cache,

@@ -20,6 +20,9 @@ use std::sync::{Arc, Mutex};
 
 use cleave_shard::{Lookup as ShardLookup, Op, Pooled};
 
+use crate::metrics::CacheHandle;
+pub use crate::metrics::CacheStats;
+
 use key::{Item, Key};
 use policy::{CacheMode, Policy, PolicyConfig};
 use store::Store;
@@ -31,25 +34,6 @@ struct Counters {
     misses: AtomicU64,
     ids_avoided: AtomicU64,
     bytes_not_sent: AtomicU64,
-}
-
-/// What /metrics shows of the cache.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct CacheStats {
-    pub mode: &'static str,
-    /// Rows and bags answered by the cache.
-    pub hits: u64,
-    /// Rows and bags sent to the shards (each distinct one of a request once).
-    pub misses: u64,
-    /// Ids the shards did not have to look up.
-    pub ids_avoided: u64,
-    /// Request and response bytes that did not cross the network.
-    pub bytes_not_sent: u64,
-    pub bytes: u64,
-    pub limit: u64,
-    pub entries: u64,
-    /// The rankers' largest batch the memory budget allows beside the cache.
-    pub ranker_max_batch: u64,
 }
 
 pub struct EmbedCache {
@@ -274,6 +258,25 @@ impl EmbedCache {
                 Ok(out)
             })
             .collect()
+    }
+}
+
+/// What the rest of the router sees of the cache, through the metrics it already holds.
+impl CacheHandle for EmbedCache {
+    fn stats(&self) -> CacheStats {
+        EmbedCache::stats(self)
+    }
+
+    fn observe(&self, batch_requests: u64, rows: u64, queue_depth: u64) {
+        EmbedCache::observe(self, batch_requests, rows, queue_depth)
+    }
+
+    fn max_batch(&self) -> usize {
+        EmbedCache::max_batch(self)
+    }
+
+    fn switch(&self, table: &str, at_us: u64) -> Result<u64, String> {
+        EmbedCache::switch(self, table, at_us)
     }
 }
 

@@ -22,25 +22,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// The cache's mode (`cache` in the router's config).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CacheMode {
-    #[default]
-    Off,
-    Fixed,
-    Adaptive,
-}
-
-impl CacheMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CacheMode::Off => "off",
-            CacheMode::Fixed => "fixed",
-            CacheMode::Adaptive => "adaptive",
-        }
-    }
-}
+pub use crate::config::CacheMode;
 
 /// The reserve for batches is the demand times this: a batch a little larger than the
 /// largest one seen lately must not find the memory taken.
@@ -68,6 +50,20 @@ pub struct PolicyConfig {
 
 /// One reply's demand: the rows of the batch the ranker would have run with everything
 /// waiting in it.
+impl PolicyConfig {
+    /// The policy's settings from the router's config (docs/cache.md, "Settings").
+    pub fn of(c: &crate::config::RouterConfig) -> PolicyConfig {
+        PolicyConfig {
+            mode: c.cache,
+            cache_bytes: c.cache_bytes,
+            budget_bytes: c.memory_budget_bytes,
+            activation_bytes_per_sample: c.activation_bytes_per_sample,
+            ranker_max_batch: c.ranker_max_batch,
+            window: c.cache_window,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Sample {
     wanted_rows: u64,
