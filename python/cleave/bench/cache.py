@@ -123,7 +123,10 @@ def step_rows(samples, stats: list[dict], step_s: float, rates: list[float], bud
         ok = [s.latency_s for s in inside if not s.error]
         good = sum(1 for x in ok if x <= budget_s)
         window = [p for p in stats if lo <= p["t"] < hi]
-        first, last = (window[0], window[-1]) if window else ({}, {})
+        # The counters' increase from the last reading before the step to the last in it.
+        before = [p for p in stats if p["t"] < lo]
+        first = before[-1] if before else (window[0] if window else {})
+        last = window[-1] if window else first
         diff = {
             k: last.get(k, 0) - first.get(k, 0)
             for k in ("hits", "misses", "lookups_avoided", "bytes_not_sent")
@@ -156,7 +159,8 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
     server_cpus, client_cpus = pins
     toml = config_toml(workdir / f"{mode}.toml", mode)
     with pinned(server_cpus):
-        server = ServeProcess(bundle, "--shards", "2", "--config", str(toml)).start()
+        shards = "1" if args.quick else "2"  # --quick: the shape of a run, started sooner
+        server = ServeProcess(bundle, "--shards", shards, "--config", str(toml)).start()
     try:
         url = f"{server.url}/v2/models/{bundle.name}/infer"
         with pinned(client_cpus):
@@ -169,7 +173,7 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
                 capacity = sum(1 for s in done if not s.error) / args.step_s
                 log(f"  capacity {capacity:.1f}/s")
             rates = [capacity * f for f in STEPS]
-            with Poller(server.url) as poller:
+            with Poller(server.url, min(0.25, args.step_s / 4)) as poller:
                 samples = open_loop_phases(
                     url, bodies, [(r, args.step_s) for r in rates], timeout_s=2.0, replies=False
                 )
@@ -237,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     from cleave.models import MODELS
 
     if args.quick:  # the shape of a run, not a measurement
-        args.step_s, args.scale = 0.3, 0.01
+        args.step_s, args.scale = 0.2, 0.01
 
     def log(m):
         print(m, flush=True, file=__import__("sys").stderr)
