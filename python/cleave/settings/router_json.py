@@ -54,8 +54,6 @@ def router_config(
         "rankers": rankers,
         "ready_timeout_ms": int(config.ready_timeout_s * 1000),
         **router_settings(config.router),
-        # The memory budget may lower it (docs/cache.md); the ranker's own setting is the home.
-        "ranker_max_batch": config.ranker.max_batch,
         # Router-held mode only (the chart renders no such deployment).
         **({"held_threads": config.shard.threads} if config.router_held else {}),
         # Only when asked for: a router config without it serves no gRPC (the chart's too).
