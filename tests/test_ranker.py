@@ -227,6 +227,24 @@ def test_max_batch_caps_the_rows_of_a_batch():
         torch.testing.assert_close(response.tensors[0], model(*request)[0])
 
 
+def test_the_routers_cap_lowers_the_batch_until_it_rises():
+    """The router's cache leaves less memory for batches (docs/cache.md): its cap, carried by
+    each request, lowers the rows of a batch below max_batch; a later higher cap raises it."""
+    queue, batcher, _ = make_batcher(max_batch=8, max_wait_s=0)
+    capped = [queue.submit(KIND_RANK, encode_request(dense_request(2, s), 4), 0) for s in range(4)]
+    sizes = []
+    while not all(f.done() for f in capped):
+        if n := batcher.step():
+            sizes.append(n)
+    assert sizes == [2, 2] and batcher.batch_limit() == 4  # 2 + 2 rows fit in the cap of 4
+    raised = [queue.submit(KIND_RANK, encode_request(dense_request(2, s), 64), 0) for s in range(4)]
+    sizes = []
+    while not all(f.done() for f in raised):
+        if n := batcher.step():
+            sizes.append(n)
+    assert sizes == [4] and batcher.batch_limit() == 8  # never above max_batch
+
+
 def test_a_request_larger_than_max_batch_runs_alone():
     queue, batcher, _ = make_batcher(max_batch=4)
     future = submit(queue, dense_request(10, 0))

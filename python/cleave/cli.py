@@ -37,6 +37,10 @@ BENCHMARKS = {
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
     "rack": ("cleave.bench.rack", "a hot shard host on the rack testbed: ToR vs pooled NICs"),
     "tier": ("cleave.bench.tier", "tables larger than memory: SSD tier and caches vs DRAM, mmap"),
+    "cache": (
+        "cleave.bench.cache",
+        "router embedding cache: off, fixed, adaptive",
+    ),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),

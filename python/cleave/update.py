@@ -190,15 +190,18 @@ def apply_update(
     timeout_s: float = 60.0,
     log=None,
     switch_margin_s: float = SWITCH_MARGIN_S,
+    announce=None,
 ) -> dict[str, int]:
     """Stages `source` (a delta: kind "rows"; a table file: kind "file") of `table` on every
     shard at `addrs`, then switches them all at one time, `switch_margin_s` from now: requests
     that arrived before it read the old version on every shard, later ones the new (docs/tiers.md,
     "One version per request"). Returns {addr: new version} once that time has passed. A failed
     stage aborts the update on every shard (the old version keeps serving) and raises
-    UpdateError."""
+    UpdateError. `announce(table, switch_at_us)`, when given, tells the router before any
+    shard switches (its cache keys requests from then on anew, docs/cache.md); if it fails,
+    the update is aborted."""
     change = Change(table, source, kind, addrs)
-    return apply_changes([change], timeout_s, log, switch_margin_s)[table]
+    return apply_changes([change], timeout_s, log, switch_margin_s, announce)[table]
 
 
 def apply_changes(
@@ -206,6 +209,7 @@ def apply_changes(
     timeout_s: float = 60.0,
     log=None,
     switch_margin_s: float = SWITCH_MARGIN_S,
+    announce=None,
 ) -> dict[str, dict[str, int]]:
     """`apply_update` of several tables (one change per table) with one switch time for all:
     a request reads every table old or every table new. Returns {table: {addr: version}}."""
@@ -218,6 +222,15 @@ def apply_changes(
         for c in changes
         for a in dict.fromkeys(c.addrs)
     ]
+
+    def abort_all():
+        for shard, base, _ in steps:
+            try:
+                shard.step({**base, "op": "abort"})
+            except UpdateError as err:  # an unreachable shard drops it when it restarts
+                log(f"abort: {err}")
+        log("the update was aborted on every shard; the old version keeps serving")
+
     try:
         for shard, base, change in steps:
             offset = 0
@@ -232,15 +245,20 @@ def apply_changes(
                         break
             log(f"staged on {shard.addr}: version {reply.get('version')} of {change.table}")
     except UpdateError:
-        for shard, base, _ in steps:
-            try:
-                shard.step({**base, "op": "abort"})
-            except UpdateError as err:  # an unreachable shard drops it when it restarts
-                log(f"abort: {err}")
-        log("the update was aborted on every shard; the old version keeps serving")
+        abort_all()
         raise
     # Every shard gets the same switch time, far enough ahead for the switch to reach them all.
     switch_at_us = int((time.time() + switch_margin_s) * 1e6)
+    log(f"switch at {switch_at_us} us (Unix time)")
+    # The router hears of it first: once any shard could serve the new version, the router's
+    # cache already keys requests as of the switch time with a new epoch (docs/cache.md).
+    if announce is not None:
+        try:
+            for c in changes:
+                announce(c.table, switch_at_us)
+        except CleaveError as err:
+            abort_all()
+            raise UpdateError(f"telling the router of the switch failed: {err}") from None
     headers = [
         {**base, "switch_at_unix_us": switch_at_us}
         | ({} if change.tag is None else {"source": change.tag})
@@ -292,6 +310,13 @@ def use_plan_secret(plan) -> None:
         if not secret:
             raise UpdateError(f"the plan's internal_secret_env {secret_env} is unset or empty")
         os.environ[_SECRET_ENV] = secret
+
+
+def announce_to(router: str, token: str | None):
+    """`announce` for `apply_changes`: tells the router at `router` of each switch."""
+    from cleave.runners.membership import cache_switch
+
+    return lambda table, switch_at_us: cache_switch(router, table, switch_at_us, token)
 
 
 def live_shards(router: str, table: str, token: str | None) -> list[str]:
@@ -347,10 +372,10 @@ def run(args) -> int:
                 f"{table['row_bytes']} bytes, {table['dtype']} x {table['dim']})"
             )
     use_plan_secret(plan)
+    token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
     if args.shard:
         addrs = list(dict.fromkeys(args.shard))
     else:
-        token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
         addrs = live_shards(args.router, args.table, token)
         if not addrs:
             raise UpdateError(f"--router {args.router}: no live shard holds table {args.table!r}")
@@ -363,6 +388,7 @@ def run(args) -> int:
         args.timeout,
         log=lambda m: print(m, file=sys.stderr),
         switch_margin_s=args.switch_margin_ms / 1e3,
+        announce=announce_to(args.router, token) if args.router else None,
     )
     print(json.dumps({"table": args.table, "versions": versions}))
     return 0

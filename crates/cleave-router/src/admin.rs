@@ -34,6 +34,50 @@ pub fn routes() -> axum::Router<Arc<App>> {
         .route("/admin/v1/rankers/remove", post(remove_ranker))
         .route("/admin/v1/rollout", get(rollout).post(set_rollout))
         .route("/admin/v1/rollback", post(rollback))
+        .route("/admin/v1/cache", get(cache_stats))
+        .route("/admin/v1/cache/switch", post(cache_switch))
+}
+
+/// `{"table": T, "switch_at_unix_us": N}`: an update of T switches at N (docs/cache.md).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CacheSwitch {
+    table: String,
+    #[serde(default)]
+    switch_at_unix_us: u64,
+}
+
+/// The cache's counters and sizes (the /metrics series, as JSON).
+async fn cache_stats(State(app): State<Arc<App>>, headers: HeaderMap) -> Reply {
+    authorize(&app, &headers)?;
+    let body = match app.metrics.cache.get() {
+        None => json!({"mode": "off"}),
+        Some(c) => {
+            let s = c.stats();
+            json!({"mode": s.mode, "hits": s.hits, "misses": s.misses,
+                   "lookups_avoided": s.ids_avoided, "bytes_not_sent": s.bytes_not_sent,
+                   "bytes": s.bytes, "limit_bytes": s.limit, "entries": s.entries,
+                   "ranker_max_batch": s.ranker_max_batch})
+        }
+    };
+    Ok(json_bytes(StatusCode::OK, body.to_string().into_bytes()))
+}
+
+/// Announced by `cleave update` and `cleave stream` before they switch any shard: requests
+/// as of the switch time on are keyed with the table's next epoch. Accepted (a no-op) with the
+/// cache off, so that the tools need not know how the router is configured.
+async fn cache_switch(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Reply {
+    authorize(&app, &headers)?;
+    let s: CacheSwitch = parse(&body, r#"{"table": T, "switch_at_unix_us": N}"#)?;
+    let epoch = match app.metrics.cache.get() {
+        None => None,
+        Some(c) => Some(
+            c.switch(&s.table, s.switch_at_unix_us)
+                .map_err(|m| error(StatusCode::CONFLICT, m))?,
+        ),
+    };
+    let body = json!({"table": s.table, "epoch": epoch});
+    Ok(json_bytes(StatusCode::OK, body.to_string().into_bytes()))
 }
 
 /// `{"addr": ..., "control": ...}`

@@ -132,6 +132,52 @@ pub struct RouterConfig {
     /// Where the rollout state is kept across restarts; none: not kept.
     #[serde(default)]
     pub rollout_file: Option<PathBuf>,
+    /// The embedding cache in front of the shards (docs/cache.md): off, fixed or adaptive.
+    #[serde(default)]
+    pub cache: CacheMode,
+    /// fixed: the cache's bytes; adaptive: its largest (0: the whole memory budget).
+    #[serde(default)]
+    pub cache_bytes: u64,
+    /// The memory the cache and the rankers' batch activations share on the host; 0: none.
+    #[serde(default)]
+    pub memory_budget_bytes: u64,
+    /// The rankers' activation bytes per row of a batch (measured by `cleave serve`).
+    #[serde(default)]
+    pub activation_bytes_per_sample: u64,
+    /// Ranker replies in the adaptive cache's sliding window.
+    #[serde(default = "default_cache_window")]
+    pub cache_window: usize,
+    /// The rankers' `max_batch` (rows), which the memory budget may lower.
+    #[serde(default = "default_ranker_max_batch")]
+    pub ranker_max_batch: usize,
+}
+
+/// The cache's mode (`cache` in the router's config).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    #[default]
+    Off,
+    Fixed,
+    Adaptive,
+}
+
+impl CacheMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheMode::Off => "off",
+            CacheMode::Fixed => "fixed",
+            CacheMode::Adaptive => "adaptive",
+        }
+    }
+}
+
+fn default_cache_window() -> usize {
+    64
+}
+
+fn default_ranker_max_batch() -> usize {
+    256
 }
 
 /// A model version: a decimal integer, written as a string in JSON.
@@ -350,6 +396,7 @@ impl RouterConfig {
         if self.body_limit_bytes == 0 {
             return bad("body_limit_bytes must be at least 1".into());
         }
+        self.check_cache().or_else(bad)?;
         let at_least_one = [
             ("max_retry_after_s", self.max_retry_after_s),
             ("header_timeout_ms", self.header_timeout_ms),
@@ -362,6 +409,50 @@ impl RouterConfig {
             if value == 0 {
                 return bad(format!("{key} is 0, expected at least 1"));
             }
+        }
+        Ok(())
+    }
+}
+
+impl RouterConfig {
+    /// The cache's settings, checked (docs/cache.md, "Settings").
+    fn check_cache(&self) -> Result<(), String> {
+        let mode = self.cache.as_str();
+        if self.cache != CacheMode::Off && self.mode != ConfigMode::Disaggregated {
+            return Err(format!(
+                "cache {mode:?} needs mode \"disaggregated\": it saves lookups sent to shard \
+                 processes, and this router has none"
+            ));
+        }
+        if self.cache == CacheMode::Fixed && self.cache_bytes == 0 {
+            return Err("cache \"fixed\" needs cache_bytes, its size in bytes (> 0)".into());
+        }
+        if self.cache == CacheMode::Adaptive && self.memory_budget_bytes == 0 {
+            return Err(
+                "cache \"adaptive\" needs memory_budget_bytes, the memory the cache \
+                        and the rankers' batches share (> 0)"
+                    .into(),
+            );
+        }
+        if self.cache == CacheMode::Adaptive && self.activation_bytes_per_sample == 0 {
+            return Err(
+                "cache \"adaptive\" needs activation_bytes_per_sample (> 0): the \
+                        rankers' memory per row of a batch"
+                    .into(),
+            );
+        }
+        if self.memory_budget_bytes > 0 && self.cache_bytes > self.memory_budget_bytes {
+            return Err(format!(
+                "cache_bytes ({}) is more than memory_budget_bytes ({}): the cache lives in \
+                 that budget",
+                self.cache_bytes, self.memory_budget_bytes
+            ));
+        }
+        if self.cache_window == 0 || self.ranker_max_batch == 0 {
+            return Err(format!(
+                "cache_window ({}) and ranker_max_batch ({}) must be at least 1",
+                self.cache_window, self.ranker_max_batch
+            ));
         }
         Ok(())
     }

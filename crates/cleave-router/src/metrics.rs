@@ -107,6 +107,40 @@ pub struct Metrics {
     expired_after_admission: IntCounter,
     /// The per-version families (docs/api.md, "Metrics"), resolved per version by `version`.
     by_version: VersionFamilies,
+    /// The embedding cache every version looks up through (set once, by the builder), here
+    /// because every part that reports to it or reads it already holds the metrics.
+    pub cache: std::sync::OnceLock<Arc<dyn CacheHandle>>,
+}
+
+/// What /metrics shows of the cache.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStats {
+    pub mode: &'static str,
+    /// Rows and bags answered by the cache.
+    pub hits: u64,
+    /// Rows and bags sent to the shards (each distinct one of a request once).
+    pub misses: u64,
+    /// Ids the shards did not have to look up.
+    pub ids_avoided: u64,
+    /// Request and response bytes that did not cross the network.
+    pub bytes_not_sent: u64,
+    pub bytes: u64,
+    pub limit: u64,
+    pub entries: u64,
+    /// The rankers' largest batch the memory budget allows beside the cache.
+    pub ranker_max_batch: u64,
+}
+
+/// The router's embedding cache (pipeline/cache/) as the handlers and the pipeline use it;
+/// a trait here so that this module does not import the pipeline.
+pub trait CacheHandle: Send + Sync {
+    fn stats(&self) -> CacheStats;
+    /// One ranker reply: its batch's requests, this request's rows, the queue behind it.
+    fn observe(&self, batch_requests: u64, rows: u64, queue_depth: u64);
+    /// The rankers' largest batch (rows) now.
+    fn max_batch(&self) -> usize;
+    /// An update of `table` switches at `at_us` (Unix µs; 0: now): returns the new epoch.
+    fn switch(&self, table: &str, at_us: u64) -> Result<u64, String>;
 }
 
 /// The score histogram's buckets: wide enough for logits, fine near probabilities' ends.
@@ -234,6 +268,7 @@ impl Metrics {
             admitted,
             expired_after_admission,
             registry,
+            cache: std::sync::OnceLock::new(),
         })
     }
 
@@ -361,6 +396,9 @@ impl Metrics {
              not arrive whole in time), idle_timeout.",
             by_reason(&front.closed),
         ));
+        if let Some(cache) = self.cache.get() {
+            cache_families(&cache.stats(), &mut families);
+        }
         // A family without samples is refused by the encoder (no rankers yet).
         families.retain(|f| !f.get_metric().is_empty());
         let mut text = String::with_capacity(8 << 10);
@@ -368,6 +406,64 @@ impl Metrics {
             text.push_str(&format!("# encoding the router's metrics failed: {e}\n"));
         }
         text
+    }
+}
+
+/// The cache's series (docs/cache.md, "Metrics"), read at the scrape.
+fn cache_families(s: &CacheStats, families: &mut Vec<prometheus::proto::MetricFamily>) {
+    let one = |v: u64| [(vec![], v as f64)];
+    for (kind, name, help, value) in [
+        (
+            MetricType::COUNTER,
+            "cleave_router_cache_hits_total",
+            "Rows and pooled bags the router's cache answered.",
+            s.hits,
+        ),
+        (
+            MetricType::COUNTER,
+            "cleave_router_cache_misses_total",
+            "Rows and pooled bags sent to the shards through the cache (each distinct one of a \
+          request once).",
+            s.misses,
+        ),
+        (
+            MetricType::COUNTER,
+            "cleave_router_cache_lookups_avoided_total",
+            "Ids the shards did not look up because the cache answered.",
+            s.ids_avoided,
+        ),
+        (
+            MetricType::COUNTER,
+            "cleave_router_cache_bytes_not_sent_total",
+            "Lookup request and response bytes that did not cross the network.",
+            s.bytes_not_sent,
+        ),
+        (
+            MetricType::GAUGE,
+            "cleave_router_cache_bytes",
+            "Bytes the cache holds.",
+            s.bytes,
+        ),
+        (
+            MetricType::GAUGE,
+            "cleave_router_cache_limit_bytes",
+            "The cache's current limit (fixed, or the adaptive policy's).",
+            s.limit,
+        ),
+        (
+            MetricType::GAUGE,
+            "cleave_router_cache_entries",
+            "Rows and bags held.",
+            s.entries,
+        ),
+        (
+            MetricType::GAUGE,
+            "cleave_router_ranker_max_batch",
+            "The rankers' largest batch (rows) the memory budget allows beside the cache.",
+            s.ranker_max_batch,
+        ),
+    ] {
+        families.push(scrape_family(kind, name, help, one(value)));
     }
 }
 

@@ -13,14 +13,15 @@ The loop only needs a *source* with two calls, so it does not care where request
 
 Policy: requests start in the order of the queue policy (`queue`: "fifo", arrival order, the
 default; or "edf", earliest deadline first; cleave/ranker/queues/). A batch starts when the
-queued rows reach `max_batch`, or when the longest-waiting request has waited `max_wait_s`;
-with `max_wait_s = 0` the loop is work-conserving (it runs whatever arrived while the previous
-batch computed). A batch is one call of the dense program: requests are never interleaved. A
-request that cannot make its deadline when its batch is formed (less time left than a batch's
-compute takes, a moving average) is answered with error `deadline` and not computed; one whose
-caller cancelled it is dropped from the queue. The queue holds at most `max_queue` requests:
-one more is answered `overloaded` at once (not executed, so the router retries it on another
-ranker).
+queued rows reach `max_batch` (or the lower cap the router's latest request carried: what its
+memory budget leaves beside its cache, docs/cache.md), or when the longest-waiting request has
+waited `max_wait_s`; with `max_wait_s = 0` the loop is work-conserving (it runs whatever
+arrived while the previous batch computed). A batch is one call of the dense program: requests
+are never interleaved. A request that cannot make its deadline when its batch is formed (less
+time left than a batch's compute takes, a moving average) is answered with error `deadline`
+and not computed; one whose caller cancelled it is dropped from the queue. The queue holds at
+most `max_queue` requests: one more is answered `overloaded` at once (not executed, so the
+router retries it on another ranker).
 
 Logs (`logging`, logger "cleave.ranker") carry the router's trace id as `trace=%016x`, the
 form of the router's `x-request-id`: failures at WARNING, one record per batch at DEBUG.
@@ -108,6 +109,9 @@ class Batcher:
         self.signature = signature
         self.kind = kind
         self.max_batch = max(1, max_batch)
+        # The router's cap (docs/cache.md): the memory its cache leaves for batches, from the
+        # latest request that carried one; never above max_batch.
+        self.router_cap = 0
         # Waiting for company is pointless when requests cannot share a batch.
         self.max_wait_ns = int(max_wait_s * 1e9) if signature.batchable else 0
         self.max_queue = max(1, max_queue)
@@ -132,15 +136,19 @@ class Batcher:
         if not self.queue:
             return 0
         # (Under EDF finding the oldest is a scan: only when waiting for company is on.)
-        if self.max_wait_ns and self.queued_rows < self.max_batch:
+        if self.max_wait_ns and self.queued_rows < self.batch_limit():
             if self.clock() - self.queue.oldest_arrival_ns() < self.max_wait_ns:
                 return 0
         return self._run(self._take())
 
+    def batch_limit(self) -> int:
+        """Rows per batch at most: max_batch, lowered by the router's cap when it sends one."""
+        return min(self.max_batch, self.router_cap) if self.router_cap else self.max_batch
+
     def _wait_s(self) -> float:
         if not self.queue:
             return _IDLE_POLL_S
-        if self.queued_rows >= self.max_batch:
+        if self.queued_rows >= self.batch_limit():
             return 0.0
         if not self.max_wait_ns:
             return 0.0
@@ -163,6 +171,8 @@ class Batcher:
                     raise PayloadError(f"this ranker serves frame kind {self.kind}, got {kind}")
                 request = decode_request(payload)
                 rows = self.signature.check(request)
+                if request.max_batch:
+                    self.router_cap = request.max_batch
             except PayloadError as err:
                 self.stats.bad_requests += 1
                 log.warning("trace=%016x bad request: %s", trace_id, err)
@@ -194,7 +204,7 @@ class Batcher:
         needs_us = int(self.compute_ewma_us)
         while self.queue:
             head = self.queue.peek()
-            if batch and (not self.signature.batchable or rows + head.rows > self.max_batch):
+            if batch and (not self.signature.batchable or rows + head.rows > self.batch_limit()):
                 break
             self.queue.pop()
             self.queued_rows -= head.rows

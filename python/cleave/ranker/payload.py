@@ -2,7 +2,7 @@
 read straight into torch tensors that share the payload's memory (no JSON, no per-element copy).
 
 ```
-request  := n_tensors:u32  reserved:u32  tensor[n_tensors]
+request  := n_tensors:u32  max_batch:u32 (the router's cap; 0: none)  tensor[n_tensors]
 response := queue_us:u32 compute_us:u32 batch_requests:u32 queue_depth:u32 n_tensors:u32
             reserved:u32  tensor[n_tensors]
 tensor   := dtype:u8 ndim:u8 reserved:u16 reserved:u32 dims:u64[ndim] data pad(to 8 bytes)
@@ -54,6 +54,8 @@ class PayloadError(ValueError):
 @dataclass
 class RankRequest:
     tensors: list[torch.Tensor]
+    # The largest batch (rows) the router's memory budget allows now (docs/cache.md); 0: none.
+    max_batch: int = 0
 
 
 @dataclass
@@ -115,11 +117,11 @@ def decode_request(payload) -> RankRequest:
     buf = memoryview(payload).cast("B")
     if len(buf) < _REQUEST_HEAD.size:
         raise PayloadError(f"request header needs 8 bytes, payload has {len(buf)}")
-    count, _ = _REQUEST_HEAD.unpack_from(buf, 0)
+    count, max_batch = _REQUEST_HEAD.unpack_from(buf, 0)
     tensors, end = _read_tensors(buf, _REQUEST_HEAD.size, count, "request")
     if end != len(buf):
         raise PayloadError(f"request of {count} tensors ends at byte {end}, payload has {len(buf)}")
-    return RankRequest(tensors)
+    return RankRequest(tensors, max_batch)
 
 
 def decode_response(payload) -> RankResponse:
@@ -147,8 +149,9 @@ def _tensor_parts(tensor: torch.Tensor) -> list[bytes | memoryview]:
     return [head, data, bytes(_pad8(nbytes) - nbytes)]
 
 
-def encode_request(tensors: list[torch.Tensor]) -> bytes:
-    parts: list[bytes | memoryview] = [_REQUEST_HEAD.pack(len(tensors), 0)]
+def encode_request(tensors: list[torch.Tensor], max_batch: int = 0) -> bytes:
+    """A RANK payload; `max_batch`: the router's cap on the ranker's batches (0: none)."""
+    parts: list[bytes | memoryview] = [_REQUEST_HEAD.pack(len(tensors), _u32(max_batch))]
     for tensor in tensors:
         parts.extend(_tensor_parts(tensor))
     return b"".join(parts)

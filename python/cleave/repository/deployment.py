@@ -103,6 +103,8 @@ class RepositoryDeployment:
             "models": more,
             "repository_controller": self.controller.url,
             "rollout_file": str(rollout.resolve()),
+            # The rankers' own, which the router's cache budget may lower (docs/cache.md).
+            "ranker_max_batch": self.config.ranker.max_batch,
             **self.bound,
         }
         tmp = self.config_path.with_suffix(".tmp")

@@ -63,6 +63,20 @@ def remove(url: str, kind: str, addr: str, token: str | None = None, timeout: fl
     return _call(url, "POST", f"{_kind(kind)}/remove", {"addr": addr}, token, timeout)
 
 
+def cache_switch(
+    url: str, table: str, switch_at_us: int, token: str | None = None, timeout: float = 10.0
+) -> dict:
+    """Tells the router that `table` switches to a new version at `switch_at_us` (Unix µs), so
+    that its cache keys requests as of then anew (docs/cache.md); a no-op with the cache off."""
+    body = {"table": table, "switch_at_unix_us": switch_at_us}
+    return _call(url, "POST", "cache/switch", body, token, timeout)
+
+
+def cache_stats(url: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    """The router cache's counters and sizes (`{"mode": "off"}` when it has none)."""
+    return _call(url, "GET", "cache", None, token, timeout)
+
+
 def _kind(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

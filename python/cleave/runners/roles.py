@@ -260,6 +260,8 @@ class RoleSpecs:
         )
         path = self.config_path(router.name)
         values = router_config(self.plan.name, self.bundle, config, routes, rankers)
+        if self.plan.rankers:  # the plan's own: the smallest, which the cap must not exceed
+            values["ranker_max_batch"] = min(r.max_batch for r in self.plan.rankers)
         if ranker_control:  # incast control (docs/traffic.md): a grant before large payloads
             values["incast_control"] = True
             values["incast_threshold_bytes"] = self.plan.incast_threshold_bytes

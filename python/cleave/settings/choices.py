@@ -58,6 +58,8 @@ ADMISSION_RULES = Choices(("adaptive", "estimate"))
 # Internal sockets: Unix sockets (every role on one host) or TCP.
 # mptcp: TCP addresses over Multipath TCP sockets (docs/protocol.md, "Multipath TCP").
 TRANSPORTS = Choices(("unix", "tcp", "mptcp"))
+# The router's embedding cache (docs/cache.md).
+CACHE_MODES = Choices(("off", "fixed", "adaptive"))
 DEVICES = Choices(("auto", "cpu", "cuda"))
 # How shards split the tables (cleave/plan/planner.py, table_ranges): every table cut into
 # row ranges, or whole tables spread over the shards (what `cleave score`'s ranks hold).

@@ -16,6 +16,7 @@ from typing import Any
 from cleave.errors import UsageError
 from cleave.settings.choices import (
     ADMISSION_RULES,
+    CACHE_MODES,
     DEVICES,
     INCAST_ORDERS,
     QUEUE_POLICIES,
@@ -148,6 +149,18 @@ class RouterConfig:
     )
     tls_cert: str = setting("", "PEM certificate chain for TLS on both client ports")
     tls_key: str = setting("", 'PEM private key for TLS; "": plain TCP')
+    # The embedding cache in front of the shards (docs/cache.md).
+    cache: str = setting(
+        "off", "hot rows and pooled bags kept by the router (see docs/cache.md)", CACHE_MODES
+    )
+    cache_bytes: int = setting(0, "fixed: the cache's bytes; adaptive: its largest (0: budget)")
+    memory_budget_bytes: int = setting(
+        0, "memory the cache and the rankers' batch activations share on the host; 0: none"
+    )
+    activation_bytes_per_sample: int = setting(
+        0, "the rankers' activation bytes per row of a batch (adaptive needs it)"
+    )
+    cache_window: int = setting(64, "ranker replies in the adaptive cache's sliding window")
     # Every shard, ranker and router connection then proves it in its HELLO. Never the secret.
     internal_secret_env: str = setting(
         "", "environment variable holding the deployment's internal secret (docs/security.md)"
@@ -350,8 +363,45 @@ class ServeConfig:
             "an environment variable's name (letters, digits, _) or empty",
             r.admin_token_env,
         )
+        self._check_cache(need)
         need(self.ready_timeout_s > 0, "ready_timeout_s", "> 0", self.ready_timeout_s)
         return self
+
+    def _check_cache(self, need) -> None:
+        """The router cache's settings (the router checks them again; docs/cache.md)."""
+        r = self.router
+        for key in ("cache_bytes", "memory_budget_bytes", "activation_bytes_per_sample"):
+            need(getattr(r, key) >= 0, f"router.{key}", ">= 0 bytes", getattr(r, key))
+        need(r.cache_window >= 1, "router.cache_window", "at least 1", r.cache_window)
+        if r.cache == "off":
+            return
+        need(
+            not (self.monolithic or self.router_held),
+            "router.cache",
+            '"off" without shard processes (monolithic or router_held): it saves shard lookups',
+            r.cache,
+        )
+        if r.cache == "fixed":
+            need(r.cache_bytes > 0, "router.cache_bytes", '> 0 with cache "fixed"', r.cache_bytes)
+        if r.cache == "adaptive":
+            need(
+                r.memory_budget_bytes > 0,
+                "router.memory_budget_bytes",
+                '> 0 with cache "adaptive" (the memory the cache and the batches share)',
+                r.memory_budget_bytes,
+            )
+            need(
+                r.activation_bytes_per_sample > 0,
+                "router.activation_bytes_per_sample",
+                '> 0 with cache "adaptive" (the rankers\' memory per row of a batch)',
+                r.activation_bytes_per_sample,
+            )
+        need(
+            r.memory_budget_bytes == 0 or r.cache_bytes <= r.memory_budget_bytes,
+            "router.cache_bytes",
+            f"at most memory_budget_bytes ({r.memory_budget_bytes}): the cache lives in it",
+            r.cache_bytes,
+        )
 
     def ranker_threads(self, demand: dict | None = None) -> int:
         """Torch threads per ranker: the config's, else this machine's cores split by the

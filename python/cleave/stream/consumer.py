@@ -33,6 +33,7 @@ from cleave.update import (
     SWITCH_MARGIN_S,
     Change,
     UpdateError,
+    announce_to,
     apply_changes,
     bundle_tables,
     live_shards,
@@ -394,7 +395,10 @@ class Stream:
             applied += len(fresh)
         if changes:
             started = time.monotonic()
-            apply_changes(changes, self.timeout_s, log.info, self.switch_margin_s)
+            # The router hears of each switch first, so its cache never answers a request
+            # as of after it with a row read before (docs/cache.md).
+            announce = announce_to(self.deployment.router, self.deployment.token)
+            apply_changes(changes, self.timeout_s, log.info, self.switch_margin_s, announce)
             log.info(
                 "batch of %d records serves: %d of them applied to %s in %.2f s",
                 size, applied, ", ".join(c.table for c in changes),

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! tensor   := dtype:u8 ndim:u8 reserved:u16 reserved:u32 dims:u64[ndim] data pad(to 8)
-//! request  := n_tensors:u32 reserved:u32 tensor[n_tensors]
+//! request  := n_tensors:u32 max_batch:u32 tensor[n_tensors]
 //! response := queue_us:u32 compute_us:u32 batch_requests:u32 queue_depth:u32
 //!             n_tensors:u32 reserved:u32 tensor[n_tensors]
 //! ```
@@ -66,11 +66,20 @@ fn put_tensor(out: &mut Vec<u8>, t: &Tensor) {
 
 /// Packs one request's tensors, in one allocation.
 pub fn encode_request<'a>(tensors: impl IntoIterator<Item = &'a Tensor> + Clone) -> Vec<u8> {
+    encode_request_capped(tensors, 0)
+}
+
+/// A request that also tells the ranker the largest batch (rows) it may run now, what the
+/// memory budget leaves beside the router's cache (docs/cache.md); 0: no cap beyond its own.
+pub fn encode_request_capped<'a>(
+    tensors: impl IntoIterator<Item = &'a Tensor> + Clone,
+    max_batch: u32,
+) -> Vec<u8> {
     let size = 8 + tensors.clone().into_iter().map(tensor_len).sum::<usize>();
     let mut out = Vec::with_capacity(size);
     let count = tensors.clone().into_iter().count() as u32;
     out.extend_from_slice(&count.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&max_batch.to_le_bytes());
     for t in tensors {
         put_tensor(&mut out, t);
     }

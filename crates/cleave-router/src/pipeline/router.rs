@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::backend::payload::{encode_request, RANK, RANK_FULL};
+use crate::backend::payload::{encode_request, encode_request_capped, RANK, RANK_FULL};
 use crate::backend::ranker::RankerPool;
 use crate::budget::Budget;
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -109,7 +109,11 @@ impl Router {
                         DenseSource::Feature(f) => &pooled[f],
                         DenseSource::KeyLengths { .. } => cut.as_ref().expect("cut above"),
                     });
-                (RANK, encode_request(tensors))
+                // The largest batch the memory budget leaves beside the cache: the ranker
+                // runs none larger (docs/cache.md, "Size follows load").
+                let cap = (self.metrics.cache.get())
+                    .map_or(0, |c| c.max_batch().min(u32::MAX as usize) as u32);
+                (RANK, encode_request_capped(tensors, cap))
             }
         };
         budget.check(Stage::Lookup)?;
@@ -121,6 +125,16 @@ impl Router {
             .await?;
         let r = &ranked.response;
         let batch_requests = r.batch_requests;
+        if let Some(cache) = self.metrics.cache.get() {
+            // The batch the ranker ran this request in, in rows: its requests times this
+            // one's rows (the first feature's leading dim), and the queue behind it.
+            let rows = pooled
+                .first()
+                .and_then(|t| t.dims.first())
+                .copied()
+                .unwrap_or(1);
+            cache.observe(batch_requests as u64, rows as u64, r.queue_depth as u64);
+        }
         let (queue, compute) = (
             Duration::from_micros(r.queue_us as u64),
             Duration::from_micros(r.compute_us as u64),

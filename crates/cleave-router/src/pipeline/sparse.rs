@@ -3,10 +3,12 @@
 //! partial pools), and the results become boundary tensors shaped as the sparse reference
 //! shapes them: pooled `[bags, dim]`, gathered `ids.shape + [dim]`. The shard membership
 //! (replicas joining, draining, leaving) changes here, for the admin API. A router-held
-//! deployment looks the same batch up in-process instead (held.rs).
+//! deployment looks the same batch up in-process instead (held.rs). With the router's cache
+//! on (cache/, docs/cache.md), only what it does not hold is sent.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cleave_shard::{ClientError, Lookup as ShardLookup, Op, Route, RoutingTable};
@@ -17,6 +19,7 @@ use crate::budget::Budget;
 use crate::config::ShardRoute;
 use crate::error::{ErrorKind, RequestError, Stage};
 use crate::model::Model;
+use crate::pipeline::cache::EmbedCache;
 use crate::pipeline::held::HeldShards;
 use crate::pipeline::validate::Lookup;
 use crate::tensor::{numel, Tensor};
@@ -29,6 +32,8 @@ pub struct Shards {
     call_timeout: Duration,
     /// Caps one replica's wait when another could take a retry (None: half the budget left).
     attempt_timeout: Option<Duration>,
+    /// The router's cache (shared by every served version) and this version's table ids in it.
+    cache: Option<(Arc<EmbedCache>, HashMap<String, u32>)>,
 }
 
 impl Shards {
@@ -69,7 +74,21 @@ impl Shards {
             held: None,
             call_timeout,
             attempt_timeout,
+            cache: None,
         })
+    }
+
+    /// Looks up through `cache` (when it is on): this version's tables get their own ids.
+    pub fn with_cache(mut self, model: &Model, cache: &Arc<EmbedCache>) -> Shards {
+        if cache.enabled() && self.client.is_some() {
+            let mut ids = HashMap::new();
+            for f in &model.features {
+                ids.entry(f.table.clone())
+                    .or_insert_with(|| cache.table(&f.table));
+            }
+            self.cache = Some((cache.clone(), ids));
+        }
+        self
     }
 
     pub fn none() -> Shards {
@@ -78,6 +97,7 @@ impl Shards {
             held: None,
             call_timeout: Duration::ZERO,
             attempt_timeout: None,
+            cache: None,
         }
     }
 
@@ -99,17 +119,68 @@ impl Shards {
         budget: &Budget,
     ) -> Result<Vec<Tensor>, RequestError> {
         let mut dims = Vec::with_capacity(lookups.len());
+        let mut row_dims = Vec::with_capacity(lookups.len());
         let batch = lookups
             .into_iter()
             .map(|l| {
                 let f = &model.features[l.feature];
                 dims.push(l.out_dims);
+                row_dims.push(f.dim);
                 to_shard_lookup(&f.table, f.pooling, l.ids, l.bags, l.weights)
                     .map_err(|e| RequestError::input(&model.inputs[f.ids].name, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let pooled = match (&self.held, &self.client) {
-            (Some(held), _) => held.lookup(&batch)?,
+        let values: Vec<Vec<f32>> = match (&self.held, &self.client, &self.cache) {
+            (None, Some(_), Some((cache, ids))) if cache.holds() => {
+                let tables: Vec<u32> = batch.iter().map(|l| ids[&l.table]).collect();
+                let split = cache.split(&batch, &tables, budget.start_unix_us());
+                let fetched = if split.misses.is_empty() {
+                    Vec::new()
+                } else {
+                    self.fetch(&split.misses, budget).await?
+                };
+                cache
+                    .finish(split, fetched, &row_dims)
+                    .map_err(|e| RequestError::new(ErrorKind::Shard, e).at(Stage::Lookup))?
+            }
+            _ => {
+                if let Some((cache, _)) = &self.cache {
+                    cache.passed(&batch);
+                }
+                (self.fetch(&batch, budget).await?)
+                    .into_iter()
+                    .map(|p| p.values)
+                    .collect()
+            }
+        };
+        values
+            .into_iter()
+            .zip(dims)
+            .zip(&model.features)
+            .map(|((values, dims), f)| {
+                if Some(values.len()) != numel(&dims) {
+                    return Err(RequestError::new(
+                        ErrorKind::Shard,
+                        format!(
+                            "feature {:?}: the shards returned {} values, expected {dims:?}",
+                            f.name,
+                            values.len()
+                        ),
+                    ));
+                }
+                Ok(Tensor::from_f32(dims, &values))
+            })
+            .collect()
+    }
+
+    /// The shards' (or the held tables') answer to `batch`.
+    async fn fetch(
+        &self,
+        batch: &[ShardLookup],
+        budget: &Budget,
+    ) -> Result<Vec<cleave_shard::Pooled>, RequestError> {
+        Ok(match (&self.held, &self.client) {
+            (Some(held), _) => held.lookup(batch)?,
             (None, None) => {
                 return Err(RequestError::new(
                     ErrorKind::Unavailable,
@@ -122,7 +193,7 @@ impl Shards {
                 let attempt = self.attempt_timeout.map_or(timeout / 2, |a| a.min(timeout));
                 client
                     .lookup_within(
-                        &batch,
+                        batch,
                         timeout,
                         attempt,
                         budget.trace_id,
@@ -131,25 +202,7 @@ impl Shards {
                     .await
                     .map_err(shard_error)?
             }
-        };
-        pooled
-            .into_iter()
-            .zip(dims)
-            .zip(&model.features)
-            .map(|((p, dims), f)| {
-                if Some(p.values.len()) != numel(&dims) {
-                    return Err(RequestError::new(
-                        ErrorKind::Shard,
-                        format!(
-                            "feature {:?}: the shards returned {} values, expected {dims:?}",
-                            f.name,
-                            p.values.len()
-                        ),
-                    ));
-                }
-                Ok(Tensor::from_f32(dims, &p.values))
-            })
-            .collect()
+        })
     }
 
     /// Probes every shard replica once (ejecting the silent, readmitting the ready): replicas

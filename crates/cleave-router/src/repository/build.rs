@@ -10,6 +10,8 @@ use crate::backend::ranker::RankerPool;
 use crate::config::{ConfigMode, RouterConfig, VersionConfig};
 use crate::metrics::Metrics;
 use crate::model::{Mode, Model};
+use crate::pipeline::cache::policy::PolicyConfig;
+use crate::pipeline::cache::EmbedCache;
 use crate::pipeline::held::HeldShards;
 use crate::pipeline::router::Router;
 use crate::pipeline::sparse::Shards;
@@ -27,11 +29,21 @@ pub struct Builder {
     /// Incast control's threshold in bytes, when it is on.
     pub incast: Option<u64>,
     pub metrics: Arc<Metrics>,
+    /// The embedding cache, shared by every version (each keys its own tables).
+    pub cache: Arc<EmbedCache>,
 }
 
 impl Builder {
     pub fn new(config: &RouterConfig, io: IoThreads, metrics: Arc<Metrics>) -> Builder {
+        let cache = Arc::new(EmbedCache::new(PolicyConfig::of(config)));
+        if cache.enabled() {
+            // A second builder of the same metrics keeps the first's cache.
+            let _ = metrics
+                .cache
+                .set(cache.clone() as Arc<dyn crate::metrics::CacheHandle>);
+        }
         Builder {
+            cache,
             io,
             mode: config.mode,
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),
@@ -66,7 +78,8 @@ impl Builder {
                 self.call_cap,
                 self.attempt,
                 self.response_credits,
-            )?,
+            )?
+            .with_cache(&model, &self.cache),
             (Mode::Monolithic, _) => Shards::none(),
         };
         let client = ClientConfig {

@@ -1,0 +1,220 @@
+"""The router's embedding cache (docs/cache.md) on a real deployment: scores bit-identical
+with the cache off and on (cold and warm), no cached row served after a `cleave update`
+switch (checked against the switch time the update announced), bad settings refused with
+clear errors, and `cleave bench cache --quick`'s JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import cleave
+import numpy as np
+import pytest
+from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.cli import main
+from cleave.errors import UsageError
+from cleave.launch.process import ServeProcess
+from cleave.models import MODELS, RequestGenerator
+from cleave.plan.files import load_plan, save_plan
+from cleave.settings.config_file import load
+from cleave.update import write_delta
+
+CACHE_BYTES = 8 << 20
+
+
+def post(url: str, body: bytes) -> tuple[int, dict | str]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+
+
+def scores(url: str, bodies) -> list[bytes]:
+    replies = [post(url, b) for b in bodies]
+    assert all(s == 200 for s, _ in replies), replies
+    return [b"".join(o.tobytes() for o in outputs_of(r)) for _, r in replies]
+
+
+def cache_stats(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/admin/v1/cache", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A dlrm bundle, a delta rewriting every row of its largest table, the bundle with those
+    rows, and a plan of one router (cache fixed), two shards with state dirs, one ranker."""
+    tmp = tmp_path_factory.mktemp("cache")
+    model, example = MODELS["dlrm"].factory(scale=0.01, seed=0)
+    model.eval()
+    partitioned = cleave.partition(model, example)
+    bundle = partitioned.save(tmp / "dlrm")
+    tables = json.loads((bundle / "manifest.json").read_text())["tables"]
+    table = max(tables, key=lambda t: t["rows"])
+    rows = np.random.default_rng(5).standard_normal((table["rows"], table["dim"]))
+    rows = rows.astype(np.float32)
+    delta = write_delta(tmp / "new.delta", table, np.arange(table["rows"]), rows)
+    plan_path = tmp / "plan.yaml"
+    subprocess.run(
+        [sys.executable, "-m", "cleave.cli", "plan", str(bundle), "--hosts", "4"]
+        + ["--shards", "2", "-o", str(plan_path)],
+        check=True,
+        capture_output=True,
+    )
+    plan = load_plan(plan_path)
+    for shard in plan.shards:
+        shard.state_dir = f"state/{shard.name}"
+        shard.threads = 1
+    for role in [*plan.shards, *plan.rankers]:
+        role.port = role.metrics_port = 0
+    for router in plan.routers:
+        router.http_port = 0
+    plan.router.cache = "fixed"
+    plan.router.cache_bytes = CACHE_BYTES
+    save_plan(plan, plan_path)
+    generator = RequestGenerator("dlrm", scale=0.01, seed=7, min_pooling=1)
+    # Repeated bodies: the second of each pair hits what the first inserted.
+    bodies = [infer_body(partitioned.named_inputs(*generator.batch(b))) for b in (1, 8, 4)]
+    return {
+        "bundle": bundle,
+        "plan": plan_path,
+        "name": plan.name,
+        "table": table,
+        "delta": delta,
+        "rows": rows,
+        "bodies": bodies,
+    }
+
+
+@pytest.fixture(scope="module")
+def served(world):
+    with ServeProcess(None, "--plan", str(world["plan"])) as server:
+        yield server
+
+
+def test_scores_are_bit_identical_with_the_cache_on_cold_and_warm(world, served):
+    url = f"{served.url}/v2/models/{world['name']}/infer"
+    cold = scores(url, world["bodies"])
+    warm = scores(url, world["bodies"])
+    with ServeProcess(world["bundle"], "--shards", "2") as plain:
+        off = scores(f"{plain.url}/v2/models/{world['bundle'].name}/infer", world["bodies"])
+    assert cold == off and warm == off
+    s = cache_stats(served.url)
+    assert s["mode"] == "fixed" and s["hits"] > 0 and s["lookups_avoided"] > 0
+    assert 0 < s["bytes"] <= s["limit_bytes"] == CACHE_BYTES
+    with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("cache_hits_total", "cache_bytes_not_sent_total", "ranker_max_batch"):
+        assert f"cleave_router_{name}" in text
+
+
+def test_no_cached_row_is_served_after_an_update_switches(world, served):
+    url = f"{served.url}/v2/models/{world['name']}/infer"
+    body = world["bodies"][1]
+    old = scores(url, [body])[0]  # and now cached
+    # Requests keep arriving across the switch; each notes when it was sent.
+    seen, stop = [], threading.Event()
+
+    def load():
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline and len(seen) < 20000:
+            sent = time.time()
+            status, reply = post(url, body)
+            assert status == 200, reply
+            seen.append((sent, b"".join(o.tobytes() for o in outputs_of(reply))))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cleave.cli", "update", "--plan", str(world["plan"])]
+            + ["--table", world["table"]["name"], "--rows", str(world["delta"])]
+            + ["--router", served.url, "--switch-margin-ms", "500"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        done = len(seen)
+        while len(seen) < done + 5 and thread.is_alive():
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert proc.returncode == 0, proc.stderr
+    switch_at = int(re.search(r"switch at (\d+) us", proc.stderr).group(1)) / 1e6
+    new = scores(url, [body])[0]
+    assert new != old
+    # Sent after the switch time: arrived after it, so the new rows, never a cached old one.
+    after = [s for t, s in seen if t >= switch_at]
+    assert after and all(s == new for s in after)
+    assert all(s in (old, new) for _, s in seen)
+    assert any(s == old for t, s in seen if t < switch_at - 0.2)
+
+
+def test_bad_cache_settings_are_refused_with_clear_errors(world):
+    toml = world["bundle"].parent / "bad.toml"
+
+    def refused(router: dict) -> str:
+        lines = [f"{k} = {json.dumps(v)}" for k, v in router.items()]
+        toml.write_text("[router]\n" + "\n".join(lines) + "\n")
+        with pytest.raises(UsageError) as err:
+            load(toml).check()
+        return str(err.value)
+
+    assert 'cache "fixed"' in refused({"cache": "fixed"})
+    assert "memory_budget_bytes" in refused({"cache": "adaptive", "activation_bytes_per_sample": 1})
+    assert "activation_bytes_per_sample" in refused({"cache": "adaptive", "memory_budget_bytes": 9})
+    assert "at most memory_budget_bytes" in refused(
+        {"cache": "fixed", "cache_bytes": 10, "memory_budget_bytes": 5}
+    )
+    assert "router.cache" in refused({"cache": "lru"})
+    # The router checks them too, for configs written by hand.
+    config = {
+        "model": "m",
+        "bundle": str(world["bundle"]),
+        "rankers": ["127.0.0.1:1"],
+        "cache": "adaptive",
+        "memory_budget_bytes": 1 << 20,
+    }
+    path = world["bundle"].parent / "bad-router.json"
+    path.write_text(json.dumps(config))
+    router = shutil.which("cleave-router", path=str(Path(sys.executable).parent))
+    proc = subprocess.run([router, str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "activation_bytes_per_sample" in proc.stderr, proc.stderr
+
+
+def test_bench_cache_quick_writes_every_mode_step_and_ratio(tmp_path):
+    out = tmp_path / "cache.json"
+    # In this process (torch is imported already), unpinned: the test's own cores stay as
+    # they are.
+    assert main(["bench", "cache", "--quick", "--pin", "off", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"off", "fixed", "adaptive"}
+    for rows in result["modes"].values():
+        assert [r["load_share"] for r in rows] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+        for key in ("hit_rate", "lookups_sent", "lookups_avoided", "bytes_not_sent", "p99_ms"):
+            assert all(key in r for r in rows), key
+        assert all(r["max_batch"] >= 1 and r["goodput"] >= 0 for r in rows)
+    assert all(r["hit_rate"] == 0 for r in result["modes"]["off"])
+    assert any(r["hit_rate"] > 0 for r in result["modes"]["fixed"])
+    assert {
+        "overload_max_batch_adaptive_over_nocache",
+        "overload_goodput_adaptive_over_nocache",
+        "low_load_p99_adaptive_over_fixed",
+        "low_load_lookups_sent_adaptive_over_fixed",
+    } <= set(result["ratios"])
+    assert out.with_suffix(".png").stat().st_size > 0
