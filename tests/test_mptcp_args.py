@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 from cleave.errors import UsageError
-from cleave.runners.roles import control_address, listen_address, listen_host, probe_base
+from cleave.runners.roles import control_address, listen_address, probe_base
 from cleave.serve import _runner_options
-from cleave.settings.choices import TRANSPORTS
+from cleave.settings.choices import TRANSPORTS, listen_host
 from cleave.testbed.testbed import Testbed
 
 

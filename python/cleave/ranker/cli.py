@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 from cleave.errors import UsageError
-from cleave.runners.roles import listen_host
 from cleave.settings import IncastConfig, RankerConfig, choice_list, default, doc
+from cleave.settings.choices import listen_host
 
 
 def _flag(cls: type, name: str, more: str = "") -> dict:

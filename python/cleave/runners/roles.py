@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
 from cleave.settings import IncastConfig, RankerConfig, ServeConfig, ShardConfig, flags
+from cleave.settings.choices import listen_host
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -47,13 +48,6 @@ class Binding:
 def listen_address(transport: str, host: str, port: int) -> str:
     """A TCP role's --listen address under `transport` (tcp or mptcp)."""
     return f"{'mptcp:' if transport == 'mptcp' else ''}{host}:{port}"
-
-
-def listen_host(listen: str) -> str:
-    """The host of a --listen address (loopback for a Unix socket), without brackets."""
-    if listen.startswith("unix:"):
-        return "127.0.0.1"
-    return listen.removeprefix("mptcp:").rsplit(":", 1)[0].strip("[]")
 
 
 def _url_host(host: str) -> str:

@@ -60,6 +60,16 @@ ADMISSION_RULES = Choices(("adaptive", "estimate"))
 TRANSPORTS = Choices(("unix", "tcp", "mptcp"))
 # The router's embedding cache (docs/cache.md).
 CACHE_MODES = Choices(("off", "fixed", "adaptive"))
+
+
+def listen_host(listen: str) -> str:
+    """The host of a --listen address of any transport (loopback for a Unix socket), without
+    brackets."""
+    if listen.startswith("unix:"):
+        return "127.0.0.1"
+    return listen.removeprefix("mptcp:").rsplit(":", 1)[0].strip("[]")
+
+
 DEVICES = Choices(("auto", "cpu", "cuda"))
 # How shards split the tables (cleave/plan/planner.py, table_ranges): every table cut into
 # row ranges, or whole tables spread over the shards (what `cleave score`'s ranks hold).
