@@ -3,6 +3,7 @@ Python tags, keys in schema order) so a Helm template reads it as-is; writes are
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from importlib import metadata
@@ -51,6 +52,16 @@ def read_yaml(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a YAML mapping ({what}), got {type(data).__name__}")
     return data
+
+
+def read_json(path: str | os.PathLike, flag: str, what: str):
+    """The JSON file a command-line `flag` names; errors say which flag and what it expected."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{flag} {path}: expected {what}: {err}") from None
 
 
 def plan_from_dict(data: dict, source: str = "plan") -> Plan:

@@ -10,7 +10,6 @@ of the SSD tables anyway. Pure functions: no files are opened except by `load_pr
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,13 +113,9 @@ def parse_profile(data, source: str) -> AccessProfile:
 
 
 def load_profile(path: str | Path) -> AccessProfile:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--profile {path}: not found") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise UsageError(f"--profile {path}: expected an access profile as JSON: {err}") from None
-    return parse_profile(data, str(path))
+    from cleave.plan.files import read_json
+
+    return parse_profile(read_json(path, "--profile", "an access profile as JSON"), str(path))
 
 
 def check_profile(profile: AccessProfile, manifest: dict) -> None:

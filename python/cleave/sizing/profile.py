@@ -436,12 +436,9 @@ def harmonic(n: int, alpha: float, exact: int = 100_000) -> float:
 
 def load_profile(path: str | os.PathLike, bundle_dir: Path) -> dict:
     """A profile written by `cleave profile` for this bundle, else a UsageError saying why."""
-    try:
-        profile = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--profile {path}: not found") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise UsageError(f"--profile {path}: expected a profile JSON: {err}") from None
+    from cleave.plan.files import read_json
+
+    profile = read_json(path, "--profile", "a profile JSON")
     if not isinstance(profile, dict) or profile.get("format") != FORMAT:
         raise UsageError(
             f"--profile {path}: expected format {FORMAT!r}, got "
