@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from cleave.ranker.batcher import BatchStats
 from cleave.ranker.dense_dtype import DenseChoice
-from cleave.ranker.probes import Probes
+from cleave.ranker.probes import Probes, measured_activation
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -28,6 +28,7 @@ def test_probes_report_health_and_the_loops_counters():
         stats=BatchStats(requests=7, batches=3, dropped_deadline=2),
         queue=deque([1, 2]),
         dense_choice=choice,
+        activation_bytes=68660,
     )
     probes = Probes(batcher)
     try:
@@ -49,6 +50,8 @@ def test_probes_report_health_and_the_loops_counters():
         assert 'cleave_ranker_dense_dtype{chosen_by="probe",dtype="int8"} 1.0' in text
         probed = 'cleave_ranker_dense_probe_seconds{dtype="%s",rows="100"} %s'
         assert probed % ("float32", "0.041") in text and probed % ("int8", "0.0125") in text
+        assert "cleave_ranker_activation_bytes_per_row 68660.0" in text
+        assert measured_activation(text) == 68660  # what the Ray runner reads
         probes.problems.append("stopping")
         status, body = get(probes.address + "/ready")
         assert status == 503 and json.loads(body)["problems"] == ["stopping"]

@@ -176,7 +176,6 @@ def test_bad_cache_settings_are_refused_with_clear_errors(world):
 
     assert 'cache "fixed"' in refused({"cache": "fixed"})
     assert "memory_budget_bytes" in refused({"cache": "adaptive", "activation_bytes_per_sample": 1})
-    assert "activation_bytes_per_sample" in refused({"cache": "adaptive", "memory_budget_bytes": 9})
     assert "at most memory_budget_bytes" in refused(
         {"cache": "fixed", "cache_bytes": 10, "memory_budget_bytes": 5}
     )
@@ -195,6 +194,25 @@ def test_bad_cache_settings_are_refused_with_clear_errors(world):
     proc = subprocess.run([router, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "activation_bytes_per_sample" in proc.stderr, proc.stderr
+
+
+def test_rankers_measure_the_activation_an_adaptive_cache_needs(world, tmp_path):
+    """No activation_bytes_per_sample given: the rankers measure theirs at start and the
+    router's batch cap follows from it and the budget."""
+    budget = 64 << 20
+    toml = tmp_path / "adaptive.toml"
+    toml.write_text(f'[router]\ncache = "adaptive"\nmemory_budget_bytes = {budget}\n')
+    load(toml).check()  # accepted without the figure
+    with ServeProcess(world["bundle"], "--shards", "1", "--config", str(toml)) as server:
+        url = f"{server.url}/v2/models/{world['bundle'].name}/infer"
+        scores(url, world["bodies"][:1])
+        s = cache_stats(server.url)
+    activation = s["activation_bytes_per_sample"]
+    # A dlrm row holds at least its dense features and pooled embeddings as float32.
+    assert activation > 4 * len(world["rows"][0])
+    assert s["mode"] == "adaptive" and s["budget_bytes"] == budget
+    allowed = (budget - s["limit_bytes"]) // activation
+    assert s["ranker_max_batch"] == min(allowed, load(toml).ranker.max_batch)
 
 
 def test_bench_cache_quick_writes_every_mode_step_and_ratio(tmp_path):

@@ -111,6 +111,40 @@ def test_size_writes_the_cheapest_plan_that_checks(models, profiled, tmp_path, n
     assert math.isclose(cost, chosen["cost_per_hour"], rel_tol=1e-3)
 
 
+def test_gpu_rankers_are_sized_from_a_gpu_profile_only(models, profiled, tmp_path):
+    """A GPU kind runs rankers on its GPUs when the profile timed the dense program on one
+    (here a GPU profile with fast batches, injected); without it the kind offers its CPUs."""
+    gpu_kind = {"kind": "gpu-1", "cpus": 8, "memory_gib": 64, "nic_gbit": 25, "gpus": 2}
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(
+        yaml.safe_dump({"machines": [*CATALOG["machines"], {**gpu_kind, "price_per_hour": 1.0}]})
+    )
+    cpu_profile = json.loads(profiled["dcn"].read_text())
+    gpu_profile = tmp_path / "gpu-profile.json"
+    fast = {"1": 0.05, "16": 0.06, "64": 0.08}
+    gpu_profile.write_text(json.dumps(cpu_profile | {"cuda": {"dense": {"float32": fast}}}))
+    chosen = {}
+    for name, profile in (("gpu", gpu_profile), ("cpu", profiled["dcn"])):
+        out = tmp_path / f"{name}.json"
+        run(
+            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", "50",
+            "--catalog", str(catalog), "--profile", str(profile),
+            "-o", str(tmp_path / f"{name}.yaml"), "--json", str(out),
+        )  # fmt: skip
+        chosen[name] = json.loads(out.read_text())["chosen"]
+    assert chosen["gpu"]["device"] == "cuda" and chosen["gpu"]["kinds"]["rankers"] == "gpu-1"
+    rankers = next(p for p in chosen["gpu"]["pools"] if p["pool"] == "rankers")
+    assert rankers["servers_per_host"] == 2  # one ranker per GPU
+    # Two requests of 100 rows join a batch (256 rows at most): each costs half of it.
+    batch = dense_ms(json.loads(gpu_profile.read_text()), "float32", "cuda", 200)
+    assert rankers["requests_per_batch"] == 2
+    assert math.isclose(rankers["service_ms"], batch / 2, rel_tol=1e-3)
+    plan = load_plan(tmp_path / "gpu.yaml")
+    assert {r.device for r in plan.rankers} == {"cuda"}
+    assert chosen["cpu"]["device"] == "cpu"  # no GPU timings: no GPU rankers
+    assert chosen["gpu"]["cost_per_hour"] < chosen["cpu"]["cost_per_hour"]
+
+
 def test_more_rate_costs_more_hosts(models, profiled, tmp_path):
     costs = []
     for rate in ("500", "20000"):

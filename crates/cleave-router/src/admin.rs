@@ -57,7 +57,8 @@ async fn cache_stats(State(app): State<Arc<App>>, headers: HeaderMap) -> Reply {
             json!({"mode": s.mode, "hits": s.hits, "misses": s.misses,
                    "lookups_avoided": s.ids_avoided, "bytes_not_sent": s.bytes_not_sent,
                    "bytes": s.bytes, "limit_bytes": s.limit, "entries": s.entries,
-                   "ranker_max_batch": s.ranker_max_batch})
+                   "ranker_max_batch": s.ranker_max_batch, "budget_bytes": s.budget_bytes,
+                   "activation_bytes_per_sample": s.activation_bytes_per_sample})
         }
     };
     Ok(json_bytes(StatusCode::OK, body.to_string().into_bytes()))

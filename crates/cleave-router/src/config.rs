@@ -437,7 +437,8 @@ impl RouterConfig {
         if self.cache == CacheMode::Adaptive && self.activation_bytes_per_sample == 0 {
             return Err(
                 "cache \"adaptive\" needs activation_bytes_per_sample (> 0): the \
-                        rankers' memory per row of a batch"
+                        rankers' memory per row of a batch (cleave serve fills it in from \
+                        the rankers' own measurement)"
                     .into(),
             );
         }

@@ -129,6 +129,10 @@ pub struct CacheStats {
     pub entries: u64,
     /// The rankers' largest batch the memory budget allows beside the cache.
     pub ranker_max_batch: u64,
+    /// The memory the cache and the batches share, and a batch row's share of it (as given,
+    /// or as the rankers measured it at start).
+    pub budget_bytes: u64,
+    pub activation_bytes_per_sample: u64,
 }
 
 /// The router's embedding cache (pipeline/cache/) as the handlers and the pipeline use it;

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1.05, help="the ids' Zipf skew")
     parser.add_argument("--scale", type=float, default=0.05, help="the dlrm model's scale")
     parser.add_argument("--pin", default="auto", help="SERVER:CLIENT CPU lists, auto or off")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the rankers' device: on a GPU the budget stands for the GPU's memory",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="the PNG (default: the --json path with .png)")
 
@@ -95,7 +101,7 @@ class Poller:
         self._thread.join()
 
 
-def config_toml(path: Path, mode: str) -> Path:
+def config_toml(path: Path, mode: str, device: str = "cpu") -> Path:
     lines = ["[router]", f'cache = "{mode}"']
     if mode != "off":
         lines += [
@@ -104,7 +110,7 @@ def config_toml(path: Path, mode: str) -> Path:
         ]
     if mode == "fixed":
         lines.append(f"cache_bytes = {FIXED}")
-    lines += ["[ranker]", f"max_batch = {MAX_BATCH}"]
+    lines += ["[ranker]", f"max_batch = {MAX_BATCH}", f'device = "{device}"']
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -157,7 +163,7 @@ def run_mode(bundle: Path, workdir: Path, mode: str, bodies, capacity, args, pin
     from cleave.launch.process import ServeProcess
 
     server_cpus, client_cpus = pins
-    toml = config_toml(workdir / f"{mode}.toml", mode)
+    toml = config_toml(workdir / f"{mode}.toml", mode, args.device)
     with pinned(server_cpus):
         shards = "1" if args.quick else "2"  # --quick: the shape of a run, started sooner
         server = ServeProcess(bundle, "--shards", shards, "--config", str(toml)).start()
@@ -270,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "fixed_cache_bytes": FIXED,
         "activation_bytes_per_sample": ACTIVATION_BYTES,
         "ranker_max_batch": MAX_BATCH,
+        "device": args.device,
         "pin": {"server": pins[0], "client": pins[1]},
         "modes": by_mode,
         "ratios": ratios(by_mode),

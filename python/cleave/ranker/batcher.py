@@ -124,6 +124,7 @@ class Batcher:
         # cannot make its deadline. 0 until the first batch (nothing is dropped as late).
         self.compute_ewma_us = 0.0
         self.dense_choice = None  # load_ranker's: the dense precision served, and why
+        self.activation_bytes = None  # load_ranker's: memory per batch row, when measured
 
     def serve_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

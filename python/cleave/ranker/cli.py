@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run a shared-input model one request per batch even when the bundle has a "
         "batched program",
     )
+    parser.add_argument(
+        "--measure-activation",
+        action="store_true",
+        help="measure the dense program's memory per batch row at start and report it on the "
+        "ready line (the router's adaptive cache shares a budget with the batches)",
+    )
     parser.add_argument("--eager-model", metavar="MODEL.pt", **_flag(RankerConfig, "eager_model"))
     parser.add_argument(
         "--with-router",
@@ -165,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         shared_batching=not args.no_shared_batching,
         eager_model=args.eager_model,
         dense_dtype=args.dense_dtype,
+        measure_activation=args.measure_activation,
     )
     try:
         server = FrameServer(args.listen)
@@ -198,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = f" metrics={probes.address}" if probes else ""
     if control is not None:
         metrics += f" control={control.address}"
+    if batcher.activation_bytes:  # the launcher gives the router the largest one
+        metrics += f" activation={batcher.activation_bytes}"
     dtype = batcher.dense_choice.dtype  # the launcher settles the deployment's from it
     print(f"ready {server.address} device={device} mode={mode} dtype={dtype}{metrics}", flush=True)
     batcher.serve_forever(stop)

@@ -108,10 +108,14 @@ def probe(modules: dict, inputs: list[torch.Tensor], run) -> dict[str, float]:
     return seconds
 
 
-def probe_batch(bundle, sig, max_batch: int) -> tuple[list[torch.Tensor], int] | None:
-    """(inputs, rows): the bundle's probe request joined to its typical batch size (the rows
-    its dense demand was timed at, at most `max_batch`), or zeros of that many rows."""
-    rows = min(max_batch, int((bundle.manifest["dense"].get("demand") or {}).get("batch", 100)))
+def probe_batch(
+    bundle, sig, max_batch: int, rows: int = 0
+) -> tuple[list[torch.Tensor], int] | None:
+    """(inputs, rows): the bundle's probe request joined to `rows` rows, by default its
+    typical batch size (the rows its dense demand was timed at, at most `max_batch`), or zeros
+    of that many rows."""
+    demand = int((bundle.manifest["dense"].get("demand") or {}).get("batch", 100))
+    rows = rows or min(max_batch, demand)
     recorded = bundle.probe()
     if recorded is not None:
         one = sig.rows(recorded["inputs"])

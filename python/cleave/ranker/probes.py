@@ -41,12 +41,24 @@ class _BatcherCollector:
         )
         if self.batcher.dense_choice is not None:
             yield from _dense_choice(self.batcher.dense_choice)
+        if self.batcher.activation_bytes:
+            yield GaugeMetricFamily(
+                "cleave_ranker_activation_bytes_per_row",
+                "the dense program's memory per batch row, measured at start",
+                value=self.batcher.activation_bytes,
+            )
 
 
 def served_dtype(metrics_text: str) -> str | None:
     """The dense dtype a ranker's /metrics text says it serves, if it says."""
     found = re.search(r'^cleave_ranker_dense_dtype\{[^}]*\bdtype="(\w+)"', metrics_text, re.M)
     return found.group(1) if found else None
+
+
+def measured_activation(metrics_text: str) -> int:
+    """The memory per batch row a ranker's /metrics text says it measured (0: none)."""
+    found = re.search(r"^cleave_ranker_activation_bytes_per_row ([0-9.e+]+)", metrics_text, re.M)
+    return int(float(found.group(1))) if found else 0
 
 
 def _dense_choice(choice):

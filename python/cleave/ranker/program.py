@@ -11,7 +11,7 @@ import torch
 
 from cleave.bundle.manifest import dtype_accuracy
 from cleave.errors import BundleError, CleaveError, UsageError
-from cleave.ranker import DEFAULT_MAX_QUEUE
+from cleave.ranker import DEFAULT_MAX_QUEUE, activation
 from cleave.ranker import dense_dtype as dense_precision
 from cleave.ranker.batcher import Batcher
 from cleave.ranker.executor import DenseExecutor
@@ -98,6 +98,7 @@ def load_ranker(
     shared_batching: bool = True,
     eager_model: str = "",
     dense_dtype: str = "auto",
+    measure_activation: bool = False,
 ) -> Batcher:
     """A batching loop over `source` (see cleave.ranker.batcher) for the bundle's dense program,
     or with `monolithic` for the whole model (lookups in PyTorch + the dense program).
@@ -106,7 +107,9 @@ def load_ranker(
     `eager_model`: with `monolithic`, the saved original model run eagerly instead of the
     bundle's programs (cleave.ranker.eager). `dense_dtype`: the precision to serve, one the
     bundle approves, or "auto" (cleave.ranker.dense_dtype); the Batcher's `dense_choice` says
-    which it is and how it was chosen."""
+    which it is and how it was chosen. `measure_activation`: the Batcher's
+    `activation_bytes` is then the program's memory per batch row here (cleave.ranker.activation),
+    else None."""
     from cleave.bundle import load_bundle
     from cleave.bundle.precision import slow_reason
 
@@ -173,6 +176,14 @@ def load_ranker(
         queue=queue,
     )
     batcher.dense_choice = choice
+    if measure_activation:
+        batcher.activation_bytes = activation.bytes_per_row(
+            lambda rows: dense_precision.probe_batch(bundle, dense_sig, max_batch, rows),
+            lambda inputs: executor.module(*inputs),
+            executor.device.type,
+            max_batch,
+        )
+        log.info("activation memory: %s bytes per batch row", batcher.activation_bytes)
     return batcher
 
 

@@ -269,6 +269,11 @@ class Controller:
             ok, answer = probe_ready(p.spec.ready_url)
             if not ok:
                 raise ChildFailed(f"{p.role.name}: GET {p.spec.ready_url} answered {answer}")
+            if p.kind == "ranker" and specs.measures_activation():  # the routers' cache needs it
+                from cleave.ranker.probes import measured_activation
+
+                metrics = probe_text(f"{p.spec.probe}/metrics")
+                p.spec.reported["activation"] = str(measured_activation(metrics))
             self.placed[p.role.name] = p
 
     def _spec(self, p: Placed) -> ChildSpec:

@@ -98,6 +98,12 @@ def pin_dense_dtype(rankers: list[ChildSpec], dtype: str) -> None:
         spec.argv = argv
 
 
+def activation_bytes(rankers: list[ChildSpec]) -> int:
+    """The largest memory per batch row the rankers measured (0: none did): the batch cap
+    must hold on every ranker."""
+    return max((int(spec.reported.get("activation", 0)) for spec in rankers), default=0)
+
+
 def _before_start(address: str):
     if not address.startswith("unix:"):
         return None
@@ -173,12 +179,20 @@ class RoleSpecs:
             )
             if self.plan.mode == "monolithic":
                 argv.append("--monolithic")
+            elif self.measures_activation():
+                argv.append("--measure-activation")
             if self.plan.incast_control and self.plan.mode != "monolithic":
                 port = self.binding.control_port(r)
                 self.control[r.name] = control_address(address, port)
                 argv += ["--incast-control", "--control-port", str(port), *flags(r, IncastConfig)]
             specs.append(self._spec(r, argv, address, metrics_port))
         return specs
+
+    def measures_activation(self) -> bool:
+        """Whether the rankers measure their memory per batch row at start: an adaptive cache
+        needs it and the plan does not give it (docs/cache.md, "Budget")."""
+        r = self.plan.router
+        return r.cache == "adaptive" and not r.activation_bytes_per_sample
 
     def router_specs(self, shards: list[ChildSpec], rankers: list[ChildSpec]) -> list[ChildSpec]:
         """One per router; call after the shards and rankers are ready."""
@@ -203,6 +217,7 @@ class RoleSpecs:
                     for spec in rankers
                     if spec.name in self.control
                 },
+                activation_bytes(rankers),
             )
             argv = [find_executable("cleave-router"), str(path)]
             specs.append(
@@ -236,6 +251,7 @@ class RoleSpecs:
         routes: list[dict],
         rankers: list[str],
         ranker_control: dict[str, str] | None = None,
+        activation: int = 0,
     ) -> Path:
         from cleave.settings.router_json import router_config
 
@@ -256,6 +272,8 @@ class RoleSpecs:
         values = router_config(self.plan.name, self.bundle, config, routes, rankers)
         if self.plan.rankers:  # the plan's own: the smallest, which the cap must not exceed
             values["ranker_max_batch"] = min(r.max_batch for r in self.plan.rankers)
+        if activation and not values.get("activation_bytes_per_sample"):
+            values["activation_bytes_per_sample"] = activation
         if ranker_control:  # incast control (docs/traffic.md): a grant before large payloads
             values["incast_control"] = True
             values["incast_threshold_bytes"] = self.plan.incast_threshold_bytes

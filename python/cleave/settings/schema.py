@@ -158,7 +158,7 @@ class RouterConfig:
         0, "memory the cache and the rankers' batch activations share on the host; 0: none"
     )
     activation_bytes_per_sample: int = setting(
-        0, "the rankers' activation bytes per row of a batch (adaptive needs it)"
+        0, "the rankers' memory per row of a batch; 0: measured by the rankers at start"
     )
     cache_window: int = setting(64, "ranker replies in the adaptive cache's sliding window")
     # Every shard, ranker and router connection then proves it in its HELLO. Never the secret.
@@ -389,12 +389,6 @@ class ServeConfig:
                 "router.memory_budget_bytes",
                 '> 0 with cache "adaptive" (the memory the cache and the batches share)',
                 r.memory_budget_bytes,
-            )
-            need(
-                r.activation_bytes_per_sample > 0,
-                "router.activation_bytes_per_sample",
-                '> 0 with cache "adaptive" (the rankers\' memory per row of a batch)',
-                r.activation_bytes_per_sample,
             )
         need(
             r.memory_budget_bytes == 0 or r.cache_bytes <= r.memory_budget_bytes,

@@ -100,6 +100,7 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
     config.transport = "tcp"
     config.ranker.dense_dtype = chosen["dtype"]
     config.ranker.threads = chosen["threads"]
+    config.ranker.device = chosen["device"]
     config.shard.threads = max(1, pools["shards"].kind.cpus // SHARD_PROCESSES_PER_HOST)
     config.router.threads = pools["routers"].kind.cpus
     rankers = pools["rankers"].hosts * pools["rankers"].servers_per_host
@@ -142,15 +143,15 @@ def print_explanation(result: dict) -> None:
             f"{p['nic_utilization']:>5.2f} {p['p99_ms']:>8.2f}  {p['binding']} (+1 spare)"
         )
     print(
-        f"chosen: {chosen['dtype']} rankers of {chosen['threads']} thread(s); predicted p99 "
+        f"chosen: {_rankers(chosen)}; predicted p99 "
         f"{chosen['p99_ms']:.2f} ms, max rate {chosen['max_rate']:.0f}/s; cost "
         f"{chosen['cost_per_hour']:.2f} per hour"
     )
     for i, r in enumerate(result["runners_up"], 1):
         kinds = ", ".join(f"{k} {v}" for k, v in r["kinds"].items())
         print(
-            f"runner-up {i}: {r['cost_per_hour']:.2f} per hour ({kinds}; {r['dtype']}, "
-            f"{r['threads']} thread(s); hosts {'/'.join(str(p['hosts']) for p in r['pools'])})"
+            f"runner-up {i}: {r['cost_per_hour']:.2f} per hour ({kinds}; {_rankers(r)}; "
+            f"hosts {'/'.join(str(p['hosts']) for p in r['pools'])})"
         )
     mono = result["monolithic"]
     if "problem" in mono:
@@ -162,3 +163,9 @@ def print_explanation(result: dict) -> None:
             f"monolithic, sized the same way: {host['hosts']} x {host['kind']}, "
             f"{mono['cost_per_hour']:.2f} per hour ({ratio:.2f}x the disaggregated cost)"
         )
+
+
+def _rankers(mix: dict) -> str:
+    if mix["device"] == "cuda":
+        return f"{mix['dtype']} rankers on GPUs (one per GPU)"
+    return f"{mix['dtype']} rankers of {mix['threads']} thread(s)"

@@ -5,7 +5,8 @@ at hand, measured (docs/sizing.md, "The profile"):
   loopback; its CPU time per request at two request sizes gives the cost of a call and of an
   id (`shard.call_us`, `shard.ns_per_id`), and each table's own ns per id is timed in-process;
 * the dense program: ms per batch for each dtype the bundle approves, thread count and batch
-  size;
+  size; on a GPU machine also per batch on the GPU, as the ranker serves it there (CUDA
+  graphs, the inputs copied in and the scores out);
 * bytes per candidate each way, from the bundle's signature and probe batch;
 * the hit rate of a cache of the hottest rows under the profile's Zipf traffic.
 
@@ -47,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of the ids")
     parser.add_argument("--threads", default=None, help="dense thread counts, e.g. 1,4")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="also time the dense program on the GPU (auto: when one is present)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes, shorter runs")
     parser.add_argument(
         "--no-serve",
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         threads=threads,
         quick=args.quick,
         serve=not args.no_serve,
+        gpu=_gpu_asked(args.device),
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +106,7 @@ def measure(
     threads: list[int],
     quick: bool,
     serve: bool = True,
+    gpu: bool = False,
 ) -> dict:
     from cleave.bundle import manifest as manifest_io
 
@@ -115,6 +124,7 @@ def measure(
         "tables": _tables(bundle_dir, manifest, features, ids_per_candidate, alpha, rng),
         "shard": _shard(bundle_dir, features, candidates, ids_per_candidate, alpha, quick, rng),
         "dense": _dense(bundle_dir, threads, QUICK_BATCHES if quick else BATCHES, quick),
+        **({"cuda": _dense_cuda(bundle_dir, QUICK_BATCHES if quick else BATCHES)} if gpu else {}),
         "bytes_per_candidate": _bytes(bundle_dir, manifest, features, ids_per_candidate),
         "cache": _cache_curve(features, ids_per_candidate, alpha),
         "router": _router(bundle_dir, manifest, traffic, quick, rng)
@@ -318,11 +328,11 @@ def _dense(bundle_dir: Path, threads: list[int], batches, quick: bool) -> dict:
 
     from cleave.bundle import load_bundle
     from cleave.bundle.manifest import served_dtypes
+    from cleave.ranker.dense_dtype import probe_batch
     from cleave.ranker.signature import signature
 
     bundle = load_bundle(bundle_dir, verify=False)
     sig = signature(bundle.manifest, False, False)
-    recorded = bundle.probe()
     runs = 3 if quick else 7
     out = {}
     before = torch.get_num_threads()
@@ -334,7 +344,7 @@ def _dense(bundle_dir: Path, threads: list[int], batches, quick: bool) -> dict:
                 torch.set_num_threads(t)
                 per_batch = {}
                 for rows in batches:
-                    inputs = _batch(sig, recorded, rows)
+                    inputs = probe_batch(bundle, sig, rows, rows)
                     if inputs is None:
                         continue
                     inputs, got_rows = inputs
@@ -346,16 +356,39 @@ def _dense(bundle_dir: Path, threads: list[int], batches, quick: bool) -> dict:
     return out
 
 
-def _batch(sig, recorded, rows: int):
-    """(inputs, rows): the probe request repeated to `rows` rows, or zeros of that many."""
-    if recorded is not None:
-        one = sig.rows(recorded["inputs"])
-        if not sig.batchable:
-            return recorded["inputs"], one
-        copies = max(1, math.ceil(rows / max(1, one)))
-        return sig.join([recorded["inputs"]] * copies), one * copies
-    example = sig.example(rows)
-    return None if example is None else (example, rows)
+def _gpu_asked(device: str) -> bool:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _dense_cuda(bundle_dir: Path, batches) -> dict:
+    """The dense program on this machine's GPU, as a ranker there serves it (its executor:
+    CUDA graphs per batch bucket, inputs copied in and scores out): ms per batch for each
+    dtype the bundle approves that runs on a GPU (int8 is FBGEMM's, CPU only)."""
+    import torch
+
+    from cleave.bundle import load_bundle
+    from cleave.bundle.manifest import served_dtypes
+    from cleave.ranker.dense_dtype import probe_batch
+    from cleave.ranker.executor import DenseExecutor
+    from cleave.ranker.signature import signature
+
+    bundle = load_bundle(bundle_dir, verify=False)
+    sig = signature(bundle.manifest, False, False)
+    timings = {}
+    inputs = [b for b in (probe_batch(bundle, sig, rows, rows) for rows in batches) if b]
+    for dtype in (d for d in served_dtypes(bundle.manifest) if d != "int8"):
+        module = bundle.dense_module(dtype)
+        executor = DenseExecutor(
+            module, sig, "cuda", max_batch=max((r for _, r in inputs), default=1)
+        )
+        executor.warm_up()  # captures every bucket's graph, as a ranker does before serving
+        timings[dtype] = {str(r): round(_time_ms(executor.run, [b], 7), 4) for b, r in inputs}
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "memory_gib": round(props.total_memory / 2**30, 1), "dense": timings}
 
 
 def _time_ms(module, inputs, runs: int) -> float:

@@ -7,6 +7,7 @@ better; batching in the rankers is left out, which overstates their wait."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 QUANTILE = 0.99
@@ -25,6 +26,8 @@ def erlang_c(servers: int, offered: float) -> float:
     return servers * b / (servers - offered * (1 - b))
 
 
+# The search asks for the same pools' tails again and again (a mix grows one pool at a time).
+@functools.lru_cache(maxsize=1 << 16)
 def p99_s(servers: int, service_s: float, rate: float, quantile: float = QUANTILE) -> float:
     """The pool's `quantile` time in system (the 99th percentile by default); inf when it
     cannot keep up."""

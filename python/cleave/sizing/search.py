@@ -18,17 +18,22 @@ from dataclasses import dataclass, field
 from cleave.errors import UsageError
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES
 from cleave.plan.planner import RANKER_MEMORY_GIB
+from cleave.settings.schema import RankerConfig
 from cleave.sizing import queueing
 from cleave.sizing.catalog import MachineKind
 
 MEMORY_SHARE = 0.85  # of a host's memory for table rows; the rest for the OS and processes
 RTT_MS = 0.05  # one hop's round trip inside a data center, beside the serialization delay
 MAX_HOSTS = 256  # per pool, unless the catalog's max_count is lower
+RANKER_MAX_BATCH = RankerConfig().max_batch  # rows; the plan's rankers keep the default
 ROUTER_MEMORY_BYTES = 1 << 30  # a router's own memory: buffers of the requests in flight
 # Router CPU per request when the profile has no measurement: a fixed part and a part per
 # byte it moves (request in, lookups out and back, the ranker's payload out, reply back),
 # the orders of magnitude of docs/benchmarks.md's router profile (binary tensors).
 ROUTER_FIXED_US, ROUTER_NS_PER_BYTE = 150.0, 1.0
+# A ranker option's "threads" when its dense program runs on a GPU (one ranker per GPU, its
+# batches timed there by `cleave profile` on a GPU machine).
+GPU = "cuda"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Pool:
     memory_bytes: float = 0.0  # table bytes over the whole pool (replicas included)
     memory_per_host: float = 0.0  # bytes every host holds whole (a router's cache)
     hit_rate: float = 0.0  # shards: the share of lookups the routers' caches answer
+    batch_ms: float = 0.0  # a joined batch's time beyond one request's share of it
     binding: str = "rate"  # what set the host count
     extra: dict = field(default_factory=dict)
 
@@ -60,7 +66,7 @@ class Pool:
     def p99_ms(self, rate: float, hosts: int | None = None) -> float:
         arrivals = rate * self.arrivals_per_request
         s = self.service_ms / 1e3
-        return queueing.p99_s(self.servers(hosts), s, arrivals, self.quantile) * 1e3
+        return queueing.p99_s(self.servers(hosts), s, arrivals, self.quantile) * 1e3 + self.batch_ms
 
     def cpu_util(self, rate: float, hosts: int | None = None) -> float:
         arrivals = rate * self.arrivals_per_request
@@ -127,10 +133,13 @@ class Mix:
         }
 
 
-def dense_ms(profile: dict, dtype: str, threads: int, rows: int) -> float:
-    """The profiled ms of a batch of `rows`, linear between the measured batch sizes and
-    beyond the largest (time grows with rows once the batch fills the cores)."""
-    points = sorted((int(r), ms) for r, ms in profile["dense"][dtype][str(threads)].items())
+def dense_ms(profile: dict, dtype: str, threads: int | str, rows: int) -> float:
+    """The profiled ms of a batch of `rows` on `threads` CPU threads or the GPU, linear
+    between the measured batch sizes and beyond the largest (time grows with rows once the
+    batch fills the cores)."""
+    timed = profile["cuda"]["dense"] if threads == GPU else profile["dense"]
+    per_batch = timed[dtype] if threads == GPU else timed[dtype][str(threads)]
+    points = sorted((int(r), ms) for r, ms in per_batch.items())
     if not points:
         raise UsageError(f"profile: no dense timings for {dtype} on {threads} threads")
     if len(points) == 1 or rows <= points[0][0]:
@@ -187,17 +196,30 @@ class Sizer:
 
     # -- pools ---------------------------------------------------------------------------
 
-    def rankers(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
-        # A ranker process per `threads` cores, as many as the host's memory holds.
-        memory = int(kind.memory_gib * MEMORY_SHARE / RANKER_MEMORY_GIB)
+    def rankers(self, kind: MachineKind, dtype: str, threads: int | str) -> Pool:
+        """A ranker process per `threads` cores, as many as the host's memory holds, each
+        running one request per batch; on GPUs one per GPU (its speed the GPU profile's, not
+        cpu_speed), joining the requests that wait into batches of up to RANKER_MAX_BATCH
+        rows: a GPU's batch takes little longer for more rows, so under load a request
+        costs its share of the batch and waits for the whole batch."""
+        if threads == GPU:
+            joined = max(1, RANKER_MAX_BATCH // self.candidates)
+            batch = dense_ms(self.profile, dtype, GPU, joined * self.candidates)
+            per_host, service, extra = kind.gpus, batch / joined, batch - batch / joined
+        else:
+            memory = int(kind.memory_gib * MEMORY_SHARE / RANKER_MEMORY_GIB)
+            per_host = max(1, min(kind.cpus // threads, memory))
+            service = dense_ms(self.profile, dtype, threads, self.candidates) / kind.cpu_speed
+            joined, extra = 1, 0.0
         return Pool(
             "rankers",
             kind,
             1,
-            max(1, min(kind.cpus // threads, memory)),
-            dense_ms(self.profile, dtype, threads, self.candidates) / kind.cpu_speed,
+            per_host,
+            service,
             bytes_per_request=self.candidates * (self.bytes["rank"] + self.bytes["reply"]),
-            extra={"dtype": dtype, "threads": threads},
+            batch_ms=extra,
+            extra={"dtype": dtype, "threads": threads, "requests_per_batch": joined},
         )
 
     def shards(self, kind: MachineKind, hosts: int, hit_rate: float = 0.0) -> Pool:
@@ -357,11 +379,14 @@ class Sizer:
 
     def options(self) -> tuple[list[tuple], list[tuple]]:
         """(disaggregated mixes, monolithic mixes) to try: every kind, dtype and thread count
-        the profile measured (GPU rankers need a GPU profile: none here)."""
+        the profile measured, and GPU rankers on kinds with GPUs when the profile timed the
+        dense program on one (the monolith runs on CPUs)."""
         dense = self.profile["dense"]
         ranker_options = [
             (k, d, int(t)) for k in self.kinds for d in dense for t in dense[d] if int(t) <= k.cpus
         ]
+        gpu_dense = self.profile.get("cuda", {}).get("dense", {})
+        gpu_options = [(k, d, GPU) for k in self.kinds if k.gpus for d in gpu_dense]
         if not ranker_options:
             raise UsageError(
                 "no machine kind has as many cores as the profile's thread counts "
@@ -371,7 +396,7 @@ class Sizer:
             (r, s, k, d, t, c)
             for r in self.kinds
             for s in self.kinds
-            for k, d, t in ranker_options
+            for k, d, t in ranker_options + gpu_options
             for c in self.caches()
         ]
         return disaggregated, ranker_options
@@ -459,12 +484,19 @@ def _latency_problem(mix: Mix, rate: float, goal: float, floor: float) -> str:
 def _option(option: tuple, monolithic: bool = False) -> dict:
     if monolithic:
         kind, dtype, threads = option
-        return {"kinds": {"monolithic": kind.kind}, "dtype": dtype, "threads": threads}
+        return {
+            "kinds": {"monolithic": kind.kind},
+            "dtype": dtype,
+            "threads": threads,
+            "device": "cpu",
+        }
     router, shard, ranker, dtype, threads, cache = option
     return {
         "kinds": {"routers": router.kind, "shards": shard.kind, "rankers": ranker.kind},
         "dtype": dtype,
-        "threads": threads,
+        # A GPU ranker's own CPU work (decoding, copies) is one thread's.
+        "threads": 1 if threads == GPU else threads,
+        "device": GPU if threads == GPU else "cpu",
         "router_cache_bytes": cache["bytes"] if cache else 0,
     }
 

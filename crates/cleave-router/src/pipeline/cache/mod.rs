@@ -124,6 +124,8 @@ impl EmbedCache {
             limit: limit as u64,
             entries: entries as u64,
             ranker_max_batch: self.policy.max_batch() as u64,
+            budget_bytes: self.policy.config().budget_bytes,
+            activation_bytes_per_sample: self.policy.config().activation_bytes_per_sample,
         }
     }
 

@@ -94,6 +94,10 @@ impl Policy {
         self.cfg.mode
     }
 
+    pub fn config(&self) -> &PolicyConfig {
+        &self.cfg
+    }
+
     /// The cache's current limit in bytes.
     pub fn limit(&self) -> usize {
         self.limit.load(Ordering::Relaxed)
