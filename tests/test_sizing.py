@@ -145,6 +145,32 @@ def test_gpu_rankers_are_sized_from_a_gpu_profile_only(models, profiled, tmp_pat
     assert chosen["gpu"]["cost_per_hour"] < chosen["cpu"]["cost_per_hour"]
 
 
+def test_a_router_cache_is_chosen_when_it_saves_shard_hosts(models, profiled, tmp_path):
+    """dcn's pooled rows are 13 KB per candidate: shards are bound by their NICs, and a router
+    cache of the hottest rows (the profile's hit curve) saves shard hosts. With bags of two
+    ids (which seldom repeat exactly) the search counts no hit and offers no cache."""
+    results = {}
+    for name, ids in (("one", 1.0), ("two", 2.0)):
+        profile = json.loads(profiled["dcn"].read_text())
+        profile["traffic"]["ids_per_candidate"] = ids
+        path, out = tmp_path / f"{name}-profile.json", tmp_path / f"{name}.json"
+        path.write_text(json.dumps(profile))
+        run(
+            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", "100",
+            "--catalog", str(profiled["catalog"]), "--profile", str(path),
+            "-o", str(tmp_path / f"{name}.yaml"), "--json", str(out),
+        )  # fmt: skip
+        results[name] = json.loads(out.read_text())["chosen"]
+    cached, plain = results["one"], results["two"]
+    assert cached["router_cache_bytes"] in profile["cache"]["bytes"]
+    assert plain["router_cache_bytes"] == 0
+    shards = {k: next(p for p in r["pools"] if p["pool"] == "shards") for k, r in results.items()}
+    assert shards["one"]["hosts"] < shards["two"]["hosts"]
+    plan = load_plan(tmp_path / "one.yaml")
+    assert plan.router.cache == "fixed"
+    assert plan.router.cache_bytes == cached["router_cache_bytes"]
+
+
 def test_more_rate_costs_more_hosts(models, profiled, tmp_path):
     costs = []
     for rate in ("500", "20000"):

@@ -103,6 +103,9 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
     config.ranker.device = chosen["device"]
     config.shard.threads = max(1, pools["shards"].kind.cpus // SHARD_PROCESSES_PER_HOST)
     config.router.threads = pools["routers"].kind.cpus
+    if chosen["router_cache_bytes"]:  # the size the hit rate was predicted for: fixed
+        config.router.cache = "fixed"
+        config.router.cache_bytes = chosen["router_cache_bytes"]
     rankers = pools["rankers"].hosts * pools["rankers"].servers_per_host
     plan = make_plan(
         bundle, hosts, pools["shards"].hosts, 2, rankers, pools["routers"].hosts, config
@@ -141,6 +144,12 @@ def print_explanation(result: dict) -> None:
         print(
             f"{p['pool']:<9} {p['kind']:<14} {p['hosts']:>5} {p['cpu_utilization']:>5.2f} "
             f"{p['nic_utilization']:>5.2f} {p['p99_ms']:>8.2f}  {p['binding']} (+1 spare)"
+        )
+    router = next(p for p in chosen["pools"] if p["pool"] == "routers")
+    if router["cache_bytes"]:
+        print(
+            f"router cache: {router['cache_bytes'] / 2**20:.1f} MiB in each router (fixed), "
+            f"predicted to answer {router['cache_hit_rate']:.0%} of the lookups"
         )
     print(
         f"chosen: {_rankers(chosen)}; predicted p99 "

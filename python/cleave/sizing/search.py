@@ -254,10 +254,12 @@ class Sizer:
         return grown
 
     def routers(self, kind: MachineKind, cache: dict | None = None) -> Pool:
-        """`cache`: the hottest rows each router keeps (a point of the profile's hit curve)."""
+        """`cache`: the hottest rows each router keeps (a point of the profile's hit curve);
+        what it answers crosses no NIC."""
         b = self.bytes
-        inward = b["request"] + b["lookup_reply"] + b["reply"]
-        outward = b["lookup_request"] + b["rank"] + b["reply"]
+        missed = 1.0 - (cache["hit_rate"] if cache else 0.0)
+        inward = b["request"] + missed * b["lookup_reply"] + b["reply"]
+        outward = missed * b["lookup_request"] + b["rank"] + b["reply"]
         return Pool(
             "routers",
             kind,
@@ -299,7 +301,7 @@ class Sizer:
         if "rankers" in by:
             ms += self.candidates * self.bytes["rank"] / by["rankers"].kind.nic_bytes_per_s * 1e3
             s = by["shards"]
-            reply = self.candidates * self.bytes["lookup_reply"] / s.hosts
+            reply = self.candidates * (1 - s.hit_rate) * self.bytes["lookup_reply"] / s.hosts
             ms += reply / s.kind.nic_bytes_per_s * 1e3 + 3 * RTT_MS  # client, shards, ranker
         else:
             ms += RTT_MS
@@ -403,8 +405,14 @@ class Sizer:
 
     def caches(self) -> list[dict | None]:
         """No cache, and each point of the profile's hit curve: the hottest rows a router
-        keeps, the share of lookups it answers (a bag of K ids only when all K hit: h^K)."""
-        return [None]
+        keeps (a fixed cache, in every router), the share of lookups it answers. The router
+        keys a pooled bag by its ordered ids, so only bags of one id hit like rows; a bag of
+        several ids seldom repeats exactly, and the model counts no hit for it."""
+        if float(self.profile["traffic"]["ids_per_candidate"]) > 1:
+            return [None]
+        curve = self.profile.get("cache") or {}
+        points = zip(curve.get("bytes", []), curve.get("hit_rate", []), strict=False)
+        return [None, *({"bytes": b, "hit_rate": h} for b, h in points if b > 0 and h > 0)]
 
     def size(self) -> dict:
         disaggregated, ranker_options = self.options()
