@@ -124,10 +124,11 @@ def test_gpu_rankers_are_sized_from_a_gpu_profile_only(models, profiled, tmp_pat
     fast = {"1": 0.05, "16": 0.06, "64": 0.08}
     gpu_profile.write_text(json.dumps(cpu_profile | {"cuda": {"dense": {"float32": fast}}}))
     chosen = {}
+    p99 = str(max(50.0, 4 * dense_ms(cpu_profile, "float32", 1, 100)))  # this machine's floor
     for name, profile in (("gpu", gpu_profile), ("cpu", profiled["dcn"])):
         out = tmp_path / f"{name}.json"
         run(
-            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", "50",
+            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", p99,
             "--catalog", str(catalog), "--profile", str(profile),
             "-o", str(tmp_path / f"{name}.yaml"), "--json", str(out),
         )  # fmt: skip
@@ -155,8 +156,9 @@ def test_a_router_cache_is_chosen_when_it_saves_shard_hosts(models, profiled, tm
         profile["traffic"]["ids_per_candidate"] = ids
         path, out = tmp_path / f"{name}-profile.json", tmp_path / f"{name}.json"
         path.write_text(json.dumps(profile))
+        p99 = str(max(100.0, 4 * dense_ms(profile, "float32", 1, 100)))  # this machine's floor
         run(
-            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", "100",
+            "size", str(models["dcn"].dir), "--rate", "20000", "--p99-ms", p99,
             "--catalog", str(profiled["catalog"]), "--profile", str(path),
             "-o", str(tmp_path / f"{name}.yaml"), "--json", str(out),
         )  # fmt: skip
