@@ -10,42 +10,23 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import cleave
 import numpy as np
 import pytest
-from cleave.bench.loadgen import infer_body, outputs_of
+from cleave.bench.loadgen import infer_body
 from cleave.cli import main
 from cleave.errors import UsageError
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from cleave.plan.files import load_plan, save_plan
+from cleave.plan.files import save_plan
 from cleave.settings.config_file import load
 from cleave.update import write_delta
+from support.updates import Load, run_update, score_bytes, scores, updatable_plan
 
 CACHE_BYTES = 8 << 20
-
-
-def post(url: str, body: bytes) -> tuple[int, dict | str]:
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(errors="replace")
-
-
-def scores(url: str, bodies) -> list[bytes]:
-    replies = [post(url, b) for b in bodies]
-    assert all(s == 200 for s, _ in replies), replies
-    return [b"".join(o.tobytes() for o in outputs_of(r)) for _, r in replies]
 
 
 def cache_stats(base: str) -> dict:
@@ -67,21 +48,7 @@ def world(tmp_path_factory):
     rows = np.random.default_rng(5).standard_normal((table["rows"], table["dim"]))
     rows = rows.astype(np.float32)
     delta = write_delta(tmp / "new.delta", table, np.arange(table["rows"]), rows)
-    plan_path = tmp / "plan.yaml"
-    subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "plan", str(bundle), "--hosts", "4"]
-        + ["--shards", "2", "-o", str(plan_path)],
-        check=True,
-        capture_output=True,
-    )
-    plan = load_plan(plan_path)
-    for shard in plan.shards:
-        shard.state_dir = f"state/{shard.name}"
-        shard.threads = 1
-    for role in [*plan.shards, *plan.rankers]:
-        role.port = role.metrics_port = 0
-    for router in plan.routers:
-        router.http_port = 0
+    plan_path, plan = updatable_plan(bundle, tmp / "plan.yaml")
     plan.router.cache = "fixed"
     plan.router.cache_bytes = CACHE_BYTES
     save_plan(plan, plan_path)
@@ -126,34 +93,15 @@ def test_no_cached_row_is_served_after_an_update_switches(world, served):
     body = world["bodies"][1]
     old = scores(url, [body])[0]  # and now cached
     # Requests keep arriving across the switch; each notes when it was sent.
-    seen, stop = [], threading.Event()
-
-    def load():
-        deadline = time.monotonic() + 60
-        while not stop.is_set() and time.monotonic() < deadline and len(seen) < 20000:
-            sent = time.time()
-            status, reply = post(url, body)
-            assert status == 200, reply
-            seen.append((sent, b"".join(o.tobytes() for o in outputs_of(reply))))
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "cleave.cli", "update", "--plan", str(world["plan"])]
-            + ["--table", world["table"]["name"], "--rows", str(world["delta"])]
-            + ["--router", served.url, "--switch-margin-ms", "500"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        done = len(seen)
-        while len(seen) < done + 5 and thread.is_alive():
-            time.sleep(0.01)
-    finally:
-        stop.set()
-        thread.join()
+    with Load(url, [body]) as traffic:
+        proc = run_update(
+            world["plan"], world["table"]["name"], world["delta"], served.url,
+            "--switch-margin-ms", "500",
+        )  # fmt: skip
+        traffic.more(5)
     assert proc.returncode == 0, proc.stderr
+    assert all(status == 200 for _, status, _ in traffic.sent)
+    seen = [(sent, score_bytes(reply)) for sent, _, reply in traffic.sent]
     switch_at = int(re.search(r"switch at (\d+) us", proc.stderr).group(1)) / 1e6
     new = scores(url, [body])[0]
     assert new != old
