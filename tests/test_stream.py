@@ -30,12 +30,12 @@ from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.bundle.bundle import Bundle
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
-from cleave.plan.files import load_plan, save_plan
 from cleave.stream import encode_record, record_key
 from cleave.stream.consumer import EXIT_BEFORE_COMMIT_ENV
 from cleave.update import table_status, targets_from_router
 from support.client import post
 from support.processes import child_processes
+from support.updates import updatable_plan
 from support.waiting import wait_for
 
 SCALE = 0.002
@@ -63,23 +63,7 @@ class Env:
         generator = RequestGenerator("dlrm", scale=SCALE, seed=7, min_pooling=1)
         self.requests = [generator.batch(b) for b in (1, 8)]
         self.bodies = [infer_body(self.bundle.named_inputs(*a)) for a in self.requests]
-        self.plan = root / "plan.yaml"
-        done = subprocess.run(
-            [sys.executable, "-m", "cleave.cli", "plan", str(self.dir), "--hosts", "4"]
-            + ["--shards", "1", "--replicas", "2", "-o", str(self.plan)],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, done.stderr
-        plan = load_plan(self.plan)
-        for shard in plan.shards:
-            shard.state_dir = f"state/{shard.name}"
-            shard.threads = 1
-        for role in [*plan.shards, *plan.rankers]:
-            role.port = role.metrics_port = 0
-        for router in plan.routers:
-            router.http_port = 0
-        save_plan(plan, self.plan)
+        self.plan, plan = updatable_plan(self.dir, root / "plan.yaml", shards=1, replicas=2)
         self.name = plan.name
         self.producer = Producer({"bootstrap.servers": kafka.bootstrap, "linger.ms": 5})
         self.end = 0  # the topic's next offset

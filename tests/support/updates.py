@@ -32,12 +32,13 @@ def score_bytes(reply: dict) -> bytes:
 def updatable_plan(bundle: Path, path: Path, shards: int = 2, replicas: int = 1):
     """`cleave plan BUNDLE` on 4 hosts, its shards keeping state (so they take updates), one
     lookup thread each and every port free (other tests may hold the plan's): (path, plan)."""
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "cleave.cli", "plan", str(bundle), "--hosts", "4"]
         + ["--shards", str(shards), "--replicas", str(replicas), "-o", str(path)],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    assert done.returncode == 0, done.stderr
     plan = load_plan(path)
     for shard in plan.shards:
         shard.state_dir = f"state/{shard.name}"
