@@ -23,6 +23,7 @@ from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
 from cleave.testbed.testbed import Testbed, host_link, set_link
 from support.served import TOLERANCE, Served, infer_url
+from support.testbed import host_addresses
 from support.waiting import wait_for
 
 pytestmark = [
@@ -227,17 +228,6 @@ def mptcp_counter(netns: str, name: str) -> int:
     ).stdout
     lines = [line.split() for line in text.splitlines() if line.startswith("MPTcpExt:")]
     return int(dict(zip(lines[0][1:], lines[1][1:], strict=True))[name])
-
-
-def host_addresses(server: ServeProcess) -> dict[str, str]:
-    """Plan host name -> its testbed address, from the runner's "testbed 'NAME': h0=ADDR, …"
-    line."""
-    for line in server.log:
-        _, sep, rest = line.partition("cleave serve: testbed ")
-        if sep:
-            pairs = rest.split(": ", 1)[1].split(", ")
-            return dict(pair.split("=", 1) for pair in pairs)
-    raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
 
 
 def test_a_shard_on_a_kernel_that_refuses_mptcp_logs_and_serves_over_tcp(tmp_path):

@@ -24,6 +24,7 @@ from cleave.testbed import commands
 from cleave.testbed.testbed import host_link, set_link
 from support.client import post_retrying
 from support.served import SCALES, TOLERANCE, Served, check_outputs, check_scores, infer_url
+from support.testbed import host_addresses
 from support.waiting import wait_for
 
 pytestmark = [
@@ -120,17 +121,6 @@ def post_with_budget(url: str, body: bytes, sheds: int = 5) -> tuple[int, dict, 
             break
         time.sleep(retry_after)
     return status, reply, took
-
-
-def host_addresses(server: ServeProcess) -> dict[str, str]:
-    """Plan host name -> its testbed address, from the runner's "testbed 'NAME': h0=ADDR, …"
-    line."""
-    for line in server.log:
-        _, sep, rest = line.partition("cleave serve: testbed ")
-        if sep:
-            pairs = rest.split(": ", 1)[1].split(", ")
-            return dict(pair.split("=", 1) for pair in pairs)
-    raise AssertionError("no testbed line in:\n" + "\n".join(server.log))
 
 
 def test_a_torchrec_model_scores_across_hosts(tmp_path):
