@@ -32,6 +32,7 @@ BENCHMARKS = {
     "lookup": ("cleave.bench.lookup", "pooled lookup rate vs PyTorch and the memory limit"),
     "shard": ("cleave.bench.shard", "shard latency and throughput over loopback"),
     "serve": ("cleave.bench.serve", "open-loop serving load, disaggregated vs monolithic"),
+    "admission": ("cleave.bench.admission", "admission rules below capacity: adaptive vs estimate"),
     "scale": ("cleave.bench.scale", "goodput while `cleave scale` adds and removes rankers on Ray"),
     "incast": ("cleave.bench.incast", "many senders to one ranker: incast windows, EDF, credits"),
     "incast-serve": ("cleave.bench.incast_serve", "routers to one ranker, incast control off, on"),
