@@ -144,16 +144,21 @@ def test_bad_cache_settings_are_refused_with_clear_errors(world):
     assert "activation_bytes_per_sample" in proc.stderr, proc.stderr
 
 
-def test_rankers_measure_the_activation_an_adaptive_cache_needs(world, tmp_path):
+@pytest.mark.parametrize("served_as", ["bundle", "repository"])
+def test_rankers_measure_the_activation_an_adaptive_cache_needs(world, tmp_path, served_as):
     """No activation_bytes_per_sample given: the rankers measure theirs at start and the
-    router's batch cap follows from it and the budget."""
+    router's batch cap follows from it and the budget, for a bundle and for a model
+    repository (whose router configuration is written apart)."""
     budget = 64 << 20
     toml = tmp_path / "adaptive.toml"
     toml.write_text(f'[router]\ncache = "adaptive"\nmemory_budget_bytes = {budget}\n')
     load(toml).check()  # accepted without the figure
-    with ServeProcess(world["bundle"], "--shards", "1", "--config", str(toml)) as server:
-        url = f"{server.url}/v2/models/{world['bundle'].name}/infer"
-        scores(url, world["bodies"][:1])
+    served, name = world["bundle"], world["bundle"].name
+    if served_as == "repository":
+        served, name = tmp_path / "repo", "m"
+        shutil.copytree(world["bundle"], served / name / "1")
+    with ServeProcess(served, "--shards", "1", "--config", str(toml)) as server:
+        scores(f"{server.url}/v2/models/{name}/infer", world["bodies"][:1])
         s = cache_stats(server.url)
     activation = s["activation_bytes_per_sample"]
     # A dlrm row holds at least its dense features and pooled embeddings as float32.

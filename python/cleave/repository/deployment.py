@@ -107,6 +107,8 @@ class RepositoryDeployment:
             "ranker_max_batch": self.config.ranker.max_batch,
             **self.bound,
         }
+        if not values.get("activation_bytes_per_sample") and self.served.activation_bytes:
+            values["activation_bytes_per_sample"] = self.served.activation_bytes
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(values, indent=1))
         os.replace(tmp, self.config_path)

@@ -20,7 +20,7 @@ from cleave.plan import local_plan, this_machine
 from cleave.plan.check import SHARD_MARGIN_BYTES
 from cleave.repository.layout import TableKey, table_keys
 from cleave.runners.local import LocalBinding
-from cleave.runners.roles import RoleSpecs
+from cleave.runners.roles import RoleSpecs, activation_bytes
 from cleave.runners.supervised import start_backends
 from cleave.settings import ServeConfig
 
@@ -65,6 +65,8 @@ class Served:
         self.versions: dict[tuple[str, int], Version] = {}
         self.homes: dict[TableKey, TableHome] = {}
         self.shard_bytes: dict[str, int] = {}  # a shard's memory: rows, within its DRAM budget
+        # The largest memory per batch row any ranker measured (an adaptive cache's figure).
+        self.activation_bytes = 0
         self.lock = threading.Lock()
         budget = config.table_memory_budget
         self.memory_budget = budget or int(this_machine("h0").memory_gib * GIB)
@@ -89,6 +91,7 @@ class Served:
                 self.supervisor.retire(set(names), self.config.stop_timeout_s)
                 raise LoadError(f"{model} version {version} did not start: {err}") from None
             address = {spec.name: spec.address for spec in shards}
+            self.activation_bytes = max(self.activation_bytes, activation_bytes(rankers))
             new_homes = {}
             for shard in plan.shards:
                 for table, (a, b) in shard.ranges.items():
