@@ -105,8 +105,11 @@ def test_vegeta_results_say_what_failed():
 
     from cleave.bench import vegeta
 
-    with socket.socket() as held:  # bound, never listening: every connection is refused
-        held.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{held.getsockname()[1]}/x"
-        samples = vegeta.open_loop_phases(url, [b"{}"], [(20, 0.5)], 1.0)
+    with socket.socket() as a, socket.socket() as b:  # bound, never listening: refused
+        for held in (a, b):
+            held.bind(("127.0.0.1", 0))
+        urls = [f"http://127.0.0.1:{held.getsockname()[1]}/x" for held in (a, b)]
+        samples = vegeta.open_loop_phases(urls, [b"{}"], [(20, 0.5)], 1.0)
     assert len(samples) == 10 and {s.error for s in samples} == {"connection"}
+    # The rate is shared by the URLs (a plan's routers), each body to each in turn.
+    assert sorted(s.router for s in samples) == [0] * 5 + [1] * 5

@@ -235,22 +235,55 @@ def open_loop_spread(
     """`open_loop` at `rate` in total, split evenly over `urls` (a deployment's routers):
     one generator thread per URL, each its own Poisson stream (seeds differ per URL), all at
     once; every sample says which URL it went to (`Sample.router`). One URL is `open_loop`."""
-    from concurrent.futures import ThreadPoolExecutor
+    return open_loop_phases_spread(urls, bodies, [(rate, duration_s)], timeout_s, seed, check)
 
+
+def open_loop_phases_spread(
+    urls: Sequence[str],
+    bodies: Sequence[bytes],
+    phases: Sequence[tuple[float, float]],
+    timeout_s: float = 10.0,
+    seed: int = 0,
+    check: Callable[[int, dict], float] | None = None,
+    replies: bool = True,
+) -> list[Sample]:
+    """`open_loop_phases` with each phase's rate split evenly over `urls`, as
+    `open_loop_spread` splits one rate."""
     if not urls:
         raise ValueError("open_loop_spread: expected at least one URL, got none")
+    per = [(rate / len(urls), d) for rate, d in phases]
+    return _spread(
+        urls,
+        lambda i, url: open_loop_phases(
+            url, bodies, per, timeout_s, seed + 104_729 * i, check, replies
+        ),
+    )
+
+
+def closed_loop_spread(
+    urls: Sequence[str],
+    bodies: Sequence[bytes],
+    clients: int,
+    duration_s: float,
+    timeout_s: float = 10.0,
+) -> list[Sample]:
+    """`closed_loop` with its clients split over `urls` (at least one each), all at once."""
+    if not urls:
+        raise ValueError("closed_loop_spread: expected at least one URL, got none")
+    each = max(1, clients // len(urls))
+    return _spread(urls, lambda _, url: closed_loop(url, bodies, each, duration_s, timeout_s))
+
+
+def _spread(urls: Sequence[str], run: Callable[[int, str], list[Sample]]) -> list[Sample]:
+    """`run(i, url)` for every URL at once (one thread each: the generator releases the GIL;
+    a failed one re-raises), the samples marked with their URL's index."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if len(urls) == 1:
-        return open_loop(urls[0], bodies, rate, duration_s, timeout_s, seed, check)
-    per = rate / len(urls)
-    # `http_load` releases the GIL: the threads send concurrently. A failed one re-raises.
+        return run(0, urls[0])
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-        runs = [
-            pool.submit(
-                open_loop, url, bodies, per, duration_s, timeout_s, seed + 104_729 * i, check
-            )
-            for i, url in enumerate(urls)
-        ]
-        results = [run.result() for run in runs]
+        runs = [pool.submit(run, i, url) for i, url in enumerate(urls)]
+        results = [r.result() for r in runs]
     samples = []
     for i, got in enumerate(results):
         for sample in got:

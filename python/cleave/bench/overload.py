@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from cleave.bench.harness.processes import Sampler, cpu_seconds, role_pid
+from cleave.bench.harness.processes import Sampler, cpu_seconds, process_tree
 
 # Relative to the burst: 0.4 C before and after it.
 QUIET = 0.4
@@ -37,13 +37,13 @@ def capacity_of(target, workload, args, log) -> float:
     seconds (after as long a warm-up), with no budget, unless --capacity gives it."""
     if args.capacity:
         return float(args.capacity)
-    from cleave.bench.loadgen import closed_loop
+    from cleave.bench.loadgen import closed_loop_spread
 
-    url = target.infer_url(workload)
+    urls = target.infer_urls(workload)  # a plan's routers share the clients
     log(f"  capacity: {CAPACITY_CLIENTS} closed-loop clients, {args.duration:g} s")
     bodies = workload.unbudgeted
-    closed_loop(url, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
-    samples = closed_loop(url, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    closed_loop_spread(urls, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
+    samples = closed_loop_spread(urls, bodies, CAPACITY_CLIENTS, args.duration, CLIENT_TIMEOUT_S)
     ok = sum(1 for s in samples if not s.error)
     log(f"  capacity C = {ok / args.duration:.1f}/s ({len(samples) - ok} errors)")
     return ok / args.duration
@@ -110,20 +110,20 @@ def burst(target, workload, args, log, capacity: float, factor: float, budget_ms
     """0.4 C, `factor`·C, 0.4 C for --duration seconds each, in one open-loop run."""
     from cleave.bench import vegeta
     from cleave.bench.harness.summary import summarize
-    from cleave.bench.loadgen import open_loop_phases
+    from cleave.bench.loadgen import open_loop_phases_spread
     from cleave.bench.stages import admission_counts, scrape
 
     d = args.duration
     phases = [("before", QUIET), ("burst", factor), ("after", QUIET)]
     log(f"  {factor:g}x burst: " + ", ".join(f"{n} {f * capacity:.0f}/s" for n, f in phases))
     before = scrape(target.endpoints)
-    url, rates = target.infer_url(workload), [(f * capacity, d) for _, f in phases]
+    urls, rates = target.infer_urls(workload), [(f * capacity, d) for _, f in phases]
     with RouterCpu(target) as cpu:
         if args.generator == "vegeta":
-            samples = vegeta.open_loop_phases(url, workload.bodies, rates, CLIENT_TIMEOUT_S)
-        else:
-            samples = open_loop_phases(
-                url, workload.bodies, rates, timeout_s=CLIENT_TIMEOUT_S, replies=False
+            samples = vegeta.open_loop_phases(urls, workload.bodies, rates, CLIENT_TIMEOUT_S)
+        else:  # the rate split evenly over a plan's routers
+            samples = open_loop_phases_spread(
+                urls, workload.bodies, rates, timeout_s=CLIENT_TIMEOUT_S, replies=False
             )
     counts = admission_counts(before, scrape(target.endpoints))
     report: dict = {"factor": factor, "phases": {}, **counts}
@@ -165,13 +165,23 @@ def cpu_per_refusal(phases: dict) -> float | None:
     return max(0.0, peak["router_cpu_s"] - per_answer * admitted) / refused * 1e6
 
 
+def router_pids(root: int) -> list[int]:
+    """The router processes under `root`: `router`, or a plan's `router-0`, `router-1`, ..."""
+    return [
+        pid
+        for pid, role in process_tree(root).items()
+        if role == "router" or role.startswith("router-")
+    ]
+
+
 class RouterCpu(Sampler):
-    """The router process's CPU time, sampled every 0.1 s while a run goes on;
-    `between(a, b)` is the CPU seconds spent between a and b seconds into it."""
+    """The routers' CPU time (a plan's routers together), sampled every 0.1 s while a run
+    goes on; `between(a, b)` is the CPU seconds spent between a and b seconds into it."""
 
     def __init__(self, target):
         root = target.server.proc.pid if target.server else None
-        super().__init__(role_pid(root, "router") if root else None, every_s=0.1)
+        self.pids = router_pids(root) if root else []
+        super().__init__(self.pids[0] if self.pids else None, every_s=0.1)
         self.points: list[tuple[float, float]] = []
 
     def __enter__(self) -> RouterCpu:
@@ -179,10 +189,11 @@ class RouterCpu(Sampler):
         return super().__enter__()
 
     def sample(self, now: float) -> bool:
-        used = cpu_seconds(self.pid)
-        if used is not None:
-            self.points.append((now, used))
-        return used is not None
+        used = [cpu_seconds(pid) for pid in self.pids]
+        if None in used:  # a router gone: the sum would drop
+            return False
+        self.points.append((now, sum(used)))
+        return True
 
     def between(self, a: float, b: float) -> float | None:
         if len(self.points) < 2:

@@ -33,10 +33,14 @@ def binary() -> str:
 
 
 def open_loop_phases(
-    url: str, bodies: Sequence[bytes], phases: Sequence[tuple[float, float]], timeout_s: float
+    urls: Sequence[str],
+    bodies: Sequence[bytes],
+    phases: Sequence[tuple[float, float]],
+    timeout_s: float,
 ) -> list[Sample]:
     """Each phase's (rate, seconds) as one vegeta attack, in turn; a sample's `scheduled_s`
-    counts from the first attack's first request. The bodies go round-robin."""
+    counts from the first attack's first request. The bodies go round-robin, each to every
+    URL in turn (a plan's routers share the rate)."""
     vegeta = binary()
     with tempfile.TemporaryDirectory(prefix="cleave-vegeta-") as tmp:
         targets = Path(tmp) / "targets.json"
@@ -44,9 +48,10 @@ def open_loop_phases(
             for body in bodies:
                 headers = {k: [v] for k, v in getattr(body, "headers", {}).items()}
                 headers.setdefault("Content-Type", ["application/json"])
-                line = {"method": "POST", "url": url, "header": headers}
-                line["body"] = base64.b64encode(bytes(body)).decode()
-                f.write(json.dumps(line) + "\n")
+                encoded = base64.b64encode(bytes(body)).decode()
+                for url in urls:
+                    line = {"method": "POST", "url": url, "header": headers, "body": encoded}
+                    f.write(json.dumps(line) + "\n")
         rows = []
         for i, (rate, seconds) in enumerate(phases):
             out = Path(tmp) / f"phase-{i}.bin"
@@ -62,10 +67,10 @@ def open_loop_phases(
                 timeout=120,
             )
             rows.append((i, list(csv.reader(encoded.stdout.splitlines()))))
-    return _samples(rows, [seconds for _, seconds in phases], len(bodies))
+    return _samples(rows, [seconds for _, seconds in phases], len(bodies), len(urls))
 
 
-def _samples(rows, durations: list[float], bodies: int) -> list[Sample]:
+def _samples(rows, durations: list[float], bodies: int, urls: int = 1) -> list[Sample]:
     """vegeta's CSV rows (nanosecond timestamp, status, latency ns, bytes out, bytes in,
     error, body, name, sequence, ...) of each phase as samples, each phase placed after the
     ones before it."""
@@ -76,7 +81,9 @@ def _samples(rows, durations: list[float], bodies: int) -> list[Sample]:
         for r in phase:
             status, error = int(r[1]), r[5]
             at = offset + (int(r[0]) - first) / 1e9
-            sample = Sample(int(r[8]) % bodies, at, 0.0, int(r[2]) / 1e9, status)
+            target = int(r[8]) % (bodies * urls)  # the targets file: each body, every URL
+            sample = Sample(target // urls, at, 0.0, int(r[2]) / 1e9, status)
+            sample.router = target % urls
             if status and status != 200:
                 sample.error = f"http_{status}"
             elif not status:  # no answer: vegeta's own timeout, or the connection failed
