@@ -76,6 +76,11 @@ def test_pin_layouts_parse_and_refuse_bad_specs(monkeypatch):
         (["--overload", "--bursts", "0"], "--bursts: expected factors > 0"),
         (["--overload", "--pin", "0-1"], "--pin: expected SERVER:CLIENT"),
         (["--soak", "0"], "--soak takes minutes > 0"),
+        (["--overload", "--shard-hosts", "1,2"], "measure one deployment (a bundle or --plan)"),
+        (
+            ["--overload", "--plan", "p.yaml", "--incast-control", "off,on"],
+            "measure one deployment: drop --incast-control",
+        ),
     ],
 )
 def test_bench_serve_refuses_bad_stress_flags(flags, message):

@@ -53,9 +53,9 @@ def deployment_settings(args) -> dict:
         raise UsageError("--link-gbit: only with --runner testbed (--shard-hosts uses it)")
     if args.link_gbit is not None and not 0 < args.link_gbit <= 100:
         raise UsageError(f"--link-gbit: expected a rate > 0 and <= 100, got {args.link_gbit}")
-    if planned and (args.overload or args.soak):
+    if args.shard_hosts and (args.overload or args.soak):
         raise UsageError(
-            "--overload and --soak measure `cleave serve BUNDLE`: drop --plan and --shard-hosts"
+            "--overload and --soak measure one deployment (a bundle or --plan): drop --shard-hosts"
         )
     max_error_pct = args.max_error_pct
     if max_error_pct is None:  # the sweep's goodput allows 1 % errors (docs/benchmarks.md)
@@ -68,6 +68,8 @@ def deployment_settings(args) -> dict:
         "shard_host_list": [],
         "incast_list": _incast_values(args),
     }
+    if settings["incast_list"] and (args.overload or args.soak):
+        raise UsageError("--overload and --soak measure one deployment: drop --incast-control")
     if args.shard_hosts:
         try:
             counts = [int(s) for s in args.shard_hosts.split(",") if s.strip()]
