@@ -1,4 +1,4 @@
-//! Addresses (`host:port` or `unix:/path`) and the stream/listener types over both.
+//! Addresses (`host:port`, `unix:/path` or `shm:/path`) and the stream/listener types over both.
 
 use std::fmt;
 use std::io;
@@ -19,6 +19,20 @@ pub enum Address {
     Tcp(String),
     /// `unix:/path/to/socket`.
     Unix(PathBuf),
+    /// `shm:/path/to/socket`: a Unix socket whose data connections pass large payloads
+    /// through shared memory (shm/mod.rs). A server listening here also serves plain Unix
+    /// clients.
+    Shm(PathBuf),
+}
+
+impl Address {
+    /// The socket path of a Unix or shared-memory address.
+    pub fn unix_path(&self) -> Option<&PathBuf> {
+        match self {
+            Address::Tcp(_) => None,
+            Address::Unix(p) | Address::Shm(p) => Some(p),
+        }
+    }
 }
 
 impl FromStr for Address {
@@ -33,11 +47,21 @@ impl FromStr for Address {
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
+        if let Some(path) = s.strip_prefix("shm:") {
+            if path.is_empty() {
+                return Err(format!(
+                    "address {s:?}: expected shm:/path/to/socket, path is empty"
+                ));
+            }
+            return Ok(Address::Shm(PathBuf::from(path)));
+        }
         match s.rsplit_once(':') {
             Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
                 Ok(Address::Tcp(s.to_owned()))
             }
-            _ => Err(format!("address {s:?}: expected host:port or unix:/path")),
+            _ => Err(format!(
+                "address {s:?}: expected host:port, unix:/path or shm:/path"
+            )),
         }
     }
 }
@@ -47,6 +71,7 @@ impl fmt::Display for Address {
         match self {
             Address::Tcp(a) => f.write_str(a),
             Address::Unix(p) => write!(f, "unix:{}", p.display()),
+            Address::Shm(p) => write!(f, "shm:{}", p.display()),
         }
     }
 }
@@ -67,7 +92,7 @@ impl Stream {
                 s.set_nodelay(true)?;
                 Ok(Stream::Tcp(s))
             }
-            Address::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
+            Address::Unix(p) | Address::Shm(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
         }
     }
 
@@ -249,7 +274,8 @@ impl AsyncWrite for Stream {
 #[derive(Debug)]
 pub enum StdListener {
     Tcp(std::net::TcpListener),
-    Unix(std::os::unix::net::UnixListener, PathBuf),
+    /// The listener, its path, and whether it was bound as `shm:`.
+    Unix(std::os::unix::net::UnixListener, PathBuf, bool),
 }
 
 impl StdListener {
@@ -268,7 +294,7 @@ impl StdListener {
                 l.set_nonblocking(true)?;
                 StdListener::Tcp(l)
             }
-            Address::Unix(p) => {
+            Address::Unix(p) | Address::Shm(p) => {
                 if p.exists() {
                     if std::os::unix::net::UnixStream::connect(p).is_ok() {
                         return Err(io::Error::new(
@@ -280,7 +306,7 @@ impl StdListener {
                 }
                 let l = std::os::unix::net::UnixListener::bind(p)?;
                 l.set_nonblocking(true)?;
-                StdListener::Unix(l, p.clone())
+                StdListener::Unix(l, p.clone(), matches!(addr, Address::Shm(_)))
             }
         };
         Ok(l)
@@ -290,7 +316,8 @@ impl StdListener {
     pub fn local_addr(&self) -> io::Result<Address> {
         Ok(match self {
             StdListener::Tcp(l) => Address::Tcp(l.local_addr()?.to_string()),
-            StdListener::Unix(_, p) => Address::Unix(p.clone()),
+            StdListener::Unix(_, p, false) => Address::Unix(p.clone()),
+            StdListener::Unix(_, p, true) => Address::Shm(p.clone()),
         })
     }
 }
@@ -306,7 +333,7 @@ impl Listener {
     pub fn from_std(l: StdListener) -> io::Result<Listener> {
         Ok(match l {
             StdListener::Tcp(l) => Listener::Tcp(TcpListener::from_std(l)?),
-            StdListener::Unix(l, p) => Listener::Unix(UnixListener::from_std(l)?, p),
+            StdListener::Unix(l, p, _) => Listener::Unix(UnixListener::from_std(l)?, p),
         })
     }
 
@@ -342,11 +369,16 @@ mod tests {
         );
         assert_eq!("[::1]:80".parse(), Ok(Address::Tcp("[::1]:80".into())));
         assert_eq!("unix:/tmp/s".parse(), Ok(Address::Unix("/tmp/s".into())));
+        assert_eq!("shm:/tmp/s".parse(), Ok(Address::Shm("/tmp/s".into())));
+        assert_eq!(
+            "shm:/tmp/s".parse::<Address>().unwrap().to_string(),
+            "shm:/tmp/s"
+        );
         assert_eq!(
             "unix:/tmp/s".parse::<Address>().unwrap().to_string(),
             "unix:/tmp/s"
         );
-        for bad in ["", "host", "host:", ":80", "host:99999", "unix:"] {
+        for bad in ["", "host", "host:", ":80", "host:99999", "unix:", "shm:"] {
             let err = bad.parse::<Address>().unwrap_err();
             assert!(err.contains("expected"), "{bad}: {err}");
         }
