@@ -5,7 +5,7 @@
 //! offset size field
 //!  0     4    magic            b"CLVW"
 //!  4     1    version          2
-//!  5     1    flags            bit 0 RESPONSE, bit 1 ERROR, bit 2 CANCEL; other bits 0
+//!  5     1    flags            bit 0 RESPONSE, bit 1 ERROR, bit 2 CANCEL, bit 3 SHM; other bits 0
 //!  6     2    kind             u16: 0x0000-0x00ff control, 0x0100- application
 //!  8     8    request_id       u64, chosen by the requester, echoed in the response
 //! 16     4    payload_len      u32, at most the receiver's frame limit

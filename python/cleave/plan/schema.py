@@ -122,7 +122,7 @@ class Plan:
     # monolithic: the baseline, one ranker runs the whole model; router-held: routers hold
     # every table, no shards.
     mode: str = required("how the model is split across processes", MODES)
-    transport: str = required("internal sockets (unix: every role on one host)", TRANSPORTS)
+    transport: str = required("internal sockets (unix, shm: every role on one host)", TRANSPORTS)
     hosts: list[Host]
     shards: list[Shard]
     rankers: list[Ranker]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 from cleave.settings import IncastConfig, RankerConfig, choice_list, default, doc
+from cleave.settings.choices import is_local_address
 
 
 def _flag(cls: type, name: str, more: str = "") -> dict:
@@ -217,7 +218,7 @@ def _probes(batcher, address: str, port: int | None, control=None):
         return None
     from cleave.ranker.probes import Probes
 
-    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0]
+    host = "127.0.0.1" if is_local_address(address) else address.rsplit(":", 1)[0]
     try:
         return Probes(batcher, host.strip("[]"), port, control)
     except OSError as err:
@@ -233,7 +234,7 @@ def _control(args: argparse.Namespace, server):
     from cleave.ranker.control import CongestionMeter, ControlServer
 
     address = server.address
-    host = "127.0.0.1" if address.startswith("unix:") else address.rsplit(":", 1)[0].strip("[]")
+    host = "127.0.0.1" if is_local_address(address) else address.rsplit(":", 1)[0].strip("[]")
     link = args.link_gbit * 1e9 / 8
     window = args.incast_window_bytes
     # B in the start-by deadline is learnt from the payloads' transfers, from --link-gbit on.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from cleave.runners.roles import Binding
 from cleave.runners.supervised import SupervisedRunner
+from cleave.settings.choices import LOCAL_TRANSPORTS
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -68,8 +69,9 @@ class LocalBinding(Binding):
             self.ports[(router.name, "http")] = router.http_port
 
     def listen(self, role: Shard | Ranker) -> str:
-        if self.transport == "unix":
-            return f"unix:{self.runtime / role.name}.sock"
+        if self.transport in LOCAL_TRANSPORTS:
+            # `shm:` is a Unix socket too; its data connections pass payloads by reference.
+            return f"{self.transport}:{self.runtime / role.name}.sock"
         return f"{LOOPBACK}:{self.ports[(role.name, 'port')]}"
 
     def metrics_port(self, role: Shard | Ranker) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
 from cleave.settings import IncastConfig, RankerConfig, ServeConfig, ShardConfig, flags
+from cleave.settings.choices import is_local_address
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -54,7 +55,7 @@ def _url_host(host: str) -> str:
 
 def probe_base(listen: str, port: int) -> str:
     """The base URL of a shard's or ranker's probes: its metrics port on its listen host."""
-    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0].strip("[]")
+    host = "127.0.0.1" if is_local_address(listen) else listen.rsplit(":", 1)[0].strip("[]")
     return f"http://{_url_host(host)}:{port}"
 
 
@@ -66,7 +67,7 @@ def client_url(host: str, port: int, tls: bool = False) -> str:
 def control_address(listen: str, port: int) -> str:
     """A ranker's control address: its control port on its listen host (loopback for a Unix
     socket; control is always TCP)."""
-    host = "127.0.0.1" if listen.startswith("unix:") else listen.rsplit(":", 1)[0]
+    host = "127.0.0.1" if is_local_address(listen) else listen.rsplit(":", 1)[0]
     return f"{host}:{port}"
 
 
@@ -93,9 +94,9 @@ def pin_dense_dtype(rankers: list[ChildSpec], dtype: str) -> None:
 
 
 def _before_start(address: str):
-    if not address.startswith("unix:"):
+    if not is_local_address(address):
         return None
-    path = Path(address.removeprefix("unix:"))
+    path = Path(address.split(":", 1)[1])
     return lambda: path.unlink(missing_ok=True)  # a killed child leaves its socket
 
 

@@ -55,8 +55,19 @@ INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
 # The router's admission rule (crates/cleave-router/src/admission/): an adaptive limit on the
 # work in flight to the backends, or the latency estimate against the budget (the old rule).
 ADMISSION_RULES = Choices(("adaptive", "estimate"))
-# Internal sockets: Unix sockets (every role on one host) or TCP.
-TRANSPORTS = Choices(("unix", "tcp"))
+# Internal sockets: Unix sockets (every role on one host), shared memory (Unix sockets for the
+# headers, payloads passed by reference through memfd regions: docs/protocol.md,
+# "Shared-memory transport"; every role on one host) or TCP.
+TRANSPORTS = Choices(("unix", "shm", "tcp"))
+# The transports whose roles must all share one host.
+LOCAL_TRANSPORTS = ("unix", "shm")
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a listen address is a socket path (`unix:` or `shm:`), served on loopback."""
+    return address.startswith(("unix:", "shm:"))
+
+
 DEVICES = Choices(("auto", "cpu", "cuda"))
 # How shards split the tables (cleave/plan/planner.py, table_ranges): every table cut into
 # row ranges, or whole tables spread over the shards (what `cleave score`'s ranks hold).

@@ -256,7 +256,11 @@ class ServeConfig:
     router_held: bool = setting(
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
-    transport: str = setting("unix", "internal sockets: Unix (co-located) or TCP", TRANSPORTS)
+    transport: str = setting(
+        "unix",
+        "internal sockets: Unix (co-located), shm (co-located, payloads by reference) or TCP",
+        TRANSPORTS,
+    )
     fail_stop: bool = setting(False, "a child that dies stops the deployment (default: restart it)")
     table_memory_budget: int = setting(
         0,
