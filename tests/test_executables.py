@@ -358,6 +358,7 @@ def test_testbed_runner_refuses_unix_transport_before_making_anything(tmp_path):
     for transport in ("unix", "shm"):  # shm: testbed hosts share no memory either
         plan = local_plan(tmp_path / "bundle", ServeConfig(transport=transport))
         runner = TestbedRunner()
-        with pytest.raises(UsageError, match=rf"transport: '{transport}' cannot run on the testbed"):
+        refused = rf"transport: '{transport}' cannot run on the testbed"
+        with pytest.raises(UsageError, match=refused):
             runner.start(plan, tmp_path)
         assert runner.testbed is None
