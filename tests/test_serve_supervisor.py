@@ -356,7 +356,8 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     with pytest.raises(UsageError, match=r"router.idle_timeout_ms: expected at least 1, got 0"):
         config_file.load(path).check()
     path.write_text("transport = 'udp'\n")
-    with pytest.raises(UsageError, match=r'transport: expected "unix", "shm" or "tcp", got \'udp\''):
+    expected = r'transport: expected "unix", "shm" or "tcp", got \'udp\''
+    with pytest.raises(UsageError, match=expected):
         config_file.load(path).check()
     path.write_text("monolithic = true\nrankers = 2\n")
     with pytest.raises(UsageError, match=r"rankers: expected 1 with monolithic, got 2"):
