@@ -330,11 +330,27 @@ impl FrameDecoder {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FrameError {
     BadMagic([u8; 4]),
-    UnsupportedVersion { found: u8, request_id: u64 },
-    BadFlags { flags: u8, request_id: u64 },
-    BadReserved { value: u32, request_id: u64 },
-    TooLarge { len: u32, max: u32, request_id: u64 },
-    CancelWithPayload { len: u32, request_id: u64 },
+    UnsupportedVersion {
+        found: u8,
+        request_id: u64,
+    },
+    BadFlags {
+        flags: u8,
+        request_id: u64,
+    },
+    BadReserved {
+        value: u32,
+        request_id: u64,
+    },
+    TooLarge {
+        len: u32,
+        max: u32,
+        request_id: u64,
+    },
+    CancelWithPayload {
+        len: u32,
+        request_id: u64,
+    },
     /// A shared-memory slot reference that does not name a payload the sender wrote (out of
     /// range, beyond its slot, stale generation); concerns that one frame, the stream is intact.
     BadSlotRef {

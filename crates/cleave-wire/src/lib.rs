@@ -43,5 +43,5 @@ pub use ewma::Ewma;
 pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
 pub use queue::QueuePolicy;
-pub use shm::ShmConfig;
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use shm::ShmConfig;

@@ -298,7 +298,8 @@ async fn drive(mut stream: Stream, shared: Arc<Shared>, state: ConnState) {
                             completed = true;
                             owed += 1;
                             let msg = format!("bad slot reference: {reason}");
-                            let _ = tx.send(Frame::error(k, request_id, ErrorCode::BadRequest, &msg));
+                            let _ =
+                                tx.send(Frame::error(k, request_id, ErrorCode::BadRequest, &msg));
                         }
                         Err(e) => {
                             // The stream cannot be resynchronised: say why and close.

@@ -565,8 +565,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
             io.spawn_on(thread, async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
                     let t = Some(thread);
-                    serve_connection(stream, shared, conn_id, class, credit, t, token, link)
-                        .await;
+                    serve_connection(stream, shared, conn_id, class, credit, t, token, link).await;
                 }
             });
         }

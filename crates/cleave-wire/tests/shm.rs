@@ -96,7 +96,12 @@ fn payloads_cross_through_slots_and_equal_unix_sockets_bit_for_bit() {
     let unix = client(Address::Unix(d.join("s.sock")), 2);
     rt().block_on(async {
         // Far more calls than slots: each slot is reused many times, so releases work.
-        for (i, n) in [10, 20_000, 300_000, 1 << 20, 5_000_000].iter().cycle().take(40).enumerate() {
+        for (i, n) in [10, 20_000, 300_000, 1 << 20, 5_000_000]
+            .iter()
+            .cycle()
+            .take(40)
+            .enumerate()
+        {
             let p = payload(*n, i as u32);
             let a = shm.call(ECHO, p.clone(), T).await.unwrap();
             let b = unix.call(ECHO, p.clone(), T).await.unwrap();
@@ -193,7 +198,10 @@ fn a_malformed_slot_reference_is_an_error_frame_and_the_connection_goes_on() {
                 "index 9 out of range: expected < 4",
             ),
             (
-                SlotRef { len: 70_000, ..good },
+                SlotRef {
+                    len: 70_000,
+                    ..good
+                },
                 "expected at most the slot size, 65536 bytes",
             ),
             (
@@ -221,14 +229,19 @@ fn a_malformed_slot_reference_is_an_error_frame_and_the_connection_goes_on() {
         f.flags |= flags::SHM;
         s.write_all(&f.to_bytes()).await.unwrap();
         let e = read_frame(&mut s).await;
-        assert!(ErrorBody::decode(&e.payload).message.contains("must be 24 bytes"));
+        assert!(ErrorBody::decode(&e.payload)
+            .message
+            .contains("must be 24 bytes"));
         // The good reference still works on the same connection, and its slot is freed.
         let mut f = Frame::request(ECHO, 8, good.encode());
         f.flags |= flags::SHM;
         s.write_all(&f.to_bytes()).await.unwrap();
         let r = read_frame(&mut s).await;
         assert_eq!(r.request_id, 8);
-        assert!(r.flags & flags::SHM != 0, "a 30 kB reply comes back through a slot");
+        assert!(
+            r.flags & flags::SHM != 0,
+            "a 30 kB reply comes back through a slot"
+        );
         assert_eq!(tx.region().in_use(), 0);
     });
     let _ = std::fs::remove_dir_all(&d);
@@ -261,7 +274,11 @@ fn a_peer_gone_mid_transfer_fails_the_call_retriably_and_the_next_connection_ser
                 .unwrap();
             let req = read_frame(&mut s).await;
             assert!(req.flags & flags::SHM != 0);
-            assert_eq!(peer.in_use(), 1, "the request's slot is the receiver's to free");
+            assert_eq!(
+                peer.in_use(),
+                1,
+                "the request's slot is the receiver's to free"
+            );
             drop(s);
         };
         let call = c.call(ECHO, payload(200_000, 5), T);
@@ -306,7 +323,11 @@ fn shared_memory_is_refused_on_tcp_and_on_control_connections() {
     let mut p = vec![0u8; h.payload_len as usize];
     std::io::Read::read_exact(&mut s, &mut p).unwrap();
     let body = ErrorBody::decode(&p);
-    assert!(body.message.contains("needs a Unix socket"), "{}", body.message);
+    assert!(
+        body.message.contains("needs a Unix socket"),
+        "{}",
+        body.message
+    );
     let e = cleave_wire::frame::decode_hello_with(&encode_hello_with(
         ConnClass::Control,
         hello_options::SHM,

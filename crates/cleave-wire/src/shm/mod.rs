@@ -21,8 +21,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-pub use region::{Region, MAX_SLOTS, MAX_SLOT_BYTES};
 use region::{state_name, word, FREE, HELD, SENT, WRITING};
+pub use region::{Region, MAX_SLOTS, MAX_SLOT_BYTES};
 
 /// Payloads up to this size travel inline on the socket: a slot and its release cost more
 /// than copying a few kilobytes through the kernel.
@@ -128,8 +128,7 @@ impl ShmTx {
 
     /// Whether some slot is free now.
     pub fn has_free(&self) -> bool {
-        (0..self.region.slots())
-            .any(|i| self.region.state(i).load(Ordering::Acquire) & 3 == FREE)
+        (0..self.region.slots()).any(|i| self.region.state(i).load(Ordering::Acquire) & 3 == FREE)
     }
 
     /// Copies `payload` into a free slot and marks it sent; `None` when every slot is taken
@@ -149,7 +148,12 @@ impl ShmTx {
             }
             let generation = (w >> 2) + 1;
             if state
-                .compare_exchange(w, word(generation, WRITING), Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(
+                    w,
+                    word(generation, WRITING),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
                 .is_err()
             {
                 continue;
@@ -213,9 +217,12 @@ impl ShmRx {
         }
         let state = self.region.state(r.index);
         let sent = word(r.generation, SENT);
-        if let Err(found) =
-            state.compare_exchange(sent, word(r.generation, HELD), Ordering::AcqRel, Ordering::Acquire)
-        {
+        if let Err(found) = state.compare_exchange(
+            sent,
+            word(r.generation, HELD),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
             return Err(format!(
                 "stale slot reference: expected slot {} sent with generation {}, found it {} \
                  with generation {}",
@@ -282,7 +289,9 @@ const FD_MESSAGE: u8 = b'S';
 /// Sends `fd` with one byte over the socket (SCM_RIGHTS).
 pub async fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
     stream
-        .async_io(Interest::WRITABLE, || send_fd_now(stream.as_raw_fd(), fd.as_raw_fd()))
+        .async_io(Interest::WRITABLE, || {
+            send_fd_now(stream.as_raw_fd(), fd.as_raw_fd())
+        })
         .await
 }
 
@@ -457,7 +466,10 @@ mod tests {
         assert!(e.contains("stale slot reference: expected slot"), "{e}");
         let first = rx.resolve(&r).unwrap();
         let e = rx.resolve(&r).unwrap_err();
-        assert!(e.contains("held by the receiver"), "a reference used twice: {e}");
+        assert!(
+            e.contains("held by the receiver"),
+            "a reference used twice: {e}"
+        );
         drop(first);
         let e = SlotRef::decode(&[0; 10]).unwrap_err();
         assert!(e.contains("must be 24 bytes"), "{e}");

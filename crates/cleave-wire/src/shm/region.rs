@@ -130,7 +130,10 @@ impl Region {
             let seals = libc::fcntl(raw, libc::F_GET_SEALS);
             let mut st: libc::stat = std::mem::zeroed();
             if libc::fstat(raw, &mut st) != 0 {
-                return Err(format!("fstat of the peer's region: {}", io::Error::last_os_error()));
+                return Err(format!(
+                    "fstat of the peer's region: {}",
+                    io::Error::last_os_error()
+                ));
             }
             (seals, st.st_size as usize)
         };
