@@ -28,7 +28,7 @@ def _flag(cls: type, name: str, more: str = "") -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, help="bundle directory")
-    parser.add_argument("--listen", required=True, help="host:port or unix:/path")
+    parser.add_argument("--listen", required=True, help="host:port, unix:/path or shm:/path")
     parser.add_argument("--device", **_flag(RankerConfig, "device"))
     parser.add_argument("--dense-dtype", **_flag(RankerConfig, "dense_dtype"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
