@@ -1,9 +1,9 @@
 """`transport: shm` end to end (docs/protocol.md, "Shared-memory transport"): the `dlrm`
-reference model served by `cleave serve` on Unix sockets, TCP and shared memory, one after
-the other, answers the same requests with the same scores bit for bit (the RANK payloads of 64
-candidates and the shard replies travel through slots on shm); and on shm a ranker killed
-under load costs at most 503s, never a hang: every request is answered within its budget and
-the deployment goes on serving."""
+reference model served by `cleave serve` (1 shard, 2 rankers) on Unix sockets, TCP and shared
+memory, one after the other, answers the same requests with the same scores bit for bit (the
+RANK payloads of 64 and 256 candidates and the shard replies travel through slots on shm);
+and on shm a ranker killed under load costs at most 503s, never a hang: every request is
+answered within its budget and the deployment goes on serving."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def requests(served):
 
 
 def serve(served: Served, transport: str) -> ServeProcess:
-    flags = ["--shards", "2", "--rankers", "2", "--threads", "1", "--transport", transport]
+    flags = ["--shards", "1", "--rankers", "2", "--threads", "1", "--transport", transport]
     return ServeProcess(served.dir, *flags)
 
 
