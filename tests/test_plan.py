@@ -389,6 +389,8 @@ def test_resource_errors(bundle):
     plan = plan4(bundle)
     plan.transport = "unix"
     check_fails(plan, "transport: 'unix' needs every role on one host, got roles on h0, h1, h2, h3")
+    plan.transport = "shm"
+    check_fails(plan, "transport: 'shm' needs every role on one host, got roles on h0, h1, h2, h3")
 
     plan = plan4(bundle)
     plan.hosts[1].cpus = 1  # two shards of 1 thread each

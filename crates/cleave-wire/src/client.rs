@@ -18,6 +18,7 @@ use crate::error::WireError;
 use crate::frame::{hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
+use crate::shm::{self, ShmConfig, ShmLink, ShmTx};
 
 /// Connections and limits of a client.
 #[derive(Clone, Debug)]
@@ -37,6 +38,8 @@ pub struct ClientConfig {
     /// each data connection grants the server, returned on the control connection as
     /// responses arrive. `None`: no credits, the server sends as it pleases.
     pub response_credits: Option<u64>,
+    /// The region this client's data connections to an `shm:` address send through.
+    pub shm: ShmConfig,
 }
 
 impl Default for ClientConfig {
@@ -47,6 +50,7 @@ impl Default for ClientConfig {
             max_payload: DEFAULT_MAX_PAYLOAD,
             idle_close: Duration::from_secs(60),
             response_credits: None,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -92,6 +96,8 @@ struct ConnHandle {
     /// Request ids of this connection, allocated by callers so they can cancel by id.
     next_id: Arc<AtomicU64>,
     peer_max: u32,
+    /// This connection's own region, when it negotiated shared memory.
+    shm: Option<Arc<ShmTx>>,
 }
 
 enum Msg {
@@ -257,6 +263,9 @@ impl Client {
                     max: conn.peer_max,
                 });
             }
+            if let Some(tx) = conn.shm.as_ref().filter(|t| t.carries(payload.len())) {
+                wait_for_slot(tx, deadline_unix_us, &inner.addr).await?;
+            }
             let (tx, rx) = oneshot::channel();
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             let call = Call {
@@ -320,6 +329,33 @@ impl Client {
     }
 }
 
+/// Waits until the connection's region has a free slot (the peer releases slots as it drops
+/// the payloads it was sent), up to the request's deadline: a full ring is back-pressure, and
+/// a ring still full at the deadline is a retriable failure, never a lost request. Polls with
+/// a growing pause: the release is a store in the shared region, with nothing to wake on.
+async fn wait_for_slot(tx: &ShmTx, deadline_unix_us: u64, addr: &Address) -> Result<(), WireError> {
+    let mut pause = Duration::from_micros(20);
+    loop {
+        if tx.has_free() {
+            return Ok(());
+        }
+        let now = unix_now_us();
+        if now >= deadline_unix_us {
+            return Err(WireError::Closed {
+                addr: addr.clone(),
+                reason: format!(
+                    "shared-memory ring full: all {} slots still held by the peer at the \
+                     request's deadline; the request was not sent",
+                    tx.region().slots()
+                ),
+            });
+        }
+        let left = Duration::from_micros(deadline_unix_us - now);
+        tokio::time::sleep(pause.min(left)).await;
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
+}
+
 /// Sends the grants of every data connection of a client as CREDIT calls on its control
 /// connection, summing those that queued while the last ones went out. Ends with the client.
 async fn grant_loop(client: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Credit>) {
@@ -359,7 +395,8 @@ async fn open(
     addr: &Address,
     class: ConnClass,
     credits: bool,
-) -> Result<(Stream, u32, Option<u64>), WireError> {
+    shm_config: ShmConfig,
+) -> Result<(Stream, u32, Option<u64>, Option<ShmLink>), WireError> {
     let mut s = Stream::connect(addr)
         .await
         .map_err(|source| WireError::Connect {
@@ -373,7 +410,12 @@ async fn open(
         addr: addr.clone(),
         reason,
     };
-    let options = if credits { hello_options::CREDITS } else { 0 };
+    // Control connections carry small frames only: shared memory is for data connections.
+    let use_shm = matches!(addr, Address::Shm(_)) && class == ConnClass::Data;
+    let mut options = if credits { hello_options::CREDITS } else { 0 };
+    if use_shm {
+        options |= hello_options::SHM;
+    }
     let hello = Frame::request(kind::HELLO, 0, hello_payload_with(class, options));
     s.write_all(&hello.to_bytes())
         .await
@@ -404,7 +446,15 @@ async fn open(
     }
     let peer_max = u32::from_le_bytes(f.payload[..4].try_into().expect("length checked"));
     let conn_id = credits.then(|| u64::from_le_bytes(f.payload[4..].try_into().expect("12")));
-    Ok((s, peer_max, conn_id))
+    let link = match (&s, use_shm) {
+        (Stream::Unix(u), true) => Some(
+            shm::exchange(u, shm_config, true)
+                .await
+                .map_err(|e| handshake(format!("shared memory: {e}")))?,
+        ),
+        _ => None,
+    };
+    Ok((s, peer_max, conn_id, link))
 }
 
 enum Event {
@@ -425,8 +475,8 @@ async fn run_connection(
     grants: Option<mpsc::UnboundedSender<Credit>>,
     ready: oneshot::Sender<Result<ConnHandle, WireError>>,
 ) {
-    let opening = open(&addr, class, grants.is_some());
-    let (mut stream, peer_max, conn_id) =
+    let opening = open(&addr, class, grants.is_some(), config.shm);
+    let (mut stream, peer_max, conn_id, link) =
         match tokio::time::timeout(config.connect_timeout, opening).await {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
@@ -450,6 +500,7 @@ async fn run_connection(
         msgs: tx,
         next_id: Arc::new(AtomicU64::new(1)),
         peer_max,
+        shm: link.as_ref().map(|l| l.tx.clone()),
     };
     if ready.send(Ok(handle)).is_err() {
         return;
@@ -468,6 +519,10 @@ async fn run_connection(
     let mut pending: HashMap<u64, (u16, oneshot::Sender<Outcome>)> = HashMap::new();
     let mut reader = FrameReader::new(config.max_payload);
     let mut writer = FrameWriter::new();
+    if let Some(l) = link {
+        reader.set_shm(l.rx);
+        writer.set_shm(l.tx);
+    }
     let (mut rd, mut wr) = stream.split();
     let mut accepting = true;
     let mut last_activity = tokio::time::Instant::now();

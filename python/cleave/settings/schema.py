@@ -270,7 +270,10 @@ class ServeConfig:
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
     transport: str = setting(
-        "unix", "internal sockets: Unix (co-located), TCP or MPTCP (TCP over every NIC)", TRANSPORTS
+        "unix",
+        "internal sockets: Unix (co-located), shm (co-located, payloads by reference), TCP or "
+        "MPTCP (TCP over every NIC)",
+        TRANSPORTS,
     )
     fail_stop: bool = setting(False, "a child that dies stops the deployment (default: restart it)")
     table_memory_budget: int = setting(
