@@ -109,3 +109,37 @@ def test_a_ranker_killed_under_load_on_shm_costs_retries_or_503s_never_a_hang(sh
     # (a role failed the router) and never a client timeout (status 0 or 504 from a hang).
     assert statuses <= {200, 503}, statuses
     assert 200 in statuses
+
+
+def test_a_shm_frame_server_hands_python_the_slot_in_place_and_a_full_ring_goes_inline(tmp_path):
+    # On shm the payload reaches Python without a copy: a read-only numpy array over the slot
+    # (the ranker decodes its tensors from it); on a Unix socket `bytes`, as before. Holding
+    # more payloads than the ring has slots never blocks the sender: the rest go inline.
+    import threading
+
+    from cleave._native import FrameClient, FrameServer
+
+    payload = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    for transport, expected in (("shm", np.ndarray), ("unix", bytes)):
+        server = FrameServer(f"{transport}:{tmp_path / transport}.sock")
+        held = []
+
+        def answer(server=server, held=held):
+            while len(held) < 20:
+                for conn, request_id, kind, got, _, _ in server.recv(64, 5.0):
+                    held.append(got)
+                    server.reply(conn, request_id, kind, b"ok")
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        try:
+            client = FrameClient(server.address, 5.0, 1)
+            for _ in range(20):  # 20 held by the server, beyond the 16 slots of its ring
+                assert client.call(0x0101, payload) == b"ok"
+        finally:
+            thread.join(10)
+            server.close()
+        assert all(isinstance(p, expected) for p in held), transport
+        assert all(bytes(memoryview(p)) == payload for p in held), transport
+        if transport == "shm":
+            assert not held[0].flags.writeable

@@ -18,7 +18,7 @@ use crate::error::WireError;
 use crate::frame::{hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
-use crate::shm::{self, ShmConfig, ShmLink, ShmTx};
+use crate::shm::{self, ShmConfig, ShmLink};
 
 /// Connections and limits of a client.
 #[derive(Clone, Debug)]
@@ -96,8 +96,6 @@ struct ConnHandle {
     /// Request ids of this connection, allocated by callers so they can cancel by id.
     next_id: Arc<AtomicU64>,
     peer_max: u32,
-    /// This connection's own region, when it negotiated shared memory.
-    shm: Option<Arc<ShmTx>>,
 }
 
 enum Msg {
@@ -263,9 +261,10 @@ impl Client {
                     max: conn.peer_max,
                 });
             }
-            if let Some(tx) = conn.shm.as_ref().filter(|t| t.carries(payload.len())) {
-                wait_for_slot(tx, deadline_unix_us, &inner.addr).await?;
-            }
+            // A full ring does not hold the call back: the frame goes inline (conn.rs). The
+            // peer holds slots while it keeps payloads in place (a Python ranker's queued
+            // requests: cleave-py's FrameServer), so a full ring means a backlogged peer,
+            // which the server's own back-pressure and queue limits already bound.
             let (tx, rx) = oneshot::channel();
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             let call = Call {
@@ -326,33 +325,6 @@ impl Client {
         })??;
         *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.clone());
         Ok(handle)
-    }
-}
-
-/// Waits until the connection's region has a free slot (the peer releases slots as it drops
-/// the payloads it was sent), up to the request's deadline: a full ring is back-pressure, and
-/// a ring still full at the deadline is a retriable failure, never a lost request. Polls with
-/// a growing pause: the release is a store in the shared region, with nothing to wake on.
-async fn wait_for_slot(tx: &ShmTx, deadline_unix_us: u64, addr: &Address) -> Result<(), WireError> {
-    let mut pause = Duration::from_micros(20);
-    loop {
-        if tx.has_free() {
-            return Ok(());
-        }
-        let now = unix_now_us();
-        if now >= deadline_unix_us {
-            return Err(WireError::Closed {
-                addr: addr.clone(),
-                reason: format!(
-                    "shared-memory ring full: all {} slots still held by the peer at the \
-                     request's deadline; the request was not sent",
-                    tx.region().slots()
-                ),
-            });
-        }
-        let left = Duration::from_micros(deadline_unix_us - now);
-        tokio::time::sleep(pause.min(left)).await;
-        pause = (pause * 2).min(Duration::from_millis(1));
     }
 }
 
@@ -500,7 +472,6 @@ async fn run_connection(
         msgs: tx,
         next_id: Arc::new(AtomicU64::new(1)),
         peer_max,
-        shm: link.as_ref().map(|l| l.tx.clone()),
     };
     if ready.send(Ok(handle)).is_err() {
         return;

@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transport",
         metavar="T[,T...]",
-        help="internal sockets of the deployments started here: unix, shm or tcp; several, "
+        help="internal sockets of the deployments started here: unix, shm, tcp or mptcp; several, "
         "comma-separated, measure each in the same run on its own deployment, with the "
         "`transfer` stage and the router's CPU per request as ratios against the first "
         "(default: cleave serve's)",
