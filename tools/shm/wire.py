@@ -1,6 +1,7 @@
 """The wire alone, Unix sockets against shared memory (docs/benchmarks.md, "Pass-by-reference
 between co-located roles"): one process, `FrameClient` calling a `FrameServer` (the Python
-ranker's server: `recv` copies each payload once into `bytes`) with a RANK-sized request and a
+ranker's server: `recv` hands each payload over as `bytes` on unix, in place over the slot on
+shm) with a RANK-sized request and a
 2-byte reply; alternating rounds of each transport. Prints a table and JSON with the ratios
 shm over unix of the median round trip and of the process's CPU per call.
 
