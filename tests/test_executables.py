@@ -355,8 +355,10 @@ def test_testbed_runner_refuses_unix_transport_before_making_anything(tmp_path):
     from cleave.settings import ServeConfig
 
     write_bundle(tmp_path / "bundle")
-    plan = local_plan(tmp_path / "bundle", ServeConfig(transport="unix"))
-    runner = TestbedRunner()
-    with pytest.raises(UsageError, match=r"transport: 'unix' cannot run on the testbed"):
-        runner.start(plan, tmp_path)
-    assert runner.testbed is None
+    for transport in ("unix", "shm"):  # shm: testbed hosts share no memory either
+        plan = local_plan(tmp_path / "bundle", ServeConfig(transport=transport))
+        runner = TestbedRunner()
+        refused = rf"transport: '{transport}' cannot run on the testbed"
+        with pytest.raises(UsageError, match=refused):
+            runner.start(plan, tmp_path)
+        assert runner.testbed is None

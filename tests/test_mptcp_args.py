@@ -7,9 +7,10 @@ import argparse
 
 import pytest
 from cleave.errors import UsageError
-from cleave.runners.roles import control_address, listen_address, probe_base
+from cleave.runners.roles import control_address, probe_base
 from cleave.serve import _runner_options
-from cleave.settings.choices import TRANSPORTS, listen_host
+from cleave.settings.addresses import listen_address, listen_host
+from cleave.settings.choices import TRANSPORTS
 from cleave.testbed.testbed import Testbed
 
 

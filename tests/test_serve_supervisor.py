@@ -356,7 +356,7 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     with pytest.raises(UsageError, match=r"router.idle_timeout_ms: expected at least 1, got 0"):
         config_file.load(path).check()
     path.write_text("transport = 'udp'\n")
-    expected = r'transport: expected "unix", "tcp" or "mptcp", got \'udp\''
+    expected = r'transport: expected "unix", "shm", "tcp" or "mptcp", got \'udp\''
     with pytest.raises(UsageError, match=expected):
         config_file.load(path).check()
     path.write_text("monolithic = true\nrankers = 2\n")

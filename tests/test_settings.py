@@ -249,7 +249,8 @@ def test_an_unknown_name_is_refused_naming_the_key_and_the_list(tmp_path, bundle
     with pytest.raises(UsageError) as err:
         plan_from_dict(data, "plan.yaml").check(MANIFEST)
     assert 'rankers[0].incast_order: expected "fifo" or "edf", got \'random\'' in str(err.value)
-    assert 'transport: expected "unix", "tcp" or "mptcp", got \'carrier-pigeon\'' in str(err.value)
+    expected = 'transport: expected "unix", "shm", "tcp" or "mptcp", got \'carrier-pigeon\''
+    assert expected in str(err.value)
     shard = find_executable("cleave-shard")
     done = subprocess.run([shard, "--queue", "random"], capture_output=True, text=True, timeout=60)
     names = ", ".join(f'"{n}"' for n in QUEUE_POLICIES.names)

@@ -391,7 +391,10 @@ def test_unix_socket_and_table_subsets(bundle, tmp_path):
         (("--tables", "f32,zzz"), '"zzz" is not in'),
         (("--rows", "5:1"), "START 5 is after END 1"),
         (("--rows", "f32=1:2", "--tables", "f16"), "not among --tables"),
-        (("--listen", "nowhere"), "expected host:port, mptcp:host:port or unix:/path"),
+        (
+            ("--listen", "nowhere"),
+            "expected host:port, mptcp:host:port, unix:/path or shm:/path",
+        ),
         (("--threads", "0"), "at least 1"),
     ],
 )

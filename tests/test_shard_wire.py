@@ -125,7 +125,8 @@ def test_close_answers_what_is_pending_and_raw_garbage_is_refused():
 
 
 def test_bad_addresses_and_timeouts_are_value_errors():
-    with pytest.raises(ValueError, match="expected host:port, mptcp:host:port or unix:/path"):
+    expected = "expected host:port, mptcp:host:port, unix:/path or shm:/path"
+    with pytest.raises(ValueError, match=expected):
         _native.FrameServer("localhost")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         _native.FrameClient("127.0.0.1:1", timeout_s=0)

@@ -82,7 +82,8 @@ impl Conn {
                 s.set_nodelay(true)?;
                 Conn::Tcp(s)
             }
-            Address::Unix(p) => Conn::Unix(UnixStream::connect(p)?),
+            // Plain frames only: an shm: server also serves clients that did not ask for it.
+            Address::Unix(p) | Address::Shm(p) => Conn::Unix(UnixStream::connect(p)?),
         };
         c.write_all(&Frame::request(kind::HELLO, 0, encode_hello(ConnClass::Data)).to_bytes())?;
         let hello = read_frame(&mut c)?;

@@ -18,7 +18,9 @@ use cleave_wire::{
     Address, Client, ClientConfig, ErrorCode, Handler, IoThreads, Request, Responder, Server,
     ServerConfig,
 };
-use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::ndarray::ArrayView1;
+use numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+use numpy::{PyArray1, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -173,15 +175,43 @@ impl Handler for Inbox {
     }
 }
 
+/// The owner of a payload handed to Python in place: the base object of its numpy array.
+/// On `shm:` the payload is a slot of the peer's shared-memory region, freed when this drops
+/// (when the array and every tensor made from it are gone); elsewhere it is the frame's buffer.
+#[pyclass(module = "cleave._native", frozen)]
+struct PayloadOwner {
+    payload: Bytes,
+}
+
+/// `payload` as a read-only uint8 numpy array over its own memory, no copy. The array's base
+/// is a `PayloadOwner`, so the memory lives as long as anything Python made from it.
+fn in_place<'py>(py: Python<'py>, payload: Bytes) -> PyResult<Bound<'py, PyAny>> {
+    let owner = Bound::new(py, PayloadOwner { payload })?;
+    let bytes: &[u8] = &owner.get().payload;
+    let view = ArrayView1::from(bytes);
+    // SAFETY: `owner` becomes the array's base and is frozen: its `Bytes` is never replaced
+    // or mutated, and a `Bytes`' memory does not move while it lives.
+    let array = unsafe { PyArray1::<u8>::borrow_from_array(&view, owner.clone().into_any()) };
+    // SAFETY: the array was just made and no reference into it exists yet. Read-only: the
+    // memory is the peer's slot (or a frame shared with nothing else), never written here.
+    unsafe { (*array.as_array_ptr()).flags &= !NPY_ARRAY_WRITEABLE };
+    Ok(array.into_any())
+}
+
 /// Serves frames to Python code.
 ///
 /// `FrameServer(address, *, io_threads=1, max_payload=64 MiB, frame_timeout_s=10.0)` binds
-/// `host:port` (port 0 picks one) or `unix:/path`; `address` is the bound address.
+/// `host:port` (port 0 picks one), `mptcp:host:port`, `unix:/path` or `shm:/path`; `address`
+/// is the bound address. On `shm:` `recv` hands payloads over in place (read-only uint8 numpy
+/// arrays over the shared-memory slot: the ranker decodes its tensors from the slot itself);
+/// on every other transport as `bytes`, as before.
 #[pyclass(module = "cleave._native", frozen)]
 pub struct FrameServer {
     inbox: Arc<Inbox>,
     server: Mutex<Option<Server>>,
     address: String,
+    /// Whether `recv` hands payloads over in place (the server listens on `shm:`).
+    in_place: bool,
 }
 
 #[pymethods]
@@ -212,6 +242,7 @@ impl FrameServer {
             inbox,
             server: Mutex::new(Some(server)),
             address,
+            in_place: matches!(addr, Address::Shm(_)),
         })
     }
 
@@ -221,7 +252,9 @@ impl FrameServer {
     }
 
     /// Waits up to `timeout_s` (forever if None) for requests and returns up to `max_items`
-    /// of them as `(conn_id, request_id, kind, payload: bytes, deadline_us, trace_id)`
+    /// of them as `(conn_id, request_id, kind, payload, deadline_us, trace_id)` (`payload`:
+    /// `bytes`, or on `shm:` a read-only uint8 numpy array over the slot, which stays taken
+    /// while the array or a tensor over it lives)
     /// (`deadline_us`: Unix µs, 0 = none; `trace_id`: 0 = none); empty on timeout. Requests
     /// cancelled while queued are not returned.
     #[pyo3(signature = (max_items=64, timeout_s=None))]
@@ -253,14 +286,18 @@ impl FrameServer {
             q.drain(..n).collect()
         });
         let tuples = items.into_iter().map(|it| {
-            let payload = PyBytes::new(py, &it.payload);
+            let payload = if self.in_place {
+                in_place(py, it.payload)?
+            } else {
+                PyBytes::new(py, &it.payload).into_any()
+            };
             PyTuple::new(
                 py,
                 [
                     it.conn_id.into_pyobject(py)?.into_any(),
                     it.request_id.into_pyobject(py)?.into_any(),
                     it.kind.into_pyobject(py)?.into_any(),
-                    payload.into_any(),
+                    payload,
                     it.deadline_us.into_pyobject(py)?.into_any(),
                     it.trace_id.into_pyobject(py)?.into_any(),
                 ],

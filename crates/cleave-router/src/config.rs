@@ -37,7 +37,7 @@ pub struct RouterConfig {
     /// The range routing table: which shard holds which rows of which table.
     #[serde(default)]
     pub shards: Vec<ShardRoute>,
-    /// Ranker addresses (`host:port` or `unix:/path`).
+    /// Ranker addresses (`host:port`, `unix:/path` or `shm:/path`).
     pub rankers: Vec<String>,
     /// A request's latency budget when it names none.
     #[serde(default = "default_budget_ms")]

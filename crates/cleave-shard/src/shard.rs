@@ -283,7 +283,7 @@ fn metrics_host(listen: &Address) -> IpAddr {
             .ok()
             .and_then(|mut it| it.next())
             .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |s| s.ip()),
-        Address::Unix(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        Address::Unix(_) | Address::Shm(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
     }
 }
 

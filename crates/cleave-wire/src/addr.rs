@@ -1,6 +1,8 @@
-//! Addresses (`host:port`, `mptcp:host:port` or `unix:/path`) and the stream/listener types
-//! over them. An MPTCP connection is a TCP stream to everything above this file: the frames,
-//! HELLO and credits are unchanged; only the socket's protocol differs (sockets.rs).
+//! Addresses (`host:port`, `mptcp:host:port`, `unix:/path` or `shm:/path`) and the
+//! stream/listener types over them. An MPTCP connection is a TCP stream to everything above
+//! this file: the frames, HELLO and credits are unchanged; only the socket's protocol differs
+//! (sockets.rs). A `shm:` connection is a Unix stream whose large payloads travel through
+//! shared memory (shm/mod.rs).
 
 use std::fmt;
 use std::io;
@@ -24,6 +26,20 @@ pub enum Address {
     /// `mptcp:host:port`: as `Tcp`, over a Multipath TCP socket (`transport: mptcp`,
     /// docs/protocol.md "Multipath TCP"); plain TCP where the kernel refuses MPTCP.
     Mptcp(String),
+    /// `shm:/path/to/socket`: a Unix socket whose data connections pass large payloads
+    /// through shared memory (shm/mod.rs). A server listening here also serves plain Unix
+    /// clients.
+    Shm(PathBuf),
+}
+
+impl Address {
+    /// The socket path of a Unix or shared-memory address.
+    pub fn unix_path(&self) -> Option<&PathBuf> {
+        match self {
+            Address::Tcp(_) | Address::Mptcp(_) => None,
+            Address::Unix(p) | Address::Shm(p) => Some(p),
+        }
+    }
 }
 
 impl FromStr for Address {
@@ -38,6 +54,14 @@ impl FromStr for Address {
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
+        if let Some(path) = s.strip_prefix("shm:") {
+            if path.is_empty() {
+                return Err(format!(
+                    "address {s:?}: expected shm:/path/to/socket, path is empty"
+                ));
+            }
+            return Ok(Address::Shm(PathBuf::from(path)));
+        }
         let (rest, mptcp) = match s.strip_prefix("mptcp:") {
             Some(rest) => (rest, true),
             None => (s, false),
@@ -49,7 +73,7 @@ impl FromStr for Address {
                 Address::Tcp(rest.to_owned())
             }),
             _ => Err(format!(
-                "address {s:?}: expected host:port, mptcp:host:port or unix:/path"
+                "address {s:?}: expected host:port, mptcp:host:port, unix:/path or shm:/path"
             )),
         }
     }
@@ -69,6 +93,7 @@ impl fmt::Display for Address {
             Address::Tcp(a) => f.write_str(a),
             Address::Unix(p) => write!(f, "unix:{}", p.display()),
             Address::Mptcp(a) => write!(f, "mptcp:{a}"),
+            Address::Shm(p) => write!(f, "shm:{}", p.display()),
         }
     }
 }
@@ -89,7 +114,7 @@ impl Stream {
                 s.set_nodelay(true)?;
                 Ok(Stream::Tcp(s))
             }
-            Address::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
+            Address::Unix(p) | Address::Shm(p) => Ok(Stream::Unix(UnixStream::connect(p).await?)),
             Address::Mptcp(a) => {
                 let s = crate::sockets::mptcp_connect(a).await?;
                 s.set_nodelay(true)?;
@@ -286,7 +311,8 @@ impl AsyncWrite for Stream {
 pub enum StdListener {
     /// A TCP listener; `true` when its socket is MPTCP (it accepts plain TCP peers too).
     Tcp(std::net::TcpListener, bool),
-    Unix(std::os::unix::net::UnixListener, PathBuf),
+    /// The listener, its path, and whether it was bound as `shm:`.
+    Unix(std::os::unix::net::UnixListener, PathBuf, bool),
 }
 
 impl StdListener {
@@ -314,7 +340,7 @@ impl StdListener {
                 })?;
                 StdListener::Tcp(crate::sockets::mptcp_listener(sa)?, true)
             }
-            Address::Unix(p) => {
+            Address::Unix(p) | Address::Shm(p) => {
                 if p.exists() {
                     if std::os::unix::net::UnixStream::connect(p).is_ok() {
                         return Err(io::Error::new(
@@ -326,7 +352,7 @@ impl StdListener {
                 }
                 let l = std::os::unix::net::UnixListener::bind(p)?;
                 l.set_nonblocking(true)?;
-                StdListener::Unix(l, p.clone())
+                StdListener::Unix(l, p.clone(), matches!(addr, Address::Shm(_)))
             }
         };
         Ok(l)
@@ -337,7 +363,8 @@ impl StdListener {
         Ok(match self {
             StdListener::Tcp(l, false) => Address::Tcp(l.local_addr()?.to_string()),
             StdListener::Tcp(l, true) => Address::Mptcp(l.local_addr()?.to_string()),
-            StdListener::Unix(_, p) => Address::Unix(p.clone()),
+            StdListener::Unix(_, p, false) => Address::Unix(p.clone()),
+            StdListener::Unix(_, p, true) => Address::Shm(p.clone()),
         })
     }
 }
@@ -353,7 +380,7 @@ impl Listener {
     pub fn from_std(l: StdListener) -> io::Result<Listener> {
         Ok(match l {
             StdListener::Tcp(l, _) => Listener::Tcp(TcpListener::from_std(l)?),
-            StdListener::Unix(l, p) => Listener::Unix(UnixListener::from_std(l)?, p),
+            StdListener::Unix(l, p, _) => Listener::Unix(UnixListener::from_std(l)?, p),
         })
     }
 
@@ -389,6 +416,11 @@ mod tests {
         );
         assert_eq!("[::1]:80".parse(), Ok(Address::Tcp("[::1]:80".into())));
         assert_eq!("unix:/tmp/s".parse(), Ok(Address::Unix("/tmp/s".into())));
+        assert_eq!("shm:/tmp/s".parse(), Ok(Address::Shm("/tmp/s".into())));
+        assert_eq!(
+            "shm:/tmp/s".parse::<Address>().unwrap().to_string(),
+            "shm:/tmp/s"
+        );
         assert_eq!(
             "mptcp:10.0.0.1:80".parse(),
             Ok(Address::Mptcp("10.0.0.1:80".into()))
@@ -408,6 +440,7 @@ mod tests {
             ":80",
             "host:99999",
             "unix:",
+            "shm:",
             "mptcp:",
             "mptcp:host",
             "mptcp::80",

@@ -18,6 +18,7 @@ use crate::error::WireError;
 use crate::frame::{hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
+use crate::shm::{self, ShmConfig, ShmLink};
 
 /// Connections and limits of a client.
 #[derive(Clone, Debug)]
@@ -37,6 +38,8 @@ pub struct ClientConfig {
     /// each data connection grants the server, returned on the control connection as
     /// responses arrive. `None`: no credits, the server sends as it pleases.
     pub response_credits: Option<u64>,
+    /// The region this client's data connections to an `shm:` address send through.
+    pub shm: ShmConfig,
 }
 
 impl Default for ClientConfig {
@@ -47,6 +50,7 @@ impl Default for ClientConfig {
             max_payload: DEFAULT_MAX_PAYLOAD,
             idle_close: Duration::from_secs(60),
             response_credits: None,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -257,6 +261,10 @@ impl Client {
                     max: conn.peer_max,
                 });
             }
+            // A full ring does not hold the call back: the frame goes inline (conn.rs). The
+            // peer holds slots while it keeps payloads in place (a Python ranker's queued
+            // requests: cleave-py's FrameServer), so a full ring means a backlogged peer,
+            // which the server's own back-pressure and queue limits already bound.
             let (tx, rx) = oneshot::channel();
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             let call = Call {
@@ -359,7 +367,8 @@ async fn open(
     addr: &Address,
     class: ConnClass,
     credits: bool,
-) -> Result<(Stream, u32, Option<u64>), WireError> {
+    shm_config: ShmConfig,
+) -> Result<(Stream, u32, Option<u64>, Option<ShmLink>), WireError> {
     let mut s = Stream::connect(addr)
         .await
         .map_err(|source| WireError::Connect {
@@ -373,7 +382,12 @@ async fn open(
         addr: addr.clone(),
         reason,
     };
-    let options = if credits { hello_options::CREDITS } else { 0 };
+    // Control connections carry small frames only: shared memory is for data connections.
+    let use_shm = matches!(addr, Address::Shm(_)) && class == ConnClass::Data;
+    let mut options = if credits { hello_options::CREDITS } else { 0 };
+    if use_shm {
+        options |= hello_options::SHM;
+    }
     let hello = Frame::request(kind::HELLO, 0, hello_payload_with(class, options));
     s.write_all(&hello.to_bytes())
         .await
@@ -404,7 +418,15 @@ async fn open(
     }
     let peer_max = u32::from_le_bytes(f.payload[..4].try_into().expect("length checked"));
     let conn_id = credits.then(|| u64::from_le_bytes(f.payload[4..].try_into().expect("12")));
-    Ok((s, peer_max, conn_id))
+    let link = match (&s, use_shm) {
+        (Stream::Unix(u), true) => Some(
+            shm::exchange(u, shm_config, true)
+                .await
+                .map_err(|e| handshake(format!("shared memory: {e}")))?,
+        ),
+        _ => None,
+    };
+    Ok((s, peer_max, conn_id, link))
 }
 
 enum Event {
@@ -425,8 +447,8 @@ async fn run_connection(
     grants: Option<mpsc::UnboundedSender<Credit>>,
     ready: oneshot::Sender<Result<ConnHandle, WireError>>,
 ) {
-    let opening = open(&addr, class, grants.is_some());
-    let (mut stream, peer_max, conn_id) =
+    let opening = open(&addr, class, grants.is_some(), config.shm);
+    let (mut stream, peer_max, conn_id, link) =
         match tokio::time::timeout(config.connect_timeout, opening).await {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
@@ -468,6 +490,10 @@ async fn run_connection(
     let mut pending: HashMap<u64, (u16, oneshot::Sender<Outcome>)> = HashMap::new();
     let mut reader = FrameReader::new(config.max_payload);
     let mut writer = FrameWriter::new();
+    if let Some(l) = link {
+        reader.set_shm(l.rx);
+        writer.set_shm(l.tx);
+    }
     let (mut rd, mut wr) = stream.split();
     let mut accepting = true;
     let mut last_activity = tokio::time::Instant::now();

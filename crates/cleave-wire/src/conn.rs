@@ -2,12 +2,14 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
+use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::addr::Stream;
-use crate::frame::{Frame, FrameDecoder, FrameError, Header, HEADER_LEN, PREFIX_LEN};
+use crate::frame::{flags, Frame, FrameDecoder, FrameError, Header, HEADER_LEN, PREFIX_LEN};
+use crate::shm::{ShmRx, ShmTx, SlotRef};
 
 /// Payloads up to this size are copied next to their header so that a burst of small frames
 /// goes out in one write; larger ones are written from their own buffer.
@@ -22,6 +24,8 @@ const READ_CHUNK: usize = 64 << 10;
 pub(crate) struct FrameReader {
     buf: BytesMut,
     decoder: FrameDecoder,
+    /// The peer's shared-memory region, on a connection that negotiated one.
+    shm: Option<Arc<ShmRx>>,
 }
 
 impl FrameReader {
@@ -29,7 +33,13 @@ impl FrameReader {
         FrameReader {
             buf: BytesMut::with_capacity(READ_CHUNK),
             decoder: FrameDecoder::new(max_payload),
+            shm: None,
         }
+    }
+
+    /// Resolves slot references through the peer's region from now on.
+    pub(crate) fn set_shm(&mut self, rx: Arc<ShmRx>) {
+        self.shm = Some(rx);
     }
 
     /// Reads once from the stream; `Ok(0)` is end of stream.
@@ -41,8 +51,34 @@ impl FrameReader {
     }
 
     /// The next complete frame already read, if any.
+    /// A frame carrying a slot reference comes back with its payload read in place from the
+    /// peer's region (flag SHM cleared); a bad reference is `FrameError::BadSlotRef`, after
+    /// which the stream may go on.
     pub(crate) fn next(&mut self) -> Result<Option<Frame>, FrameError> {
-        self.decoder.decode(&mut self.buf)
+        let Some(mut f) = self.decoder.decode(&mut self.buf)? else {
+            return Ok(None);
+        };
+        if f.flags & flags::SHM == 0 {
+            return Ok(Some(f));
+        }
+        let bad = |reason: String| FrameError::BadSlotRef {
+            kind: f.kind,
+            request_id: f.request_id,
+            reason,
+        };
+        let Some(rx) = &self.shm else {
+            return Err(bad(
+                "expected an inline payload: this connection did not negotiate shared memory \
+                 (HELLO option SHM)"
+                    .to_owned(),
+            ));
+        };
+        let payload = SlotRef::decode(&f.payload)
+            .and_then(|r| rx.resolve(&r))
+            .map_err(bad)?;
+        f.payload = payload;
+        f.flags &= !flags::SHM;
+        Ok(Some(f))
     }
 
     /// Whether a frame has started but not completed.
@@ -70,6 +106,8 @@ pub(crate) struct FrameWriter {
     ends: VecDeque<(u64, u64)>,
     queued: u64,
     written: u64,
+    /// This side's shared-memory region, on a connection that negotiated one.
+    shm: Option<Arc<ShmTx>>,
 }
 
 impl FrameWriter {
@@ -80,7 +118,13 @@ impl FrameWriter {
             ends: VecDeque::new(),
             queued: 0,
             written: 0,
+            shm: None,
         }
+    }
+
+    /// Sends large payloads through this region from now on.
+    pub(crate) fn set_shm(&mut self, tx: Arc<ShmTx>) {
+        self.shm = Some(tx);
     }
 
     /// Queues `f` after the frames already queued.
@@ -91,7 +135,19 @@ impl FrameWriter {
         }
     }
 
-    pub(crate) fn push(&mut self, f: Frame) {
+    /// With a shared-memory region, a large payload is copied once into a free slot and the
+    /// frame carries the slot's reference; with every slot taken it goes inline (never lost,
+    /// never waiting here: a client waits for a slot before queueing, client.rs).
+    pub(crate) fn push(&mut self, mut f: Frame) {
+        if let Some(tx) = &self.shm {
+            let eligible = f.flags & (flags::CANCEL | flags::ERROR) == 0;
+            if eligible && tx.carries(f.payload.len()) {
+                if let Some(r) = tx.write(&f.payload) {
+                    f.payload = r.encode();
+                    f.flags |= flags::SHM;
+                }
+            }
+        }
         f.header().encode(&mut self.staging);
         self.queued += (HEADER_LEN + f.payload.len()) as u64;
         self.ends.push_back((f.request_id, self.queued));

@@ -5,7 +5,7 @@
 //! offset size field
 //!  0     4    magic            b"CLVW"
 //!  4     1    version          2
-//!  5     1    flags            bit 0 RESPONSE, bit 1 ERROR, bit 2 CANCEL; other bits 0
+//!  5     1    flags            bit 0 RESPONSE, bit 1 ERROR, bit 2 CANCEL, bit 3 SHM; other bits 0
 //!  6     2    kind             u16: 0x0000-0x00ff control, 0x0100- application
 //!  8     8    request_id       u64, chosen by the requester, echoed in the response
 //! 16     4    payload_len      u32, at most the receiver's frame limit
@@ -40,8 +40,11 @@ pub mod flags {
     /// The caller gave up on the earlier request with the same id on this connection. Only on
     /// a request frame, with an empty payload; nothing answers it.
     pub const CANCEL: u8 = 1 << 2;
+    /// The payload is a 24-byte slot reference into the sender's shared-memory region
+    /// (shm.rs); only on data connections that negotiated it in HELLO, never with CANCEL.
+    pub const SHM: u8 = 1 << 3;
     /// Every bit version 2 defines.
-    pub const KNOWN: u8 = RESPONSE | ERROR | CANCEL;
+    pub const KNOWN: u8 = RESPONSE | ERROR | CANCEL | SHM;
 }
 
 /// Frame kinds. Kinds below [`FIRST_APP`](kind::FIRST_APP) belong to this crate (connection
@@ -128,6 +131,7 @@ impl Header {
         if flags & !flags::KNOWN != 0
             || (flags & flags::ERROR != 0 && !response)
             || (flags & flags::CANCEL != 0 && response)
+            || (flags & flags::SHM != 0 && flags & (flags::CANCEL | flags::ERROR) != 0)
         {
             return Err(FrameError::BadFlags { flags, request_id });
         }
@@ -326,11 +330,34 @@ impl FrameDecoder {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FrameError {
     BadMagic([u8; 4]),
-    UnsupportedVersion { found: u8, request_id: u64 },
-    BadFlags { flags: u8, request_id: u64 },
-    BadReserved { value: u32, request_id: u64 },
-    TooLarge { len: u32, max: u32, request_id: u64 },
-    CancelWithPayload { len: u32, request_id: u64 },
+    UnsupportedVersion {
+        found: u8,
+        request_id: u64,
+    },
+    BadFlags {
+        flags: u8,
+        request_id: u64,
+    },
+    BadReserved {
+        value: u32,
+        request_id: u64,
+    },
+    TooLarge {
+        len: u32,
+        max: u32,
+        request_id: u64,
+    },
+    CancelWithPayload {
+        len: u32,
+        request_id: u64,
+    },
+    /// A shared-memory slot reference that does not name a payload the sender wrote (out of
+    /// range, beyond its slot, stale generation); concerns that one frame, the stream is intact.
+    BadSlotRef {
+        kind: u16,
+        request_id: u64,
+        reason: String,
+    },
 }
 
 impl FrameError {
@@ -339,6 +366,7 @@ impl FrameError {
         match self {
             FrameError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
             FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+            FrameError::BadSlotRef { .. } => ErrorCode::BadRequest,
             _ => ErrorCode::MalformedFrame,
         }
     }
@@ -351,8 +379,14 @@ impl FrameError {
             | FrameError::BadFlags { request_id, .. }
             | FrameError::BadReserved { request_id, .. }
             | FrameError::TooLarge { request_id, .. }
-            | FrameError::CancelWithPayload { request_id, .. } => request_id,
+            | FrameError::CancelWithPayload { request_id, .. }
+            | FrameError::BadSlotRef { request_id, .. } => request_id,
         }
+    }
+
+    /// Whether the stream can go on after this error (only one frame was bad).
+    pub fn is_per_frame(&self) -> bool {
+        matches!(self, FrameError::BadSlotRef { .. })
     }
 }
 
@@ -374,9 +408,11 @@ impl fmt::Display for FrameError {
             }
             FrameError::BadFlags { flags, .. } => write!(
                 f,
-                "bad frame flags {flags:#04x}: expected only RESPONSE (0x01), ERROR (0x02) and \
-                 CANCEL (0x04), ERROR only with RESPONSE, CANCEL only without it"
+                "bad frame flags {flags:#04x}: expected only RESPONSE (0x01), ERROR (0x02), \
+                 CANCEL (0x04) and SHM (0x08), ERROR only with RESPONSE, CANCEL only without \
+                 it, SHM without CANCEL or ERROR"
             ),
+            FrameError::BadSlotRef { reason, .. } => write!(f, "bad slot reference: {reason}"),
             FrameError::CancelWithPayload { len, .. } => write!(
                 f,
                 "bad CANCEL frame: expected an empty payload, got {len} bytes"
@@ -570,8 +606,11 @@ pub mod hello_options {
     /// Data connections only: the client grants response credits (kind CREDIT); the server
     /// sends a response only within them, and its HELLO reply names the connection's id.
     pub const CREDITS: u8 = 1 << 0;
+    /// Data connections over a Unix socket only: after the HELLO reply each side passes the
+    /// other a shared-memory region (SCM_RIGHTS) and large payloads travel as slot references.
+    pub const SHM: u8 = 1 << 1;
     /// Every bit this version defines.
-    pub const KNOWN: u8 = CREDITS;
+    pub const KNOWN: u8 = CREDITS | SHM;
 }
 
 /// HELLO payload: 4 bytes, class (0 data, 1 control), options (0 without credits), then two
@@ -613,8 +652,14 @@ pub fn decode_hello_with(payload: &[u8]) -> Result<(ConnClass, u8), String> {
     };
     if options & !hello_options::KNOWN != 0 {
         return Err(format!(
-            "HELLO options {options:#04x} unknown: expected only CREDITS (0x01)"
+            "HELLO options {options:#04x} unknown: expected only CREDITS (0x01) and SHM (0x02)"
         ));
+    }
+    if options & hello_options::SHM != 0 && class == ConnClass::Control {
+        return Err(
+            "HELLO option SHM applies to data connections only, got it on a control connection"
+                .to_owned(),
+        );
     }
     if options & hello_options::CREDITS != 0 && class == ConnClass::Control {
         return Err(

@@ -8,6 +8,8 @@
 //! * [`Client`]: pipelined calls to one peer over a few data connections and one control
 //!   connection, responses matched by request id.
 //!
+//! * [`shm`]: the shared-memory transport (`shm:/path`): memfd regions of bounded slots
+//!   passed over the Unix socket, large payloads sent as slot references.
 //! * [`queue`]: the order requests start in (FIFO, EDF), one file per policy.
 //! * [`health`]: the readiness schema every role serves.
 //! * [`log`]: the one log set-up of the executables (`tracing`, text or JSON lines).
@@ -30,6 +32,7 @@ pub mod priority;
 pub mod queue;
 mod serve_conn;
 mod server;
+pub mod shm;
 mod sockets;
 
 pub use addr::Address;
@@ -41,4 +44,5 @@ pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, Fr
 pub use io::IoThreads;
 pub use queue::QueuePolicy;
 pub use server::{unix_now_us, Handler, Request, Responder, Server, ServerConfig, ServerStats};
+pub use shm::ShmConfig;
 pub use sockets::mptcp_refused_by_kernel;

@@ -24,7 +24,7 @@ use crate::addr::Stream;
 use crate::balance::migration_target;
 use crate::conn::{FrameReader, FrameWriter};
 use crate::credit::{HeldReplies, Registration};
-use crate::frame::{kind, ConnClass, ErrorCode, Frame, VERSION};
+use crate::frame::{kind, ConnClass, ErrorCode, Frame, FrameError, VERSION};
 use crate::queue::Queued;
 use crate::server::{unix_now_us, wait_shutdown, Request, Responder, ServerStats, Shared, Token};
 use crate::sockets::Listed;
@@ -59,7 +59,9 @@ impl Queued for Waiting {
 /// shutdown; always after writing every reply it owes. Writes progress alongside reads: while
 /// the peer is slow to take replies, the loop still reads (unless back-pressure pauses it) and
 /// still notices timeouts and shutdown.
-/// `thread`: the data I/O thread it runs on (`None` on the control thread).
+/// `thread`: the data I/O thread it runs on (`None` on the control thread); `shm`: the
+/// regions of a shared-memory data connection.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve_connection(
     stream: Stream,
     shared: Arc<Shared>,
@@ -68,6 +70,7 @@ pub(crate) async fn serve_connection(
     credit: Option<Registration>,
     thread: Option<usize>,
     token: Token,
+    shm: Option<crate::shm::ShmLink>,
 ) {
     let cfg = &shared.config;
     let (tx, rx) = mpsc::unbounded_channel::<Frame>();
@@ -76,6 +79,12 @@ pub(crate) async fn serve_connection(
         ConnClass::Data => shared.sockets.list(conn_id, &stream),
         ConnClass::Control => None,
     };
+    let mut reader = FrameReader::new(cfg.max_payload);
+    let mut writer = FrameWriter::new();
+    if let Some(l) = shm {
+        reader.set_shm(l.rx);
+        writer.set_shm(l.tx);
+    }
     let state = ConnState {
         conn_id,
         class,
@@ -83,8 +92,8 @@ pub(crate) async fn serve_connection(
         credit,
         tx,
         rx,
-        reader: FrameReader::new(cfg.max_payload),
-        writer: FrameWriter::new(),
+        reader,
+        writer,
         shutdown: shared.shutdown.clone(),
         owed: 0,
         reading: true,
@@ -280,6 +289,18 @@ async fn drive(mut stream: Stream, shared: Arc<Shared>, state: ConnState) {
                             }
                         }
                         Ok(None) => break,
+                        Err(FrameError::BadSlotRef {
+                            kind: k,
+                            request_id,
+                            reason,
+                        }) => {
+                            // One bad slot reference: answer that request, read on.
+                            completed = true;
+                            owed += 1;
+                            let msg = format!("bad slot reference: {reason}");
+                            let _ =
+                                tx.send(Frame::error(k, request_id, ErrorCode::BadRequest, &msg));
+                        }
                         Err(e) => {
                             // The stream cannot be resynchronised: say why and close.
                             owed += 1;

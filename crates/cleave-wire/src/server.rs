@@ -42,6 +42,8 @@ pub struct ServerConfig {
     /// When data connections move between I/O threads (docs/serving.md, "I/O threads");
     /// `None`: they stay where they were accepted.
     pub balance: Option<BalanceConfig>,
+    /// The region each shared-memory data connection sends its replies through.
+    pub shm: crate::shm::ShmConfig,
 }
 
 impl Default for ServerConfig {
@@ -55,6 +57,7 @@ impl Default for ServerConfig {
             drain_timeout: Duration::from_secs(30),
             queue: QueuePolicy::default(),
             balance: Some(BalanceConfig::default()),
+            shm: crate::shm::ShmConfig::default(),
         }
     }
 }
@@ -506,6 +509,15 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
         }
         Hello::Gone => return,
     };
+    // Shared memory needs a Unix socket to pass the regions over.
+    let wants_shm = options & hello_options::SHM != 0;
+    if wants_shm && !matches!(stream, Stream::Unix(_)) {
+        let msg = "HELLO option SHM needs a Unix socket (address shm:/path), got a TCP connection";
+        let f = Frame::error(kind::HELLO, 0, ErrorCode::Handshake, msg);
+        let _ = stream.write_all(&f.to_bytes()).await;
+        let _ = stream.shutdown().await;
+        return;
+    }
     let conn_id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     // With credits, the reply also names the connection, for the client's CREDIT frames; it
     // is registered first, so that a CREDIT sent as soon as the reply arrives finds it.
@@ -518,12 +530,31 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
     if stream.write_all(&reply.to_bytes()).await.is_err() {
         return;
     }
+    // The client passes its region once the reply authenticated nothing more is needed (its
+    // HELLO proved the secret), then this side answers with its own.
+    let link = match (&stream, wants_shm) {
+        (Stream::Unix(u), true) => {
+            let exchange = crate::shm::exchange(u, cfg.shm, false);
+            match tokio::time::timeout(cfg.frame_timeout, exchange).await {
+                Ok(Ok(link)) => Some(link),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "shared-memory set-up failed; closing");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!("no shared-memory region from the client in time; closing");
+                    return;
+                }
+            }
+        }
+        _ => None,
+    };
     match class {
         // Control connections stay on this (control) thread, away from bulk data, and their
         // replies go in the network's priority class.
         ConnClass::Control => {
             stream.mark_control();
-            serve_connection(stream, shared, conn_id, class, credit, None, token).await
+            serve_connection(stream, shared, conn_id, class, credit, None, token, None).await
         }
         ConnClass::Data => {
             let Ok(std_stream) = stream.into_std() else {
@@ -534,7 +565,7 @@ async fn handshake(mut stream: Stream, shared: Arc<Shared>, token: Token) {
             io.spawn_on(thread, async move {
                 if let Ok(stream) = Stream::from_std(std_stream) {
                     let t = Some(thread);
-                    serve_connection(stream, shared, conn_id, class, credit, t, token).await;
+                    serve_connection(stream, shared, conn_id, class, credit, t, token, link).await;
                 }
             });
         }

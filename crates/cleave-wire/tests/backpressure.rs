@@ -135,3 +135,13 @@ fn the_server_reads_on_while_a_peer_is_slow_to_take_replies() {
     drop(s);
     assert!(server.join(), "the server did not drain");
 }
+
+/// The same burst over shared memory: requests and responses travel as slot references,
+/// and slots free as each side drops what it read.
+#[test]
+fn a_burst_of_large_frames_both_ways_does_not_deadlock_shm() {
+    let dir = std::env::temp_dir().join(format!("cleave-wire-bp-shm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    burst(&Address::Shm(dir.join("s.sock")), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

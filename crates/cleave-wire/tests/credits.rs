@@ -214,10 +214,10 @@ fn malformed_credits_get_error_frames_and_the_connection_goes_on() {
     assert_eq!(b.code, ErrorCode::Handshake);
     assert!(b.message.contains("data connections only"), "{}", b.message);
     // Option bits this version does not define are refused, not ignored.
-    let (_c, reply) = connect(&a, encode_hello_with(ConnClass::Data, 0x02));
+    let (_c, reply) = connect(&a, encode_hello_with(ConnClass::Data, 0x04));
     let b = ErrorBody::decode(&reply.payload);
     assert_eq!(b.code, ErrorCode::Handshake);
-    assert!(b.message.contains("options 0x02 unknown"), "{}", b.message);
+    assert!(b.message.contains("options 0x04 unknown"), "{}", b.message);
 }
 
 #[test]

@@ -124,3 +124,59 @@ proptest! {
         prop_assert!(cut < HEADER_LEN + frame.payload.len());
     }
 }
+
+mod slot_refs {
+    //! The slot-reference codec and resolver against random bytes and random references:
+    //! never a panic, a reference resolves only to the exact slot, length and generation the
+    //! sender wrote, and anything else is an error naming what was expected.
+
+    use cleave_wire::shm::{Region, ShmConfig, ShmRx, ShmTx, SlotRef, SLOT_REF_LEN};
+    use proptest::prelude::*;
+
+    fn pair() -> (ShmTx, ShmRx) {
+        let tx = ShmTx::new(ShmConfig {
+            slots: 4,
+            slot_bytes: 4096,
+        })
+        .unwrap();
+        let fd = tx.region().fd().try_clone().unwrap();
+        (tx, ShmRx::new(Region::open(fd).unwrap()))
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic_the_codec(bytes in proptest::collection::vec(any::<u8>(), 0..40)) {
+            match SlotRef::decode(&bytes) {
+                Ok(r) => {
+                    prop_assert_eq!(bytes.len(), SLOT_REF_LEN);
+                    prop_assert_eq!(&r.encode()[..], &bytes[..]);
+                }
+                Err(e) => prop_assert!(e.contains("slot reference"), "{}", e),
+            }
+        }
+
+        #[test]
+        fn only_the_written_reference_resolves(
+            index in 0u32..8, offset in 0u32..5000, len in 0u32..5000, gen_delta in 0u64..3,
+            written in 1usize..4096,
+        ) {
+            let (tx, rx) = pair();
+            let good = tx.write(&vec![9u8; written]).unwrap();
+            let r = SlotRef { index, offset, len, generation: good.generation + gen_delta };
+            let exact = index == good.index && offset == 0 && len as usize == written
+                && gen_delta == 0;
+            match rx.resolve(&r) {
+                Ok(b) => {
+                    // In range and current: resolves (a sub-range of the slot is allowed).
+                    prop_assert!(index == good.index && gen_delta == 0);
+                    prop_assert!(offset + len <= 4096);
+                    prop_assert_eq!(b.len(), len as usize);
+                }
+                Err(e) => {
+                    prop_assert!(!exact, "{}", e);
+                    prop_assert!(e.contains("expected"), "{}", e);
+                }
+            }
+        }
+    }
+}

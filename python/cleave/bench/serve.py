@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tritonclient sends) or grpc (raw tensors); several, comma-separated, measure each in "
         "the same run on its own deployment, with ratios against the first",
     )
+    parser.add_argument(
+        "--transport",
+        metavar="T[,T...]",
+        help="internal sockets of the deployments started here: unix, shm, tcp or mptcp; several, "
+        "comma-separated, measure each in the same run on its own deployment, with the "
+        "`transfer` stage and the router's CPU per request as ratios against the first "
+        "(default: cleave serve's)",
+    )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf skew of ids")
     parser.add_argument("--requests", type=int, default=64, help="distinct request bodies")
     parser.add_argument("--single", type=int, default=200, help="single-request samples")
@@ -280,6 +288,74 @@ def _protocol_ratios(protocols: list[str], monolithic: bool) -> list[Ratio]:
     return declared
 
 
+def _transport_ratios(transports: list[str], monolithic: bool) -> list[Ratio]:
+    """Each further transport against the first (docs/benchmarks.md, "Pass-by-reference")."""
+    first, *others = transports or ["unix"]
+    base = "monolithic" if monolithic else "disaggregated"
+    declared = []
+    for transport in others:
+        key, other = f"{transport}_over_{first}", f"{base}/{transport}"
+        declared += [
+            Ratio(f"transfer_ms_{key}", other, base, _at_common_rates(_transfer_ms)),
+            Ratio(f"router_cpu_ms_{key}", other, base, _at_common_rates(_router_cpu_ms)),
+            Ratio(f"single_p50_{key}", other, base, ratio_of(single_p50)),
+            Ratio(f"max_rate_{key}", other, base, ratio_of(max_rate)),
+        ]
+    return declared
+
+
+def _transfer_ms(point: dict) -> float | None:
+    """The router's `transfer` stage of one probe (the ranker's round trip less its queue and
+    compute), ms."""
+    us = point.get("metrics", {}).get("stages_us", {}).get("transfer_us")
+    return us / 1e3 if us is not None else None
+
+
+def _router_cpu_ms(point: dict) -> float | None:
+    """The routers' CPU per request answered in one probe, ms: every router process's CPU
+    time (its send path included) over the requests."""
+    by_role = point.get("cpu_ms_by_role", {})
+    routers = [v for role, v in by_role.items() if role.startswith("router")]
+    return sum(routers) if routers else None
+
+
+def _at_common_rates(metric):
+    """The ratio of a probe metric's means over the rates both deployments served within
+    budget (every common rate when none was): the same offered load on both sides."""
+
+    def value(of: dict, to: dict) -> float:
+        def by_rate(d: dict, good: bool) -> dict:
+            return {
+                p["rate"]: metric(p)
+                for p in d["rates"]
+                if (p["within_budget"] or not good) and metric(p) is not None
+            }
+
+        a, b = by_rate(of, True), by_rate(to, True)
+        if not set(a) & set(b):
+            a, b = by_rate(of, False), by_rate(to, False)
+        common = sorted(set(a) & set(b))
+        if not common:
+            return float("nan")
+        return ratio(sum(a[r] for r in common), sum(b[r] for r in common))
+
+    return value
+
+
+def transport_summary(deployments: dict) -> dict:
+    """Per deployment: its mean `transfer` stage and routers' CPU per request, ms, over its
+    probes within budget (every probe when none was)."""
+    out = {}
+    for name, d in deployments.items():
+        points = [p for p in d["rates"] if p["within_budget"]] or d["rates"]
+        row = {}
+        for key, metric in (("transfer_ms", _transfer_ms), ("router_cpu_ms", _router_cpu_ms)):
+            values = [v for v in map(metric, points) if v is not None]
+            row[key] = sum(values) / len(values) if values else None
+        out[name] = row
+    return out
+
+
 def _codec_ratio(protocol: str, first: str):
     return lambda of, to: ratio(codec_cpu_us(of, protocol), codec_cpu_us(to, first))
 
@@ -288,6 +364,8 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
     """The deployments to measure, by name, in order."""
     first, *others = args.protocols
     started_here = not (args.url or args.plan or args.shard_hosts)
+    if not started_here and args.transports:
+        raise UsageError("--transport: only for deployments this command starts")
     if not started_here and ("grpc" in args.protocols or others):
         raise UsageError(
             "--protocol grpc or several protocols: only for deployments this "
@@ -325,6 +403,7 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
             [*serve_flags(args, "disaggregated", first), "--no-shared-batching"],
             protocol=first,
         )
+    _transport_targets(args, targets, names, listen)
     # The float32 twin for the ratio; an overload or soak measures the one deployment asked for.
     stress = args.overload or args.soak is not None
     if workload.float32_dir is not None and not args.monolithic and not stress:
@@ -336,6 +415,21 @@ def _targets(args, workload: Workload, result: dict) -> dict[str, Target]:
             protocol=first,
         )
     return targets
+
+
+def _transport_targets(args, targets: dict[str, Target], names: list[str], listen: str) -> None:
+    """--transport: the main deployments use the first; each further one gets a deployment of
+    its own per mode, `MODE/TRANSPORT`, on the same bundle and flags."""
+    if not args.transports:
+        return
+    first, *others = args.transports
+    for name in names:
+        targets[name].flags += ["--transport", first]
+        for transport in others:
+            flags = [*serve_flags(args, name, listen), "--transport", transport]
+            targets[f"{name}/{transport}"] = Target(
+                targets[name].bundle, flags, protocol=args.protocols[0]
+            )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -372,9 +466,40 @@ def _check_args(args: argparse.Namespace) -> None:
 
         vegeta.binary()  # before anything starts
     args.protocols = parse_protocols(args.protocol)
+    args.transports = _parse_transports(args.transport)
+    if len(args.transports) > 1 and len(args.protocols) > 1:
+        raise UsageError("several --transport and several --protocol: give one of them a list")
     if len(args.protocols) > 1 and (args.overload or args.soak):
         raise UsageError("--overload and --soak measure one deployment: give one --protocol")
     vars(args).update(hosts.deployment_settings(args))
+
+
+def _print_transports(result: dict) -> None:
+    rows = result.get("by_transport")
+    if not rows:
+        return
+    print(f"{'deployment':<28} {'transfer ms':>12} {'router CPU ms/req':>18}")
+    for name, row in rows.items():
+        cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in row]
+        print(f"{name:<28} {cells[0]:>12} {cells[1]:>18}")
+    for key, value in result.get("ratios", {}).items():
+        if key.startswith(("transfer_ms_", "router_cpu_ms_")):
+            print(f"{key}: {value:.3f}")
+
+
+def _parse_transports(text: str | None) -> list[str]:
+    from cleave.settings.choices import TRANSPORTS
+
+    if not text:
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRANSPORTS.names]
+    if bad or not names or len(set(names)) != len(names):
+        raise UsageError(
+            f"--transport: expected distinct names among {', '.join(TRANSPORTS.names)} "
+            f"separated by commas, got {text!r}"
+        )
+    return names
 
 
 def _stress(targets: dict, workload: Workload, result: dict, args, log) -> int:
@@ -452,10 +577,18 @@ def run(args: argparse.Namespace) -> int:
         for target in targets.values():
             target.stop()
     deps = result["deployments"]
-    declared = [*RATIOS, *_protocol_ratios(args.protocols, args.monolithic), *hosts.INCAST_RATIOS]
+    declared = [
+        *RATIOS,
+        *_protocol_ratios(args.protocols, args.monolithic),
+        *_transport_ratios(args.transports, args.monolithic),
+        *hosts.INCAST_RATIOS,
+    ]
     ratios = same_run_ratios(deps, declared)
     if ratios:
         result["ratios"] = ratios
+    if len(args.transports) > 1:
+        result["transports"] = args.transports
+        result["by_transport"] = transport_summary(deps)
     if workload.float32_dir is not None:
         served = targets["disaggregated"].dense_dtype if "disaggregated" in targets else None
         result["dense_dtype_served"] = served or workload.bundle.dense_dtype
@@ -477,6 +610,7 @@ def run(args: argparse.Namespace) -> int:
     if workload.roofline:
         print_roofline(workload.roofline)
     hosts.print_stages(result)
+    _print_transports(result)
     if args.shard_hosts:
         hosts.print_hosts(result)
     write_outputs(result, args, plot_hosts if args.shard_hosts else plot_results, log)

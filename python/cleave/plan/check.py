@@ -11,6 +11,7 @@ import re
 from cleave.errors import UsageError
 from cleave.plan.schema import Host, Plan
 from cleave.settings import ServeConfig, choice_problems
+from cleave.settings.addresses import LOCAL_TRANSPORTS
 
 # A shard's own memory beside the rows it maps (process, runtime, lookup buffers).
 SHARD_MARGIN_BYTES = 64 << 20
@@ -59,9 +60,9 @@ def check_plan(plan: Plan, manifest: dict) -> list[str]:
         _ranges(plan, tables, errors, warnings)
     _resources(plan, manifest, errors, warnings)
     hosts_used = sorted({role.host for _, role in plan.roles()})
-    if plan.transport == "unix" and len(hosts_used) > 1:
+    if plan.transport in LOCAL_TRANSPORTS and len(hosts_used) > 1:
         errors.append(
-            f"transport: 'unix' needs every role on one host, got roles on "
+            f"transport: {plan.transport!r} needs every role on one host, got roles on "
             f"{', '.join(hosts_used)}; use 'tcp'"
         )
     where = plan.where()

@@ -15,6 +15,7 @@ from cleave.plan.placement import Request, place
 from cleave.plan.schema import Host, Plan, Ranker, Router, Shard, Supervision
 from cleave.plan.topology import Topology
 from cleave.settings import ServeConfig
+from cleave.settings.addresses import LOCAL_TRANSPORTS
 from cleave.settings.router_json import deployment_mode
 
 # Logical ports, per host: role i of its kind on a host gets BASE + i; its metrics port is
@@ -199,7 +200,10 @@ def make_plan(
     return Plan(
         **_common(bundle, config),
         mode=deployment_mode(config),
-        transport="tcp" if config.transport == "unix" and len(used) > 1 else config.transport,
+        # Socket paths need every role on one host; over several, the roles talk TCP.
+        transport="tcp"
+        if config.transport in LOCAL_TRANSPORTS and len(used) > 1
+        else config.transport,
         hosts=list(hosts),
         shards=plan_shards,
         rankers=plan_rankers,

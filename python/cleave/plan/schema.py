@@ -123,7 +123,8 @@ class Plan:
     # every table, no shards.
     mode: str = required("how the model is split across processes", MODES)
     transport: str = required(
-        "internal sockets (unix: every role on one host; mptcp: TCP over every NIC)", TRANSPORTS
+        "internal sockets (unix, shm: every role on one host; mptcp: TCP over every NIC)",
+        TRANSPORTS,
     )
     hosts: list[Host]
     shards: list[Shard]

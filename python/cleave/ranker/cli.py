@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.errors import UsageError
 from cleave.settings import IncastConfig, RankerConfig, choice_list, default, doc
-from cleave.settings.choices import listen_host
+from cleave.settings.addresses import listen_host
 
 
 def _flag(cls: type, name: str, more: str = "") -> dict:
@@ -28,7 +28,9 @@ def _flag(cls: type, name: str, more: str = "") -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, help="bundle directory")
-    parser.add_argument("--listen", required=True, help="host:port, mptcp:host:port or unix:/path")
+    parser.add_argument(
+        "--listen", required=True, help="host:port, mptcp:host:port, unix:/path or shm:/path"
+    )
     parser.add_argument("--device", **_flag(RankerConfig, "device"))
     parser.add_argument("--dense-dtype", **_flag(RankerConfig, "dense_dtype"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -8,8 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cleave.runners.roles import Binding, listen_address
+from cleave.runners.roles import Binding
 from cleave.runners.supervised import SupervisedRunner
+from cleave.settings.addresses import LOCAL_TRANSPORTS, listen_address, path_address
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -57,7 +58,7 @@ class LocalBinding(Binding):
         logical = max(Counter(_ports(plan)).values(), default=1) == 1
         self.ports: dict[tuple[str, str], int] = {}
         for role in [*plan.shards, *plan.rankers]:
-            if self.transport != "unix":
+            if self.transport not in LOCAL_TRANSPORTS:
                 self.ports[(role.name, "port")] = role.port if logical else 0
             self.ports[(role.name, "metrics")] = role.metrics_port if logical else 0
         if plan.incast_control:
@@ -68,8 +69,8 @@ class LocalBinding(Binding):
             self.ports[(router.name, "http")] = router.http_port
 
     def listen(self, role: Shard | Ranker) -> str:
-        if self.transport == "unix":
-            return f"unix:{self.runtime / role.name}.sock"
+        if self.transport in LOCAL_TRANSPORTS:
+            return path_address(self.transport, self.runtime / f"{role.name}.sock")
         return listen_address(self.transport, LOOPBACK, self.ports[(role.name, "port")])
 
     def metrics_port(self, role: Shard | Ranker) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from cleave.launch.supervisor import ChildSpec, find_executable, python_argv
 from cleave.settings import IncastConfig, RankerConfig, ServeConfig, ShardConfig, flags
-from cleave.settings.choices import listen_host
+from cleave.settings.addresses import listen_host, socket_path
 
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
@@ -22,8 +22,8 @@ class Binding:
     there); a restarted role comes back on the ports it had."""
 
     def listen(self, role: Shard | Ranker) -> str:
-        """The role's --listen address: `HOST:PORT` (port 0: it binds one), `mptcp:HOST:PORT`
-        or `unix:PATH`."""
+        """The role's --listen address (cleave.settings.addresses): `HOST:PORT` (port 0: it
+        binds one), `mptcp:HOST:PORT`, `unix:PATH` or `shm:PATH`."""
         raise NotImplementedError
 
     def metrics_port(self, role: Shard | Ranker) -> int:
@@ -43,11 +43,6 @@ class Binding:
     def wrap(self, role: Shard | Ranker | Router, argv: list[str]) -> list[str]:
         """The command that runs `argv` where the role's host is (a namespace, say)."""
         return argv
-
-
-def listen_address(transport: str, host: str, port: int) -> str:
-    """A TCP role's --listen address under `transport` (tcp or mptcp)."""
-    return f"{'mptcp:' if transport == 'mptcp' else ''}{host}:{port}"
 
 
 def _url_host(host: str) -> str:
@@ -105,9 +100,9 @@ def activation_bytes(rankers: list[ChildSpec]) -> int:
 
 
 def _before_start(address: str):
-    if not address.startswith("unix:"):
+    path = socket_path(address)
+    if path is None:
         return None
-    path = Path(address.removeprefix("unix:"))
     return lambda: path.unlink(missing_ok=True)  # a killed child leaves its socket
 
 

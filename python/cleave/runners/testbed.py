@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleave.errors import UsageError
-from cleave.runners.roles import Binding, listen_address
+from cleave.runners.roles import Binding
 from cleave.runners.supervised import SupervisedRunner
+from cleave.settings.addresses import LOCAL_TRANSPORTS, listen_address
 from cleave.testbed import Testbed
 from cleave.testbed.commands import require_privileges
 
@@ -94,12 +95,14 @@ class TestbedRunner(SupervisedRunner):
         self.testbed: Testbed | None = None
 
     def bind(self, plan: Plan, plan_dir: Path) -> Binding:
-        if plan.transport == "unix":
+        if plan.transport in LOCAL_TRANSPORTS:
             # A role on a Unix socket serves its probes on its namespace's loopback, which
-            # the launcher (in the root namespace) cannot reach to learn it is ready.
+            # the launcher (in the root namespace) cannot reach to learn it is ready; and
+            # shared memory needs the roles on one host, which testbed hosts are not.
             raise UsageError(
-                "transport: 'unix' cannot run on the testbed (roles are probed over their "
-                "host's address); expected transport: tcp or mptcp"
+                f"transport: {plan.transport!r} cannot run on the testbed (its roles are not "
+                "co-located: each testbed host is a namespace of its own); expected transport: "
+                "tcp or mptcp"
             )
         require_privileges()  # a clear UsageError before anything is made
         testbed = Testbed(

@@ -55,19 +55,14 @@ INCAST_ORDERS = Choices(("fifo", "edf"), {"fcfs": "fifo"})
 # The router's admission rule (crates/cleave-router/src/admission/): an adaptive limit on the
 # work in flight to the backends, or the latency estimate against the budget (the old rule).
 ADMISSION_RULES = Choices(("adaptive", "estimate"))
-# Internal sockets: Unix sockets (every role on one host) or TCP.
-# mptcp: TCP addresses over Multipath TCP sockets (docs/protocol.md, "Multipath TCP").
-TRANSPORTS = Choices(("unix", "tcp", "mptcp"))
+# Internal sockets: Unix sockets (every role on one host), shared memory (Unix sockets for the
+# headers, payloads passed by reference through memfd regions: docs/protocol.md,
+# "Shared-memory transport"; every role on one host), TCP, or mptcp: TCP addresses over
+# Multipath TCP sockets (docs/protocol.md, "Multipath TCP"). Their address forms:
+# cleave.settings.addresses.
+TRANSPORTS = Choices(("unix", "shm", "tcp", "mptcp"))
 # The router's embedding cache (docs/cache.md).
 CACHE_MODES = Choices(("off", "fixed", "adaptive"))
-
-
-def listen_host(listen: str) -> str:
-    """The host of a --listen address of any transport (loopback for a Unix socket), without
-    brackets."""
-    if listen.startswith("unix:"):
-        return "127.0.0.1"
-    return listen.removeprefix("mptcp:").rsplit(":", 1)[0].strip("[]")
 
 
 DEVICES = Choices(("auto", "cpu", "cuda"))

@@ -269,8 +269,14 @@ class ServeConfig:
     router_held: bool = setting(
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
+    # shm by default: measured faster than plain Unix sockets end to end on one host
+    # (docs/benchmarks.md, "Pass-by-reference between co-located roles"); a plan over several
+    # hosts falls back to tcp (plan/planner.py).
     transport: str = setting(
-        "unix", "internal sockets: Unix (co-located), TCP or MPTCP (TCP over every NIC)", TRANSPORTS
+        "shm",
+        "internal sockets: shm (co-located, payloads by reference), Unix (co-located), TCP or "
+        "MPTCP (TCP over every NIC)",
+        TRANSPORTS,
     )
     fail_stop: bool = setting(False, "a child that dies stops the deployment (default: restart it)")
     table_memory_budget: int = setting(

@@ -1,0 +1,145 @@
+"""`transport: shm` end to end (docs/protocol.md, "Shared-memory transport"): the `dlrm`
+reference model served by `cleave serve` (1 shard, 2 rankers) on Unix sockets, TCP and shared
+memory, one after the other, answers the same requests with the same scores bit for bit (the
+RANK payloads of 64 and 256 candidates and the shard replies travel through slots on shm);
+and on shm a ranker killed under load costs at most 503s, never a hang: every request is
+answered within its budget and the deployment goes on serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cleave.bench.loadgen import outputs_of
+from cleave.launch.process import ServeProcess
+from support.client import post
+from support.served import Served, infer_url, under_load
+
+pytestmark = [
+    pytest.mark.slow,  # three deployments, one ranker killed under load
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
+
+BATCHES = (1, 64, 256)  # 64 and 256 candidates: RANK payloads well above the inline limit
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Served:
+    return Served("dlrm", tmp_path_factory.mktemp("shm"))
+
+
+@pytest.fixture(scope="module")
+def requests(served):
+    return [served.request(b) for b in BATCHES]
+
+
+def serve(served: Served, transport: str) -> ServeProcess:
+    flags = ["--shards", "1", "--rankers", "2", "--threads", "1", "--transport", transport]
+    return ServeProcess(served.dir, *flags)
+
+
+def scores(server: ServeProcess, served: Served, requests) -> list[list[np.ndarray]]:
+    out = []
+    for body, _ in requests:
+        status, reply = post(infer_url(server, served), body)
+        assert status == 200, reply
+        out.append(outputs_of(reply))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shm_server(served):
+    with serve(served, "shm") as s:
+        yield s
+
+
+def test_scores_are_equal_bit_for_bit_on_unix_tcp_and_shm(shm_server, served, requests):
+    got = {"shm": scores(shm_server, served, requests)}
+    assert any("shm:" in line for line in shm_server.log), "the roles listen on shm: addresses"
+    for transport in ("unix", "tcp"):
+        with serve(served, transport) as s:
+            got[transport] = scores(s, served, requests)
+    for transport in ("unix", "tcp"):
+        for a, b in zip(got["shm"], got[transport], strict=True):
+            assert [x.tobytes() for x in a] == [y.tobytes() for y in b], transport
+    # And they are the model's scores.
+    for outputs, (_, want) in zip(got["shm"], requests, strict=True):
+        for g, w in zip(outputs, want, strict=True):
+            assert np.abs(g - w).max() <= 1e-5
+
+
+def ranker_pid(server: ServeProcess) -> int:
+    """A ranker of this deployment: the process listening on `shm:…/ranker-0.sock` whose
+    parent chain leads to the launcher."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if any(a.startswith("shm:") and a.endswith("/ranker-0.sock") for a in args):
+            if _descends(int(entry.name), server.proc.pid):
+                return int(entry.name)
+    raise AssertionError("no ranker-0 on an shm: address under this deployment")
+
+
+def _descends(pid: int, root: int) -> bool:
+    for _ in range(16):  # a launcher's roles are a few levels down at most
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def test_a_ranker_killed_under_load_on_shm_costs_retries_or_503s_never_a_hang(shm_server, served):
+    pid = ranker_pid(shm_server)
+    results = under_load(shm_server, served, lambda: os.kill(pid, signal.SIGKILL))
+    statuses = {status for _, _, status, _, _ in results}
+    # Retried on the other ranker (200) or refused within the budget (503); never a 502
+    # (a role failed the router) and never a client timeout (status 0 or 504 from a hang).
+    assert statuses <= {200, 503}, statuses
+    assert 200 in statuses
+
+
+def test_a_shm_frame_server_hands_python_the_slot_in_place_and_a_full_ring_goes_inline(tmp_path):
+    # On shm the payload reaches Python without a copy: a read-only numpy array over the slot
+    # (the ranker decodes its tensors from it); on a Unix socket `bytes`, as before. Holding
+    # more payloads than the ring has slots never blocks the sender: the rest go inline.
+    import threading
+
+    from cleave._native import FrameClient, FrameServer
+
+    payload = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    for transport, expected in (("shm", np.ndarray), ("unix", bytes)):
+        server = FrameServer(f"{transport}:{tmp_path / transport}.sock")
+        held = []
+
+        def answer(server=server, held=held):
+            while len(held) < 20:
+                for conn, request_id, kind, got, _, _ in server.recv(64, 5.0):
+                    held.append(got)
+                    server.reply(conn, request_id, kind, b"ok")
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        try:
+            client = FrameClient(server.address, 5.0, 1)
+            for _ in range(20):  # 20 held by the server, beyond the 16 slots of its ring
+                assert client.call(0x0101, payload) == b"ok"
+        finally:
+            thread.join(10)
+            server.close()
+        assert all(isinstance(p, expected) for p in held), transport
+        assert all(bytes(memoryview(p)) == payload for p in held), transport
+        if transport == "shm":
+            assert not held[0].flags.writeable
