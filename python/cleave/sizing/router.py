@@ -140,6 +140,10 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         for _ in range(WARM_UP):
             _send(conn, path, body)
         router = role_pid(server.proc.pid, "router")
+        # The ranker's CPU too: its whole process's per request (decoding, the dense
+        # program, encoding), which `cleave size` sets against the dense program's own time.
+        ranker = role_pid(server.proc.pid, "ranker-0")
+        ranker_before = cpu_ns(ranker) if ranker else 0
         before, start, latencies = cpu_ns(router), time.perf_counter(), []
         while (time.perf_counter() - start < seconds or len(latencies) < MIN_REQUESTS) and len(
             latencies
@@ -148,6 +152,7 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
             _send(conn, path, body)
             latencies.append(time.perf_counter() - t0)
         cpu = (cpu_ns(router) - before) / 1e9
+        ranker_cpu = (cpu_ns(ranker) - ranker_before) / 1e9 if ranker else None
         conn.close()
     finally:
         server.stop()
@@ -156,6 +161,11 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         "p50_ms": round(float(np.median(latencies)) * 1e3, 3),
         "requests": len(latencies),
         "request_bytes": len(body),
+        **(
+            {"ranker_cpu_us_per_request": round(ranker_cpu / len(latencies) * 1e6, 1)}
+            if ranker_cpu is not None
+            else {}
+        ),
     }
 
 
