@@ -89,6 +89,7 @@ def _profile(model: str, root: Path, quick: bool) -> tuple[Path, Path]:
         cleave.partition(net, example).save(bundle)
     path = root / f"{model}-profile.json"
     if not path.exists():
+        # Quick only with --quick: 7 runs a batch size (3 are noisy on a loaded machine).
         profile = measure(bundle, CANDIDATES, 1.0, 1.05, [1], quick=quick)
         path.write_text(json.dumps(profile, indent=1) + "\n")
     return bundle, path

@@ -95,7 +95,9 @@ def check_testbed(kinds: list[MachineKind], source: str) -> None:
         if k.nic_gbit > 100:
             problems.append(f"kind {k.kind!r}: nic_gbit {k.nic_gbit:g}: htb shapes at most 100")
     if problems:
-        raise UsageError(f"{source}: testbed: true, but the testbed cannot emulate: " + "; ".join(problems))
+        raise UsageError(
+            f"{source}: testbed: true, but the testbed cannot emulate: " + "; ".join(problems)
+        )
 
 
 def parse_catalog(data, source: str = "catalog") -> list[MachineKind]:

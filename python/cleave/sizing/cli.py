@@ -39,9 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve PLAN (written by cleave size with a testbed catalog) on the testbed and "
         "compare its measured max rate and p99 with the predicted ones (docs/sizing.md)",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="with --validate: short steps (tests)"
-    )
+    parser.add_argument("--quick", action="store_true", help="with --validate: short steps (tests)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,9 +112,8 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
     from cleave.plan.files import save_plan
     from cleave.plan.planner import make_plan
     from cleave.plan.schema import Host
-    from cleave.settings import ServeConfig
-
     from cleave.runners.testbed import CPU_LABEL, LINK_LABEL
+    from cleave.settings import ServeConfig
     from cleave.sizing.catalog import testbed_cores
 
     pools = {p.name: p for p in mix.pools}
@@ -175,8 +172,10 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
         **{k: result.get("traffic", {}).get(k) for k in ("ids_per_candidate", "alpha")},
         "catalog": result.get("catalog", {}).get("path"),
         "testbed": result.get("catalog", {}).get("testbed", False),
-        "pools": {p["pool"]: {k: p[k] for k in ("kind", "hosts", "service_ms", "p99_ms")}
-                  for p in chosen["pools"]},
+        "pools": {
+            p["pool"]: {k: p[k] for k in ("kind", "hosts", "service_ms", "p99_ms")}
+            for p in chosen["pools"]
+        },
     }
     lines.append(SIZING_PREFIX + json.dumps(sizing, separators=(",", ":")))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,9 @@ def read_sizing(path: Path) -> dict:
             try:
                 sizing = json.loads(text[len(SIZING_PREFIX) :])
             except json.JSONDecodeError as err:
-                raise UsageError(f"--validate {path}: its `sizing:` header line is broken: {err}")
+                raise UsageError(
+                    f"--validate {path}: its `sizing:` header line is broken: {err}"
+                ) from None
             break
     else:
         raise UsageError(

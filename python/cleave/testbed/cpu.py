@@ -133,4 +133,3 @@ def _evict(path: Path) -> None:
         for pid in (path / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):
                 parent.write_text(pid)
-
