@@ -16,14 +16,17 @@ import numpy as np
 
 from cleave.errors import UsageError
 
-STEP_S, QUICK_STEP_S = 6.0, 1.0  # seconds of load per rate step
-SIZED_S, QUICK_SIZED_S = 10.0, 1.5  # at the sized rate: more samples for its p99
+# Seconds of load per rate step: enough for STEP_SAMPLES requests (a p99 of fewer is its
+# maximum), within these bounds; at the sized rate more, for its p99.
+STEP_S, MAX_STEP_S, STEP_SAMPLES = 6.0, 15.0, 120
+SIZED_S, MAX_SIZED_S, SIZED_SAMPLES = 10.0, 30.0, 200
+QUICK_STEP_S, QUICK_SIZED_S = 1.0, 1.5
 FIRST_STEP = 0.5  # of the predicted max rate
 GROWTH = 1.25  # each step's rate over the last's, until one misses
 MAX_STEPS, BISECTIONS = 9, 2
 MAX_ERROR_SHARE = 0.01  # a step with more failed requests than this misses
 BODIES = 16  # distinct requests, cycled
-SEARCH_BUDGET_S = 150.0  # the search stops stepping after this long (bounded: <= 3 min a plan)
+SEARCH_BUDGET_S = 170.0  # from the start, the search steps no more (bounded: ~3 min a plan)
 DRAIN_TRIES = 40  # sequential requests to wait out a missed step's backlog
 
 
@@ -83,8 +86,12 @@ def validate(path: Path, quick: bool = False, log=print) -> dict:
         )
         for _ in range(BODIES)
     ]
-    step_s, sized_s = (QUICK_STEP_S, QUICK_SIZED_S) if quick else (STEP_S, SIZED_S)
     goal, rate, predicted = sizing["p99_ms"], sizing["rate"], sizing["predicted_max_rate"]
+    if quick:
+        step_s, sized_s = QUICK_STEP_S, QUICK_SIZED_S
+    else:
+        step_s = min(MAX_STEP_S, max(STEP_S, STEP_SAMPLES / (FIRST_STEP * predicted)))
+        sized_s = min(MAX_SIZED_S, max(SIZED_S, SIZED_SAMPLES / rate))
     started = time.monotonic()
     target = Target(plan=path, flags=["--runner", "testbed"])
     with target:
