@@ -117,7 +117,7 @@ def _case(model: str, rate: float, p99_ms: float, args, root: Path, profiled, lo
         return {"model": model, "catalog": args.catalog, "rate": rate, "error": done.stderr[-800:]}
     try:
         got = validate(plan, args.quick, log=log)
-    except CleaveError as err:
+    except (CleaveError, RuntimeError, OSError) as err:  # the other cases still run
         return {"model": model, "catalog": args.catalog, "rate": rate, "error": str(err)}
     return {"model": model, "catalog": Path(args.catalog).name, "rate": rate, **got}
 

@@ -37,9 +37,10 @@ def read_sizing(path: Path) -> dict:
 
     if not path.is_file():
         raise UsageError(f"--validate {path}: no such plan file")
+    sizing = None
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
-            break
+            break  # the header is the leading comment lines
         text = line.lstrip("#").strip()
         if text.startswith(SIZING_PREFIX):
             try:
@@ -49,7 +50,7 @@ def read_sizing(path: Path) -> dict:
                     f"--validate {path}: its `sizing:` header line is broken: {err}"
                 ) from None
             break
-    else:
+    if not isinstance(sizing, dict):
         raise UsageError(
             f"--validate {path}: this plan was not written by `cleave size` (its header has no "
             f"`# {SIZING_PREFIX}...` line with the predicted p99 and max rate); size one with "
