@@ -1,5 +1,5 @@
 """The router's CPU per request, measured for `cleave profile`: the bundle served on this
-machine (one shard, one ranker, Unix sockets), binary-tensor requests of the profile's shape
+machine (one shard, one ranker, TCP over loopback), binary-tensor requests of the profile's shape
 synthesized from the manifest's inputs, sent one at a time; the router process's CPU time
 over the requests answered. A bundle whose inputs this cannot synthesize (a TorchRec KJT, a
 symbolic size it cannot resolve) is not measured: `cleave size` then estimates (search.py)."""
@@ -132,7 +132,11 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
     from cleave.launch.process import ServeProcess
 
     body = binary_infer_body(named)
-    server = ServeProcess(bundle_dir, "--shards", "1", "--rankers", "1", "--threads", "1").start()
+    # Over TCP, as the plans `cleave size` writes are served: on the testbed the router and
+    # the rankers spent 2-3 ns per byte more over TCP than the Unix-socket profile had timed
+    # (docs/sizing.md, "Validation").
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--transport", "tcp"]
+    server = ServeProcess(bundle_dir, *flags).start()
     try:
         url = urllib.parse.urlsplit(server.url)
         path = f"/v2/models/{Path(bundle_dir).resolve().name}/infer"
