@@ -146,7 +146,7 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         router = role_pid(server.proc.pid, "router")
         # The ranker's CPU too: its whole process's per request (decoding, the dense
         # program, encoding), which `cleave size` sets against the dense program's own time.
-        ranker = role_pid(server.proc.pid, "ranker-0")
+        ranker = _ranker_pid(server.proc.pid)
         ranker_before = cpu_ns(ranker) if ranker else 0
         before, start, latencies = cpu_ns(router), time.perf_counter(), []
         while (time.perf_counter() - start < seconds or len(latencies) < MIN_REQUESTS) and len(
@@ -171,6 +171,18 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
             else {}
         ),
     }
+
+
+def _ranker_pid(root: int) -> int | None:
+    """The `cleave ranker` process under `root` (over TCP its argv names no socket file, by
+    which `role_pid` would know it)."""
+    from cleave.bench.harness.processes import process_table, process_tree
+
+    table = process_table()
+    for pid in process_tree(root):
+        if "ranker" in table.get(pid, (0, []))[1][:4]:
+            return pid
+    return None
 
 
 def cpu_ns(pid: int) -> int:
