@@ -40,7 +40,7 @@ LONGEST_FIRST = [
     "test_router_cache.py",  # 35
     "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
     "test_testbed_racks.py",  # 19-32, testbed too
-    "test_size_validate.py",  # 53 alone, testbed too
+    "test_size_validate.py",  # 48 alone, testbed too
 ]
 
 
