@@ -41,6 +41,7 @@ LONGEST_FIRST = [
     "test_shm_transport.py",  # 18-28 (44 on a loaded machine)
     "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
     "test_testbed_racks.py",  # 19-32, testbed too
+    "test_size_validate.py",  # 48 alone, testbed too
 ]
 
 

@@ -19,6 +19,10 @@ from cleave.testbed.commands import require_privileges
 if TYPE_CHECKING:
     from cleave.plan import Plan, Ranker, Router, Shard
 
+# Host labels the runner honours (docs/testbed.md, "CPU caps"; `cleave size` writes them from
+# a testbed catalog): the host's CPU cap in cores and its link's rate in Gbit/s.
+CPU_LABEL, LINK_LABEL = "cpu_cores", "link_gbit"
+SPARE_CORES = 1  # the caps of a plan's hosts leave this many cores for the load generator
 METRICS_FROM_PORT = 1000  # a role whose plan metrics port is 0 serves them on port + this
 SPARE_FROM_PORT = 20000  # other ports a plan leaves 0: the first free ones from here, per host
 
@@ -79,6 +83,30 @@ def testbed_name(plan_name: str) -> str:
     return base[: 32 - len(suffix)] + suffix
 
 
+def host_limits(plan: Plan) -> tuple[list[float | None], list[float | None]]:
+    """Each plan host's CPU cap and link rate from its labels (None: unlabelled). The caps
+    together must leave SPARE_CORES of this machine to what loads the deployment."""
+    cores, gbit = [], []
+    for h in plan.hosts:
+        for label, out in ((CPU_LABEL, cores), (LINK_LABEL, gbit)):
+            raw = h.labels.get(label)
+            try:
+                out.append(None if raw is None else float(raw))
+            except ValueError:
+                raise UsageError(
+                    f"{plan.source}: host {h.name}: labels.{label}: expected a number, got {raw!r}"
+                ) from None
+    capped = sum(c for c in cores if c is not None)
+    room = (os.cpu_count() or 1) - SPARE_CORES
+    if capped > room:
+        raise UsageError(
+            f"{plan.source}: the hosts' labels.{CPU_LABEL} add up to {capped:g} cores; this "
+            f"machine has {os.cpu_count()} and keeps {SPARE_CORES} for the load generator, so "
+            f"at most {room:g} may be capped"
+        )
+    return cores, gbit
+
+
 class TestbedRunner(SupervisedRunner):
     """`link_gbit`: every host link's rate, each direction (`--link-gbit`); `racks`: the plan's
     hosts in that many racks of equal size, wired `rack_mode` (`--racks`, `--rack-mode`)."""
@@ -105,9 +133,12 @@ class TestbedRunner(SupervisedRunner):
                 "tcp or mptcp"
             )
         require_privileges()  # a clear UsageError before anything is made
+        cores, gbit = host_limits(plan)
         testbed = Testbed(
             len(plan.hosts),
             link_gbit=self.link_gbit,
+            host_gbit=gbit,
+            cpu_cores=cores,
             name=testbed_name(plan.name),
             racks=self.racks,
             mode=self.rack_mode,

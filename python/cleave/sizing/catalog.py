@@ -52,7 +52,52 @@ def load_catalog(path) -> list[MachineKind]:
     from cleave.plan.files import read_yaml
 
     data = read_yaml(path, "catalog")
-    return parse_catalog(data, str(path))
+    kinds = parse_catalog(data, str(path))
+    if is_testbed(data, str(path)):
+        check_testbed(kinds, str(path))
+    return kinds
+
+
+def is_testbed(data, source: str = "catalog") -> bool:
+    """`testbed: true`: the kinds are hosts of this machine's testbed (docs/sizing.md,
+    "Validation"), and the plans sized from it carry each host's CPU cap and link rate."""
+    flag = data.get("testbed", False) if isinstance(data, dict) else False
+    if not isinstance(flag, bool):
+        raise UsageError(f"{source}: testbed: expected true or false, got {flag!r}")
+    return flag
+
+
+def testbed_cores(kind: MachineKind) -> float:
+    """A testbed kind's CPU cap: its cores at its speed relative to this machine's."""
+    return kind.cpus * kind.cpu_speed
+
+
+def check_testbed(kinds: list[MachineKind], source: str) -> None:
+    """Refuse a testbed kind the testbed cannot emulate: GPUs, a CPU cap outside what one
+    cgroup gives (testbed/cpu.py) with a core left for the load generator, a link htb
+    cannot shape."""
+    import os
+
+    from cleave.runners.testbed import SPARE_CORES
+    from cleave.testbed.cpu import MIN_CORES
+
+    room = (os.cpu_count() or 1) - SPARE_CORES
+    problems = []
+    for k in kinds:
+        cores = testbed_cores(k)
+        if k.gpus:
+            problems.append(f"kind {k.kind!r}: gpus {k.gpus}: the testbed has no GPUs to give")
+        if not MIN_CORES <= cores <= room:
+            problems.append(
+                f"kind {k.kind!r}: cpus x cpu_speed = {cores:g} cores; a testbed host's cap "
+                f"must be {MIN_CORES:g} to {room:g} cores here (one core is the load generator's)"
+            )
+        if k.nic_gbit > 100:
+            problems.append(f"kind {k.kind!r}: nic_gbit {k.nic_gbit:g}: htb shapes at most 100")
+    if problems:
+        raise UsageError(
+            f"{source}: testbed: true, but the testbed cannot emulate: " + "; ".join(problems)
+        )
 
 
 def parse_catalog(data, source: str = "catalog") -> list[MachineKind]:

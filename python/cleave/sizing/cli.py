@@ -17,27 +17,57 @@ from cleave.errors import UsageError
 SHARD_PROCESSES_PER_HOST = 2  # two range groups' replicas per shard host (search.py)
 
 
+SIZING_PREFIX = "sizing: "  # the plan header's machine-readable line (validate.py reads it)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="bundle directory")
-    parser.add_argument("--rate", type=float, required=True, help="requests per second")
-    parser.add_argument("--p99-ms", type=float, required=True, help="p99 latency target, ms")
-    parser.add_argument("--catalog", required=True, help="machine kinds with prices (YAML)")
+    parser.add_argument("bundle", nargs="?", help="bundle directory")
+    parser.add_argument("--rate", type=float, help="requests per second")
+    parser.add_argument("--p99-ms", type=float, help="p99 latency target, ms")
+    parser.add_argument("--catalog", help="machine kinds with prices (YAML)")
     parser.add_argument(
         "--profile", help="`cleave profile`'s JSON for this bundle; default: measure now, quick"
     )
-    parser.add_argument("-o", "--output", required=True, help="plan YAML to write")
+    parser.add_argument("-o", "--output", help="plan YAML to write")
     parser.add_argument(
         "--headroom", type=float, default=0.7, help="most CPU or NIC utilization; default 0.7"
     )
     parser.add_argument("--json", help="write the sizing and its explanation here")
+    parser.add_argument(
+        "--validate",
+        metavar="PLAN",
+        help="serve PLAN (written by cleave size with a testbed catalog) on the testbed and "
+        "compare its measured max rate and p99 with the predicted ones (docs/sizing.md)",
+    )
+    parser.add_argument("--quick", action="store_true", help="with --validate: short steps (tests)")
 
 
 def run(args: argparse.Namespace) -> int:
     from cleave.bundle import manifest as manifest_io
-    from cleave.sizing.catalog import load_catalog
+    from cleave.plan.files import read_yaml
+    from cleave.sizing.catalog import is_testbed, load_catalog
     from cleave.sizing.profile import load_profile
     from cleave.sizing.search import Sizer, Target
 
+    if args.validate:
+        from cleave.sizing.validate import run_validate
+
+        return run_validate(Path(args.validate), args.json, quick=args.quick)
+    missing = [
+        flag
+        for flag, value in (
+            ("BUNDLE", args.bundle),
+            ("--rate", args.rate),
+            ("--p99-ms", args.p99_ms),
+            ("--catalog", args.catalog),
+            ("-o", args.output),
+        )
+        if value is None
+    ]
+    if missing:
+        raise UsageError(
+            f"cleave size: missing {', '.join(missing)} (or --validate PLAN to check a plan)"
+        )
     bundle = Path(args.bundle)
     output = Path(args.output)
     if output.is_dir():
@@ -51,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         profile = _measure_now(bundle)
     result = Sizer(manifest, profile, kinds, target).size()
     mix = result.pop("chosen_mix")
+    testbed = is_testbed(read_yaml(args.catalog, "catalog"))
+    result["traffic"] = dict(profile["traffic"])
+    result["catalog"] = {"path": str(args.catalog), "testbed": testbed}
     plan = write_plan(bundle, mix, result, output)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -79,21 +112,22 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
     from cleave.plan.files import save_plan
     from cleave.plan.planner import make_plan
     from cleave.plan.schema import Host
+    from cleave.runners.testbed import CPU_LABEL, LINK_LABEL
     from cleave.settings import ServeConfig
+    from cleave.sizing.catalog import testbed_cores
 
     pools = {p.name: p for p in mix.pools}
+    testbed = result.get("catalog", {}).get("testbed", False)
     hosts = []
     for name in ("routers", "shards", "rankers"):
         p = pools[name]
+        labels = {"pool": name, "kind": p.kind.kind}
+        if testbed:  # the testbed runner gives each host its kind's cap and link rate
+            labels[CPU_LABEL] = f"{testbed_cores(p.kind):g}"
+            labels[LINK_LABEL] = f"{p.kind.nic_gbit:g}"
         for i in range(p.hosts):
             hosts.append(
-                Host(
-                    f"{name[:-1]}-{i}",
-                    p.kind.cpus,
-                    p.kind.memory_gib,
-                    p.kind.gpus,
-                    {"pool": name, "kind": p.kind.kind},
-                )
+                Host(f"{name[:-1]}-{i}", p.kind.cpus, p.kind.memory_gib, p.kind.gpus, dict(labels))
             )
     chosen = result["chosen"]
     config = ServeConfig()
@@ -127,6 +161,23 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
         f"{p['pool']}: {p['hosts']} x {p['kind']} ({p['binding']}, one spare)"
         for p in chosen["pools"]
     ]
+    # What `cleave size --validate` compares the system with, and the traffic it was sized
+    # for (the profile's request shape), on one line.
+    sizing = {
+        "rate": result["target"]["rate"],
+        "p99_ms": result["target"]["p99_ms"],
+        "predicted_p99_ms": chosen["p99_ms"],
+        "predicted_max_rate": chosen["max_rate"],
+        "candidates": result["target"]["candidates"],
+        **{k: result.get("traffic", {}).get(k) for k in ("ids_per_candidate", "alpha")},
+        "catalog": result.get("catalog", {}).get("path"),
+        "testbed": result.get("catalog", {}).get("testbed", False),
+        "pools": {
+            p["pool"]: {k: p[k] for k in ("kind", "hosts", "service_ms", "p99_ms")}
+            for p in chosen["pools"]
+        },
+    }
+    lines.append(SIZING_PREFIX + json.dumps(sizing, separators=(",", ":")))
     output.parent.mkdir(parents=True, exist_ok=True)
     save_plan(plan, output, header="\n".join(lines))
     return plan

@@ -1,5 +1,5 @@
 """The router's CPU per request, measured for `cleave profile`: the bundle served on this
-machine (one shard, one ranker, Unix sockets), binary-tensor requests of the profile's shape
+machine (one shard, one ranker, TCP over loopback), binary-tensor requests of the profile's shape
 synthesized from the manifest's inputs, sent one at a time; the router process's CPU time
 over the requests answered. A bundle whose inputs this cannot synthesize (a TorchRec KJT, a
 symbolic size it cannot resolve) is not measured: `cleave size` then estimates (search.py)."""
@@ -132,7 +132,11 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
     from cleave.launch.process import ServeProcess
 
     body = binary_infer_body(named)
-    server = ServeProcess(bundle_dir, "--shards", "1", "--rankers", "1", "--threads", "1").start()
+    # Over TCP, as the plans `cleave size` writes are served: on the testbed the router and
+    # the rankers spent 2-3 ns per byte more over TCP than the Unix-socket profile had timed
+    # (docs/sizing.md, "Validation").
+    flags = ["--shards", "1", "--rankers", "1", "--threads", "1", "--transport", "tcp"]
+    server = ServeProcess(bundle_dir, *flags).start()
     try:
         url = urllib.parse.urlsplit(server.url)
         path = f"/v2/models/{Path(bundle_dir).resolve().name}/infer"
@@ -140,6 +144,10 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         for _ in range(WARM_UP):
             _send(conn, path, body)
         router = role_pid(server.proc.pid, "router")
+        # The ranker's CPU too: its whole process's per request (decoding, the dense
+        # program, encoding), which `cleave size` sets against the dense program's own time.
+        ranker = _ranker_pid(server.proc.pid)
+        ranker_before = cpu_ns(ranker) if ranker else 0
         before, start, latencies = cpu_ns(router), time.perf_counter(), []
         while (time.perf_counter() - start < seconds or len(latencies) < MIN_REQUESTS) and len(
             latencies
@@ -148,6 +156,7 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
             _send(conn, path, body)
             latencies.append(time.perf_counter() - t0)
         cpu = (cpu_ns(router) - before) / 1e9
+        ranker_cpu = (cpu_ns(ranker) - ranker_before) / 1e9 if ranker else None
         conn.close()
     finally:
         server.stop()
@@ -156,7 +165,24 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         "p50_ms": round(float(np.median(latencies)) * 1e3, 3),
         "requests": len(latencies),
         "request_bytes": len(body),
+        **(
+            {"ranker_cpu_us_per_request": round(ranker_cpu / len(latencies) * 1e6, 1)}
+            if ranker_cpu is not None
+            else {}
+        ),
     }
+
+
+def _ranker_pid(root: int) -> int | None:
+    """The `cleave ranker` process under `root` (over TCP its argv names no socket file, by
+    which `role_pid` would know it)."""
+    from cleave.bench.harness.processes import process_table, process_tree
+
+    table = process_table()
+    for pid in process_tree(root):
+        if "ranker" in table.get(pid, (0, []))[1][:4]:
+            return pid
+    return None
 
 
 def cpu_ns(pid: int) -> int:

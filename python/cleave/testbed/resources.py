@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from cleave.testbed import naming, state
+from cleave.testbed import cpu, naming, state
 from cleave.testbed.commands import TestbedError, ip
 from cleave.testbed.owner import Owner
 
@@ -32,6 +32,7 @@ def slots_present() -> set[int]:
     """Slots that have at least one namespace or root-namespace interface."""
     found = {naming.slot_of_netns(n) for n in netns_names()}
     found |= {naming.slot_of_link(link.get("ifname", "")) for link in links()}
+    found |= cpu.slots_present()
     found.discard(None)
     return found  # type: ignore[return-value]
 
@@ -100,6 +101,7 @@ def remove_slot(slot: int) -> None:
         except TestbedError as err:
             if any(link["ifname"] == name for link in links()):
                 failures.append(str(err))
+    failures += cpu.remove_slot(slot)  # after the namespaces: their processes are gone
     if failures:
         raise TestbedError(f"could not remove all of testbed slot {slot}: " + "; ".join(failures))
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from cleave.errors import UsageError
-from cleave.testbed import exit_hooks, naming, resources, shaping, state
+from cleave.testbed import cpu, exit_hooks, naming, resources, shaping, state
 from cleave.testbed import racks as racks_module
 from cleave.testbed.commands import TestbedError, ip, require_privileges
 from cleave.testbed.owner import CLI, PROCESS, Owner
@@ -62,6 +62,8 @@ class Testbed:
         racks: int | None = None,
         mode: str = "tor",
         rack_gbit: list[float] | None = None,
+        host_gbit: list[float | None] | None = None,
+        cpu_cores: list[float | None] | None = None,
     ):
         if isinstance(hosts, bool) or not isinstance(hosts, int):
             raise UsageError(f"hosts must be an integer, got {hosts!r}")
@@ -92,6 +94,16 @@ class Testbed:
             if racks is None or len(rack_gbit) != racks:
                 raise UsageError(f"rack_gbit must give one rate per rack, got {rack_gbit!r}")
             self.rack_gbit = [_check_positive("rack_gbit", g, 100.0) for g in rack_gbit]
+        # Per host (None: the default): its own link rate, its CPU cap in cores (cpu.py).
+        self.host_gbit = _per_host("host_gbit", host_gbit, hosts)
+        self.cpu_cores = _per_host("cpu_cores", cpu_cores, hosts)
+        for i, g in enumerate(self.host_gbit):
+            if g is not None:
+                _check_positive(f"host_gbit[{i}]", g, 100.0)
+        for i, c in enumerate(self.cpu_cores):
+            if c is not None:
+                cpu.check_cores(c, f"cpu_cores[{i}]")
+        self._cpu_procs: dict[int, object] = {}  # host index -> its cgroup's procs file
         self.host_count = hosts
         self.requested_name = name
         self.detached = detached
@@ -222,6 +234,8 @@ class Testbed:
                 ip("-n", host.netns, "link", "set", "dev", "lo", "up")
             ip("-n", host.netns, "addr", "add", f"{host.address}/{prefix}", "dev", host.veth)
             ip("-n", host.netns, "link", "set", "dev", host.veth, "up")
+            if self.cpu_cores[i] is not None:
+                self._cpu_procs[i] = cpu.create(self._slot, i, self.cpu_cores[i])
             shape = self.shape_of(host)
             shaping.apply(host.veth, shape, netns=host.netns)  # host -> bridge
             shaping.apply(host.bridge_port, shape)  # bridge -> host
@@ -245,7 +259,10 @@ class Testbed:
         return [(h.address, of_rack[h.rack]) for h in self._hosts if h.rack not in (None, rack)]
 
     def shape_of(self, host: Host) -> shaping.Shape:
-        """The shaping of ``host``'s link: its rack's rate where racks have their own."""
+        """The shaping of ``host``'s link: its own rate where given, else its rack's where
+        racks have their own."""
+        if self.host_gbit[host.index] is not None:
+            return dataclasses.replace(self.shape, gbit=self.host_gbit[host.index])
         if self.rack_gbit is None or host.rack is None:
             return self.shape
         return dataclasses.replace(self.shape, gbit=self.rack_gbit[host.rack])
@@ -265,6 +282,7 @@ class Testbed:
         exit_hooks.unregister(id(self))
         self._slot = None
         self._hosts = []
+        self._cpu_procs = {}
 
     def __enter__(self) -> Testbed:
         return self.up()
@@ -338,8 +356,13 @@ class Testbed:
         raise UsageError(f"no host {which!r} in testbed {self._name!r} (hosts: {names})")
 
     def exec_argv(self, host: Host | int | str, argv: list[str]) -> list[str]:
-        """``argv`` wrapped to run inside the host's namespace."""
-        return ["ip", "netns", "exec", self.host(host).netns, *argv]
+        """``argv`` wrapped to run inside the host's namespace (and its CPU cap's cgroup)."""
+        h = self.host(host)
+        argv = ["ip", "netns", "exec", h.netns, *argv]
+        procs = self._cpu_procs.get(h.index)
+        # Joined before `ip netns exec`, which mounts a sysfs of the namespace's own over
+        # /sys (no cgroup files inside); the cgroup is kept across exec and netns.
+        return argv if procs is None else cpu.joined(procs, argv)
 
     def popen(self, host: Host | int | str, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` inside the host. down() stops it if it is still running."""
@@ -384,6 +407,14 @@ class Testbed:
             racks_module.tor_routes(nic.netns, k, nic.veth, nic.address, self.subnet)
             return
         racks_module.pool_routes(nic.netns, k, nic.veth, nic.address, self._peers(nic.rack))
+
+
+def _per_host(what: str, values, hosts: int) -> list:
+    if values is None:
+        return [None] * hosts
+    if len(values) != hosts:
+        raise UsageError(f"{what} must give one value (or None) per host, got {values!r}")
+    return list(values)
 
 
 def set_link(netns: str, veth: str, bridge_port: str, up: bool) -> None:
