@@ -42,7 +42,10 @@ BENCHMARKS = {
         "cleave.bench.cache",
         "router embedding cache: off, fixed, adaptive",
     ),
-    "size": ("cleave.bench.size", "cleave size's predictions against plans served on the testbed"),
+    "size": (
+        "cleave.sizing.benchmark",
+        "cleave size's predictions against plans served on the testbed",
+    ),
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),

@@ -17,9 +17,6 @@ from cleave.errors import UsageError
 SHARD_PROCESSES_PER_HOST = 2  # two range groups' replicas per shard host (search.py)
 
 
-SIZING_PREFIX = "sizing: "  # the plan header's machine-readable line (validate.py reads it)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", nargs="?", help="bundle directory")
     parser.add_argument("--rate", type=float, help="requests per second")
@@ -177,6 +174,8 @@ def write_plan(bundle: Path, mix, result: dict, output: Path):
             for p in chosen["pools"]
         },
     }
+    from cleave.sizing.validate import SIZING_PREFIX
+
     lines.append(SIZING_PREFIX + json.dumps(sizing, separators=(",", ":")))
     output.parent.mkdir(parents=True, exist_ok=True)
     save_plan(plan, output, header="\n".join(lines))

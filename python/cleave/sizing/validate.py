@@ -21,6 +21,7 @@ from cleave.errors import UsageError
 STEP_S, MAX_STEP_S, STEP_SAMPLES = 6.0, 15.0, 120
 SIZED_S, MAX_SIZED_S, SIZED_SAMPLES = 10.0, 30.0, 200
 QUICK_STEP_S, QUICK_SIZED_S = 1.0, 1.5
+SIZING_PREFIX = "sizing: "  # the plan header's machine-readable line (cli.py writes it)
 FIRST_STEP = 0.5  # of the predicted max rate
 GROWTH = 1.25  # each step's rate over the last's, until one misses
 MAX_STEPS, BISECTIONS = 9, 2
@@ -33,7 +34,6 @@ DRAIN_TRIES = 40  # sequential requests to wait out a missed step's backlog
 def read_sizing(path: Path) -> dict:
     """The `sizing:` line of the plan's header (cli.py writes it); a clear error when the
     plan has none (not written by `cleave size`) or it is not a testbed plan."""
-    from cleave.sizing.cli import SIZING_PREFIX
 
     if not path.is_file():
         raise UsageError(f"--validate {path}: no such plan file")
