@@ -354,6 +354,16 @@ def test_leftovers_of_dead_owners_are_removed_live_ones_kept(make_testbed):
         alive.wait(timeout=IO_TIMEOUT_S)
 
 
+def test_a_state_file_round_trips_and_one_without_racks_reads_as_none():
+    owner = Owner(PROCESS, os.getpid(), start_time(os.getpid()) or 0)
+    racked = state.InstanceState(3, "r", 8, 0.1, 64, 256, owner, 1.0, racks=2, rack_mode="pool")
+    assert state.InstanceState.from_json(racked.to_json()) == racked
+    older = racked.to_json()
+    del older["racks"], older["rack_mode"]  # written before racks were recorded
+    plain = state.InstanceState.from_json(older)
+    assert (plain.racks, plain.rack_mode) == (0, "")
+
+
 def test_cli_up_list_down_round_trip(make_testbed):
     name = f"pytest-{uuid.uuid4().hex[:8]}"
     try:

@@ -20,7 +20,7 @@ from cleave.bench.loadgen import outputs_of
 from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.settings import RankerConfig, ServeConfig
-from cleave.testbed import commands
+from cleave.testbed import commands, instances
 from cleave.testbed.testbed import Testbed, host_link, set_link
 from support.served import TOLERANCE, Served, infer_url
 from support.testbed import host_addresses
@@ -76,6 +76,9 @@ def test_a_bulk_transfer_leaves_by_one_nic_or_by_every_nic_of_the_rack(mode):
     nbytes = 16 * MB
     # 0.1 Gbit/s: slow enough that even a starved sender fills every link it is given.
     with Testbed(8, 0.1, racks=2, mode=mode) as tb:
+        # Its state file records the racks: `cleave testbed list` says them.
+        (row,) = [r for r in instances.list_all() if r.name == tb.name]
+        assert row.hosts == f"8 (2 racks, {mode})"
         sender, receiver = tb.host(5), tb.host(0)  # rack 1's second host, rack 0's first
         nics = [h.veth for h in tb.rack_hosts(1)]
         server = tb.popen(

@@ -36,7 +36,7 @@ def list_all() -> list[Listed]:
                     slot,
                     s.name,
                     subnet,
-                    str(s.hosts),
+                    f"{s.hosts} ({s.racks} racks, {s.rack_mode})" if s.racks else str(s.hosts),
                     f"{s.link_gbit:g}",
                     s.owner.describe(),
                     status,

@@ -32,6 +32,8 @@ class InstanceState:
     queue_kb: float
     owner: Owner
     created: float
+    racks: int = 0  # 0: no racks (racks.py)
+    rack_mode: str = ""  # with racks: "tor" or "pool"
 
     def to_json(self) -> dict:
         return {
@@ -44,6 +46,8 @@ class InstanceState:
             "queue_kb": self.queue_kb,
             "owner": self.owner.to_json(),
             "created": self.created,
+            "racks": self.racks,
+            "rack_mode": self.rack_mode,
         }
 
     @classmethod
@@ -59,6 +63,9 @@ class InstanceState:
             queue_kb=float(data["queue_kb"]),
             owner=Owner.from_json(data["owner"]),
             created=float(data["created"]),
+            # Absent from files written before racks: none.
+            racks=int(data.get("racks", 0)),
+            rack_mode=str(data.get("rack_mode", "")),
         )
 
 

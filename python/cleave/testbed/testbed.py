@@ -167,6 +167,8 @@ class Testbed:
                 queue_kb=self.shape.queue_kb,
                 owner=owner,
                 created=time.time(),
+                racks=self.racks or 0,
+                rack_mode=self.mode if self.racks else "",
             )
             state.write(inst)
             return inst
