@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import numpy as np
 import pytest
 from cleave.bench.loadgen import outputs_of
 from cleave.launch.process import ServeProcess
 from support.client import post
+from support.processes import children
 from support.served import Served, infer_url, under_load
 
 pytestmark = [
@@ -71,38 +71,8 @@ def test_scores_are_equal_bit_for_bit_on_unix_tcp_and_shm(shm_server, served, re
             assert np.abs(g - w).max() <= 1e-5
 
 
-def ranker_pid(server: ServeProcess) -> int:
-    """A ranker of this deployment: the process listening on `shm:…/ranker-0.sock` whose
-    parent chain leads to the launcher."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if any(a.startswith("shm:") and a.endswith("/ranker-0.sock") for a in args):
-            if _descends(int(entry.name), server.proc.pid):
-                return int(entry.name)
-    raise AssertionError("no ranker-0 on an shm: address under this deployment")
-
-
-def _descends(pid: int, root: int) -> bool:
-    for _ in range(16):  # a launcher's roles are a few levels down at most
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
-        if pid == root:
-            return True
-        if pid <= 1:
-            return False
-    return False
-
-
 def test_a_ranker_killed_under_load_on_shm_costs_retries_or_503s_never_a_hang(shm_server, served):
-    pid = ranker_pid(shm_server)
+    pid = children(shm_server.proc.pid)["ranker-0"]  # on its shm: socket
     results = under_load(shm_server, served, lambda: os.kill(pid, signal.SIGKILL))
     statuses = {status for _, _, status, _, _ in results}
     # Retried on the other ranker (200) or refused within the budget (503); never a 502
