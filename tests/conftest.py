@@ -38,6 +38,7 @@ LONGEST_FIRST = [
     "test_serve_bench_torchrec.py",  # 75
     "test_grpc_clients.py",  # 65
     "test_router_cache.py",  # 35
+    "test_repository_update.py",  # 22
     "test_shm_transport.py",  # 18-28 (44 on a loaded machine)
     "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
     "test_testbed_racks.py",  # 19-32, testbed too

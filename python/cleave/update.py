@@ -117,14 +117,26 @@ class Target:
     rows: tuple[int, int]
 
 
-def targets_from_router(url: str, table: str, token: str | None) -> list[Target]:
-    """Every live replica holding `table`, from the router's admin API (its membership)."""
+def targets_from_router(
+    url: str, table: str, token: str | None, version: tuple[str, str] | None = None
+) -> list[Target]:
+    """Every live replica holding `table`, from the router's admin API (its membership); with
+    `version` (model, version), that served version's (a repository's router lists each)."""
     from cleave.runners.membership import MembershipError, members
 
     try:
         found = members(url, token=token)
     except MembershipError as err:
         raise UpdateError(f"--router: {err}") from None
+    if version is not None:
+        each = found.get("versions", [found])
+        served = [(v.get("model"), v.get("version")) for v in each]
+        if version not in served:
+            raise UpdateError(
+                f"--router {url}: model {version[0]!r} version {version[1]} is not served "
+                f"(served: {', '.join(f'{m}/{v}' for m, v in served)})"
+            )
+        found = each[served.index(version)]
     out = []
     for shard in found.get("shards", []):
         for r in shard.get("ranges", []):
@@ -319,13 +331,37 @@ def announce_to(router: str, token: str | None):
     return lambda table, switch_at_us: cache_switch(router, table, switch_at_us, token)
 
 
-def live_shards(router: str, table: str, token: str | None) -> list[str]:
-    """The router's live shard replicas holding `table`, each address once."""
-    return list(dict.fromkeys(t.addr for t in targets_from_router(router, table, token)))
+def live_shards(
+    router: str, table: str, token: str | None, version: tuple[str, str] | None = None
+) -> list[str]:
+    """The router's live shard replicas holding `table` (of `version`, (model, version), when
+    the router serves a repository), each address once."""
+    targets = targets_from_router(router, table, token, version)
+    return list(dict.fromkeys(t.addr for t in targets))
+
+
+def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
+    """--repository: the tables of MODEL/VERSION's bundle, and (model, version)."""
+    if not (args.model and args.version):
+        raise UpdateError("--repository needs --model NAME and --version V (bundle REPO/NAME/V)")
+    if not args.router:
+        raise UpdateError("--repository needs --router URL: it names the version's live shards")
+    bundle = Path(args.repository) / args.model / args.version
+    if not (bundle / "manifest.json").is_file():
+        raise UpdateError(f"--repository: {bundle} is not a bundle (no manifest.json)")
+    return bundle_tables(bundle), (args.model, args.version)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--plan", required=True, help="the deployment plan (its bundle, secret)")
+    served = parser.add_mutually_exclusive_group(required=True)
+    served.add_argument("--plan", help="the deployment plan (its bundle, secret)")
+    served.add_argument(
+        "--repository",
+        metavar="REPO",
+        help="a model repository `cleave serve REPO` serves (with --model, --version, --router)",
+    )
+    parser.add_argument("--model", help="with --repository: the model whose table to update")
+    parser.add_argument("--version", help="with --repository: the model version that names it")
     parser.add_argument("--table", required=True, help="the table to update")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--rows", metavar="DELTA", help="a delta: new rows for some ids")
@@ -353,8 +389,12 @@ def run(args) -> int:
 
     if not 0 <= args.switch_margin_ms <= 600_000:
         raise UpdateError(f"--switch-margin-ms: expected 0..600000, got {args.switch_margin_ms}")
-    plan = load_plan(args.plan)
-    tables = bundle_tables(plan.bundle_path())
+    if args.plan:
+        plan = load_plan(args.plan)
+        tables = bundle_tables(plan.bundle_path())
+        version = None
+    else:
+        tables, version = _repository_tables(args)
     table = tables.get(args.table)
     if table is None:
         raise UpdateError(f"--table {args.table!r}: the bundle has {sorted(tables)}")
@@ -371,12 +411,13 @@ def run(args) -> int:
                 f"--file {source}: {size} bytes, expected {expected} ({table['rows']} rows of "
                 f"{table['row_bytes']} bytes, {table['dtype']} x {table['dim']})"
             )
-    use_plan_secret(plan)
+    if args.plan:  # a repository's secret, if it has one, is in the environment as served
+        use_plan_secret(plan)
     token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
     if args.shard:
         addrs = list(dict.fromkeys(args.shard))
     else:
-        addrs = live_shards(args.router, args.table, token)
+        addrs = live_shards(args.router, args.table, token, version)
         if not addrs:
             raise UpdateError(f"--router {args.router}: no live shard holds table {args.table!r}")
     kind = "rows" if args.rows else "file"

@@ -214,26 +214,17 @@ const RANKER_BODY: &str = r#"{"addr": "HOST:PORT", "control": "HOST:PORT" (with 
 const SHARD_BODY: &str =
     r#"{"addr": "HOST:PORT", "ranges": [{"table": T, "row_start": A, "row_end": B}, ...]}"#;
 
-/// The membership as JSON: one version's, or with several served, each version's.
+/// The membership as JSON: one version's, or with several served, each version's (each
+/// names its model and version).
 pub fn members_json(app: &App) -> Value {
     let routers = app.repo.registry.all_ready();
     match routers.as_slice() {
         [one] => router_members(one),
-        _ => {
-            let versions: Vec<Value> = (routers.iter())
-                .map(|r| {
-                    let mut m = router_members(r);
-                    m["model"] = r.model.name.clone().into();
-                    m["version"] = r.model.version.clone().into();
-                    m
-                })
-                .collect();
-            json!({ "versions": versions })
-        }
+        _ => json!({ "versions": routers.iter().map(router_members).collect::<Vec<_>>() }),
     }
 }
 
-fn router_members(router: &Router) -> Value {
+fn router_members(router: &Arc<Router>) -> Value {
     let shards: Vec<Value> = router
         .shards
         .members()
@@ -257,7 +248,8 @@ fn router_members(router: &Router) -> Value {
                    "ewma_ms": r.ewma_us() / 1e3})
         })
         .collect();
-    json!({"shards": shards, "rankers": rankers})
+    json!({"model": router.model.name, "version": router.model.version,
+           "shards": shards, "rankers": rankers})
 }
 
 /// The version a membership call names; 400 when it names none and several serve.

@@ -9,6 +9,8 @@ what no remaining version uses. Either leaves nothing behind when it fails."""
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +82,7 @@ class Served:
             self.supervisor.say(f"{model} version {version}: loading {bundle}")
             manifest = manifest_io.read(bundle)  # BundleError, naming the file, if corrupt
             keys = table_keys(bundle, manifest)
+            self._set_apart_updated(keys)
             plan = self._plan(model, version, bundle, keys)
             self._check_memory(model, version, plan, manifest)
             specs = RoleSpecs(plan, LocalBinding(plan, self.runtime, self.host), self.runtime)
@@ -146,6 +149,29 @@ class Served:
             for name in stop:
                 self.shard_bytes.pop(name, None)
             self.supervisor.retire(stop, self.config.stop_timeout_s)
+            for name in stop:
+                shutil.rmtree(self._state_dir(name), ignore_errors=True)
+
+    def _state_dir(self, shard: str) -> Path:
+        """Where a shard keeps the versions `cleave update` and `cleave stream` give its tables
+        (docs/tiers.md, "Updates"): they survive the shard's restarts, not the deployment's."""
+        return self.runtime / "state" / shard
+
+    def _set_apart_updated(self, keys: dict[str, TableKey]) -> None:
+        """A served table that took row updates no longer holds its bundle's bytes, so a
+        version loading a table with that key gets a copy of its own: its home is re-keyed,
+        and the versions using it keep it."""
+        for name, key in keys.items():
+            home = self.homes.get(key)
+            if home is None or not _updated(home, name):
+                continue
+            apart = dataclasses.replace(key, sha256=f"{key.sha256}+updated-{secrets.token_hex(4)}")
+            self.homes[apart] = self.homes.pop(key)
+            for user in home.users:
+                used = self.versions[user].keys
+                for table, k in used.items():
+                    if k == key:
+                        used[table] = apart
 
     def _plan(self, model: str, version: int, bundle: Path, keys: dict[str, TableKey]):
         """The version's roles: `cleave serve`'s layout for its bundle, its shards cut down to
@@ -157,7 +183,13 @@ class Served:
         for shard in plan.shards:
             ranges = {t: r for t, r in shard.ranges.items() if t in new}
             if ranges:
-                shards.append(dataclasses.replace(shard, name=prefix + shard.name, ranges=ranges))
+                name = prefix + shard.name
+                state = self._state_dir(name)
+                shutil.rmtree(state, ignore_errors=True)  # a reloaded version starts as its bundle
+                state.mkdir(parents=True)
+                shards.append(
+                    dataclasses.replace(shard, name=name, ranges=ranges, state_dir=str(state))
+                )
         plan.shards = shards
         plan.rankers = [dataclasses.replace(r, name=prefix + r.name) for r in plan.rankers]
         return plan
@@ -174,6 +206,21 @@ class Served:
                 f"{self.memory_budget / GIB:.3f} GiB (table_memory_budget, or this machine's "
                 "memory); unload a version or raise the budget"
             )
+
+
+def _updated(home: TableHome, table: str) -> bool:
+    """Whether the shards of `home` serve `table` at a version other than the bundle's (0)."""
+    from cleave.update import UpdateError, table_status
+
+    addr = next(r["addr"] for r in home.routes if r["table"] == table)
+    try:
+        return int(table_status(addr, table).get("version") or 0) > 0
+    except UpdateError as err:
+        raise LoadError(
+            f"cannot tell whether table {table!r} took row updates (its shard {addr}: {err}); "
+            "load again once the shard serves",
+            status=503,
+        ) from None
 
 
 def _shard_bytes(shard, manifest: dict) -> int:

@@ -57,7 +57,15 @@ def add_arguments(parser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--plan", help="the deployment plan (its bundle, model name, secret)")
     what.add_argument("--bundle", help="the bundle served (`cleave serve BUNDLE`)")
-    parser.add_argument("--name", help="with --bundle: the model name (default: its directory)")
+    what.add_argument(
+        "--repository",
+        metavar="REPO",
+        help="a model repository `cleave serve REPO` serves: --name and --model-version say "
+        "which of its versions takes the rows (docs/repository.md)",
+    )
+    parser.add_argument(
+        "--name", help="the model's name (with --bundle, default: its directory; --repository)"
+    )
     parser.add_argument(
         "--model-version",
         default=SERVED_VERSION,
@@ -151,6 +159,7 @@ class Deployment:
     tables: dict[str, dict]
     router: str
     token: str | None = None
+    repository: bool = False  # the router serves several versions: ask for this one's shards
 
     @classmethod
     def from_args(cls, args) -> Deployment:
@@ -160,15 +169,23 @@ class Deployment:
             plan = load_plan(args.plan)
             bundle, name = plan.bundle_path(), plan.name
             use_plan_secret(plan)
+        elif args.repository:
+            if not args.name:
+                raise StreamError("--repository needs --name MODEL (and --model-version V)")
+            bundle, name = Path(args.repository) / args.name / args.model_version, args.name
+            if not (bundle / "manifest.json").is_file():
+                raise StreamError(f"--repository: {bundle} is not a bundle (no manifest.json)")
         else:
             bundle = Path(args.bundle)
             name = args.name or bundle.resolve().name
         tables = bundle_tables(bundle)
         token = os.environ.get(args.admin_token_env) if args.admin_token_env else None
-        return cls(name, args.model_version, tables, args.router, token)
+        repository = bool(args.repository)
+        return cls(name, args.model_version, tables, args.router, token, repository)
 
     def shards(self, table: str) -> list[str]:
-        return live_shards(self.router, table, self.token)
+        version = (self.model, self.version) if self.repository else None
+        return live_shards(self.router, table, self.token, version)
 
 
 class Metrics:
