@@ -8,16 +8,19 @@ import contextlib
 import io
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from cleave.bundle.manifest import served_dtypes
 from cleave.cli import main
 from cleave.plan.files import load_plan
 from cleave.sizing import queueing
 from cleave.sizing.catalog import parse_catalog
-from cleave.sizing.search import dense_ms
+from cleave.sizing.profile import _time_ms
+from cleave.sizing.search import dense_ms, ranker_overhead_ms
 from support.cli import refused
 
 CATALOG = {
@@ -270,6 +273,29 @@ def test_dense_time_is_interpolated_between_batch_sizes():
     assert dense_ms(profile, "float32", 1, 1) == 1.0
     assert math.isclose(dense_ms(profile, "float32", 1, 5), 1.0 + 4 / 9)
     assert math.isclose(dense_ms(profile, "float32", 1, 40), 8.0)  # beyond: the last slope
+
+
+def test_the_rankers_overhead_is_what_its_cpu_spends_beyond_the_dense_program():
+    dense = {"float32": {"1": {"32": 2.0, "64": 4.0}}}
+    served = {"dense": dense, "router": {"ranker_cpu_us_per_request": 5000.0}}
+    assert ranker_overhead_ms(served, 32) == pytest.approx(3.0)
+    assert ranker_overhead_ms(served, 64) == pytest.approx(1.0)
+    assert ranker_overhead_ms(served, 128) == 0.0  # the dense program alone costs more
+    assert ranker_overhead_ms({"dense": dense, "router": {}}, 32) == 0.0  # not served
+
+
+class _Waits(torch.nn.Module):
+    """A call that takes 0.3 s of wall clock and almost no CPU, as a call does when another
+    process holds the core."""
+
+    def forward(self, x):
+        time.sleep(0.3)
+        return x + 1
+
+
+def test_dense_timings_count_cpu_not_a_stretched_wall_clock():
+    ms = _time_ms(_Waits(), (torch.ones(4),), runs=3, threads=1)
+    assert ms < 150, ms  # the 300 ms it waited are not the program's
 
 
 def test_pool_labels_place_each_role_on_its_pool(models):

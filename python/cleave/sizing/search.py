@@ -163,29 +163,21 @@ def router_us(profile: dict, candidates: int) -> tuple[float, str]:
     return ROUTER_FIXED_US + ROUTER_NS_PER_BYTE * through / 1e3, "estimated"
 
 
-def ranker_correction(profile: dict, candidates: int) -> tuple[float, float]:
-    """(overhead ms, scale) of a CPU ranker's time per request beyond the profiled dense
-    program: a ranker's request is `dense ms * scale + overhead`. From the ranker's CPU per
-    request in the profile's served run (one thread, the bundle's default dtype, CPU time,
-    not wall) against the dense program's profiled time for the same rows:
-
-    * more (decoding the request, encoding the scores, the serving loop): the difference is
-      an overhead every request pays; validation on the testbed found it 1x-2x the dense
-      time for dlrm at 32 candidates, and left out the rankers' capacity was overstated
-      about 3x (docs/sizing.md, "Validation");
-    * less: the dense timings are wall clock, inflated when others load the machine (3-4x
-      for dcn on this loaded 2-core machine): scaled down to the ranker's CPU.
-
-    (0, 1) when the profile did not serve the bundle."""
+def ranker_overhead_ms(profile: dict, candidates: int) -> float:
+    """A CPU ranker's time per request beyond its dense program (decoding the request,
+    encoding the scores, the serving loop): the ranker's CPU per request in the profile's
+    served run (one thread, the bundle's default dtype) less the dense program's profiled
+    time for the same rows, both CPU time. Validation on the testbed found it 1x-2x the dense
+    time for dlrm at 32 candidates; left out, the rankers' capacity was overstated about 3x
+    (docs/sizing.md, "Validation"). 0 when the profile did not serve the bundle."""
     measured = profile.get("router", {}).get("ranker_cpu_us_per_request")
     dense = profile.get("dense", {})
     if not measured or not dense:
-        return 0.0, 1.0
+        return 0.0
     dtype = "float32" if "float32" in dense else next(iter(dense))
     if "1" not in dense[dtype]:
-        return 0.0, 1.0
-    served, timed = measured / 1e3, dense_ms(profile, dtype, 1, candidates)
-    return (served - timed, 1.0) if served >= timed else (0.0, served / timed)
+        return 0.0
+    return max(measured / 1e3 - dense_ms(profile, dtype, 1, candidates), 0.0)
 
 
 class Sizer:
@@ -201,7 +193,7 @@ class Sizer:
         self.table_bytes = float(sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]))
         self.bytes = profile["bytes_per_candidate"]
         self.router_us, self.router_source = router_us(profile, self.candidates)
-        self.ranker_overhead_ms, self.ranker_scale = ranker_correction(profile, self.candidates)
+        self.ranker_overhead_ms = ranker_overhead_ms(profile, self.candidates)
         shard = profile["shard"]
         self.shard_call_us, self.shard_ns_per_id = shard["call_us"], shard["ns_per_id"]
         self.ids = shard["ids_per_request"]
@@ -235,7 +227,7 @@ class Sizer:
         else:
             memory = int(kind.memory_gib * MEMORY_SHARE / RANKER_MEMORY_GIB)
             per_host = max(1, min(kind.cpus // threads, memory))
-            dense = dense_ms(self.profile, dtype, threads, self.candidates) * self.ranker_scale
+            dense = dense_ms(self.profile, dtype, threads, self.candidates)
             service = (dense + self.ranker_overhead_ms) / kind.cpu_speed
             joined, extra = 1, 0.0
         return Pool(
@@ -305,7 +297,7 @@ class Sizer:
 
     def monolithic(self, kind: MachineKind, dtype: str, threads: int) -> Pool:
         lookups_ms = self.ids * self.shard_ns_per_id / 1e6
-        dense = dense_ms(self.profile, dtype, threads, self.candidates) * self.ranker_scale
+        dense = dense_ms(self.profile, dtype, threads, self.candidates)
         dense += self.ranker_overhead_ms
         # The router's and the lookups' CPU run on the request's own threads here.
         service = (dense + (self.router_us / 1e3 + lookups_ms) / threads) / kind.cpu_speed
@@ -468,10 +460,7 @@ class Sizer:
                 else {"problem": "; ".join(sorted({m.problem for m, _ in mono}))}
             ),
             "router_cpu_us": {"value": round(self.router_us, 1), "source": self.router_source},
-            "ranker_correction": {
-                "overhead_ms": round(self.ranker_overhead_ms, 4),
-                "scale": round(self.ranker_scale, 4),
-            },
+            "ranker_overhead_ms": round(self.ranker_overhead_ms, 4),
         }
         result["chosen_mix"] = chosen
         return result
