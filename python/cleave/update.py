@@ -344,8 +344,6 @@ def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
     """--repository: the tables of MODEL/VERSION's bundle, and (model, version)."""
     if not (args.model and args.version):
         raise UpdateError("--repository needs --model NAME and --version V (bundle REPO/NAME/V)")
-    if not args.router:
-        raise UpdateError("--repository needs --router URL: it names the version's live shards")
     bundle = Path(args.repository) / args.model / args.version
     if not (bundle / "manifest.json").is_file():
         raise UpdateError(f"--repository: {bundle} is not a bundle (no manifest.json)")
@@ -358,7 +356,7 @@ def add_arguments(parser) -> None:
     served.add_argument(
         "--repository",
         metavar="REPO",
-        help="a model repository `cleave serve REPO` serves (with --model, --version, --router)",
+        help="a model repository `cleave serve REPO` serves (with --model and --version)",
     )
     parser.add_argument("--model", help="with --repository: the model whose table to update")
     parser.add_argument("--version", help="with --repository: the model version that names it")
