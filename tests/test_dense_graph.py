@@ -16,8 +16,8 @@ import torch.utils._pytree as pytree
 from cleave.bundle import graph as graph_io
 from cleave.bundle.precision import convert
 
-# dlrm: a plain program; shared: a per-request input, so a batched program too.
-MODELS = ("dlrm", "shared")
+# dlrm: a plain program; din: a per-request input, so a batched program too.
+MODELS = ("dlrm", "din")
 
 
 def dense_inputs(served, batch: int, batched: bool) -> list[torch.Tensor]:
@@ -48,7 +48,7 @@ def test_the_stored_graph_is_the_program(models, name):
     fast = cleave.load_bundle(served.dir, verify=False, stored_graphs=True)
     slow = cleave.load_bundle(served.dir, verify=False)
     variants = [False] + ([True] if manifest["dense"].get("batched", {}).get("program") else [])
-    assert (name == "shared") == (variants == [False, True])
+    assert (name == "din") == (variants == [False, True])
     for batched in variants:
         meta = manifest["dense"]["batched"] if batched else manifest["dense"]
         assert (served.dir / meta["graph"]).is_file()
@@ -60,6 +60,17 @@ def test_the_stored_graph_is_the_program(models, name):
                 inputs = dense_inputs(served, batch, batched)
                 assert all(map(torch.equal, run(a, inputs), run(b, inputs))), (dtype, batch)
     assert fast._dense is None  # the torch.export program was never read
+
+
+def test_the_stored_graph_checks_its_inputs_as_the_program_does(models):
+    served = models["dlrm"]
+    fast = cleave.load_bundle(served.dir, verify=False, stored_graphs=True).dense_module()
+    slow = cleave.load_bundle(served.dir, verify=False).dense_module()
+    inputs = dense_inputs(served, 3, False)
+    inputs[0] = inputs[0][:, :-1]  # dense_x one feature short
+    for module in (fast, slow):
+        with pytest.raises(AssertionError, match=r"Guard failed: dense_x.size\(\)\[1\] == 13"):
+            run(module, inputs)
 
 
 def test_old_and_damaged_graphs(models, tmp_path):
