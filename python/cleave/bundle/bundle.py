@@ -5,6 +5,7 @@ reads a bundle's metadata without it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from cleave.bundle import graph as graph_io
 from cleave.bundle import kjt as kjt_io
 from cleave.bundle import manifest as manifest_io
 from cleave.bundle import tables as table_io
@@ -22,8 +24,13 @@ from cleave.errors import BundleError, CleaveError
 
 __all__ = ["Bundle", "load_bundle"]
 
+log = logging.getLogger("cleave.bundle")
+
 DENSE_PROGRAM = "dense.pt2"
 DENSE_PROBE = "dense_probe.pt"  # a small batch of dense inputs and the float32 outputs
+# The programs' GraphModules in a form read without torch.export (cleave.bundle.graph).
+DENSE_GRAPH = "dense_graph.pt"
+BATCHED_GRAPH = "dense_batched_graph.pt"
 
 
 class Bundle:
@@ -33,16 +40,20 @@ class Bundle:
         self,
         manifest: dict,
         tables: dict[str, np.ndarray],
-        dense: torch.export.ExportedProgram,
+        dense: torch.export.ExportedProgram | None,
         path: Path | None = None,
         batched: torch.export.ExportedProgram | None = None,
+        stored_graphs: bool = False,
     ):
         self.manifest = manifest
         self.path = path
         self._raw_tables = tables  # name -> uint8 [rows, row_bytes] (array or memmap)
+        # None: not read yet (a bundle loaded with `stored_graphs` reads it when asked for).
         self._dense = dense
         # The same program over many requests' joined inputs (cleave.partitioner.batched).
         self._batched = batched
+        # Build the float32 dense modules from the bundle's stored graphs where it has them.
+        self._stored_graphs = stored_graphs
         self._decoded: dict[str, torch.Tensor] = {}
         self._dense_modules: dict[tuple[str, bool], torch.nn.Module] = {}
         # {"inputs": [...], "outputs": [...]}: set by the partitioner, read lazily from disk
@@ -56,7 +67,17 @@ class Bundle:
     @property
     def dense_program(self) -> torch.export.ExportedProgram:
         """The float32 dense program (see `dense_module` for the one served)."""
+        if self._dense is None:
+            self._dense = _load_program(self.path / self.manifest["dense"]["program"])
         return self._dense
+
+    @property
+    def batched_program(self) -> torch.export.ExportedProgram | None:
+        """The dense program over joined requests, if the bundle has one."""
+        name = (self.manifest["dense"].get("batched") or {}).get("program")
+        if self._batched is None and name and self.path is not None:
+            self._batched = _load_program(self.path / name)
+        return self._batched
 
     @property
     def dense_dtype(self) -> str:
@@ -84,7 +105,7 @@ class Bundle:
         table_bytes = sum(t["rows"] * t["row_bytes"] for t in self.manifest["tables"])
         dense_bytes = sum(
             t.numel() * t.element_size()
-            for t in [*self._dense.parameters(), *self._dense.buffers()]
+            for t in [*self.dense_program.parameters(), *self.dense_program.buffers()]
         )
         return {
             "tables": [
@@ -121,17 +142,25 @@ class Bundle:
         from cleave.bundle.precision import convert
 
         dtype = dtype or self.dense_dtype
-        if batched and self._batched is None:
+        if batched and not (self.manifest["dense"].get("batched") or {}).get("program"):
             raise CleaveError("the bundle has no batched dense program (no per-request inputs)")
         if (dtype, batched) not in self._dense_modules:
             if ("float32", batched) not in self._dense_modules:
-                program = self._batched if batched else self._dense
-                self._dense_modules["float32", batched] = program.module()
+                self._dense_modules["float32", batched] = self._float32_module(batched)
             layers = self.manifest["dense"].get("int8_layers")  # chosen by the partitioner
             self._dense_modules[dtype, batched] = convert(
                 self._dense_modules["float32", batched], dtype, layers
             )
         return self._dense_modules[dtype, batched]
+
+    def _float32_module(self, batched: bool) -> torch.nn.Module:
+        """The program's GraphModule: from its stored graph (a bundle loaded with
+        `stored_graphs` that has one), else from the torch.export program."""
+        meta = self.manifest["dense"]["batched"] if batched else self.manifest["dense"]
+        if self._stored_graphs and meta.get("graph") and self.path is not None:
+            return graph_io.load(self.path / meta["graph"])
+        program = self.batched_program if batched else self.dense_program
+        return program.module()
 
     def keep_dense_modules(self, dtype: str) -> None:
         """Forgets the programs converted to dtypes other than `dtype` and float32 (a ranker's
@@ -193,11 +222,13 @@ class Bundle:
             for meta in self.manifest["tables"]:
                 raw = np.ascontiguousarray(self._raw_tables[meta["name"]])
                 (tmp / meta["file"]).write_bytes(raw.tobytes())
-            torch.export.save(self._dense, tmp / DENSE_PROGRAM)
-            if self._batched is not None:
-                torch.export.save(self._batched, tmp / self.manifest["dense"]["batched"]["program"])
+            torch.export.save(self.dense_program, tmp / DENSE_PROGRAM)
+            if self.batched_program is not None:
+                batched = self.manifest["dense"]["batched"]
+                torch.export.save(self.batched_program, tmp / batched["program"])
             if self.probe() is not None:
                 torch.save(self.probe(), tmp / DENSE_PROBE)
+            self._save_graphs(tmp)
             manifest_io.write(tmp, self.manifest)
             if path.exists():
                 old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -212,9 +243,31 @@ class Bundle:
         self.path = path
         return path
 
+    def _save_graphs(self, directory: Path) -> None:
+        """Writes each program's stored graph beside it (cleave.bundle.graph), checked against
+        the program; one that the form cannot hold is left out (rankers read the archive)."""
+        dense = self.manifest["dense"]
+        programs = [(dense, self.dense_program, DENSE_GRAPH, self.probe())]
+        if self.batched_program is not None:
+            programs.append((dense["batched"], self.batched_program, BATCHED_GRAPH, None))
+        for meta, program, name, probe in programs:
+            meta.pop("graph", None)
+            try:
+                data = graph_io.stored(program, probe and probe["inputs"])
+            except graph_io.GraphUnsupported as err:
+                log.info("%s: no stored graph (rankers will read the archive): %s", name, err)
+                continue
+            (directory / name).write_bytes(data)
+            meta["graph"] = name
 
-def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
-    """Reads a bundle; `verify` checks every table's CRC-32 (reads all table bytes)."""
+
+def load_bundle(
+    path: str | os.PathLike, verify: bool = True, stored_graphs: bool = False
+) -> Bundle:
+    """Reads a bundle; `verify` checks every table's CRC-32 (reads all table bytes).
+    `stored_graphs`: the dense modules are built from the bundle's stored graphs
+    (cleave.bundle.graph) where it has them, and the torch.export programs are read only if
+    asked for: a ranker's start, without torch.export's imports."""
     path = Path(path)
     manifest = manifest_io.read(path)
     tables = {}
@@ -225,6 +278,8 @@ def load_bundle(path: str | os.PathLike, verify: bool = True) -> Bundle:
             raise BundleError(
                 f"{file}: CRC-32 mismatch for table {meta['name']!r}: the file is corrupted"
             )
+    if stored_graphs:
+        return Bundle(manifest, tables, None, path, stored_graphs=True)
     dense = _load_program(path / manifest["dense"]["program"])
     batched = (manifest["dense"].get("batched") or {}).get("program")
     batched = _load_program(path / batched) if batched else None

@@ -57,7 +57,8 @@ class RankScorer:
         from cleave.bundle import load_bundle
 
         self.job, self.rank, self.world = job, rank, world
-        self.bundle = load_bundle(job.bundle)
+        # Each rank is a process of its own: its dense module from the bundle's stored graph.
+        self.bundle = load_bundle(job.bundle, stored_graphs=True)
         self.schema = Schema(self.bundle.manifest)
         tables = {t["name"]: t for t in self.bundle.manifest["tables"]}
         held = table_ranges(self.bundle.manifest, world, job.table_layout)

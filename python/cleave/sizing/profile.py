@@ -331,7 +331,7 @@ def _dense(bundle_dir: Path, threads: list[int], batches, quick: bool) -> dict:
     from cleave.ranker.dense_dtype import probe_batch
     from cleave.ranker.signature import signature
 
-    bundle = load_bundle(bundle_dir, verify=False)
+    bundle = load_bundle(bundle_dir, verify=False, stored_graphs=True)  # as a ranker does
     sig = signature(bundle.manifest, False, False)
     runs = 3 if quick else 7
     out = {}
@@ -376,7 +376,7 @@ def _dense_cuda(bundle_dir: Path, batches) -> dict:
     from cleave.ranker.executor import DenseExecutor
     from cleave.ranker.signature import signature
 
-    bundle = load_bundle(bundle_dir, verify=False)
+    bundle = load_bundle(bundle_dir, verify=False, stored_graphs=True)  # as a ranker does
     sig = signature(bundle.manifest, False, False)
     timings = {}
     inputs = [b for b in (probe_batch(bundle, sig, rows, rows) for rows in batches) if b]
