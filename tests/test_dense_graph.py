@@ -97,6 +97,17 @@ def test_old_and_damaged_graphs(models, tmp_path):
         cleave.load_bundle(again, stored_graphs=True).dense_module()
 
 
+def test_a_guard_that_would_run_other_code_is_refused(models, tmp_path):
+    """A stored guard is evaluated when the bundle is read: one reaching past the inputs'
+    sizes (here to torch.hub) makes the graph unreadable, not code that runs."""
+    copy = shutil.copytree(models["dlrm"].dir, tmp_path / "bundle")
+    data = torch.load(copy / "dense_graph.pt", weights_only=True)
+    data["guards"][0][0] = "torch.hub.list('somewhere') is None"
+    torch.save(data, copy / "dense_graph.pt")
+    with pytest.raises(cleave.BundleError, match="dense_graph.pt.*guard.*reads"):
+        cleave.load_bundle(copy, stored_graphs=True).dense_module()
+
+
 def test_a_ranker_starts_without_torch_export(models):
     """The point of the stored graph: a ranker process imports neither torch.export's
     serializer nor TorchDynamo (about 2 s of CPU per start)."""

@@ -215,7 +215,10 @@ def load(file: Path) -> fx.GraphModule:
         raise BundleError(f"{file}: cannot read the dense graph: {err}") from None
     try:
         return decode(data)
-    except (KeyError, TypeError, ValueError, AttributeError, SyntaxError, RuntimeError) as err:
+    except (
+        KeyError, TypeError, ValueError, AttributeError, SyntaxError, RuntimeError,
+        GraphUnsupported,
+    ) as err:  # fmt: skip
         raise BundleError(f"{file}: not a dense graph this cleave reads: {err!r}") from None
 
 
@@ -321,7 +324,27 @@ def _compile_guard(check: str):
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     if not names <= _GUARD_NAMES:
         raise GraphUnsupported(f"guard {check!r} names {sorted(names - _GUARD_NAMES)}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not _safe_attribute(node):
+            raise GraphUnsupported(f"guard {check!r} reads .{node.attr}")
     return compile(tree, "<dense graph guard>", "eval")
+
+
+# What a guard may read of an input (PyTorch's guards compare sizes): with only these, and
+# math's and torch's `sym_` functions, a stored guard cannot run other code when a bundle
+# is read.
+_SAFE_ATTRIBUTES = {"size", "dim", "shape", "numel", "stride", "dtype", "device"}
+
+
+def _safe_attribute(node) -> bool:
+    import ast
+
+    owner = node.value.id if isinstance(node.value, ast.Name) else None
+    if owner == "math":
+        return not node.attr.startswith("_")
+    if owner == "torch":
+        return node.attr.startswith("sym_")
+    return node.attr in _SAFE_ATTRIBUTES
 
 
 class _Guards(torch.nn.Module):
