@@ -97,14 +97,21 @@ def test_old_and_damaged_graphs(models, tmp_path):
         cleave.load_bundle(again, stored_graphs=True).dense_module()
 
 
-def test_a_guard_that_would_run_other_code_is_refused(models, tmp_path):
-    """A stored guard is evaluated when the bundle is read: one reaching past the inputs'
-    sizes (here to torch.hub) makes the graph unreadable, not code that runs."""
+def test_a_stored_graph_that_would_run_other_code_is_refused(models, tmp_path):
+    """A stored graph is code read from a file: a guard reaching past the inputs' sizes (here
+    to torch.hub), or a node calling something other than an operator, makes the graph
+    unreadable, not code that runs."""
     copy = shutil.copytree(models["dlrm"].dir, tmp_path / "bundle")
     data = torch.load(copy / "dense_graph.pt", weights_only=True)
     data["guards"][0][0] = "torch.hub.list('somewhere') is None"
     torch.save(data, copy / "dense_graph.pt")
     with pytest.raises(cleave.BundleError, match="dense_graph.pt.*guard.*reads"):
+        cleave.load_bundle(copy, stored_graphs=True).dense_module()
+    # A node may call operators and a few plain functions, never torch.save and the like.
+    data = torch.load(models["dlrm"].dir / "dense_graph.pt", weights_only=True)
+    next(n for n in data["nodes"] if n["op"] == "call_function")["target"] = "torch.save"
+    torch.save(data, copy / "dense_graph.pt")
+    with pytest.raises(cleave.BundleError, match="unknown function 'torch.save'"):
         cleave.load_bundle(copy, stored_graphs=True).dense_module()
 
 

@@ -150,7 +150,11 @@ def _function_name(target) -> str:
         return f"torch.ops.{ns}.{name}.{target._overloadname}"
     module = getattr(target, "__module__", None)
     name = getattr(target, "__name__", None)
-    if module in _FUNCTION_MODULES and getattr(_FUNCTION_MODULES[module], name, None) is target:
+    if (
+        module in _FUNCTION_MODULES
+        and _callable(module.lstrip("_"), name)
+        and getattr(_FUNCTION_MODULES[module], name, None) is target
+    ):
         return f"{module.lstrip('_')}.{name}"
     raise GraphUnsupported(f"cannot store a call of {target!r}")
 
@@ -285,9 +289,17 @@ def _resolve(name: str):
         packet = getattr(getattr(torch.ops, parts[2]), parts[3])
         return getattr(packet, parts[4])
     module, function = name.rsplit(".", 1)
-    if module not in _FUNCTION_MODULES:
+    if module not in _FUNCTION_MODULES or not _callable(module, function):
         raise ValueError(f"unknown function {name!r}")
     return getattr(_FUNCTION_MODULES[module], function)
+
+
+def _callable(module: str, function: str) -> bool:
+    """Whether a graph may call `module.function` besides operators: operator's and math's
+    functions, torch's `sym_` ones (torch's others, `torch.save` say, are never stored)."""
+    if function.startswith("_"):
+        return False
+    return module != "torch" or function.startswith("sym_")
 
 
 _TORCH_ENUMS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
