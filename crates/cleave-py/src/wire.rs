@@ -296,7 +296,9 @@ impl FrameServer {
         let now = Instant::now();
         let waited: u128 = items.iter().map(|it| (now - it.queued_at).as_nanos()).sum();
         let inbox = &self.inbox;
-        inbox.picked_up.fetch_add(items.len() as u64, Ordering::Relaxed);
+        inbox
+            .picked_up
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
         inbox.pickup_ns.fetch_add(waited as u64, Ordering::Relaxed);
         let tuples = items.into_iter().map(|it| {
             let payload = if self.in_place {

@@ -168,10 +168,18 @@ fn a_payload_written_in_place_arrives_as_written_in_a_slot_or_inline() {
     rt().block_on(async {
         // Written into slots (reused many times: each echo frees its slot), and inline when
         // small, on a plain Unix connection, or with the ring full below.
-        for (i, n) in [10, 20_000, 300_000, 1 << 20].iter().cycle().take(12).enumerate() {
+        for (i, n) in [10, 20_000, 300_000, 1 << 20]
+            .iter()
+            .cycle()
+            .take(12)
+            .enumerate()
+        {
             let p = payload(*n, i as u32);
             for c in [&shm, &unix] {
-                let got = c.call_written(ECHO, &Written(p.clone()), T, 0).await.unwrap();
+                let got = c
+                    .call_written(ECHO, &Written(p.clone()), T, 0)
+                    .await
+                    .unwrap();
                 let mut want = p.to_vec();
                 want.reverse();
                 assert_eq!(&got[..], &want[..], "{n} bytes");

@@ -308,7 +308,10 @@ mod tests {
         for _ in 0..40 {
             {
                 let mut waiter = Box::pin(l.acquire(1, Duration::from_secs(1), 1));
-                assert!(waiter.as_mut().poll(&mut cx).is_pending(), "the limit is full");
+                assert!(
+                    waiter.as_mut().poll(&mut cx).is_pending(),
+                    "the limit is full"
+                );
                 assert_eq!(l.lock().waiting.len(), 1);
                 l.release(1); // a request finishes: its slot is granted to the waiter
                 assert_eq!(l.in_flight(), 16, "charged to the waiter");

@@ -381,7 +381,9 @@ impl RankerPool {
                     after: Duration::ZERO,
                 })
             } else if let (false, Some(bytes)) = (in_slot, &packed) {
-                let call = ranker.client.call_traced(kind, bytes.clone(), left, trace_id);
+                let call = ranker
+                    .client
+                    .call_traced(kind, bytes.clone(), left, trace_id);
                 call.await
             } else {
                 let call = ranker.client.call_written(kind, payload, left, trace_id);

@@ -471,10 +471,18 @@ mod tests {
         let got = rx.resolve(&r.unwrap()).unwrap();
         assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
         let mut called = false;
-        assert_eq!(tx.write_with(10, |_| called = true), None, "the only slot is held");
+        assert_eq!(
+            tx.write_with(10, |_| called = true),
+            None,
+            "the only slot is held"
+        );
         assert!(!called, "fill runs only with a slot");
         drop(got);
-        assert_eq!(tx.write_with(70_000, |_| called = true), None, "larger than a slot");
+        assert_eq!(
+            tx.write_with(70_000, |_| called = true),
+            None,
+            "larger than a slot"
+        );
         assert!(!called);
     }
 
