@@ -36,7 +36,7 @@ class _BatcherCollector:
             requests.add_metric([outcome], value)
         yield requests
         yield CounterMetricFamily("cleave_ranker_batches", "batches run", value=s.batches)
-        yield from _pickup(self.batcher.source)
+        yield from _pickup(getattr(self.batcher, "source", None))
         yield GaugeMetricFamily(
             "cleave_ranker_queue_depth", "requests waiting", value=len(self.batcher.queue)
         )
