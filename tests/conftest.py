@@ -39,7 +39,7 @@ LONGEST_FIRST = [
     "test_grpc_clients.py",  # 65
     "test_router_cache.py",  # 35
     "test_repository_update.py",  # 22
-    "test_shm_transport.py",  # 18-28 (44 on a loaded machine)
+    "test_shm_transport.py",  # 18-34 (44 on a loaded machine); four transports since shm9
     "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
     "test_testbed_racks.py",  # 19-32, testbed too
     "test_size_validate.py",  # 48 alone, testbed too

@@ -1,6 +1,6 @@
 """`transport: shm` end to end (docs/protocol.md, "Shared-memory transport"): the `dlrm`
-reference model served by `cleave serve` (1 shard, 2 rankers) on Unix sockets, TCP and shared
-memory, one after the other, answers the same requests with the same scores bit for bit (the
+reference model served by `cleave serve` (1 shard) on shared memory, Unix sockets, TCP and
+MPTCP, one after the other, answers the same requests with the same scores bit for bit (the
 RANK payloads of 64 and 256 candidates and the shard replies travel through slots on shm);
 and on shm a ranker killed under load costs at most 503s, never a hang: every request is
 answered within its budget and the deployment goes on serving."""
@@ -36,8 +36,9 @@ def requests(served):
     return [served.request(b) for b in BATCHES]
 
 
-def serve(served: Served, transport: str) -> ServeProcess:
-    flags = ["--shards", "1", "--rankers", "2", "--threads", "1", "--transport", transport]
+def serve(served: Served, transport: str, rankers: int = 2) -> ServeProcess:
+    flags = ["--shards", "1", "--rankers", str(rankers), "--threads", "1"]
+    flags += ["--transport", transport]
     return ServeProcess(served.dir, *flags)
 
 
@@ -56,13 +57,19 @@ def shm_server(served):
         yield s
 
 
-def test_scores_are_equal_bit_for_bit_on_unix_tcp_and_shm(shm_server, served, requests):
+OTHERS = ("unix", "tcp", "mptcp")
+
+
+def test_scores_are_equal_bit_for_bit_on_shm_unix_tcp_and_mptcp(shm_server, served, requests):
     got = {"shm": scores(shm_server, served, requests)}
     assert any("shm:" in line for line in shm_server.log), "the roles listen on shm: addresses"
-    for transport in ("unix", "tcp"):
-        with serve(served, transport) as s:
+    for transport in OTHERS:
+        # One ranker is enough to compare scores (the second is for the kill test below).
+        with serve(served, transport, rankers=1) as s:
             got[transport] = scores(s, served, requests)
-    for transport in ("unix", "tcp"):
+            if transport == "mptcp":
+                assert any("mptcp:" in line for line in s.log), "roles listen on mptcp:"
+    for transport in OTHERS:
         for a, b in zip(got["shm"], got[transport], strict=True):
             assert [x.tobytes() for x in a] == [y.tobytes() for y in b], transport
     # And they are the model's scores.

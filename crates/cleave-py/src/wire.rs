@@ -9,8 +9,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_flow::tcp_info::receiver_stats;
@@ -111,6 +112,8 @@ struct Item {
     payload: Bytes,
     deadline_us: u64,
     trace_id: u64,
+    /// When the I/O thread put it here: `recv` counts how long it waited for Python.
+    queued_at: Instant,
 }
 
 /// Requests handed from the I/O threads to Python, and the responders for their replies.
@@ -121,6 +124,10 @@ struct Inbox {
     responders: Mutex<HashMap<(u64, u64), Responder>>,
     /// Requests handed to Python whose callers have cancelled them since the last look.
     cancelled: Mutex<Vec<(u64, u64)>>,
+    /// Requests `recv` handed out, and their waits here summed (ns): the pickup, what a
+    /// request waits for a Python thread busy elsewhere (a batch), whatever the transport.
+    picked_up: AtomicU64,
+    pickup_ns: AtomicU64,
 }
 
 impl Handler for Inbox {
@@ -145,6 +152,7 @@ impl Handler for Inbox {
             payload: request.payload,
             deadline_us: request.deadline_unix_us,
             trace_id: request.trace_id,
+            queued_at: Instant::now(),
         };
         self.items
             .lock()
@@ -285,6 +293,13 @@ impl FrameServer {
             let n = q.len().min(max_items.max(1));
             q.drain(..n).collect()
         });
+        let now = Instant::now();
+        let waited: u128 = items.iter().map(|it| (now - it.queued_at).as_nanos()).sum();
+        let inbox = &self.inbox;
+        inbox
+            .picked_up
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
+        inbox.pickup_ns.fetch_add(waited as u64, Ordering::Relaxed);
         let tuples = items.into_iter().map(|it| {
             let payload = if self.in_place {
                 in_place(py, it.payload)?
@@ -356,12 +371,18 @@ impl FrameServer {
     }
 
     /// Counts of the server: `{"connections", "cancelled", "expired", "responses_held",
-    /// "credit_expired", "migrations"}` (held and credit_expired: docs/protocol.md, "Response
-    /// credits"; migrations: docs/serving.md, "I/O threads"; cancelled: CANCEL
-    /// frames that found their request unanswered; expired: requests answered `deadline`
-    /// on arrival, never returned by `recv`).
+    /// "credit_expired", "migrations", "picked_up", "pickup_seconds"}` (held and
+    /// credit_expired: docs/protocol.md, "Response credits"; migrations: docs/serving.md, "I/O
+    /// threads"; cancelled: CANCEL frames that found their request unanswered; expired:
+    /// requests answered `deadline` on arrival, never returned by `recv`; picked_up: requests
+    /// `recv` returned, pickup_seconds: their waits summed, from the I/O thread queueing one
+    /// to `recv` taking it).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
+        let inbox = &self.inbox;
+        d.set_item("picked_up", inbox.picked_up.load(Ordering::Relaxed))?;
+        let pickup_ns = inbox.pickup_ns.load(Ordering::Relaxed);
+        d.set_item("pickup_seconds", pickup_ns as f64 / 1e9)?;
         let guard = self.server.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(server) = guard.as_ref() {
             let s = server.stats();

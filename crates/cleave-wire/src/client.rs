@@ -15,10 +15,12 @@ use crate::addr::{Address, Stream};
 use crate::auth::hello_payload_with;
 use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
 use crate::error::WireError;
-use crate::frame::{hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD};
+use crate::frame::{
+    flags, hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD,
+};
 use crate::io::IoThreads;
 use crate::server::unix_now_us;
-use crate::shm::{self, ShmConfig, ShmLink};
+use crate::shm::{self, ShmConfig, ShmLink, ShmTx};
 
 /// Connections and limits of a client.
 #[derive(Clone, Debug)]
@@ -96,6 +98,61 @@ struct ConnHandle {
     /// Request ids of this connection, allocated by callers so they can cancel by id.
     next_id: Arc<AtomicU64>,
     peer_max: u32,
+    /// The connection's own region, where a payload written by its caller goes
+    /// (`Client::call_written`).
+    shm: Option<Arc<ShmTx>>,
+}
+
+/// A request payload its caller writes itself, wherever the connection wants it: straight
+/// into a shared-memory slot on `shm:` (written once, docs/protocol.md "Shared-memory
+/// transport"), else into a buffer sent on the socket. Written again for a retry.
+pub trait Payload: Sync {
+    /// Bytes the payload takes.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Writes every one of its `len()` bytes into `out` (`out` may hold old bytes).
+    fn write_to(&self, out: &mut [u8]);
+}
+
+/// A call's payload: bytes already made, or written by the call.
+#[derive(Clone, Copy)]
+enum Body<'a> {
+    Bytes(&'a Bytes),
+    Written(&'a dyn Payload),
+}
+
+impl Body<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Body::Bytes(b) => b.len(),
+            Body::Written(p) => p.len(),
+        }
+    }
+
+    /// The payload for one attempt on `conn`, and whether it is a slot reference: a written
+    /// payload goes straight into a free slot of the connection's region when it would
+    /// travel by slot anyway; else (and with the ring full) into a buffer.
+    fn for_conn(&self, conn: &ConnHandle) -> (Bytes, bool) {
+        let p = match self {
+            Body::Bytes(b) => return ((*b).clone(), false),
+            Body::Written(p) => *p,
+        };
+        let len = p.len();
+        let slot = (conn.shm.as_ref())
+            .filter(|tx| tx.carries(len))
+            .and_then(|tx| tx.write_with(len, |out| p.write_to(out)));
+        match slot {
+            Some(r) => (r.encode(), true),
+            None => {
+                let mut out = vec![0u8; len];
+                p.write_to(&mut out);
+                (Bytes::from(out), false)
+            }
+        }
+    }
 }
 
 enum Msg {
@@ -108,6 +165,8 @@ struct Call {
     id: u64,
     kind: u16,
     payload: Bytes,
+    /// `payload` is a reference to a slot the caller wrote (flag SHM).
+    in_slot: bool,
     deadline_unix_us: u64,
     trace_id: u64,
     reply: oneshot::Sender<Outcome>,
@@ -196,8 +255,34 @@ impl Client {
         timeout: Duration,
         trace_id: u64,
     ) -> Result<Bytes, WireError> {
+        self.call_body(kind, Body::Bytes(&payload), timeout, trace_id)
+            .await
+    }
+
+    /// `call_traced` with a payload the call writes itself (`Payload`): on `shm:` straight
+    /// into a shared-memory slot, so a payload assembled there is written once, not built in
+    /// a buffer and then copied into the slot. Written again if the call is retried on a new
+    /// connection.
+    pub async fn call_written(
+        &self,
+        kind: u16,
+        payload: &dyn Payload,
+        timeout: Duration,
+        trace_id: u64,
+    ) -> Result<Bytes, WireError> {
+        self.call_body(kind, Body::Written(payload), timeout, trace_id)
+            .await
+    }
+
+    async fn call_body(
+        &self,
+        kind: u16,
+        body: Body<'_>,
+        timeout: Duration,
+        trace_id: u64,
+    ) -> Result<Bytes, WireError> {
         let deadline_unix_us = unix_now_us().saturating_add(timeout.as_micros() as u64);
-        let call = self.call_inner(kind, payload, deadline_unix_us, trace_id);
+        let call = self.call_inner(kind, body, deadline_unix_us, trace_id);
         match tokio::time::timeout(timeout, call).await {
             Ok(r) => r,
             Err(_) => Err(WireError::Timeout {
@@ -240,7 +325,7 @@ impl Client {
     async fn call_inner(
         &self,
         kind: u16,
-        payload: Bytes,
+        body: Body<'_>,
         deadline_unix_us: u64,
         trace_id: u64,
     ) -> Result<Bytes, WireError> {
@@ -254,10 +339,10 @@ impl Client {
         // A connection that ended (idle close, peer restart) is replaced once.
         for _ in 0..2 {
             let conn = self.conn(slot, class).await?;
-            if payload.len() > conn.peer_max as usize {
+            if body.len() > conn.peer_max as usize {
                 return Err(WireError::TooLarge {
                     addr: inner.addr.clone(),
-                    len: payload.len(),
+                    len: body.len(),
                     max: conn.peer_max,
                 });
             }
@@ -267,10 +352,14 @@ impl Client {
             // which the server's own back-pressure and queue limits already bound.
             let (tx, rx) = oneshot::channel();
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
+            // A slot written for a connection that then ends is never read: its region goes
+            // with the connection, and the next attempt writes the payload again.
+            let (payload, in_slot) = body.for_conn(&conn);
             let call = Call {
                 id,
                 kind,
-                payload: payload.clone(),
+                payload,
+                in_slot,
                 deadline_unix_us,
                 trace_id,
                 reply: tx,
@@ -472,6 +561,7 @@ async fn run_connection(
         msgs: tx,
         next_id: Arc::new(AtomicU64::new(1)),
         peer_max,
+        shm: link.as_ref().map(|l| l.tx.clone()),
     };
     if ready.send(Ok(handle)).is_err() {
         return;
@@ -522,8 +612,11 @@ async fn run_connection(
                 while let Some(m) = next {
                     match m {
                         Msg::Call(c) => {
-                            let f = Frame::request(c.kind, c.id, c.payload)
+                            let mut f = Frame::request(c.kind, c.id, c.payload)
                                 .with_context(c.deadline_unix_us, c.trace_id);
+                            if c.in_slot {
+                                f.flags |= flags::SHM;
+                            }
                             writer.push(f);
                             pending.insert(c.id, (c.kind, c.reply));
                         }

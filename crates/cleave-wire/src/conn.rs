@@ -137,10 +137,11 @@ impl FrameWriter {
 
     /// With a shared-memory region, a large payload is copied once into a free slot and the
     /// frame carries the slot's reference; with every slot taken it goes inline (never lost,
-    /// never waiting here: a client waits for a slot before queueing, client.rs).
+    /// never waiting for a slot). A frame already flagged SHM carries a reference its caller
+    /// wrote in place (`Client::call_written`) and goes as it is.
     pub(crate) fn push(&mut self, mut f: Frame) {
         if let Some(tx) = &self.shm {
-            let eligible = f.flags & (flags::CANCEL | flags::ERROR) == 0;
+            let eligible = f.flags & (flags::CANCEL | flags::ERROR | flags::SHM) == 0;
             if eligible && tx.carries(f.payload.len()) {
                 if let Some(r) = tx.write(&f.payload) {
                     f.payload = r.encode();

@@ -36,7 +36,7 @@ pub mod shm;
 mod sockets;
 
 pub use addr::Address;
-pub use client::{Client, ClientConfig, ClientStats};
+pub use client::{Client, ClientConfig, ClientStats, Payload};
 pub use credit::MAX_CREDIT_BALANCE;
 pub use error::WireError;
 pub use ewma::Ewma;

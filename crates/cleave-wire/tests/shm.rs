@@ -140,6 +140,65 @@ fn a_full_ring_sends_inline_and_no_call_waits_for_a_slot() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A payload the call writes itself (`Client::call_written`): `payload(len, seed)`'s bytes.
+struct Written(Bytes);
+
+impl cleave_wire::Payload for Written {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn write_to(&self, out: &mut [u8]) {
+        out.copy_from_slice(&self.0);
+    }
+}
+
+#[test]
+fn a_payload_written_in_place_arrives_as_written_in_a_slot_or_inline() {
+    let d = dir("written");
+    let keeper = Arc::new(Keeper::default());
+    let server = Server::bind(
+        &Address::Shm(d.join("s.sock")),
+        keeper.clone(),
+        ServerConfig::default(),
+    )
+    .unwrap();
+    let shm = client(server.local_addr().clone(), 2);
+    let unix = client(Address::Unix(d.join("s.sock")), 2);
+    rt().block_on(async {
+        // Written into slots (reused many times: each echo frees its slot), and inline when
+        // small, on a plain Unix connection, or with the ring full below.
+        for (i, n) in [10, 20_000, 300_000, 1 << 20]
+            .iter()
+            .cycle()
+            .take(12)
+            .enumerate()
+        {
+            let p = payload(*n, i as u32);
+            for c in [&shm, &unix] {
+                let got = c
+                    .call_written(ECHO, &Written(p.clone()), T, 0)
+                    .await
+                    .unwrap();
+                let mut want = p.to_vec();
+                want.reverse();
+                assert_eq!(&got[..], &want[..], "{n} bytes");
+            }
+        }
+        // The server keeps these: two hold both slots, the other three go inline.
+        for i in 0..5 {
+            let w = Written(payload(100_000, i));
+            shm.call_written(KEEP, &w, T, 0).await.unwrap();
+        }
+    });
+    let kept = keeper.0.lock().unwrap().clone();
+    assert_eq!(kept.len(), 5);
+    for (i, p) in kept.iter().enumerate() {
+        assert_eq!(p, &payload(100_000, i as u32), "payload {i}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Connects by hand, negotiates shared memory, and returns the stream and this side's region.
 async fn raw_shm_client(path: &PathBuf) -> (UnixStream, ShmTx) {
     let mut s = UnixStream::connect(path).await.unwrap();

@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget-ms", type=float, default=1000.0, help="per request (default 1000)"
     )
     parser.add_argument("--rows", type=int, help="table rows (default 800000; quick 80000)")
+    parser.add_argument(
+        "--workdir", help="where the scratch bundle goes (default: a temporary directory)"
+    )
 
 
 def zipf_ids(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
@@ -318,7 +321,9 @@ def run(args: argparse.Namespace) -> int:
     for what, v in (*checks, ("--rounds", rounds)):
         if not v > 0:
             raise UsageError(f"{what} must be > 0, got {v}")
-    with tempfile.TemporaryDirectory(prefix="cleave-bench-rack-") as tmp:
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cleave-bench-rack-", dir=args.workdir) as tmp:
         rng = np.random.default_rng(3)
         bundle = write_bundle(
             Path(tmp) / "bundle",

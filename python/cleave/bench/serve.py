@@ -297,6 +297,7 @@ def _transport_ratios(transports: list[str], monolithic: bool) -> list[Ratio]:
         key, other = f"{transport}_over_{first}", f"{base}/{transport}"
         declared += [
             Ratio(f"transfer_ms_{key}", other, base, _at_common_rates(_transfer_ms)),
+            Ratio(f"transfer_wire_ms_{key}", other, base, _at_common_rates(_transfer_wire_ms)),
             Ratio(f"router_cpu_ms_{key}", other, base, _at_common_rates(_router_cpu_ms)),
             Ratio(f"single_p50_{key}", other, base, ratio_of(single_p50)),
             Ratio(f"max_rate_{key}", other, base, ratio_of(max_rate)),
@@ -308,6 +309,12 @@ def _transfer_ms(point: dict) -> float | None:
     """The router's `transfer` stage of one probe (the ranker's round trip less its queue and
     compute), ms."""
     us = point.get("metrics", {}).get("stages_us", {}).get("transfer_us")
+    return us / 1e3 if us is not None else None
+
+
+def _transfer_wire_ms(point: dict) -> float | None:
+    """`transfer` less the rankers' pickup (stages.py), ms: the transport's own part."""
+    us = point.get("metrics", {}).get("stages_us", {}).get("transfer_wire_us")
     return us / 1e3 if us is not None else None
 
 
@@ -349,7 +356,11 @@ def transport_summary(deployments: dict) -> dict:
     for name, d in deployments.items():
         points = [p for p in d["rates"] if p["within_budget"]] or d["rates"]
         row = {}
-        for key, metric in (("transfer_ms", _transfer_ms), ("router_cpu_ms", _router_cpu_ms)):
+        for key, metric in (
+            ("transfer_ms", _transfer_ms),
+            ("transfer_wire_ms", _transfer_wire_ms),
+            ("router_cpu_ms", _router_cpu_ms),
+        ):
             values = [v for v in map(metric, points) if v is not None]
             row[key] = sum(values) / len(values) if values else None
         out[name] = row
@@ -478,12 +489,12 @@ def _print_transports(result: dict) -> None:
     rows = result.get("by_transport")
     if not rows:
         return
-    print(f"{'deployment':<28} {'transfer ms':>12} {'router CPU ms/req':>18}")
+    print(f"{'deployment':<28} {'transfer ms':>12} {'less pickup':>12} {'router CPU ms/req':>18}")
     for name, row in rows.items():
         cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in row]
-        print(f"{name:<28} {cells[0]:>12} {cells[1]:>18}")
+        print(f"{name:<28} {cells[0]:>12} {cells[1]:>12} {cells[2]:>18}")
     for key, value in result.get("ratios", {}).items():
-        if key.startswith(("transfer_ms_", "router_cpu_ms_")):
+        if key.startswith(("transfer_ms_", "transfer_wire_ms_", "router_cpu_ms_")):
             print(f"{key}: {value:.3f}")
 
 

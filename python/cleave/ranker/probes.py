@@ -36,6 +36,7 @@ class _BatcherCollector:
             requests.add_metric([outcome], value)
         yield requests
         yield CounterMetricFamily("cleave_ranker_batches", "batches run", value=s.batches)
+        yield from _pickup(getattr(self.batcher, "source", None))
         yield GaugeMetricFamily(
             "cleave_ranker_queue_depth", "requests waiting", value=len(self.batcher.queue)
         )
@@ -47,6 +48,25 @@ class _BatcherCollector:
                 "the dense program's memory per batch row, measured at start",
                 value=self.batcher.activation_bytes,
             )
+
+
+def _pickup(source):
+    """How long requests waited in the frame server for the batching loop to take them
+    (`FrameServer.stats`; none for other sources): the part of the router's `transfer` stage
+    that is the ranker's Python thread being busy, whatever the transport (docs/benchmarks.md,
+    "Pass-by-reference between co-located roles")."""
+    stats = getattr(source, "stats", None)
+    counts = stats() if callable(stats) else {}
+    if "picked_up" not in counts:
+        return
+    yield CounterMetricFamily(
+        "cleave_ranker_picked_up", "requests the batching loop took", value=counts["picked_up"]
+    )
+    yield CounterMetricFamily(
+        "cleave_ranker_pickup_seconds",
+        "time requests waited in the frame server for the batching loop to take them",
+        value=counts["pickup_seconds"],
+    )
 
 
 def served_dtype(metrics_text: str) -> str | None:

@@ -269,12 +269,14 @@ class ServeConfig:
     router_held: bool = setting(
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
-    # unix by default, though shm measured faster on one host: under a full test suite's load
-    # one overload run on shm stalled for over 2 s, unexplained yet (docs/benchmarks.md,
-    # "Pass-by-reference between co-located roles"). A plan over several hosts uses tcp.
+    # shm by default: measured faster than plain Unix sockets end to end on one host, and the
+    # overload run that once stalled on it is explained (the router's admission leaked the
+    # charge of a client that left just as it was let in; fixed) (docs/benchmarks.md,
+    # "Pass-by-reference between co-located roles"). `unix` stays selectable; a plan over
+    # several hosts falls back to tcp (plan/planner.py).
     transport: str = setting(
-        "unix",
-        "internal sockets: Unix (co-located), shm (co-located, payloads by reference), TCP or "
+        "shm",
+        "internal sockets: shm (co-located, payloads by reference), Unix (co-located), TCP or "
         "MPTCP (TCP over every NIC)",
         TRANSPORTS,
     )

@@ -119,13 +119,25 @@ impl Limiter {
             s.waiting.push_back(Waiter { id, rows, grant });
             (id, granted, wait)
         };
-        let mut granted = granted;
-        if let Ok(Ok(())) = tokio::time::timeout(wait, &mut granted).await {
+        // Dropped while it waits (the client left: hyper drops the request's future), the
+        // wait gives back what it was granted: a grant sent to a future that never looks
+        // at it again would stay charged forever, and enough of them fill the limit with
+        // requests that do not exist, so that every later one is refused.
+        let mut wait_guard = Waiting {
+            limiter: self,
+            id,
+            rows,
+            granted,
+            settled: false,
+        };
+        if let Ok(Ok(())) = tokio::time::timeout(wait, &mut wait_guard.granted).await {
+            wait_guard.settled = true;
             return Ok(());
         }
         // Granted between the timer and this lock, or still waiting: decided under the lock.
+        wait_guard.settled = true;
         let mut s = self.lock();
-        if granted.try_recv().is_ok() {
+        if wait_guard.granted.try_recv().is_ok() {
             return Ok(());
         }
         s.waiting.retain(|w| w.id != id);
@@ -168,6 +180,33 @@ impl Limiter {
         let now = Instant::now();
         s.gradient.observe(sample, now);
         s.grant(now);
+    }
+}
+
+/// A request waiting in `acquire`; settles its place if the wait is dropped unfinished.
+struct Waiting<'a> {
+    limiter: &'a Limiter,
+    id: u64,
+    rows: u64,
+    granted: oneshot::Receiver<()>,
+    /// Set once `acquire` decided the outcome itself.
+    settled: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let mut s = self.limiter.lock();
+        if self.granted.try_recv().is_ok() {
+            // Charged for this request by `grant`; nobody will release it: give it back.
+            s.gradient.uncharge(self.rows, true);
+            s.grant(Instant::now());
+        } else {
+            let id = self.id;
+            s.waiting.retain(|w| w.id != id);
+        }
     }
 }
 
@@ -244,6 +283,52 @@ mod tests {
         let e = l.acquire(1, Duration::from_secs(1), 1).await;
         assert!(e.is_err());
         assert!(l.lock().waiting.is_empty());
+    }
+
+    /// The overload wedge (docs/benchmarks.md, "Pass-by-reference between co-located roles"):
+    /// a request granted a slot while it waited, whose client left before it looked at the
+    /// grant, kept its charge; after the limit's worth of those every request was refused.
+    #[test]
+    fn a_wait_dropped_after_its_grant_gives_the_charge_back() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Waker};
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let _enter = rt.enter();
+        let l = Limiter::new(64);
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..16 {
+            let mut held = std::pin::pin!(l.acquire(1, Duration::from_secs(1), 1));
+            assert_eq!(held.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        }
+        // Many more than the limit's worth of clients that leave just after their grant.
+        for _ in 0..40 {
+            {
+                let mut waiter = Box::pin(l.acquire(1, Duration::from_secs(1), 1));
+                assert!(
+                    waiter.as_mut().poll(&mut cx).is_pending(),
+                    "the limit is full"
+                );
+                assert_eq!(l.lock().waiting.len(), 1);
+                l.release(1); // a request finishes: its slot is granted to the waiter
+                assert_eq!(l.in_flight(), 16, "charged to the waiter");
+                drop(waiter); // its client left before the grant was looked at
+            }
+            assert_eq!(l.in_flight(), 15, "the grant came back");
+            assert!(l.lock().waiting.is_empty());
+            let mut next = std::pin::pin!(l.acquire(1, Duration::from_secs(1), 1));
+            assert_eq!(next.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        }
+        // A waiter dropped before any grant leaves the queue.
+        {
+            let mut waiter = Box::pin(l.acquire(1, Duration::from_secs(1), 1));
+            assert!(waiter.as_mut().poll(&mut cx).is_pending());
+        }
+        assert!(l.lock().waiting.is_empty());
+        assert_eq!(l.in_flight(), 16);
     }
 
     #[tokio::test(start_paused = true)]

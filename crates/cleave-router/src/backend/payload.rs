@@ -65,26 +65,73 @@ fn put_tensor(out: &mut Vec<u8>, t: &Tensor) {
 }
 
 /// Packs one request's tensors, in one allocation.
-pub fn encode_request<'a>(tensors: impl IntoIterator<Item = &'a Tensor> + Clone) -> Vec<u8> {
+pub fn encode_request<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Vec<u8> {
     encode_request_capped(tensors, 0)
 }
 
 /// A request that also tells the ranker the largest batch (rows) it may run now, what the
 /// memory budget leaves beside the router's cache (docs/cache.md); 0: no cap beyond its own.
 pub fn encode_request_capped<'a>(
-    tensors: impl IntoIterator<Item = &'a Tensor> + Clone,
+    tensors: impl IntoIterator<Item = &'a Tensor>,
     max_batch: u32,
 ) -> Vec<u8> {
-    let size = 8 + tensors.clone().into_iter().map(tensor_len).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    let count = tensors.clone().into_iter().count() as u32;
-    out.extend_from_slice(&count.to_le_bytes());
-    out.extend_from_slice(&max_batch.to_le_bytes());
-    for t in tensors {
-        put_tensor(&mut out, t);
-    }
-    debug_assert_eq!(out.len(), size);
+    let request = RankPayload::new(tensors, max_batch);
+    let mut out = vec![0u8; request.len];
+    request.write(&mut out);
     out
+}
+
+/// A RANK / RANK_FULL request not packed yet: the wire client writes it where the connection
+/// wants it (`cleave_wire::Payload`), on `shm:` straight into a shared-memory slot, so the
+/// fused payload is written once (docs/protocol.md, "Shared-memory transport").
+pub struct RankPayload<'a> {
+    tensors: Vec<&'a Tensor>,
+    max_batch: u32,
+    len: usize,
+}
+
+impl<'a> RankPayload<'a> {
+    pub fn new(tensors: impl IntoIterator<Item = &'a Tensor>, max_batch: u32) -> RankPayload<'a> {
+        let tensors: Vec<&Tensor> = tensors.into_iter().collect();
+        let len = 8 + tensors.iter().map(|t| tensor_len(t)).sum::<usize>();
+        RankPayload {
+            tensors,
+            max_batch,
+            len,
+        }
+    }
+
+    /// Writes every byte of the request into `out` (exactly `len` bytes, which may hold old
+    /// bytes: padding and reserved fields are written as zeros).
+    fn write(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), self.len, "a ranker request's buffer");
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        };
+        put(&(self.tensors.len() as u32).to_le_bytes());
+        put(&self.max_batch.to_le_bytes());
+        for t in &self.tensors {
+            put(&[t.dtype.wire_code(), t.dims.len() as u8, 0, 0, 0, 0, 0, 0]);
+            for &d in &t.dims {
+                put(&(d as u64).to_le_bytes());
+            }
+            put(&t.data);
+            put(&[0u8; 8][..t.data.len().next_multiple_of(8) - t.data.len()]);
+        }
+        debug_assert_eq!(at, self.len);
+    }
+}
+
+impl cleave_wire::Payload for RankPayload<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn write_to(&self, out: &mut [u8]) {
+        self.write(out)
+    }
 }
 
 /// The ranker's side of the exchange; used by the router's tests and fake rankers.
@@ -239,6 +286,19 @@ mod tests {
         want.extend_from_slice(&1u64.to_le_bytes());
         want.extend_from_slice(&[7, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(buf, want);
+    }
+
+    #[test]
+    fn a_request_written_over_old_bytes_is_the_packed_one() {
+        // A shared-memory slot holds its last payload: every byte, padding and reserved
+        // fields included, must be written.
+        use cleave_wire::Payload;
+        let tensors = sample();
+        let request = RankPayload::new(&tensors, 7);
+        let mut slot = vec![0xA5u8; request.len()];
+        request.write_to(&mut slot);
+        assert_eq!(slot, encode_request_capped(&tensors, 7));
+        assert_eq!(decode_request(&slot).unwrap().tensors, tensors);
     }
 
     #[test]

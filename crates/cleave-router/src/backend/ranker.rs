@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_shard::MembershipError;
-use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, WireError};
+use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, Payload, WireError};
 
 use crate::backend::incast::IncastLink;
 use crate::backend::payload::{decode_response, RankResponse};
@@ -133,7 +133,8 @@ impl Drop for Outstanding<'_> {
 pub struct Ranked {
     pub response: RankResponse,
     pub ranker: String,
-    /// Round trip as the router saw it (encode excluded).
+    /// Round trip as the router saw it (packing the payload in the router's memory excluded;
+    /// on shm its one write, straight into the slot, included: `RankerPool::rank`).
     pub round_trip: Duration,
 }
 
@@ -320,13 +321,16 @@ impl RankerPool {
     pub async fn rank(
         &self,
         kind: u16,
-        payload: Bytes,
+        payload: &dyn Payload,
         timeout: Duration,
         trace_id: u64,
     ) -> Result<Ranked, RequestError> {
         let started = Instant::now();
         let mut failures: Vec<String> = Vec::new();
         let mut late: Vec<String> = Vec::new();
+        // Packed once for every ranker reached by socket; a ranker on `shm:` has its
+        // connection write it straight into a slot instead, on each attempt.
+        let mut packed: Option<Bytes> = None;
         for ranker in self.order() {
             let left = timeout.saturating_sub(started.elapsed());
             let needs_us = ranker.compute_us();
@@ -360,18 +364,30 @@ impl RankerPool {
             if let Some(link) = &link {
                 granted = link.permit(trace_id, payload.len() as u64, left).await?;
             }
+            let in_slot = matches!(ranker.client.addr(), Address::Shm(_));
+            if !in_slot && packed.is_none() {
+                let mut out = vec![0u8; payload.len()];
+                payload.write_to(&mut out);
+                packed = Some(Bytes::from(out));
+            }
             let left = timeout.saturating_sub(started.elapsed());
+            // The round trip starts once the payload is made: packing it in the router's
+            // memory is not the transport's, as before; on shm making it is writing it into
+            // the slot, which replaced the copy into the slot the round trip always counted.
             let sent = Instant::now();
             let result = if left.is_zero() {
                 Err(WireError::Timeout {
                     addr: ranker.client.addr().clone(),
                     after: Duration::ZERO,
                 })
-            } else {
-                ranker
+            } else if let (false, Some(bytes)) = (in_slot, &packed) {
+                let call = ranker
                     .client
-                    .call_traced(kind, payload.clone(), left, trace_id)
-                    .await
+                    .call_traced(kind, bytes.clone(), left, trace_id);
+                call.await
+            } else {
+                let call = ranker.client.call_written(kind, payload, left, trace_id);
+                call.await
             };
             let round_trip = sent.elapsed();
             drop(guard);
@@ -694,9 +710,10 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
+        let empty = crate::backend::payload::RankPayload::new([], 0);
         let rank = pool.rank(
             crate::backend::payload::RANK,
-            Bytes::new(),
+            &empty,
             Duration::from_millis(50),
             1,
         );

@@ -4,9 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
-use crate::backend::payload::{encode_request, encode_request_capped, RANK, RANK_FULL};
+use crate::backend::payload::{RankPayload, RANK, RANK_FULL};
 use crate::backend::ranker::RankerPool;
 use crate::budget::Budget;
 use crate::error::{ErrorKind, RequestError, Stage};
@@ -86,13 +84,15 @@ impl Router {
             }
         };
         let lookup = lookup_start.elapsed();
-        // The fused payload: every tensor the ranker needs, in one buffer.
+        // The fused payload: every tensor the ranker needs, in one buffer, written by the
+        // ranker's connection where it travels from (on shm, straight into a slot: once).
+        let cut: Vec<Option<Tensor>>;
         let (kind, payload) = match self.mode {
-            Mode::Monolithic => (RANK_FULL, encode_request(&checked.inputs)),
+            Mode::Monolithic => (RANK_FULL, RankPayload::new(&checked.inputs, 0)),
             Mode::Disaggregated => {
                 // A KJT's lengths cut by key are made here; the other tensors are sent as held.
                 let model = &self.model;
-                let cut: Vec<Option<Tensor>> = (model.dense.iter())
+                cut = (model.dense.iter())
                     .map(|source| match *source {
                         DenseSource::KeyLengths { kjt, key } => {
                             Some(kjt::key_lengths(&model.kjts[kjt], &checked.inputs, key))
@@ -113,7 +113,7 @@ impl Router {
                 // runs none larger (docs/cache.md, "Size follows load").
                 let cap = (self.metrics.cache.get())
                     .map_or(0, |c| c.max_batch().min(u32::MAX as usize) as u32);
-                (RANK, encode_request_capped(tensors, cap))
+                (RANK, RankPayload::new(tensors, cap))
             }
         };
         budget.check(Stage::Lookup)?;
@@ -121,7 +121,7 @@ impl Router {
         // The deadline on the wire is now + what is left: the budget's own deadline.
         let ranked = self
             .rankers
-            .rank(kind, Bytes::from(payload), budget.left(), budget.trace_id)
+            .rank(kind, &payload, budget.left(), budget.trace_id)
             .await?;
         let r = &ranked.response;
         let batch_requests = r.batch_requests;

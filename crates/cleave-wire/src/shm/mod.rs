@@ -132,9 +132,17 @@ impl ShmTx {
     }
 
     /// Copies `payload` into a free slot and marks it sent; `None` when every slot is taken
-    /// (the caller sends inline or waits) or the payload does not fit a slot.
+    /// (the caller sends inline) or the payload does not fit a slot.
     pub fn write(&self, payload: &[u8]) -> Option<SlotRef> {
-        if payload.len() > self.region.slot_bytes() as usize {
+        self.write_with(payload.len(), |slot| slot.copy_from_slice(payload))
+    }
+
+    /// Takes a free slot, lets `fill` write `len` bytes straight into it (every byte: the
+    /// slot holds what its last payload left) and marks it sent: a payload assembled in place
+    /// is written once. `None`, with `fill` not called, when every slot is taken or `len`
+    /// does not fit a slot. Safe from any thread: slots are taken by compare-and-swap.
+    pub fn write_with(&self, len: usize, fill: impl FnOnce(&mut [u8])) -> Option<SlotRef> {
+        if len > self.region.slot_bytes() as usize {
             return None;
         }
         let n = self.region.slots();
@@ -158,21 +166,19 @@ impl ShmTx {
             {
                 continue;
             }
-            // SAFETY: WRITING gives this side the slot; the receiver touches it only once it
-            // sees SENT, which the release store below publishes after the copy.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    payload.as_ptr(),
-                    self.region.slot_ptr(i),
-                    payload.len(),
-                );
-            }
+            // SAFETY: WRITING gives this side the slot (no other writer, and the receiver
+            // touches it only once it sees SENT, which the release store below publishes
+            // after `fill`); `len` is within the slot (checked above).
+            let slot = unsafe { std::slice::from_raw_parts_mut(self.region.slot_ptr(i), len) };
+            // A panicking `fill` leaves the slot WRITING for good: one slot fewer, never a
+            // half-written payload that looks sent.
+            fill(slot);
             state.store(word(generation, SENT), Ordering::Release);
             self.hint.store((i + 1) % n, Ordering::Relaxed);
             return Some(SlotRef {
                 index: i,
                 offset: 0,
-                len: payload.len() as u32,
+                len: len as u32,
                 generation,
             });
         }
@@ -452,6 +458,32 @@ mod tests {
         assert_eq!(c.index, b.index);
         assert_eq!(c.generation, b.generation + 1);
         assert_eq!(held[0], 1);
+    }
+
+    #[test]
+    fn a_payload_filled_in_place_is_read_as_written() {
+        let (tx, rx) = pair(1, 64 << 10);
+        let r = tx.write_with(30_000, |slot| {
+            for (i, b) in slot.iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
+        });
+        let got = rx.resolve(&r.unwrap()).unwrap();
+        assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        let mut called = false;
+        assert_eq!(
+            tx.write_with(10, |_| called = true),
+            None,
+            "the only slot is held"
+        );
+        assert!(!called, "fill runs only with a slot");
+        drop(got);
+        assert_eq!(
+            tx.write_with(70_000, |_| called = true),
+            None,
+            "larger than a slot"
+        );
+        assert!(!called);
     }
 
     #[test]
