@@ -269,11 +269,12 @@ class ServeConfig:
     router_held: bool = setting(
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
-    # shm by default: measured faster than plain Unix sockets end to end on one host, and the
-    # overload run that once stalled on it is explained (the router's admission leaked the
-    # charge of a client that left just as it was let in; fixed) (docs/benchmarks.md,
-    # "Pass-by-reference between co-located roles"). `unix` stays selectable; a plan over
-    # several hosts falls back to tcp (plan/planner.py).
+    # shm by default: measured faster than plain Unix sockets end to end on one host. The
+    # overload run that once stalled on it refused everything after its burst because the
+    # router's admission leaked the charge of a client that left just as it was let in (fixed,
+    # on every transport); why that burst's requests waited past 2 s is not known
+    # (docs/benchmarks.md, "Pass-by-reference between co-located roles"). `unix` stays
+    # selectable; a plan over several hosts falls back to tcp (plan/planner.py).
     transport: str = setting(
         "shm",
         "internal sockets: shm (co-located, payloads by reference), Unix (co-located), TCP or "
