@@ -113,9 +113,8 @@ fn payloads_cross_through_slots_and_equal_unix_sockets_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-#[test]
-fn a_full_ring_sends_inline_and_no_call_waits_for_a_slot() {
-    let d = dir("full");
+/// A shm server at `d/s.sock` that keeps every payload it is sent.
+fn keeping_server(d: &std::path::Path) -> (Server, Arc<Keeper>) {
     let keeper = Arc::new(Keeper::default());
     let server = Server::bind(
         &Address::Shm(d.join("s.sock")),
@@ -123,6 +122,13 @@ fn a_full_ring_sends_inline_and_no_call_waits_for_a_slot() {
         ServerConfig::default(),
     )
     .unwrap();
+    (server, keeper)
+}
+
+#[test]
+fn a_full_ring_sends_inline_and_no_call_waits_for_a_slot() {
+    let d = dir("full");
+    let (server, keeper) = keeping_server(&d);
     let c = client(server.local_addr().clone(), 2);
     rt().block_on(async {
         // The server keeps every payload: two hold both slots, the rest go inline, none waits
@@ -156,13 +162,7 @@ impl cleave_wire::Payload for Written {
 #[test]
 fn a_payload_written_in_place_arrives_as_written_in_a_slot_or_inline() {
     let d = dir("written");
-    let keeper = Arc::new(Keeper::default());
-    let server = Server::bind(
-        &Address::Shm(d.join("s.sock")),
-        keeper.clone(),
-        ServerConfig::default(),
-    )
-    .unwrap();
+    let (server, keeper) = keeping_server(&d);
     let shm = client(server.local_addr().clone(), 2);
     let unix = client(Address::Unix(d.join("s.sock")), 2);
     rt().block_on(async {
