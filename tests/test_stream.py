@@ -30,9 +30,10 @@ from cleave.bench.loadgen import infer_body, outputs_of
 from cleave.bundle.bundle import Bundle
 from cleave.launch.process import ServeProcess
 from cleave.models import MODELS, RequestGenerator
+from cleave.shard_update import table_status
 from cleave.stream import encode_record, record_key
 from cleave.stream.consumer import EXIT_BEFORE_COMMIT_ENV
-from cleave.update import table_status, targets_from_router
+from cleave.update import targets_from_router
 from support.client import post
 from support.processes import child_processes
 from support.updates import updatable_plan

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import CleaveError
+from cleave.shard_update import UpdateError, _Shard
 
 DELTA_MAGIC = b"CLVD"
 DELTA_VERSION = 1
@@ -28,10 +29,6 @@ DELTA_VERSION = 1
 _HEADER = struct.Struct("<4sHHHHIIQ")
 CHUNK_BYTES = 4 << 20  # one UPDATE frame's data: far under the frame size limit
 _SECRET_ENV = "CLEAVE_INTERNAL_SECRET"  # what every role reads (docs/security.md)
-
-
-class UpdateError(CleaveError):
-    """A bad delta or table file, no shard to update, or a shard that refused a step."""
 
 
 def _stored(table: dict, rows: np.ndarray) -> np.ndarray:
@@ -143,29 +140,6 @@ def targets_from_router(
             if r.get("table") == table:
                 out.append(Target(shard["addr"], (int(r["row_start"]), int(r["row_end"]))))
     return out
-
-
-def _message(header: dict, data: bytes = b"") -> bytes:
-    text = json.dumps(header).encode()
-    return struct.pack("<I", len(text)) + text + data
-
-
-class _Shard:
-    def __init__(self, addr: str, timeout_s: float):
-        from cleave import _native
-
-        self.addr = addr
-        self.kind = _native.KIND_UPDATE
-        self.client = _native.FrameClient(addr, timeout_s=timeout_s, connections=1)
-        self.error_type = _native.WireError
-
-    def step(self, header: dict, data: bytes = b"") -> dict:
-        try:
-            return json.loads(self.client.call(self.kind, _message(header, data)))
-        except self.error_type as err:
-            raise UpdateError(
-                f"shard {self.addr}: {header['op']} of table {header['table']!r}: {err}"
-            ) from None
 
 
 def _switch(shard: _Shard, header: dict) -> tuple[int, int] | str:
@@ -295,12 +269,6 @@ def apply_changes(
             )
     time.sleep(max(0.0, switch_at_us / 1e6 - time.time()))  # serving it when this returns
     return out
-
-
-def table_status(addr: str, table: str, timeout_s: float = 10.0) -> dict:
-    """The shard at `addr`'s committed `version` of `table` and the `source` (tag) its last
-    switch recorded (None if none did)."""
-    return _Shard(addr, timeout_s).step({"op": "status", "update": 0, "table": table})
 
 
 def bundle_tables(bundle: Path) -> dict[str, dict]:

@@ -210,7 +210,7 @@ class Served:
 
 def _updated(home: TableHome, table: str) -> bool:
     """Whether the shards of `home` serve `table` at a version other than the bundle's (0)."""
-    from cleave.update import UpdateError, table_status
+    from cleave.shard_update import UpdateError, table_status
 
     addr = next(r["addr"] for r in home.routes if r["table"] == table)
     try:

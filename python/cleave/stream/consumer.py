@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import CleaveError
+from cleave.shard_update import table_status
 from cleave.stream.record import RecordError, decode_record
 from cleave.update import (
     SWITCH_MARGIN_S,
@@ -37,7 +38,6 @@ from cleave.update import (
     apply_changes,
     bundle_tables,
     live_shards,
-    table_status,
     use_plan_secret,
     write_delta,
 )
