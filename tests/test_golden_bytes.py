@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cleave import _native, update
+from cleave import _native, shard_update, update
 from cleave.bench.loadgen import (
     binary_infer_body,
     grpc_infer_message,
@@ -134,7 +134,7 @@ def test_delta_file(tmp_path):
 @pytest.mark.parametrize("name", ["update_stage", "update_switch", "update_abort"])
 def test_update_frame_payloads(name):
     spec = content(name)
-    check_encoded(name, update._message(spec["header"], bytes(spec["data"])))
+    check_encoded(name, shard_update._message(spec["header"], bytes(spec["data"])))
 
 
 @pytest.mark.parametrize("dtype", tables.TABLE_DTYPES.names)
