@@ -312,9 +312,12 @@ def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
     """--repository: the tables of MODEL/VERSION's bundle, and (model, version)."""
     if not (args.model and args.version):
         raise UpdateError("--repository needs --model NAME and --version V (bundle REPO/NAME/V)")
-    bundle = Path(args.repository) / args.model / args.version
-    if not (bundle / "manifest.json").is_file():
-        raise UpdateError(f"--repository: {bundle} is not a bundle (no manifest.json)")
+    from cleave.repository.layout import version_bundle
+
+    try:
+        bundle = version_bundle(args.repository, args.model, args.version)
+    except ValueError as err:
+        raise UpdateError(str(err)) from None
     return bundle_tables(bundle), (args.model, args.version)
 
 

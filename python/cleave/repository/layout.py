@@ -23,6 +23,15 @@ def is_repository(path: Path) -> bool:
     return path.is_dir() and not (path / manifest_io.MANIFEST).exists()
 
 
+def version_bundle(repo: str | Path, model: str, version: str) -> Path:
+    """REPO/MODEL/VERSION, checked to be a bundle (ValueError, naming it, if not): what row
+    updates for that version are checked against."""
+    bundle = Path(repo) / model / version
+    if not (bundle / "manifest.json").is_file():
+        raise ValueError(f"--repository: {bundle} is not a bundle (no manifest.json)")
+    return bundle
+
+
 def scan(repo: Path) -> dict[str, dict[int, Path]]:
     """Model name -> version -> bundle directory, for every `MODEL/VERSION/` where VERSION is a
     positive integer (other directories and files are ignored, as Triton does). A bundle is

@@ -172,9 +172,13 @@ class Deployment:
         elif args.repository:
             if not args.name:
                 raise StreamError("--repository needs --name MODEL (and --model-version V)")
-            bundle, name = Path(args.repository) / args.name / args.model_version, args.name
-            if not (bundle / "manifest.json").is_file():
-                raise StreamError(f"--repository: {bundle} is not a bundle (no manifest.json)")
+            from cleave.repository.layout import version_bundle
+
+            try:
+                bundle = version_bundle(args.repository, args.name, args.model_version)
+            except ValueError as err:
+                raise StreamError(str(err)) from None
+            name = args.name
         else:
             bundle = Path(args.bundle)
             name = args.name or bundle.resolve().name
