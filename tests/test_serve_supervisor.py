@@ -320,6 +320,28 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
     assert codes["router"] == -9 and "did not stop in" in log.getvalue()
 
 
+def test_a_retired_child_is_killed_at_once_the_others_keep_running():
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    stubborn = child(
+        "ranker-old",
+        """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        serve_ready()
+        time.sleep(60)
+        """,
+    )
+    try:
+        old, new = sup.start([stubborn, waiting("ranker-new")], 30)
+        sup.retire({"ranker-old"}, 30)  # no grace time spent: it is killed
+        assert old.proc.returncode == -9 and "did not stop in" not in log.getvalue()
+        assert [c.spec.name for c in sup.children] == ["ranker-new"]
+        assert new.proc.poll() is None
+    finally:
+        sup.stop(10)
+
+
 # -- the plan and the config file ----------------------------------------------------------
 
 

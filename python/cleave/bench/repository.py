@@ -101,8 +101,13 @@ def run(args: argparse.Namespace) -> int:
             took = _load(server.url, version)
             result["steps"].append(_step(f"load version {version}", server, took, row_bytes))
         if args.load_share:
+            # Version 2 is loaded again under the load: a load is one of the rollout's steps.
+            _post(f"{server.url}/v2/repository/models/{MODEL}/unload?version=2", {})
             with pinned(client_cpus):
                 result["rollout"] = _rollout(server.url, models, example, args)
+            result["rollout"]["router_shed_log"] = [
+                line for line in list(server.log) if "requests shed" in line
+            ]
             result["rollout"]["layout"] = {"server_cpus": server_cpus, "client_cpus": client_cpus}
     grew = result["steps"][1]["table_bytes"] - result["steps"][0]["table_bytes"]
     result["ratios"] = {
@@ -135,9 +140,9 @@ def _post(url: str, body: dict) -> float:
 
 def _rollout(url: str, models: dict, example, args) -> dict:
     """Open-loop load at --load-share of the closed-loop capacity, each request with its
-    budget, while version 2 goes through a 10% canary, promotion, rollback, promotion again,
-    and version 1 is unloaded: every answer checked against the model of the version that
-    says it served it."""
+    budget, while version 2 is loaded, goes through a 10% canary, promotion, rollback,
+    promotion again, and version 1 is unloaded: every answer checked against the model of
+    the version that says it served it."""
     import numpy as np
     import torch
     import torch.utils._pytree as pytree
@@ -175,6 +180,7 @@ def _rollout(url: str, models: dict, example, args) -> dict:
 
     admin = f"{url}/admin/v1"
     steps = [
+        ("load version 2", f"{url}/v2/repository/models/{MODEL}/load?version=2", {}),
         ("canary 10%", f"{admin}/rollout", {"model": MODEL, "version": "2", "percent": 10}),
         ("promote", f"{admin}/rollout", {"model": MODEL, "version": "2", "percent": 100}),
         ("rollback", f"{admin}/rollback", {"model": MODEL}),
@@ -294,6 +300,8 @@ def print_table(result: dict) -> None:
         )
         steps = (f"{s['step']} at {s['at_s']:.1f} s ({s['took_s']:.2f} s)" for s in r["steps"])
         print("  steps: " + ", ".join(steps) + f"; failures at {r['failed_at_s']} s")
+        for line in r.get("router_shed_log", []):
+            print(f"  router: {line}")
     r = result["ratios"]
     print(
         f"table growth of version 2 / its changed table: "
