@@ -54,6 +54,7 @@ class PlanPlacement:
         for role in [*plan.shards, *plan.rankers]:
             role.port = role.metrics_port = 0
         plan.transport = self.plan.transport
+        plan.routers = []  # the deployment's one router is the plan's
         return plan
 
 
