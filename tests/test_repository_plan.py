@@ -187,3 +187,15 @@ def test_testbed_ports_stay_unique_per_host_across_versions(repo):
         testbed.TestbedBinding(
             dataclasses.replace(later, shards=[clash], rankers=[]), None, Path("."), ports
         )
+
+
+def test_serving_a_plan_naming_a_missing_version_fails_naming_it(repo, tmp_path, capsys):
+    plan = plan_of(repo)
+    for role in [*plan.shards, *plan.rankers]:
+        if role.version == 3:
+            role.version = 7
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    # Refused before anything is made: no testbed, no process.
+    assert main(["serve", "--plan", str(path), "--runner", "testbed"]) == 2
+    err = capsys.readouterr().err
+    assert "model 'ctr' version 7 (roles ctr-3-ranker-0, ctr-3-ranker-1): not in the" in err
