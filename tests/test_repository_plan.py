@@ -80,6 +80,13 @@ def test_each_version_gets_its_new_tables_and_every_role_names_its_version(repo)
     assert plan_shape(plan) == (2, 2, 2)
 
 
+def test_a_version_shares_each_table_with_the_version_that_brought_that_content(repo):
+    write_version(repo, "ctr", 4, changed=("t0",))  # t0 as version 2's, t1 as version 1's
+    plan = plan_of(repo)
+    assert version_plan(plan, "ctr", 4).shards == []
+    plan.validate()  # its t0 held by version 2's shards only, its t1 by version 1's
+
+
 def test_a_repository_plan_round_trips_and_one_bundle_plans_load_without_the_fields(repo, tmp_path):
     plan = plan_of(repo)
     path = save_plan(plan, tmp_path / "plan.yaml")

@@ -221,16 +221,15 @@ def check_repository_plan(plan: Plan) -> list[str]:
                         f"{t} is held by {homes[keys[t]][0].name} already (the same content "
                         "key); expected only the tables the version brings first"
                     )
-        shared = {t for t, key in keys.items() if key in homes}
-        lent = {s.name: s for key in (keys[t] for t in shared) for s in homes[key]}
+        # The shards of earlier versions, each cut down to the tables this one shares with it
+        # (by key: two versions' tables of one name may differ).
+        lent: dict[str, Shard] = {}
+        for t, key in keys.items():
+            for s in homes.get(key, []):
+                lent.setdefault(s.name, dataclasses.replace(s, ranges={}, ssd_tables=[]))
+                lent[s.name].ranges[t] = s.ranges[t]
         sub = dataclasses.replace(
-            mine,
-            shards=[
-                *cut(dataclasses.replace(mine, shards=list(lent.values())), shared).shards,
-                *mine.shards,
-            ],
-            routers=plan.routers,
-            source=None,
+            mine, shards=[*lent.values(), *mine.shards], routers=plan.routers, source=None
         )
         try:
             warnings += check_plan(sub, manifest)
