@@ -20,6 +20,7 @@ from cleave.plan.repository import make_repository_plan, plan_shape, version_pla
 from cleave.repository.placement import PlanPlacement, plan_config
 from cleave.runners import testbed
 from cleave.settings import RankerConfig, ServeConfig
+from support.cli import refused
 
 TABLES = [
     {"name": "t0", "rows": 1000, "dim": 16, "dtype": "float32", "row_bytes": 64},
@@ -111,8 +112,7 @@ def test_cleave_plan_writes_and_checks_a_repository_plan(repo, tmp_path, capsys)
     assert main(["plan", "--check", str(out)]) == 0
     assert ": OK: repository 'repo'" in capsys.readouterr().out
     # One router only: loads, unloads and rollout state live in it.
-    assert main([*argv[:-2], "--routers", "2", "-o", str(tmp_path / "two.yaml")]) == 2
-    err = capsys.readouterr().err
+    err = refused(*argv[:-2], "--routers", "2", "-o", str(tmp_path / "two.yaml"))
     assert "routers: expected 1, got 2" in err and "rollout state" in err
     assert not (tmp_path / "two.yaml").exists()
 
@@ -196,13 +196,12 @@ def test_testbed_ports_stay_unique_per_host_across_versions(repo):
         )
 
 
-def test_serving_a_plan_naming_a_missing_version_fails_naming_it(repo, tmp_path, capsys):
+def test_serving_a_plan_naming_a_missing_version_fails_naming_it(repo, tmp_path):
     plan = plan_of(repo)
     for role in [*plan.shards, *plan.rankers]:
         if role.version == 3:
             role.version = 7
     path = save_plan(plan, tmp_path / "plan.yaml")
     # Refused before anything is made: no testbed, no process.
-    assert main(["serve", "--plan", str(path), "--runner", "testbed"]) == 2
-    err = capsys.readouterr().err
+    err = refused("serve", "--plan", str(path), "--runner", "testbed")
     assert "model 'ctr' version 7 (roles ctr-3-ranker-0, ctr-3-ranker-1): not in the" in err
