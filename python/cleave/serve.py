@@ -339,7 +339,7 @@ def _repository_plan_deployment(args: argparse.Namespace, plan, options: dict):
 
 def _deployment_from_args(args: argparse.Namespace):
     """(what runs, how to start it): a runner and a plan, or a model repository."""
-    from cleave.repository.layout import is_repository
+    from cleave.bundle.repository import is_repository
     from cleave.runners import RUNNERS
 
     if args.bundle is not None and args.plan is None and is_repository(Path(args.bundle)):

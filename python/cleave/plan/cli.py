@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
+from cleave.bundle.repository import is_repository
 from cleave.errors import UsageError
 from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
@@ -18,7 +19,6 @@ from cleave.plan.planner import make_plan
 from cleave.plan.repository import carried, make_repository_plan
 from cleave.plan.schema import Plan
 from cleave.plan.tiers import load_profile, parse_bytes, place_plan
-from cleave.repository.layout import is_repository
 from cleave.settings import TABLE_LAYOUTS, config_file
 
 

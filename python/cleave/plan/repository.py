@@ -1,9 +1,10 @@
 """Repository plans (docs/plan.md, "Repository plans"): a plan whose `bundle` is a model
 repository (docs/repository.md) carries several model versions. Every shard and ranker names
 the version it serves (`model`, `version`); a version's shards hold only the tables it brings
-first, by content key (layout.TableKey): a table an earlier version has is served where that
-one's is, as `cleave serve REPO` shares them. Versions are taken in order of model name, then
-version, at plan time, at check time and when served, so each computes the same sharing.
+first, by content key (bundle.repository.TableKey): a table an earlier version has is served
+where that one's is, as `cleave serve REPO` shares them. Versions are taken in order of model
+name, then version, at plan time, at check time and when served, so all compute the same
+sharing.
 
 `place_version` is the one place that says where a version's roles go on a plan's hosts: for
 `cleave plan REPO`, and for a version loaded later through the API."""
@@ -14,12 +15,12 @@ import dataclasses
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
+from cleave.bundle.repository import TableKey, is_repository, model_policy, scan, table_keys
 from cleave.errors import CleaveError, UsageError
 from cleave.plan.check import GIB, SHARD_MARGIN_BYTES, _roles, check_plan
 from cleave.plan.planner import METRICS_OFFSET, RANKER_PORT, SHARD_PORT, _Ports, make_plan
 from cleave.plan.schema import Host, Plan, Shard
 from cleave.plan.topology import Topology
-from cleave.repository.layout import TableKey, is_repository, model_policy, scan, table_keys
 from cleave.settings import ServeConfig
 from cleave.settings.addresses import LOCAL_TRANSPORTS
 

@@ -11,11 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+from cleave.bundle.repository import scan
 from cleave.errors import CleaveError, UsageError
 from cleave.launch.supervisor import ChildSpec, Supervisor, find_executable
 from cleave.repository.controller import Controller, ControllerServer
 from cleave.repository.hosts import LocalHosts
-from cleave.repository.layout import scan
 from cleave.repository.placement import LocalPlacement
 from cleave.repository.served import Served
 from cleave.runners.roles import client_url

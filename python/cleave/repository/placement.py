@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from cleave.bundle.repository import model_policy
 from cleave.plan import Plan, local_plan
 from cleave.plan.repository import carried, name_roles, place_version, plan_shape, version_plan
-from cleave.repository.layout import model_policy
 from cleave.settings import RankerConfig, ServeConfig, ShardConfig
 
 

@@ -1,7 +1,7 @@
 """What a repository deployment serves, and the processes behind it (docs/repository.md): each
 model version's rankers, and the shards of the tables no served version had before. A table
-whose key (layout.TableKey) a served version already has is looked up where it already is,
-so a version that changes only its dense weights starts rankers and no shard.
+whose key (bundle.repository.TableKey) a served version already has is looked up where it
+already is, so a version that changes only its dense weights starts rankers and no shard.
 
 `stage` starts a version's processes and returns the router's entry for it; `release` stops
 what no remaining version uses. Either leaves nothing behind when it fails. Which roles a
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
+from cleave.bundle.repository import TableKey, table_keys
 from cleave.errors import CleaveError
 from cleave.launch.supervisor import ChildFailed, Supervisor
 from cleave.plan import this_machine
 from cleave.plan.check import SHARD_MARGIN_BYTES
 from cleave.plan.repository import cut
-from cleave.repository.layout import TableKey, table_keys
 from cleave.runners.roles import RoleSpecs, activation_bytes
 from cleave.runners.supervised import start_backends
 from cleave.settings import ServeConfig
