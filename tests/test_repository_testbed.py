@@ -17,6 +17,7 @@ from cleave.testbed import commands
 from support.repository import Versions, http_client, infer_version, repository_index
 from support.served import TOLERANCE, grpc_target
 from support.testbed import host_addresses
+from support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.testbed,
@@ -83,16 +84,17 @@ def test_versions_load_serve_and_unload_across_hosts(server, repo):
 
         # Loaded through the API: placed on the plan's hosts with its shape, its own table only.
         http.load_model("dlrm", query_params={"version": "2"})
+        # `cleave serve` logged where version 2's roles are before the load answered.
+        staged = "dlrm version 2: 2 rankers, 2 new shards; tables served already: "
+        wait_for(lambda: any(staged in line for line in server.log), "version 2's roles", 30)
         where = _where(server)
         mine = {name: a for name, a in where.items() if name.startswith("dlrm-2-")}
         assert {a for n, a in mine.items() if "-shard-" in n} == shard_hosts
         assert len([n for n in mine if "-shard-" in n]) == 2
         assert {a for n, a in mine.items() if "-ranker-" in n} == ranker_hosts
-        assert any(
-            "dlrm version 2: 2 rankers, 2 new shards; tables served already: " in line
-            and "emb_l_0" not in line
-            for line in server.log
-        )
+        line = next(line for line in server.log if staged in line)
+        shared = set(line.split(staged)[1].split(", "))
+        assert "emb_l_0" not in shared and "emb_l_1" in shared  # its own table, only
         for client in (http, grpc):
             assert repository_index(client) == {("dlrm", "1"): "READY", ("dlrm", "2"): "READY"}
             for version in ("1", "2"):
