@@ -4,7 +4,8 @@ replicas 2 on the two shard hosts, 2 rankers); `cleave serve --plan --runner tes
 and tritonclient, unmodified, over HTTP and gRPC: the repository index, a load of version 2
 (placed on the plan's hosts with its shape), inference on explicit versions and on the
 default, each version's scores its model's within 1e-5, an unload of version 1, the index
-again. One deployment, one ranker thread each (the machine is shared)."""
+again, and version 1 loaded again. One deployment, one ranker thread each (the machine is
+shared)."""
 
 from __future__ import annotations
 
@@ -115,5 +116,10 @@ def test_versions_load_serve_and_unload_across_hosts(server, repo):
             for version in ("2", ""):
                 served, error = infer_version(client, dlrm, version=version)
                 assert served == "2" and error <= TOLERANCE, (client, version, error)
+        # Loaded again: its old shards still hold the tables version 2 shares, so its table
+        # of its own gets shards of new names and ports beside them.
+        http.load_model("dlrm", query_params={"version": "1"})
+        served, error = infer_version(http, dlrm, version="1")
+        assert served == "1" and error <= TOLERANCE
     grpc.close()
     assert server.stop() == 0

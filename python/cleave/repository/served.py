@@ -186,7 +186,15 @@ class Served:
         plan = self.placement.roles(model, version, bundle)
         new = {name for name, key in keys.items() if key not in self.homes}
         plan = cut(plan, new)
+        live = {name for home in self.homes.values() for name in home.shards}
         for shard in plan.shards:
+            if shard.name in live:
+                # A version loaded again while its old shards still serve tables that others
+                # share: the new one needs a name (and, on a host, ports) of its own.
+                n = 1
+                while f"{shard.name}-{n}" in live:
+                    n += 1
+                shard.name, shard.port, shard.metrics_port = f"{shard.name}-{n}", 0, 0
             state = self._state_dir(shard.name)
             shutil.rmtree(state, ignore_errors=True)  # a reloaded version starts as its bundle
             state.mkdir(parents=True)
