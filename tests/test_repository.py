@@ -6,7 +6,8 @@ promotion, rollback and unload under load with no failed request; the rollout st
 router restart.
 
 One deployment for the module (its tests run in order): dlrm versions 1 and 2 (2 changes the
-dense weights and one table) and dlrm-b version 1 (other dense weights, every table dlrm's).
+dense weights and one table) and dlrm-b version 1 (other dense weights, every table dlrm's);
+the last test serves a repository plan of its own on the local runner.
 """
 
 from __future__ import annotations
@@ -306,3 +307,27 @@ def _router_restarted(server, old: int) -> bool:
     argvs = child_processes(server.proc.pid)
     pids = [pid for pid, argv in argvs.items() if "cleave-router" in argv[0]]
     return bool(pids) and old not in pids and get(f"{server.url}/v2/health/ready")[0] == 200
+
+
+def test_a_repository_plan_serves_on_the_local_runner(tmp_path):
+    """`cleave serve --plan` of a repository plan without the testbed: every role here, on
+    ports it picks (the plan's repeat across its hosts); tests/test_repository_testbed.py
+    drives the same on emulated hosts."""
+    from cleave.cli import main
+
+    root = tmp_path / "repo"
+    dlrm = Versions(root, "dlrm")
+    dlrm.write(1)
+    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
+    config = tmp_path / "serve.toml"
+    config.write_text("[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\n")
+    plan = tmp_path / "plan.yaml"
+    flags = ["--hosts", "3", "--rankers", "1", "--config", str(config), "-o", str(plan)]
+    assert main(["plan", str(root), *flags]) == 0
+    with ServeProcess(None, "--plan", str(plan), "--runner", "local") as server:
+        with http_client(server) as http:
+            assert repository_index(http) == {("dlrm", "1"): "READY", ("dlrm", "2"): "READY"}
+            for version, answered in (("1", "1"), ("2", "2"), ("", "2")):
+                served, error = infer_version(http, dlrm, version=version)
+                assert served == answered and error <= TOLERANCE
+        assert server.stop() == 0
