@@ -205,3 +205,12 @@ def test_serving_a_plan_naming_a_missing_version_fails_naming_it(repo, tmp_path)
     # Refused before anything is made: no testbed, no process.
     err = refused("serve", "--plan", str(path), "--runner", "testbed")
     assert "model 'ctr' version 7 (roles ctr-3-ranker-0, ctr-3-ranker-1): not in the" in err
+
+
+def test_runners_without_repository_plans_refuse_them(repo, tmp_path):
+    path = save_plan(plan_of(repo), tmp_path / "plan.yaml")
+    err = refused("serve", "--plan", str(path), "--runner", "ray")
+    assert "--runner ray: not yet with a repository plan" in err
+    # A repository without a plan runs on this machine only; the error says what to do.
+    err = refused("serve", str(repo), "--runner", "testbed")
+    assert "write a repository plan with `cleave plan REPO`" in err
