@@ -43,6 +43,7 @@ LONGEST_FIRST = [
     "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
     "test_testbed_racks.py",  # 19-32, testbed too
     "test_size_validate.py",  # 48 alone, testbed too
+    "test_repository_testbed.py",  # 18 alone, testbed too
 ]
 
 

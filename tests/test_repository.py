@@ -6,7 +6,8 @@ promotion, rollback and unload under load with no failed request; the rollout st
 router restart.
 
 One deployment for the module (its tests run in order): dlrm versions 1 and 2 (2 changes the
-dense weights and one table) and dlrm-b version 1 (other dense weights, every table dlrm's).
+dense weights and one table) and dlrm-b version 1 (other dense weights, every table dlrm's);
+the last test serves a repository plan of its own on the local runner.
 """
 
 from __future__ import annotations
@@ -20,14 +21,20 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from cleave.launch.process import ServeProcess
 from cleave.repository.deployment import ROLLOUT_FILE
 from support.client import closed_loop, post
 from support.processes import child_processes, get
-from support.repository import Versions, break_probe, corrupt, max_error
+from support.repository import (
+    Versions,
+    break_probe,
+    corrupt,
+    http_client,
+    infer_version,
+    max_error,
+    repository_index,
+)
 from support.served import TOLERANCE, grpc_target
-from support.triton import triton_inputs
 from support.waiting import wait_for
 from tritonclient.utils import InferenceServerException
 
@@ -37,7 +44,6 @@ pytestmark = [
 ]
 
 SHARD_MARGIN = 64 << 20  # cleave.plan.check.SHARD_MARGIN_BYTES
-OUTPUTS = ["output_0"]  # the reference dlrm's one output
 
 
 @pytest.fixture(scope="module")
@@ -67,54 +73,30 @@ def server(repo, tmp_path_factory):
         yield server
 
 
-def _http(server):
-    return httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
-
-
-def _infer(client, versions, model="dlrm", version="", headers=None):
-    """One request through tritonclient: (the version that answered, its error from that
-    version's own model's scores)."""
-    arrays, want = versions.arrays(3)
-    grpc = isinstance(client, grpcclient.InferenceServerClient)
-    inputs = triton_inputs(grpcclient if grpc else httpclient, arrays)
-    result = client.infer(model, inputs, model_version=version, headers=headers)
-    response = result.get_response()
-    served = response.model_version if grpc else response["model_version"]
-    got = [result.as_numpy(name).astype(np.float64) for name in OUTPUTS]
-    return served, max_error(got, want[served])
-
-
-def _index(client) -> dict[tuple[str, str], str]:
-    index = client.get_model_repository_index()
-    if not isinstance(index, list):  # gRPC: a message
-        index = [{"name": m.name, "version": m.version, "state": m.state} for m in index.models]
-    return {(m["name"], m["version"]): m["state"] for m in index}
-
-
 def test_tritonclient_sees_every_version_and_each_scores_as_its_model(server, repo):
     _, dlrm, other, _ = repo
     grpc = grpcclient.InferenceServerClient(url=grpc_target(server))
-    with _http(server) as http:
+    with http_client(server) as http:
         for client in (http, grpc):
-            assert _index(client) == {
+            assert repository_index(client) == {
                 ("dlrm", "1"): "READY",
                 ("dlrm", "2"): "READY",
                 ("dlrm-b", "1"): "READY",
             }
             for version in ("1", "2"):
-                served, error = _infer(client, dlrm, version=version)
+                served, error = infer_version(client, dlrm, version=version)
                 assert served == version and error <= TOLERANCE, (client, version, error)
             # No version named: the latest present at start.
-            served, error = _infer(client, dlrm)
+            served, error = infer_version(client, dlrm)
             assert served == "2" and error <= TOLERANCE
-            served, error = _infer(client, other, model="dlrm-b")
+            served, error = infer_version(client, other, model="dlrm-b")
             assert served == "1" and error <= TOLERANCE
         meta = http.get_model_metadata("dlrm")
         assert meta["versions"] == ["1", "2"]
         assert http.is_model_ready("dlrm", "1") and http.is_model_ready("dlrm-b")
         assert not http.is_model_ready("dlrm", "7")
         with pytest.raises(InferenceServerException, match="version"):
-            _infer(http, dlrm, version="7")
+            infer_version(http, dlrm, version="7")
     grpc.close()
 
 
@@ -163,7 +145,7 @@ def test_loads_that_fail_leave_nothing_behind(server, repo):
     corrupt(dlrm.write(4, dense=0.3))
     break_probe(dlrm.write(5, dense=0.4))
     dlrm.write(6, dense=0.5, table="emb_l.1.weight")  # a table of its own: over the budget
-    with _http(server) as http:
+    with http_client(server) as http:
         message = _load_error(http, "dlrm", query_params={"version": "4"})
         assert "manifest.json" in message and "not valid JSON" in message
         message = _load_error(http, "dlrm", query_params={"version": "5"})
@@ -176,37 +158,37 @@ def test_loads_that_fail_leave_nothing_behind(server, repo):
         assert "version_policy: expected one of" in _load_error(http, "dlrm", config=bad)
         # Nothing started stays; what served serves on, and nothing else does.
         assert _processes(server) == before
-        index = _index(http)
+        index = repository_index(http)
         assert [index[("dlrm", v)] for v in "456"] == ["UNAVAILABLE"] * 3
         for version in ("1", "2"):
-            served, error = _infer(http, dlrm, version=version)
+            served, error = infer_version(http, dlrm, version=version)
             assert served == version and error <= TOLERANCE
         for version in ("4", "5", "6"):
             with pytest.raises(InferenceServerException):
-                _infer(http, dlrm, version=version)
+                infer_version(http, dlrm, version=version)
 
 
 def test_a_second_load_of_a_loading_model_is_refused(server, repo):
     root, dlrm, _, _ = repo
     dlrm.write(3, dense=-0.1)  # dense weights only: rankers, no shard
-    with _http(server) as http:
+    with http_client(server) as http:
         done = []
         first = threading.Thread(
             target=lambda: done.append(http_load(server, "dlrm", "3")), daemon=True
         )
         first.start()
-        with _http(server) as other:
+        with http_client(server) as other:
             started = "dlrm version 3: loading"
             wait_for(lambda: any(started in line for line in server.log), "v3 loading", 60)
             message = _load_error(other, "dlrm", query_params={"version": "3"})
         assert "loading" in message
         first.join(120)
         assert done == [200]
-        assert _index(http)[("dlrm", "3")] == "READY"
-        served, error = _infer(http, dlrm, version="3")
+        assert repository_index(http)[("dlrm", "3")] == "READY"
+        served, error = infer_version(http, dlrm, version="3")
         assert served == "3" and error <= TOLERANCE
         # Loaded later, it takes no unversioned traffic by itself.
-        assert _infer(http, dlrm)[0] == "2"
+        assert infer_version(http, dlrm)[0] == "2"
     # Nothing a load started was killed (a child must outlive the thread that started it).
     assert not [line for line in server.log if "killed by SIGKILL" in line]
 
@@ -257,11 +239,13 @@ def test_canary_promotion_rollback_and_unload_under_load(server, repo):
 
         count = len(results)
         wait_for(lambda: len(results) > count + 5, "requests after the rollback", 60)
-        with _http(server) as http:
+        with http_client(server) as http:
             http.unload_model("dlrm", query_params={"version": "1"})
-            assert ("dlrm", "1") not in {k for k, s in _index(http).items() if s == "READY"}
+            assert ("dlrm", "1") not in {
+                k for k, s in repository_index(http).items() if s == "READY"
+            }
             with pytest.raises(InferenceServerException):
-                _infer(http, dlrm, version="1")
+                infer_version(http, dlrm, version="1")
         count = len(results)
         wait_for(lambda: len(results) > count + 5, "requests after the unload", 60)
     finally:
@@ -297,10 +281,10 @@ def test_rollout_state_survives_a_router_restart(server, repo):
     wait_for(lambda: _router_restarted(server, router), "the router to come back", 60)
     assert _get_json(f"{server.url}/admin/v1/rollout") == state
     # It serves what its predecessor did: version 3, loaded after the start, and not 1.
-    with _http(server) as http:
-        ready = {key for key, state in _index(http).items() if state == "READY"}
+    with http_client(server) as http:
+        ready = {key for key, state in repository_index(http).items() if state == "READY"}
         assert ready == {("dlrm", "2"), ("dlrm", "3"), ("dlrm-b", "1")}
-        assert _infer(http, dlrm, version="3")[0] == "3"
+        assert infer_version(http, dlrm, version="3")[0] == "3"
     # Malformed rollouts change nothing.
     for body in (
         {"model": "dlrm", "version": "3", "percent": 101},
@@ -323,3 +307,27 @@ def _router_restarted(server, old: int) -> bool:
     argvs = child_processes(server.proc.pid)
     pids = [pid for pid, argv in argvs.items() if "cleave-router" in argv[0]]
     return bool(pids) and old not in pids and get(f"{server.url}/v2/health/ready")[0] == 200
+
+
+def test_a_repository_plan_serves_on_the_local_runner(tmp_path):
+    """`cleave serve --plan` of a repository plan without the testbed: every role here, on
+    ports it picks (the plan's repeat across its hosts); tests/test_repository_testbed.py
+    drives the same on emulated hosts."""
+    from cleave.cli import main
+
+    root = tmp_path / "repo"
+    dlrm = Versions(root, "dlrm")
+    dlrm.write(1)
+    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
+    config = tmp_path / "serve.toml"
+    config.write_text("[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\n")
+    plan = tmp_path / "plan.yaml"
+    flags = ["--hosts", "3", "--rankers", "1", "--config", str(config), "-o", str(plan)]
+    assert main(["plan", str(root), *flags]) == 0
+    with ServeProcess(None, "--plan", str(plan), "--runner", "local") as server:
+        with http_client(server) as http:
+            assert repository_index(http) == {("dlrm", "1"): "READY", ("dlrm", "2"): "READY"}
+            for version, answered in (("1", "1"), ("2", "2"), ("", "2")):
+                served, error = infer_version(http, dlrm, version=version)
+                assert served == answered and error <= TOLERANCE
+        assert server.stop() == 0

@@ -1,4 +1,4 @@
-"""A model repository on disk (python/cleave/repository/layout.py): what is a version, version
+"""A model repository on disk (python/cleave/bundle/repository.py): what is a version, version
 policies in both their forms, table content keys."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from cleave.bundle.tables import sha256_of
-from cleave.errors import UsageError
-from cleave.repository.layout import (
+from cleave.bundle.repository import (
     VersionPolicy,
     is_repository,
     model_policy,
     scan,
     table_keys,
 )
+from cleave.bundle.tables import sha256_of
+from cleave.errors import UsageError
 
 
 def _bundle(path, tables=(("t0", b"\x01" * 64),)):

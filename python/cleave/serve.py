@@ -18,7 +18,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-from cleave.bundle import manifest as manifest_io
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed
 from cleave.settings import (
@@ -252,7 +251,7 @@ def _plan_from_args(args: argparse.Namespace):
     if args.grpc_port is not None:  # the same for gRPC
         for i, router in enumerate(plan.routers):
             router.grpc_port = args.grpc_port + i if args.grpc_port else 0
-    for warning in plan.check(manifest_io.read(plan.bundle_path(), whole=False)):
+    for warning in plan.validate():  # against its bundle, or each version's (a repository plan)
         print(f"cleave serve: warning: {warning}", file=sys.stderr, flush=True)
     return plan, args.host
 
@@ -310,7 +309,8 @@ def _repository_from_args(args: argparse.Namespace):
     if refused:
         raise UsageError(
             f"{', '.join(refused)}: not with a model repository (its directories name the "
-            "models; the local runner serves it)"
+            "models; the local runner serves it; on other hosts: write a repository plan with "
+            "`cleave plan REPO`, then `cleave serve --plan`)"
         )
     config = config_file.load(args.config)
     _apply_flags(config, args)
@@ -318,16 +318,39 @@ def _repository_from_args(args: argparse.Namespace):
     return RepositoryDeployment(Path(args.bundle).resolve(), config)
 
 
+def _repository_plan_deployment(args: argparse.Namespace, plan, options: dict):
+    """`cleave serve --plan` of a repository plan (docs/plan.md, "Repository plans"): the
+    versions it carries on its roles, on this machine or the testbed."""
+    from cleave.repository.deployment import RepositoryDeployment
+    from cleave.repository.hosts import LocalHosts, TestbedHosts
+    from cleave.repository.placement import PlanPlacement, plan_config
+    from cleave.runners.local import LOOPBACK
+
+    if args.runner == "ray":
+        raise UsageError("--runner ray: not yet with a repository plan (local or testbed)")
+    config = plan_config(plan, options.get("host", LOOPBACK))
+    if args.runner == "testbed":
+        hosts = TestbedHosts(plan, options["link_gbit"], options["racks"], options["rack_mode"])
+    else:
+        hosts = LocalHosts(config.host, config.http_port)
+    placement = PlanPlacement(plan, config)
+    return RepositoryDeployment(plan.bundle_path().resolve(), config, None, placement, hosts)
+
+
 def _deployment_from_args(args: argparse.Namespace):
     """(what runs, how to start it): a runner and a plan, or a model repository."""
-    from cleave.repository.layout import is_repository
+    from cleave.bundle.repository import is_repository
     from cleave.runners import RUNNERS
 
     if args.bundle is not None and args.plan is None and is_repository(Path(args.bundle)):
         deployment = _repository_from_args(args)
         return deployment, deployment.start
     plan, host = _plan_from_args(args)
-    runner = RUNNERS[args.runner](**_runner_options(args, host))
+    options = _runner_options(args, host)
+    if is_repository(plan.bundle_path()):
+        deployment = _repository_plan_deployment(args, plan, options)
+        return deployment, deployment.start
+    runner = RUNNERS[args.runner](**options)
     return runner, lambda runtime: runner.start(plan, runtime)
 
 

@@ -312,7 +312,7 @@ def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
     """--repository: the tables of MODEL/VERSION's bundle, and (model, version)."""
     if not (args.model and args.version):
         raise UpdateError("--repository needs --model NAME and --version V (bundle REPO/NAME/V)")
-    from cleave.repository.layout import version_bundle
+    from cleave.bundle.repository import version_bundle
 
     try:
         bundle = version_bundle(args.repository, args.model, args.version)

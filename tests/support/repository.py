@@ -11,10 +11,15 @@ import cleave
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from cleave.bench.loadgen import infer_body
 from cleave.models import MODELS, RequestGenerator
 
 from support.served import SCALES
+from support.triton import triton_inputs
+
+OUTPUTS = ["output_0"]  # the reference dlrm's one output
 
 
 class Versions:
@@ -79,3 +84,29 @@ def break_probe(bundle: Path) -> None:
 
 def max_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
+
+
+def http_client(server):
+    """tritonclient's HTTP client of a ServeProcess's router."""
+    return httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
+
+
+def infer_version(client, versions: Versions, model="dlrm", version="", headers=None):
+    """One request through tritonclient (HTTP or gRPC): (the version that answered, its error
+    from that version's own model's scores)."""
+    arrays, want = versions.arrays(3)
+    grpc = isinstance(client, grpcclient.InferenceServerClient)
+    inputs = triton_inputs(grpcclient if grpc else httpclient, arrays)
+    result = client.infer(model, inputs, model_version=version, headers=headers)
+    response = result.get_response()
+    served = response.model_version if grpc else response["model_version"]
+    got = [result.as_numpy(name).astype(np.float64) for name in OUTPUTS]
+    return served, max_error(got, want[served])
+
+
+def repository_index(client) -> dict[tuple[str, str], str]:
+    """(model, version) -> state, from tritonclient's repository index (HTTP or gRPC)."""
+    index = client.get_model_repository_index()
+    if not isinstance(index, list):  # gRPC: a message
+        index = [{"name": m.name, "version": m.version, "state": m.state} for m in index.models]
+    return {(m["name"], m["version"]): m["state"] for m in index}

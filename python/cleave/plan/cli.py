@@ -1,6 +1,6 @@
 """`cleave plan BUNDLE (--cluster CLUSTER.yaml | --hosts N) ... -o PLAN.yaml` writes a
-deployment plan; `cleave plan --check PLAN.yaml` validates one against its bundle
-(docs/plan.md)."""
+deployment plan (of a model repository too: a repository plan); `cleave plan --check PLAN.yaml`
+validates one against its bundle, or each version against its own (docs/plan.md)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,24 @@ import sys
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
+from cleave.bundle.repository import is_repository
 from cleave.errors import UsageError
 from cleave.plan.cluster import emulated_hosts, load_cluster_file
 from cleave.plan.files import load_plan, save_plan
 from cleave.plan.planner import make_plan
+from cleave.plan.repository import carried, make_repository_plan
 from cleave.plan.schema import Plan
 from cleave.plan.tiers import load_profile, parse_bytes, place_plan
 from cleave.settings import TABLE_LAYOUTS, config_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", nargs="?", help="bundle directory (cleave partition's output)")
+    parser.add_argument(
+        "bundle",
+        nargs="?",
+        help="bundle directory (cleave partition's output), or a model repository of "
+        "MODEL/VERSION/ bundles: a repository plan (docs/plan.md)",
+    )
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument(
         "--cluster",
@@ -71,20 +78,24 @@ def describe(plan: Plan) -> str:
         names = [role.name for _, role in plan.roles() if role.host == h.name]
         where.append(f"{h.name}: {', '.join(names) if names else 'nothing'}")
     groups = len({s.group for s in plan.shards})
+    what = f"model {plan.name!r}"
+    versions = carried(plan)
+    if any(model for model, _ in versions):
+        what = f"repository {plan.name!r} ({', '.join(f'{m}/{v}' for m, v in versions)})"
     roles = [
         f"{_count(plan.shards, 'shard')} in {_count(range(groups), 'range group')}",
         _count(plan.rankers, "ranker"),
         _count(plan.routers, "router"),
     ]
     return (
-        f"model {plan.name!r} ({plan.mode}, transport {plan.transport}) on "
+        f"{what} ({plan.mode}, transport {plan.transport}) on "
         f"{_count(plan.hosts, 'host')}: {', '.join(roles)}. {'; '.join(where)}."
     )
 
 
 def _check(path: str) -> int:
     plan = load_plan(path)
-    warnings = plan.check(manifest_io.read(plan.bundle_path(), whole=False))
+    warnings = plan.validate()
     for warning in warnings:
         print(warning, file=sys.stderr)
     print(f"{path}: OK: {describe(plan)}")
@@ -123,12 +134,17 @@ def run(args: argparse.Namespace) -> int:
     limits = cluster.limits if cluster else None
     shards = config.shards if args.shards is None else args.shards
     rankers = config.rankers if args.rankers is None else args.rankers
-    plan = make_plan(
+    repository = is_repository(bundle)
+    if repository and budget is not None:
+        raise UsageError("--dram-budget, --profile: not yet with a model repository")
+    plan = (make_repository_plan if repository else make_plan)(
         bundle, hosts, shards, args.replicas, rankers, args.routers, config, topology, limits
     )
     # The bundle is named relative to the plan, so the two move together.
     plan.bundle = os.path.relpath(bundle.resolve(), output.parent.resolve())
-    if args.state_dir:  # docs/tiers.md, "Updates": one directory per shard process
+    # A repository's shards keep their table versions under the deployment's runtime
+    # directory (docs/repository.md, "Row updates"), so no state_dir is written for them.
+    if args.state_dir and not repository:  # docs/tiers.md, "Updates": one per shard process
         for shard in plan.shards:
             shard.state_dir = str(Path(args.state_dir) / shard.name)
     plan.source = output
@@ -139,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             ref = os.path.relpath(Path(args.profile).resolve(), output.parent.resolve())
         plan.placement += place_plan(plan, manifest, budget, profile, ref)
     try:
-        warnings = plan.check(manifest_io.read(bundle, whole=False))
+        warnings = plan.validate()
     except UsageError as err:
         raise UsageError(f"{err}\n(nothing was written to {output})") from None
     command = shlex.join(["cleave", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""

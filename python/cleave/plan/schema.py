@@ -59,6 +59,10 @@ class Shard:
     # Where this shard keeps model updates (`cleave update`, docs/tiers.md "Updates"); relative
     # to the plan file; one directory per shard. "": updates are refused.
     state_dir: str = ""
+    # In a repository plan (docs/plan.md, "Repository plans"): the model version whose new
+    # tables this shard holds. "" and 0: a plan of one bundle.
+    model: str = ""
+    version: int = 0
 
     def __post_init__(self) -> None:
         canonical_choices(self, f"shard {self.name}: ")
@@ -91,6 +95,10 @@ class Ranker:
     incast_adaptive: bool = same_as(IncastConfig, "incast_adaptive")
     incast_order: str = same_as(IncastConfig, "incast_order")
     link_gbit: float = same_as(IncastConfig, "link_gbit")
+    # In a repository plan: the model version whose dense program it runs ("" and 0: a plan
+    # of one bundle).
+    model: str = ""
+    version: int = 0
 
     def __post_init__(self) -> None:
         canonical_choices(self, f"ranker {self.name}: ")
@@ -118,7 +126,9 @@ class Supervision:
 @dataclass
 class Plan:
     name: str  # model name in the URLs
-    bundle: str  # relative paths resolve against the plan file's directory
+    # A bundle, or a model repository (a repository plan: plan/repository.py); relative paths
+    # resolve against the plan file's directory.
+    bundle: str
     # monolithic: the baseline, one ranker runs the whole model; router-held: routers hold
     # every table, no shards.
     mode: str = required("how the model is split across processes", MODES)
@@ -164,6 +174,16 @@ class Plan:
             *((f"rankers[{i}]", r) for i, r in enumerate(self.rankers)),
             *((f"routers[{i}]", r) for i, r in enumerate(self.routers)),
         ]
+
+    def validate(self) -> list[str]:
+        """`check` against the plan's bundle, or, for a repository plan, each carried
+        version against its own bundle (plan/repository.py): the warnings, or UsageError."""
+        from cleave.bundle import manifest as manifest_io
+        from cleave.plan.repository import check_repository_plan, is_repository_plan
+
+        if is_repository_plan(self):
+            return check_repository_plan(self)
+        return self.check(manifest_io.read(self.bundle_path(), whole=False))
 
     def check(self, manifest: dict) -> list[str]:
         """Raise UsageError listing every problem against the bundle's manifest; return the

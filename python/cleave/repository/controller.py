@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from cleave.bundle.repository import VersionPolicy, model_policy, scan
 from cleave.errors import CleaveError, UsageError
-from cleave.repository.layout import VersionPolicy, model_policy, scan
 from cleave.repository.served import LoadError, Served
 
 MAX_BODY = 1 << 20

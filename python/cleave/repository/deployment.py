@@ -1,6 +1,8 @@
 """`cleave serve REPO`: every model version a repository's policies select, one router in
 front of them all, and the controller that loads and unloads versions while it serves
-(docs/repository.md). Processes are local, under one Supervisor, as the local runner's."""
+(docs/repository.md). `cleave serve --plan` of a repository plan: the versions the plan
+carries, on its hosts. Every process is under one Supervisor; where they run is the
+placement's and the hosts' (placement.py, hosts.py): local, or on the testbed."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import os
 import sys
 from pathlib import Path
 
+from cleave.bundle.repository import scan
 from cleave.errors import CleaveError, UsageError
 from cleave.launch.supervisor import ChildSpec, Supervisor, find_executable
 from cleave.repository.controller import Controller, ControllerServer
-from cleave.repository.layout import model_policy, scan
+from cleave.repository.hosts import LocalHosts
+from cleave.repository.placement import LocalPlacement
 from cleave.repository.served import Served
 from cleave.runners.roles import client_url
 from cleave.runners.supervised import keep_router_ports, share_internal_secret
@@ -25,9 +29,10 @@ ROLLOUT_FILE = Path(".cleave") / "rollout.json"
 
 
 class RepositoryDeployment:
-    """start() -> the router's URL; watch(); request_stop(); stop(): as a Runner's."""
+    """start() -> the router's URL; watch(); request_stop(); stop(): as a Runner's. Without a
+    `placement` and `hosts`: `cleave serve REPO`'s, on this machine."""
 
-    def __init__(self, repo: Path, config: ServeConfig, log=None):
+    def __init__(self, repo: Path, config: ServeConfig, log=None, placement=None, hosts=None):
         if config.monolithic or config.router_held:
             raise UsageError(
                 "a model repository is served disaggregated: --monolithic and --router-held "
@@ -35,6 +40,8 @@ class RepositoryDeployment:
             )
         self.repo = repo
         self.config = config
+        self.placement = placement or LocalPlacement(config)
+        self.hosts = hosts or LocalHosts(config.host, config.http_port)
         self.supervisor = Supervisor(fail_stop=config.fail_stop, log=log or sys.stderr)
         self.controller: ControllerServer | None = None
         self.served: Served | None = None
@@ -57,27 +64,29 @@ class RepositoryDeployment:
                 f"{self.repo}: not a bundle (manifest.json: not found) and not a model "
                 "repository (no MODEL/VERSION/ directory in it, VERSION a positive integer)"
             )
-        self.served = served = Served(self.config, self.supervisor, runtime, self.config.host)
-        for model, versions in models.items():
-            for v in model_policy(self.repo, model).select(list(versions)):
-                try:
-                    served.stage(model, v, versions[v])
-                except CleaveError as err:  # as Triton: the others serve, this one is unavailable
-                    self.supervisor.say(f"{model} version {v} not loaded: {err}")
+        self.hosts.up(runtime, self.supervisor.say)
+        # The router's config names its own address: where the hosts put it.
+        self.config.host, self.config.http_port = self.hosts.router()
+        served = Served(self.config, self.supervisor, runtime, self.placement, self.hosts)
+        self.served = served
+        for model, v in self.placement.initial(self.repo, models):
+            try:
+                bundle = models.get(model, {}).get(v)
+                if bundle is None:  # a plan's version removed from the disk since
+                    raise CleaveError(f"no {self.repo / model / str(v)} in the repository")
+                served.stage(model, v, bundle)
+            except CleaveError as err:  # as Triton: the others serve, this one is unavailable
+                self.supervisor.say(f"{model} version {v} not loaded: {err}")
         if not served.versions:
             raise UsageError(f"model repository {self.repo}: no version could be loaded (above)")
         controller = Controller(self.repo, served, changed=self._write_router_config)
-        self.controller = ControllerServer(controller)
+        self.controller = ControllerServer(controller, self.hosts.controller_host)
         self.config_path = runtime / "router.json"
         self._write_router_config()
         host, port = self.config.host, self.config.http_port
         url = client_url(host, port, tls=bool(self.config.router.tls_cert))
-        spec = ChildSpec(
-            "router",
-            [find_executable("cleave-router"), str(self.config_path)],
-            f"http {host}:{port}",
-            probe=url,
-        )
+        argv = [find_executable("cleave-router"), str(self.config_path)]
+        spec = ChildSpec("router", self.hosts.wrap_router(argv), f"http {host}:{port}", probe=url)
         (router,) = self.supervisor.start([spec], self.config.ready_timeout_s)
         keep_router_ports(self.config_path, router.spec)
         bound = json.loads(self.config_path.read_text())
@@ -125,4 +134,7 @@ class RepositoryDeployment:
         self._stopped = True
         if self.controller is not None:
             self.controller.close()
-        return self.supervisor.stop(self.config.stop_timeout_s)
+        try:
+            return self.supervisor.stop(self.config.stop_timeout_s)
+        finally:
+            self.hosts.down()

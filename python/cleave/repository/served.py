@@ -1,10 +1,12 @@
 """What a repository deployment serves, and the processes behind it (docs/repository.md): each
 model version's rankers, and the shards of the tables no served version had before. A table
-whose key (layout.TableKey) a served version already has is looked up where it already is,
-so a version that changes only its dense weights starts rankers and no shard.
+whose key (bundle.repository.TableKey) a served version already has is looked up where it
+already is, so a version that changes only its dense weights starts rankers and no shard.
 
 `stage` starts a version's processes and returns the router's entry for it; `release` stops
-what no remaining version uses. Either leaves nothing behind when it fails."""
+what no remaining version uses. Either leaves nothing behind when it fails. Which roles a
+version gets, and where, is its placement's (placement.py); how they are bound, the hosts'
+(hosts.py): one of each per runner."""
 
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.bundle import manifest as manifest_io
+from cleave.bundle.repository import TableKey, table_keys
 from cleave.errors import CleaveError
 from cleave.launch.supervisor import ChildFailed, Supervisor
-from cleave.plan import local_plan, this_machine
+from cleave.plan import this_machine
 from cleave.plan.check import SHARD_MARGIN_BYTES
-from cleave.repository.layout import TableKey, table_keys
-from cleave.runners.local import LocalBinding
+from cleave.plan.repository import cut
 from cleave.runners.roles import RoleSpecs, activation_bytes
 from cleave.runners.supervised import start_backends
 from cleave.settings import ServeConfig
@@ -59,11 +61,14 @@ class TableHome:
 class Served:
     """The versions served, their tables and their processes. Calls are serialised."""
 
-    def __init__(self, config: ServeConfig, supervisor: Supervisor, runtime: Path, host: str):
+    def __init__(
+        self, config: ServeConfig, supervisor: Supervisor, runtime: Path, placement, hosts
+    ):
         self.config = config
         self.supervisor = supervisor
         self.runtime = runtime
-        self.host = host
+        self.placement = placement  # a version's roles (placement.py)
+        self.hosts = hosts  # their bindings (hosts.py)
         self.versions: dict[tuple[str, int], Version] = {}
         self.homes: dict[TableKey, TableHome] = {}
         self.shard_bytes: dict[str, int] = {}  # a shard's memory: rows, within its DRAM budget
@@ -85,13 +90,14 @@ class Served:
             self._set_apart_updated(keys)
             plan = self._plan(model, version, bundle, keys)
             self._check_memory(model, version, plan, manifest)
-            specs = RoleSpecs(plan, LocalBinding(plan, self.runtime, self.host), self.runtime)
             names = [r.name for r in [*plan.shards, *plan.rankers]]
             timeout = self.config.ready_timeout_s
             try:
+                specs = RoleSpecs(plan, self.hosts.bind(plan), self.runtime)
                 shards, rankers = start_backends(self.supervisor, specs, timeout)
-            except ChildFailed as err:
+            except (ChildFailed, CleaveError) as err:
                 self.supervisor.retire(set(names), self.config.stop_timeout_s)
+                self.hosts.free(set(names))
                 raise LoadError(f"{model} version {version} did not start: {err}") from None
             address = {spec.name: spec.address for spec in shards}
             self.activation_bytes = max(self.activation_bytes, activation_bytes(rankers))
@@ -149,6 +155,7 @@ class Served:
             for name in stop:
                 self.shard_bytes.pop(name, None)
             self.supervisor.retire(stop, self.config.stop_timeout_s)
+            self.hosts.free(stop)
             for name in stop:
                 shutil.rmtree(self._state_dir(name), ignore_errors=True)
 
@@ -174,24 +181,33 @@ class Served:
                         used[table] = apart
 
     def _plan(self, model: str, version: int, bundle: Path, keys: dict[str, TableKey]):
-        """The version's roles: `cleave serve`'s layout for its bundle, its shards cut down to
-        the tables not served yet, every role named after the version."""
-        plan = local_plan(bundle, self.config)
-        prefix = f"{model}-{version}-"
+        """The version's roles as its placement gives them, its shards cut down to the tables
+        not served yet, each with a state directory of its own."""
+        plan = self.placement.roles(model, version, bundle)
         new = {name for name, key in keys.items() if key not in self.homes}
-        shards = []
+        plan = cut(plan, new)
+        live = {name for home in self.homes.values() for name in home.shards}
         for shard in plan.shards:
-            ranges = {t: r for t, r in shard.ranges.items() if t in new}
-            if ranges:
-                name = prefix + shard.name
-                state = self._state_dir(name)
-                shutil.rmtree(state, ignore_errors=True)  # a reloaded version starts as its bundle
-                state.mkdir(parents=True)
-                shards.append(
-                    dataclasses.replace(shard, name=name, ranges=ranges, state_dir=str(state))
-                )
-        plan.shards = shards
-        plan.rankers = [dataclasses.replace(r, name=prefix + r.name) for r in plan.rankers]
+            if shard.name in live:
+                # A version loaded again while its old shards still serve tables that others
+                # share: the new one needs a name (and, on a host, ports) of its own.
+                n = 1
+                while f"{shard.name}-{n}" in live:
+                    n += 1
+                shard.name, shard.port, shard.metrics_port = f"{shard.name}-{n}", 0, 0
+            state = self._state_dir(shard.name)
+            shutil.rmtree(state, ignore_errors=True)  # a reloaded version starts as its bundle
+            state.mkdir(parents=True)
+            shard.state_dir = str(state)
+        # A plan written for other versions may leave a table to one that is not served (it
+        # could not be loaded): nothing would look its rows up.
+        unheld = sorted(new - {t for s in plan.shards for t in s.ranges})
+        if unheld:
+            raise LoadError(
+                f"{model} version {version}: no shard of its placement holds tables "
+                f"{', '.join(unheld)}, and no served version has them (the plan gives them to "
+                "a version that is not served); load that version first, or plan again"
+            )
         return plan
 
     def _check_memory(self, model: str, version: int, plan, manifest: dict) -> None:

@@ -49,13 +49,15 @@ class LocalBinding(Binding):
     then every shard and ranker port is 0. A port the plan leaves 0 stays 0 too. A role
     given port 0 binds a free one itself and says which (docs/plan.md, "Runners"); the
     supervisor takes it from there, and a restarted role comes back on it (a ranker's incast
-    control port too: `--incast-control --control-port 0`)."""
+    control port too: `--incast-control --control-port 0`). `logical=False`: every shard
+    and ranker port is 0 whatever the plan says (a repository's versions are bound one at a
+    time, each unaware of the ports of the others)."""
 
-    def __init__(self, plan: Plan, runtime: Path, host: str):
+    def __init__(self, plan: Plan, runtime: Path, host: str, logical: bool = True):
         self.transport = plan.transport
         self.runtime = runtime
         self.host = host
-        logical = max(Counter(_ports(plan)).values(), default=1) == 1
+        logical = logical and max(Counter(_ports(plan)).values(), default=1) == 1
         self.ports: dict[tuple[str, str], int] = {}
         for role in [*plan.shards, *plan.rankers]:
             if self.transport not in LOCAL_TRANSPORTS:

@@ -27,11 +27,44 @@ METRICS_FROM_PORT = 1000  # a role whose plan metrics port is 0 serves them on p
 SPARE_FROM_PORT = 20000  # other ports a plan leaves 0: the first free ones from here, per host
 
 
+class HostPorts:
+    """The ports handed out on each testbed host, by role and kind. Bindings that share one
+    keep their roles' ports unique per host: a repository's versions are bound one at a time
+    (docs/repository.md, "Plans and runners"), and must not meet on a port."""
+
+    def __init__(self):
+        self.held: dict[tuple[str, str], tuple[str, int]] = {}  # (role, kind) -> (host, port)
+
+    def take(self, key: tuple[str, str], host: str, port: int) -> int:
+        """`port` on `host` for the role's `key`, or with port 0 the first free one from
+        SPARE_FROM_PORT; a role asking again gets what it has."""
+        if key in self.held and self.held[key][0] == host:
+            return self.held[key][1]
+        owner = {hp: k for k, hp in self.held.items()}
+        if port and (host, port) in owner:
+            role, kind = owner[(host, port)]
+            raise UsageError(
+                f"host {host}: port {port} for {key[0]} ({key[1]}) is already {role}'s "
+                f"({kind}); expected ports unique per host"
+            )
+        if not port:
+            port = SPARE_FROM_PORT
+            while (host, port) in owner:  # at most len(owner) steps
+                port += 1
+        self.held[key] = (host, port)
+        return port
+
+    def free(self, roles: set[str]) -> None:
+        """The ports of roles that stopped for good."""
+        self.held = {k: hp for k, hp in self.held.items() if k[0] not in roles}
+
+
 class TestbedBinding(Binding):
     """The plan's ports on each host's own address. Every host is a fresh namespace, so the
-    plan's ports are free there; one left 0 gets a port picked here, unused on its host."""
+    plan's ports are free there; one left 0 gets a port picked here, unused on its host by
+    the roles of every binding sharing `ports`."""
 
-    def __init__(self, plan: Plan, testbed: Testbed, runtime: Path):
+    def __init__(self, plan: Plan, testbed: Testbed, runtime: Path, ports: HostPorts | None = None):
         self.plan = plan
         self.testbed = testbed
         self.runtime = runtime
@@ -44,15 +77,10 @@ class TestbedBinding(Binding):
         wanted.update({(r.name, "http"): (r.host, r.http_port) for r in plan.routers})
         if plan.incast_control:
             wanted.update({(r.name, "control"): (r.host, r.control_port) for r in plan.rankers})
-        used = {hp for hp in wanted.values() if hp[1]}
-        self.ports = {}
-        for key, (host, port) in wanted.items():
-            if not port:
-                port = SPARE_FROM_PORT
-                while (host, port) in used:  # at most len(used) steps
-                    port += 1
-                used.add((host, port))
-            self.ports[key] = port
+        self.host_ports = ports or HostPorts()
+        # The plan's own ports first, so that a picked one never takes a port it names.
+        order = sorted(wanted.items(), key=lambda item: item[1][1] == 0)
+        self.ports = {key: self.host_ports.take(key, *hp) for key, hp in order}
 
     def address(self, role: Shard | Ranker | Router) -> str:
         return self.testbed.hosts[self.index[role.host]].address
@@ -107,6 +135,47 @@ def host_limits(plan: Plan) -> tuple[list[float | None], list[float | None]]:
     return cores, gbit
 
 
+def make_testbed(plan: Plan, link_gbit: float, racks: int | None, rack_mode: str, say) -> Testbed:
+    """A testbed of the plan's hosts, up, its control traffic prioritised; `say` logs where
+    each host is. For the testbed runner and a repository deployment on the testbed."""
+    if plan.transport in LOCAL_TRANSPORTS:
+        # A role on a Unix socket serves its probes on its namespace's loopback, which
+        # the launcher (in the root namespace) cannot reach to learn it is ready; and
+        # shared memory needs the roles on one host, which testbed hosts are not.
+        raise UsageError(
+            f"transport: {plan.transport!r} cannot run on the testbed (its roles are not "
+            "co-located: each testbed host is a namespace of its own); expected transport: "
+            "tcp or mptcp"
+        )
+    require_privileges()  # a clear UsageError before anything is made
+    cores, gbit = host_limits(plan)
+    testbed = Testbed(
+        len(plan.hosts),
+        link_gbit=link_gbit,
+        host_gbit=gbit,
+        cpu_cores=cores,
+        name=testbed_name(plan.name),
+        racks=racks,
+        mode=rack_mode,
+    ).up()
+    try:
+        say(
+            f"testbed {testbed.name!r}: "
+            + ", ".join(
+                f"{p.name}={h.address}" for p, h in zip(plan.hosts, testbed.hosts, strict=True)
+            )
+        )
+        # Control connections (probes, cancels, response credits, incast control) mark their
+        # packets; the emulated network honours the mark, as a datacenter's QoS would.
+        from cleave._native import CONTROL_DSCP
+
+        testbed.prioritize_dscp(CONTROL_DSCP)
+    except BaseException:
+        testbed.down()
+        raise
+    return testbed
+
+
 class TestbedRunner(SupervisedRunner):
     """`link_gbit`: every host link's rate, each direction (`--link-gbit`); `racks`: the plan's
     hosts in that many racks of equal size, wired `rack_mode` (`--racks`, `--rack-mode`)."""
@@ -123,43 +192,12 @@ class TestbedRunner(SupervisedRunner):
         self.testbed: Testbed | None = None
 
     def bind(self, plan: Plan, plan_dir: Path) -> Binding:
-        if plan.transport in LOCAL_TRANSPORTS:
-            # A role on a Unix socket serves its probes on its namespace's loopback, which
-            # the launcher (in the root namespace) cannot reach to learn it is ready; and
-            # shared memory needs the roles on one host, which testbed hosts are not.
-            raise UsageError(
-                f"transport: {plan.transport!r} cannot run on the testbed (its roles are not "
-                "co-located: each testbed host is a namespace of its own); expected transport: "
-                "tcp or mptcp"
-            )
-        require_privileges()  # a clear UsageError before anything is made
-        cores, gbit = host_limits(plan)
-        testbed = Testbed(
-            len(plan.hosts),
-            link_gbit=self.link_gbit,
-            host_gbit=gbit,
-            cpu_cores=cores,
-            name=testbed_name(plan.name),
-            racks=self.racks,
-            mode=self.rack_mode,
-        )
-        self.testbed = testbed.up()
-        self._say(
-            f"testbed {testbed.name!r}: "
-            + ", ".join(
-                f"{p.name}={h.address}" for p, h in zip(plan.hosts, testbed.hosts, strict=True)
-            )
-        )
-        binding = TestbedBinding(plan, testbed, plan_dir)
-        # Control connections (probes, cancels, response credits, incast control) mark their
-        # packets; the emulated network honours the mark, as a datacenter's QoS would.
-        from cleave._native import CONTROL_DSCP
-
-        testbed.prioritize_dscp(CONTROL_DSCP)
+        self.testbed = make_testbed(plan, self.link_gbit, self.racks, self.rack_mode, self._say)
+        binding = TestbedBinding(plan, self.testbed, plan_dir)
         if plan.incast_control:
             # Grants never wait behind payloads on a shaped link (docs/traffic.md).
             for port in sorted({binding.control_port(r) for r in plan.rankers}):
-                testbed.prioritize_port(port)
+                self.testbed.prioritize_port(port)
         return binding
 
     def release(self) -> None:

@@ -172,7 +172,7 @@ class Deployment:
         elif args.repository:
             if not args.name:
                 raise StreamError("--repository needs --name MODEL (and --model-version V)")
-            from cleave.repository.layout import version_bundle
+            from cleave.bundle.repository import version_bundle
 
             try:
                 bundle = version_bundle(args.repository, args.name, args.model_version)
