@@ -133,12 +133,7 @@ where
     let load = RankerLoad::of(&router.rankers);
     let mut permit = app
         .admission
-        .admit(
-            budget.start.elapsed(),
-            budget.budget,
-            asked.map(|ms| Duration::from_secs_f64(ms / 1e3)),
-            &load,
-        )
+        .admit(budget.start.elapsed(), budget.budget, &load)
         .await
         .map_err(shed)?;
     *admitted = true;
@@ -159,7 +154,9 @@ where
     app.set_budget(budget, parsed.budget_ms)?;
     // The request's own size, charged before any lookup (the adaptive rule).
     let rows = rows(model, &parsed.inputs);
-    app.admission.fit(&mut permit, rows, budget).map_err(shed)?;
+    app.admission
+        .fit(&mut permit, rows, budget.left())
+        .map_err(shed)?;
     let parsed_at = budget.start.elapsed();
     let inf = match router.infer(parsed.inputs, budget).await {
         Ok(inf) => inf,

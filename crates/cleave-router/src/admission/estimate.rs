@@ -202,11 +202,7 @@ mod tests {
         };
         for (max, told) in [(60, 60), (5, 5)] {
             let a = Admission::new(10, true, Rule::Estimate, 0.8, max);
-            let e = a
-                .admit(Duration::ZERO, MS, None, &load)
-                .await
-                .err()
-                .unwrap();
+            let e = a.admit(Duration::ZERO, MS, &load).await.err().unwrap();
             assert_eq!((e.reason, e.retry_after_s), (ShedReason::Estimate, told));
         }
     }
@@ -246,7 +242,7 @@ mod tests {
         let mut permits = Vec::new();
         for _ in 0..3 {
             permits.push(
-                a.admit(Duration::ZERO, Duration::from_secs(1), None, &load)
+                a.admit(Duration::ZERO, Duration::from_secs(1), &load)
                     .await
                     .unwrap(),
             );
@@ -256,18 +252,14 @@ mod tests {
             a.estimate.estimate(a.in_flight(), &load),
             Duration::from_micros(busy + 2 * 5000)
         );
-        let e = a
-            .admit(Duration::ZERO, 20 * MS, None, &load)
-            .await
-            .err()
-            .unwrap();
+        let e = a.admit(Duration::ZERO, 20 * MS, &load).await.err().unwrap();
         assert_eq!(e.reason, ShedReason::Estimate);
         assert_eq!(a.in_flight(), 3, "a refused request is not in flight");
         assert_eq!(a.shed_total(ShedReason::Estimate), 1);
         drop(permits);
         assert_eq!(a.in_flight(), 0);
         // Idle, but a request was admitted just now: the estimate still holds.
-        assert!(a.admit(Duration::ZERO, MS, None, &load).await.is_err());
+        assert!(a.admit(Duration::ZERO, MS, &load).await.is_err());
     }
 
     #[tokio::test]
@@ -289,20 +281,11 @@ mod tests {
             ..Stages::default()
         });
         a.estimate.last_activity_us.store(0, Ordering::Relaxed); // measured long ago
-        let probe = a
-            .admit(Duration::ZERO, 100 * MS, None, &load)
-            .await
-            .unwrap();
+        let probe = a.admit(Duration::ZERO, 100 * MS, &load).await.unwrap();
         // While the probe is in flight, and right after it, the estimate applies again.
-        assert!(a
-            .admit(Duration::ZERO, 100 * MS, None, &load)
-            .await
-            .is_err());
+        assert!(a.admit(Duration::ZERO, 100 * MS, &load).await.is_err());
         drop(probe);
-        assert!(a
-            .admit(Duration::ZERO, 100 * MS, None, &load)
-            .await
-            .is_err());
+        assert!(a.admit(Duration::ZERO, 100 * MS, &load).await.is_err());
     }
 
     #[tokio::test]
@@ -312,16 +295,12 @@ mod tests {
             wait: Some(Duration::from_secs(100)),
             ..RankerLoad::default()
         };
-        let p1 = a.admit(Duration::ZERO, MS, None, &load).await.unwrap(); // shedding off: no estimate
-        let _p2 = a.admit(Duration::ZERO, MS, None, &load).await.unwrap();
-        let e = a
-            .admit(Duration::ZERO, MS, None, &load)
-            .await
-            .err()
-            .unwrap();
+        let p1 = a.admit(Duration::ZERO, MS, &load).await.unwrap(); // shedding off: no estimate
+        let _p2 = a.admit(Duration::ZERO, MS, &load).await.unwrap();
+        let e = a.admit(Duration::ZERO, MS, &load).await.err().unwrap();
         assert_eq!(e.reason, ShedReason::InFlight);
         assert_eq!(a.shed_total(ShedReason::InFlight), 1);
         drop(p1);
-        assert!(a.admit(Duration::ZERO, MS, None, &load).await.is_ok());
+        assert!(a.admit(Duration::ZERO, MS, &load).await.is_ok());
     }
 }

@@ -3,15 +3,9 @@
 //! queues do (CoDel + adaptive LIFO):
 //!
 //! * a request waits at most `INTERVAL` (100 ms), or `TARGET` (5 ms) while the queue is
-//!   standing (not empty for `INTERVAL`: overload, when waiting only adds latency), unless
-//!   its budget has room for longer: it may always wait until the share of its budget that
-//!   admission works to (`admit_share`) is used up but for 1.5 times the usual service time.
-//!   A short stall of the machine leaves a queue standing for a while without any overload,
-//!   and a request with a 1 s budget refused after 5 ms of it was refused for nothing
-//!   (measured: refusals at 40% load after a 90 ms guest stall, and while a model version was
-//!   unloaded, docs/benchmarks.md);
-//! * never longer than its budget leaves after 1.5 times the usual service time: what would
-//!   not finish in time is refused at once;
+//!   standing (not empty for `INTERVAL`: overload, when waiting only adds latency), and never
+//!   longer than its budget leaves after 1.5 times the usual service time: what would not finish in
+//!   time is refused at once;
 //! * a standing queue serves the newest first (its oldest are likely to miss their budgets
 //!   anyway), an occasional one oldest first;
 //!
@@ -24,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::gradient::{Gradient, Sample, TOLERANCE, WINDOW};
+use super::gradient::{Gradient, Sample, TOLERANCE};
 
 /// The longest wait, and how long the queue must stay non-empty to count as standing.
 pub const INTERVAL: Duration = Duration::from_millis(100);
@@ -37,7 +31,6 @@ pub struct Limiter {
 
 struct State {
     gradient: Gradient,
-    budgets: LeastBudget,
     waiting: VecDeque<Waiter>,
     /// When the queue was last empty.
     empty_at: Instant,
@@ -63,7 +56,6 @@ impl Limiter {
         Limiter {
             state: Mutex::new(State {
                 gradient: Gradient::new(max_in_flight, now),
-                budgets: LeastBudget::new(now),
                 waiting: VecDeque::new(),
                 empty_at: now,
                 next_id: 0,
@@ -93,15 +85,8 @@ impl Limiter {
     }
 
     /// Charges a new request's `rows` (its door charge), waiting for room within what `left`
-    /// of the budget allows; `share_left`: what is left of the share of its budget admission
-    /// works to (`admit_share` × budget, less the time it spent before the door).
-    pub async fn acquire(
-        &self,
-        rows: u64,
-        left: Duration,
-        share_left: Duration,
-        healthy: usize,
-    ) -> Result<(), Full> {
+    /// of the budget allows.
+    pub async fn acquire(&self, rows: u64, left: Duration, healthy: usize) -> Result<(), Full> {
         let (id, granted, wait) = {
             let mut s = self.lock();
             let now = Instant::now();
@@ -114,13 +99,11 @@ impl Limiter {
             let standing = !s.waiting.is_empty() && now - s.empty_at >= INTERVAL;
             // What its budget leaves after the tolerated service time (1.5 times the usual:
             // a request served in its usual time is the median, and half of those would
-            // expire), and at most INTERVAL (TARGET in a standing queue) or what the share
-            // of its budget leaves, whichever is longer: a wait up to the whole budget ends
-            // late in it (measured: 504s and a p99 near the budget).
-            let service = s.gradient.expected(rows).mul_f64(TOLERANCE);
-            let slack = left.saturating_sub(service);
-            let cap = if standing { TARGET } else { INTERVAL };
-            let wait = slack.min(cap.max(share_left.saturating_sub(service)));
+            // expire), and at most INTERVAL (TARGET in a standing queue): a longer
+            // wait ends late in its budget (measured: waits up to the whole budget ran into
+            // 504s and a p99 near the budget).
+            let slack = left.saturating_sub(s.gradient.expected(rows).mul_f64(TOLERANCE));
+            let wait = slack.min(if standing { TARGET } else { INTERVAL });
             // No cap on how many wait: each waits a bounded time, and `max_in_flight` bounds
             // them all (a cap of the limit's worth of requests refused arrivals at 0.4× capacity
             // whenever the limit sat near its floor: measured).
@@ -180,17 +163,8 @@ impl Limiter {
         s.grant(Instant::now());
     }
 
-    /// A request's rows and whole budget became known (its body was read).
-    pub fn sized(&self, rows: u64, budget: Duration) {
-        let mut s = self.lock();
-        s.gradient.sized(rows);
-        s.budgets.record(budget, Instant::now());
-    }
-
-    /// The least budget of the requests sized lately: what a request whose budget is in its
-    /// body, unread at the door, is taken to have while it waits there (None: none sized).
-    pub fn least_budget(&self) -> Option<Duration> {
-        self.lock().budgets.get(Instant::now())
+    pub fn sized(&self, rows: u64) {
+        self.lock().gradient.sized(rows);
     }
 
     pub fn admitted(&self, rows: u64) {
@@ -206,46 +180,6 @@ impl Limiter {
         let now = Instant::now();
         s.gradient.observe(sample, now);
         s.grant(now);
-    }
-}
-
-/// The least budget over the current and the previous `WINDOW`: the least, so that a request
-/// taken to have it never waits at the door past what its real budget allows.
-struct LeastBudget {
-    current: Option<Duration>,
-    previous: Option<Duration>,
-    started: Instant,
-}
-
-impl LeastBudget {
-    fn new(now: Instant) -> LeastBudget {
-        LeastBudget {
-            current: None,
-            previous: None,
-            started: now,
-        }
-    }
-
-    fn rotate(&mut self, now: Instant) {
-        let age = now.saturating_duration_since(self.started);
-        if age >= WINDOW {
-            self.previous = if age < 2 * WINDOW { self.current } else { None };
-            self.current = None;
-            self.started = now;
-        }
-    }
-
-    fn record(&mut self, budget: Duration, now: Instant) {
-        self.rotate(now);
-        self.current = Some(self.current.map_or(budget, |c| c.min(budget)));
-    }
-
-    fn get(&mut self, now: Instant) -> Option<Duration> {
-        self.rotate(now);
-        match (self.current, self.previous) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
     }
 }
 
@@ -322,26 +256,21 @@ impl State {
 mod tests {
     use super::*;
 
-    const SECOND: Duration = Duration::from_secs(1);
-
     #[tokio::test]
     async fn a_request_that_does_not_fit_waits_for_a_slot_or_is_refused() {
         // A fresh limiter (one ranker, no size seen) holds 16 requests: 16 of one row.
         let l = Limiter::new(64);
         for _ in 0..16 {
-            assert_eq!(l.acquire(1, SECOND, Duration::ZERO, 1).await, Ok(()));
+            assert_eq!(l.acquire(1, Duration::from_secs(1), 1).await, Ok(()));
         }
         // No budget left to wait: refused at once.
-        let e = l
-            .acquire(1, Duration::ZERO, Duration::ZERO, 1)
-            .await
-            .unwrap_err();
+        let e = l.acquire(1, Duration::ZERO, 1).await.unwrap_err();
         assert_eq!((e.in_flight, e.limit), (16, 16));
         // With budget: it waits, and gets the room the first one frees.
         let l = std::sync::Arc::new(l);
         let waiter = {
             let l = l.clone();
-            tokio::spawn(async move { l.acquire(1, SECOND, Duration::ZERO, 1).await })
+            tokio::spawn(async move { l.acquire(1, Duration::from_secs(1), 1).await })
         };
         while l.lock().waiting.is_empty() {
             tokio::task::yield_now().await;
@@ -351,7 +280,7 @@ mod tests {
         assert_eq!(l.in_flight(), 16);
         // Full again, and nothing frees room: it gives up after INTERVAL (its budget would
         // allow more), and leaves the queue.
-        let e = l.acquire(1, SECOND, Duration::ZERO, 1).await;
+        let e = l.acquire(1, Duration::from_secs(1), 1).await;
         assert!(e.is_err());
         assert!(l.lock().waiting.is_empty());
     }
@@ -372,13 +301,13 @@ mod tests {
         let l = Limiter::new(64);
         let mut cx = Context::from_waker(Waker::noop());
         for _ in 0..16 {
-            let mut held = std::pin::pin!(l.acquire(1, SECOND, Duration::ZERO, 1));
+            let mut held = std::pin::pin!(l.acquire(1, Duration::from_secs(1), 1));
             assert_eq!(held.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
         }
         // Many more than the limit's worth of clients that leave just after their grant.
         for _ in 0..40 {
             {
-                let mut waiter = Box::pin(l.acquire(1, SECOND, Duration::ZERO, 1));
+                let mut waiter = Box::pin(l.acquire(1, Duration::from_secs(1), 1));
                 assert!(
                     waiter.as_mut().poll(&mut cx).is_pending(),
                     "the limit is full"
@@ -390,65 +319,16 @@ mod tests {
             }
             assert_eq!(l.in_flight(), 15, "the grant came back");
             assert!(l.lock().waiting.is_empty());
-            let mut next = std::pin::pin!(l.acquire(1, SECOND, Duration::ZERO, 1));
+            let mut next = std::pin::pin!(l.acquire(1, Duration::from_secs(1), 1));
             assert_eq!(next.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
         }
         // A waiter dropped before any grant leaves the queue.
         {
-            let mut waiter = Box::pin(l.acquire(1, SECOND, Duration::ZERO, 1));
+            let mut waiter = Box::pin(l.acquire(1, Duration::from_secs(1), 1));
             assert!(waiter.as_mut().poll(&mut cx).is_pending());
         }
         assert!(l.lock().waiting.is_empty());
         assert_eq!(l.in_flight(), 16);
-    }
-
-    #[test]
-    fn the_door_takes_the_least_budget_of_the_last_one_or_two_windows() {
-        let t0 = Instant::now();
-        let mut least = LeastBudget::new(t0);
-        assert_eq!(least.get(t0), None);
-        least.record(SECOND, t0);
-        least.record(Duration::from_millis(250), t0);
-        assert_eq!(least.get(t0 + WINDOW), Some(Duration::from_millis(250)));
-        // Aged out after two windows with no smaller budget seen.
-        least.record(SECOND, t0 + WINDOW);
-        assert_eq!(least.get(t0 + 2 * WINDOW), Some(SECOND));
-        assert_eq!(least.get(t0 + 4 * WINDOW), None);
-    }
-
-    /// A queue left standing by a stall of the machine (no overload) refused requests with a
-    /// 1 s budget after 5 ms of waiting; one whose budget's share has room waits for it.
-    #[tokio::test(start_paused = true)]
-    async fn a_standing_queue_lets_a_request_wait_within_its_budgets_share() {
-        let l = Limiter::new(64);
-        for _ in 0..16 {
-            assert_eq!(l.acquire(1, SECOND, Duration::ZERO, 1).await, Ok(()));
-        }
-        // A queue that has stood for INTERVAL: one request waiting all along.
-        let (grant, _waiting) = oneshot::channel();
-        {
-            let mut s = l.lock();
-            s.waiting.push_back(Waiter {
-                id: u64::MAX,
-                rows: 1,
-                grant,
-            });
-            s.empty_at = Instant::now() - INTERVAL;
-        }
-        // No share of its budget left: TARGET, as "Fail at Scale"'s standing queues.
-        let start = tokio::time::Instant::now();
-        assert!(l.acquire(1, SECOND, Duration::ZERO, 1).await.is_err());
-        assert_eq!(start.elapsed(), TARGET);
-        // 300 ms of its share left: it waits for them before it is refused.
-        let start = tokio::time::Instant::now();
-        let share = Duration::from_millis(300);
-        assert!(l.acquire(1, SECOND, share, 1).await.is_err());
-        assert_eq!(start.elapsed(), share);
-        // Never past what its whole budget leaves.
-        let start = tokio::time::Instant::now();
-        let left = Duration::from_millis(50);
-        assert!(l.acquire(1, left, share, 1).await.is_err());
-        assert_eq!(start.elapsed(), left);
     }
 
     #[tokio::test(start_paused = true)]
@@ -461,20 +341,14 @@ mod tests {
             in_flight: 16,
             expired: false,
         });
-        assert_eq!(l.acquire(16, SECOND, Duration::ZERO, 1).await, Ok(()));
+        assert_eq!(l.acquire(16, Duration::from_secs(1), 1).await, Ok(()));
         // 14 ms left: 4 ms more than the usual latency, less than 1.5 times it. Waiting, it
         // would likely expire: it is refused at once.
         let start = tokio::time::Instant::now();
-        assert!(l
-            .acquire(1, Duration::from_millis(14), Duration::ZERO, 1)
-            .await
-            .is_err());
+        assert!(l.acquire(1, Duration::from_millis(14), 1).await.is_err());
         assert_eq!(start.elapsed(), Duration::ZERO);
         // 20 ms left: it waits its 5 ms of slack, then gives up.
-        assert!(l
-            .acquire(1, Duration::from_millis(20), Duration::ZERO, 1)
-            .await
-            .is_err());
+        assert!(l.acquire(1, Duration::from_millis(20), 1).await.is_err());
         assert_eq!(start.elapsed(), Duration::from_millis(5));
     }
 }

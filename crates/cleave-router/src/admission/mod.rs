@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use crate::backend::ranker::RankerPool;
-use crate::budget::Budget;
 pub use estimate::{decide, Estimate};
 pub use gradient::{Gradient, Sample};
 use limiter::Limiter;
@@ -210,12 +209,10 @@ impl Admission {
 
     /// Admits a request that has spent `elapsed` since its first byte and may take `budget`
     /// in all, or says why not. Under the adaptive rule it may wait briefly for a slot.
-    /// `asked`: the budget its head named, if any (a body's budget is not read yet).
     pub async fn admit(
         &self,
         elapsed: Duration,
         budget: Duration,
-        asked: Option<Duration>,
         load: &RankerLoad,
     ) -> Result<Permit<'_>, Shed> {
         let before = self.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -241,17 +238,8 @@ impl Admission {
             if let Some(no_load) = self.limiter.beyond_reach(cost, left, 0) {
                 return Err(self.refuse(too_short(no_load, left)));
             }
-            // How long it may wait at the door: within the share of its budget admission
-            // works to. A budget still in the unread body is taken to be the least one seen
-            // lately: waiting on the default budget, a request whose body asked for less
-            // was refused once parsed, its budget spent at the door (measured).
-            let share_left = asked
-                .or_else(|| self.limiter.least_budget())
-                .map_or(Duration::ZERO, |b| {
-                    b.mul_f64(self.admit_share).saturating_sub(elapsed)
-                });
             self.limiter
-                .acquire(cost, left, share_left, load.healthy)
+                .acquire(cost, left, load.healthy)
                 .await
                 .map_err(|f| self.refuse(limit_shed(f)))?;
             permit.charged = cost;
@@ -261,13 +249,12 @@ impl Admission {
 
     /// Tops a request's charge up (or down) to its `rows` once parsed, before any lookup; a
     /// request whose budget left is below the no-load latency of its size is refused.
-    pub fn fit(&self, permit: &mut Permit<'_>, rows: u64, budget: &Budget) -> Result<(), Shed> {
+    pub fn fit(&self, permit: &mut Permit<'_>, rows: u64, left: Duration) -> Result<(), Shed> {
         if permit.charged == 0 {
             return Ok(());
         }
         let rows = rows.max(1);
-        let left = budget.left();
-        self.limiter.sized(rows, budget.budget);
+        self.limiter.sized(rows);
         if let Some(no_load) = self.limiter.beyond_reach(rows, left, permit.charged) {
             return Err(self.refuse(too_short(no_load, left)));
         }
@@ -356,13 +343,12 @@ mod tests {
             ..Default::default()
         };
         let second = Duration::from_secs(1);
-        let mut permit = a.admit(Duration::ZERO, second, None, &load).await.unwrap();
-        a.fit(&mut permit, 100, &Budget::new(Instant::now(), 1e3))
-            .unwrap();
+        let mut permit = a.admit(Duration::ZERO, second, &load).await.unwrap();
+        a.fit(&mut permit, 100, second).unwrap();
         a.observe(&permit, Stages::default(), second); // a no-load latency above zero
         drop(permit);
         // All of its budget spent before admission: idle as the router is, it cannot be met.
-        let e = a.admit(second, second, None, &load).await.err().unwrap();
+        let e = a.admit(second, second, &load).await.err().unwrap();
         assert_eq!(e.reason, ShedReason::Estimate);
         assert!(
             e.message.contains("cannot be met: 0.0 ms of it left"),
@@ -370,7 +356,7 @@ mod tests {
             e.message
         );
         assert_eq!(a.shed_total(ShedReason::Estimate), 1);
-        assert!(a.admit(Duration::ZERO, second, None, &load).await.is_ok());
+        assert!(a.admit(Duration::ZERO, second, &load).await.is_ok());
     }
 
     /// The names are python/cleave/settings/choices.py's ADMISSION_RULES (through the
