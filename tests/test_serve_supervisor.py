@@ -303,11 +303,10 @@ def test_backoff_doubles_up_to_its_cap():
     assert backoff_s(7) == 30.0 and backoff_s(60) == 30.0
 
 
-def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
-    log = io.StringIO()
-    sup = Supervisor(log=log)
-    stubborn = child(
-        "router",
+def stubborn(name: str) -> ChildSpec:
+    """A child that ignores SIGTERM."""
+    return child(
+        name,
         """
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -315,7 +314,12 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
         time.sleep(60)
         """,
     )
-    sup.start([stubborn], 30)
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
+    log = io.StringIO()
+    sup = Supervisor(log=log)
+    sup.start([stubborn("router")], 30)
     codes = sup.stop(0.5)
     assert codes["router"] == -9 and "did not stop in" in log.getvalue()
 
@@ -323,17 +327,8 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_time():
 def test_a_retired_child_is_killed_at_once_the_others_keep_running():
     log = io.StringIO()
     sup = Supervisor(log=log)
-    stubborn = child(
-        "ranker-old",
-        """
-        import signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        serve_ready()
-        time.sleep(60)
-        """,
-    )
     try:
-        old, new = sup.start([stubborn, waiting("ranker-new")], 30)
+        old, new = sup.start([stubborn("ranker-old"), waiting("ranker-new")], 30)
         sup.retire({"ranker-old"}, 30)  # no grace time spent: it is killed
         assert old.proc.returncode == -9 and "did not stop in" not in log.getvalue()
         assert [c.spec.name for c in sup.children] == ["ranker-new"]
