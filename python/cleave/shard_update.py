@@ -40,4 +40,10 @@ class _Shard:
 def table_status(addr: str, table: str, timeout_s: float = 10.0) -> dict:
     """The shard at `addr`'s committed `version` of `table` and the `source` (tag) its last
     switch recorded (None if none did)."""
-    return _Shard(addr, timeout_s).step({"op": "status", "update": 0, "table": table})
+    return tables_status(addr, [table], timeout_s)[table]
+
+
+def tables_status(addr: str, tables: list[str], timeout_s: float = 10.0) -> dict[str, dict]:
+    """`table_status` of each of `tables`, over one client of the shard at `addr`."""
+    shard = _Shard(addr, timeout_s)
+    return {t: shard.step({"op": "status", "update": 0, "table": t}) for t in tables}

@@ -115,6 +115,12 @@ pub trait Payload: Sync {
     }
     /// Writes every one of its `len()` bytes into `out` (`out` may hold old bytes).
     fn write_to(&self, out: &mut [u8]);
+    /// The payload in a buffer of its own: what travels on a socket.
+    fn to_bytes(&self) -> Bytes {
+        let mut out = vec![0u8; self.len()];
+        self.write_to(&mut out);
+        Bytes::from(out)
+    }
 }
 
 /// A call's payload: bytes already made, or written by the call.
@@ -146,11 +152,7 @@ impl Body<'_> {
             .and_then(|tx| tx.write_with(len, |out| p.write_to(out)));
         match slot {
             Some(r) => (r.encode(), true),
-            None => {
-                let mut out = vec![0u8; len];
-                p.write_to(&mut out);
-                (Bytes::from(out), false)
-            }
+            None => (p.to_bytes(), false),
         }
     }
 }

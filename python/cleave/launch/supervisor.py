@@ -299,8 +299,8 @@ class Supervisor:
         (drained first: nothing is sent to it any more), or one whose load failed. They are
         killed, not asked to stop: a ranker's orderly shutdown (1.7 s of Python and torch
         teardown) disturbed the versions still serving on the same core, even at idle CPU
-        priority (measured: 26-31 refused requests per unload at half load on one core,
-        none when killed; docs/benchmarks.md)."""
+        priority (`cleave bench repository`, half load on one core: 3-35 refused in the
+        unload before, none in seven runs since; docs/benchmarks.md)."""
         with self._lock:
             gone = [c for c in self.children if c.spec.name in names]
             self.children = [c for c in self.children if c.spec.name not in names]

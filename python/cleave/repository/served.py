@@ -168,10 +168,9 @@ class Served:
         """A served table that took row updates no longer holds its bundle's bytes, so a
         version loading a table with that key gets a copy of its own: its home is re-keyed,
         and the versions using it keep it."""
-        for name, key in keys.items():
-            home = self.homes.get(key)
-            if home is None or not _updated(home, name):
-                continue
+        shared = {name: self.homes[key] for name, key in keys.items() if key in self.homes}
+        for name in _updated(shared):
+            key, home = keys[name], shared[name]
             apart = dataclasses.replace(key, sha256=f"{key.sha256}+updated-{secrets.token_hex(4)}")
             self.homes[apart] = self.homes.pop(key)
             for user in home.users:
@@ -224,19 +223,27 @@ class Served:
             )
 
 
-def _updated(home: TableHome, table: str) -> bool:
-    """Whether the shards of `home` serve `table` at a version other than the bundle's (0)."""
-    from cleave.shard_update import UpdateError, table_status
+def _updated(shared: dict[str, TableHome]) -> set[str]:
+    """Which of these tables (name: where it is served) their shards serve at a version other
+    than the bundle's (0); each shard is asked once, over one client, for all of them."""
+    from cleave.shard_update import UpdateError, tables_status
 
-    addr = next(r["addr"] for r in home.routes if r["table"] == table)
-    try:
-        return int(table_status(addr, table).get("version") or 0) > 0
-    except UpdateError as err:
-        raise LoadError(
-            f"cannot tell whether table {table!r} took row updates (its shard {addr}: {err}); "
-            "load again once the shard serves",
-            status=503,
-        ) from None
+    by_shard: dict[str, list[str]] = {}
+    for table, home in shared.items():
+        addr = next(r["addr"] for r in home.routes if r["table"] == table)
+        by_shard.setdefault(addr, []).append(table)
+    updated = set()
+    for addr, tables in by_shard.items():
+        try:
+            status = tables_status(addr, tables)
+        except UpdateError as err:
+            raise LoadError(
+                f"cannot tell whether tables {', '.join(tables)} took row updates (their shard "
+                f"{addr}: {err}); load again once the shard serves",
+                status=503,
+            ) from None
+        updated |= {t for t, s in status.items() if int(s.get("version") or 0) > 0}
+    return updated
 
 
 def _shard_bytes(shard, manifest: dict) -> int:

@@ -366,9 +366,7 @@ impl RankerPool {
             }
             let in_slot = matches!(ranker.client.addr(), Address::Shm(_));
             if !in_slot && packed.is_none() {
-                let mut out = vec![0u8; payload.len()];
-                payload.write_to(&mut out);
-                packed = Some(Bytes::from(out));
+                packed = Some(payload.to_bytes());
             }
             let left = timeout.saturating_sub(started.elapsed());
             // The round trip starts once the payload is made: packing it in the router's
