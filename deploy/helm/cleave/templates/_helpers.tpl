@@ -1,3 +1,20 @@
+{{/* "plan" or "repository": what this release runs. Exactly one of `plan` (a deployment
+plan: shards, rankers and routers as pods) and `repository.pvc` (a model repository served by
+one pod, templates/repository.yaml) must be set. */}}
+{{- define "cleave.mode" -}}
+{{- $plan := .Values.plan -}}
+{{- $repository := .Values.repository.pvc -}}
+{{- if and $plan $repository -}}
+{{- fail "plan and repository.pvc are both set: the chart runs a deployment plan or serves a model repository, not both; unset one (--set plan= for the repository, or --set repository.pvc= for the plan)" -}}
+{{- else if $repository -}}
+repository
+{{- else if $plan -}}
+plan
+{{- else -}}
+{{- fail "plan is required, or repository.pvc: set plan to the deployment plan as `cleave plan` wrote it (--set-file plan=dlrm.yaml, docs/plan.md), or repository.pvc to a claim holding a model repository (docs/deploy.md, \"Serving a model repository\")" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The plan, parsed and checked, as JSON: `include "cleave.plan" . | fromJson`. Bad input
 fails the render with what was expected and what arrived. */}}
 {{- define "cleave.plan" -}}
