@@ -24,12 +24,14 @@ import grpc
 import pytest
 import yaml
 from cleave.bench.harness.processes import process_table
+from cleave.cli import main
 from cleave.launch.process import ServeProcess
-from cleave.plan import Host, make_plan, save_plan
+from cleave.plan import Host, load_plan, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.local import free_ports
 from cleave.settings import RankerConfig, RouterConfig, ServeConfig
 from support.client import failures
+from support.repository import Versions, http_client, infer_version, repository_index
 from support.served import SCALES, TOLERANCE, Served, check_scores, under_load
 from support.waiting import wait_for
 
@@ -278,6 +280,60 @@ def test_bench_scale_reports_the_second_rankers_goodput_without_failures(cluster
     assert done.returncode == 2 and "no Ray cluster answers there" in done.stderr, done.stderr
 
 
+def test_a_repository_plan_loads_rolls_out_and_unloads_versions_on_ray_nodes(cluster, tmp_path):
+    # Before the node-death test below, which takes h2 away. dlrm 1 on the plan's hosts, 2
+    # loaded through tritonclient, promoted with `cleave rollout`, 1 unloaded: each step's
+    # roles on the nodes of their plan hosts, each version scored against its model.
+    root = tmp_path / "repo"
+    dlrm = Versions(root, "dlrm")
+    dlrm.write(1)
+    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
+    (root / "dlrm" / "model.toml").write_text("[version_policy]\nspecific = [1]\n")
+    config = tmp_path / "serve.toml"
+    # Budgets for plumbing on a shared 2-core machine, not a latency claim.
+    config.write_text(
+        '[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\ndevice = "cpu"\n'
+    )
+    plan_path = tmp_path / "plan.yaml"
+    flags = ["--hosts", "3", "--shards", "1", "--replicas", "1", "--rankers", "1"]
+    assert main(["plan", str(root), *flags, "--config", str(config), "-o", str(plan_path)]) == 0
+    plan = load_plan(plan_path)
+    node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
+    with serve(cluster, plan_path) as server:
+        where = placement(server)
+        roles = [*plan.shards, *plan.rankers]
+        for role in roles:
+            assert where[role.name] == node[role.host], (role.name, where)
+        assert len({where[r.name] for r in roles}) == 2  # the shards' node and the ranker's
+        with http_client(server) as http:
+            assert repository_index(http) == {("dlrm", "1"): "READY", ("dlrm", "2"): "UNAVAILABLE"}
+            http.load_model("dlrm", query_params={"version": "2"})
+            where = placement(server)
+            mine = {name: n for name, n in where.items() if name.startswith("dlrm-2-")}
+            assert any("-shard-" in n for n in mine) and any("-ranker-" in n for n in mine)
+            assert set(mine.values()) <= set(node.values())
+            for version in ("1", "2", ""):
+                served, error = infer_version(http, dlrm, version=version)
+                assert served == (version or "1") and error <= TOLERANCE, (version, error)
+            done = cli("rollout", "dlrm", "--version", "2", "--percent", "100", "--url", server.url)
+            assert done.returncode == 0, done.stderr
+            served, error = infer_version(http, dlrm)
+            assert served == "2" and error <= TOLERANCE
+            http.unload_model("dlrm", query_params={"version": "1"})
+            assert repository_index(http) == {("dlrm", "1"): "UNAVAILABLE", ("dlrm", "2"): "READY"}
+            served, error = infer_version(http, dlrm, version="2")
+            assert served == "2" and error <= TOLERANCE
+        assert repository_processes(root)
+        assert server.stop() == 0
+        wait_for(lambda: not repository_processes(root), "every role process to exit", 30)
+
+
+def repository_processes(root: Path) -> list[str]:
+    """Command lines of this machine's processes that serve a version of repository `root`."""
+    lines = (" ".join(argv) for _, argv in process_table().values())
+    return [line for line in lines if str(root) in line and "cleave" in line]
+
+
 def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
     cluster, models, tmp_path
 ):
@@ -318,7 +374,6 @@ def test_a_node_with_a_replica_of_every_range_and_a_ranker_dies_under_load(
 
 
 def test_unlabelled_nodes_take_the_plan_hosts_in_turn_gpu_hosts_on_gpu_nodes(models, tmp_path):
-    from cleave.plan import load_plan
     from cleave.runners.ray import map_hosts
 
     plan = load_plan(ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1))
@@ -335,7 +390,6 @@ def test_unlabelled_nodes_take_the_plan_hosts_in_turn_gpu_hosts_on_gpu_nodes(mod
 
 def test_a_cuda_ranker_on_a_node_without_a_gpu_is_named(models, tmp_path):
     from cleave.errors import UsageError
-    from cleave.plan import load_plan
     from cleave.runners.ray import check_capacity
 
     plan = load_plan(ray_plan(models["shared"], tmp_path / "p.yaml", rankers=1, replicas=1))

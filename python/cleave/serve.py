@@ -320,16 +320,18 @@ def _repository_from_args(args: argparse.Namespace):
 
 def _repository_plan_deployment(args: argparse.Namespace, plan, options: dict):
     """`cleave serve --plan` of a repository plan (docs/plan.md, "Repository plans"): the
-    versions it carries on its roles, on this machine or the testbed."""
+    versions it carries on its roles, on this machine, the testbed or Ray."""
     from cleave.repository.deployment import RepositoryDeployment
     from cleave.repository.hosts import LocalHosts, TestbedHosts
     from cleave.repository.placement import PlanPlacement, plan_config
     from cleave.runners.local import LOOPBACK
 
-    if args.runner == "ray":
-        raise UsageError("--runner ray: not yet with a repository plan (local or testbed)")
     config = plan_config(plan, options.get("host", LOOPBACK))
-    if args.runner == "testbed":
+    if args.runner == "ray":
+        from cleave.repository.ray_hosts import RayHosts
+
+        hosts = RayHosts(plan, options["address"])
+    elif args.runner == "testbed":
         hosts = TestbedHosts(plan, options["link_gbit"], options["racks"], options["rack_mode"])
     else:
         hosts = LocalHosts(config.host, config.http_port)

@@ -1,8 +1,8 @@
 """`cleave serve REPO`: every model version a repository's policies select, one router in
 front of them all, and the controller that loads and unloads versions while it serves
 (docs/repository.md). `cleave serve --plan` of a repository plan: the versions the plan
-carries, on its hosts. Every process is under one Supervisor; where they run is the
-placement's and the hosts' (placement.py, hosts.py): local, or on the testbed."""
+carries, on its hosts. Every process is under one supervisor; where they run is the
+placement's and the hosts' (placement.py, hosts.py): local, on the testbed, or on Ray."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cleave.bundle.repository import scan
 from cleave.errors import CleaveError, UsageError
-from cleave.launch.supervisor import ChildSpec, Supervisor, find_executable
+from cleave.launch.supervisor import ChildSpec, find_executable
 from cleave.repository.controller import Controller, ControllerServer
 from cleave.repository.hosts import LocalHosts
 from cleave.repository.placement import LocalPlacement
@@ -42,7 +42,7 @@ class RepositoryDeployment:
         self.config = config
         self.placement = placement or LocalPlacement(config)
         self.hosts = hosts or LocalHosts(config.host, config.http_port)
-        self.supervisor = Supervisor(fail_stop=config.fail_stop, log=log or sys.stderr)
+        self.supervisor = self.hosts.supervisor(config.fail_stop, log or sys.stderr)
         self.controller: ControllerServer | None = None
         self.served: Served | None = None
         self.config_path: Path | None = None
@@ -121,6 +121,7 @@ class RepositoryDeployment:
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(values, indent=1))
         os.replace(tmp, self.config_path)
+        self.hosts.changed(self.config_path)
 
     def watch(self) -> int:
         return self.supervisor.watch(self.config.ready_timeout_s)

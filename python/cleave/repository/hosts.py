@@ -7,12 +7,17 @@ runs, and where the controller listens so that the router reaches it.
 * `TestbedHosts`: one testbed of the plan's hosts for the deployment, made at start and removed
   at stop; each role in its host's namespace; one `HostPorts` for every version's binding, so
   ports stay unique on each host across versions; the controller on the testbed's bridge
-  address in the root namespace, which every host reaches."""
+  address in the root namespace, which every host reaches.
+* `RayHosts` (ray_hosts.py): each role on its Ray node, under a role host.
+
+Each also gives the deployment its supervisor (`supervisor`): a `Supervisor` of processes
+here, for the local runner and the testbed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cleave.launch.supervisor import Supervisor
 from cleave.plan import Plan
 from cleave.runners.local import LOOPBACK, LocalBinding
 from cleave.runners.roles import Binding
@@ -25,6 +30,9 @@ class LocalHosts:
         self.host, self.port = host, port  # the router's client address (`--host`)
         self.runtime = Path(".")
         self.controller_host = LOOPBACK
+
+    def supervisor(self, fail_stop: bool, log) -> Supervisor:
+        return Supervisor(fail_stop=fail_stop, log=log)
 
     def up(self, runtime: Path, say) -> None:
         self.runtime = runtime
@@ -40,6 +48,9 @@ class LocalHosts:
     def wrap_router(self, argv: list[str]) -> list[str]:
         return argv
 
+    def changed(self, path: Path) -> None:
+        """The router's JSON was rewritten: where it runs, it reads this file."""
+
     def free(self, roles: set[str]) -> None:
         """Roles stopped for good (their ports may go to others)."""
 
@@ -54,6 +65,9 @@ class TestbedHosts:
         self.testbed: Testbed | None = None
         self.ports = HostPorts()
         self.whole: TestbedBinding | None = None  # the plan's router and carried roles
+
+    def supervisor(self, fail_stop: bool, log) -> Supervisor:
+        return Supervisor(fail_stop=fail_stop, log=log)
 
     def up(self, runtime: Path, say) -> None:
         self.runtime = runtime
@@ -75,6 +89,9 @@ class TestbedHosts:
 
     def wrap_router(self, argv: list[str]) -> list[str]:
         return self.whole.wrap(self.plan.routers[0], argv)
+
+    def changed(self, path: Path) -> None:
+        pass  # the namespaces share this machine's files
 
     def free(self, roles: set[str]) -> None:
         self.ports.free(roles)

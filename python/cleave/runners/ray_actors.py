@@ -85,14 +85,23 @@ class RoleHost:
             return ip, [first, *free_ports(ip, ports - 1)]
         return ip, free_ports(ip, ports)
 
-    def run(self, spec: ChildSpec, files: dict[str, str], ready_timeout_s: float) -> None:
+    def run(self, spec: ChildSpec, files: dict[str, str], ready_timeout_s: float) -> dict:
         """Writes `files` (a router's JSON), starts the role and returns once its /ready
-        answered 200 (ChildFailed otherwise); then supervises it."""
+        answered 200 (ChildFailed otherwise), with what its ready line reported; then
+        supervises it."""
+        self.write(files)
+        (child,) = self.supervisor.start([spec], ready_timeout_s)
+        threading.Thread(target=self._watch, args=(ready_timeout_s,), daemon=True).start()
+        return dict(child.spec.reported)
+
+    def write(self, files: dict[str, str]) -> None:
+        """Files the role reads on this node (a router's JSON, rewritten when it changes: a
+        restart reads the latest)."""
         for path, text in files.items():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
-        self.supervisor.start([spec], ready_timeout_s)
-        threading.Thread(target=self._watch, args=(ready_timeout_s,), daemon=True).start()
+            tmp = Path(f"{path}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
 
     def _watch(self, ready_timeout_s: float) -> None:
         self.result = self.supervisor.watch(ready_timeout_s)
@@ -106,6 +115,10 @@ class RoleHost:
 
     def stop(self, timeout_s: float) -> dict[str, int]:
         return self.supervisor.stop(timeout_s)
+
+    def retire(self, timeout_s: float) -> None:
+        """Kills the role for good (Supervisor.retire: a model version unloaded)."""
+        self.supervisor.retire({self.name}, timeout_s)
 
 
 class RayBinding(Binding):
