@@ -207,10 +207,13 @@ def test_serving_a_plan_naming_a_missing_version_fails_naming_it(repo, tmp_path)
     assert "model 'ctr' version 7 (roles ctr-3-ranker-0, ctr-3-ranker-1): not in the" in err
 
 
-def test_runners_without_repository_plans_refuse_them(repo, tmp_path):
-    path = save_plan(plan_of(repo), tmp_path / "plan.yaml")
+def test_what_a_runner_cannot_serve_of_a_repository_is_refused(repo, tmp_path):
+    # Ray runs a repository plan over TCP only (docs/ray.md): refused before it connects.
+    plan = plan_of(repo)
+    plan.transport = "mptcp"
+    path = save_plan(plan, tmp_path / "plan.yaml")
     err = refused("serve", "--plan", str(path), "--runner", "ray")
-    assert "--runner ray: not yet with a repository plan" in err
+    assert "the Ray runner runs plans over TCP; got transport 'mptcp'" in err
     # A repository without a plan runs on this machine only; the error says what to do.
     err = refused("serve", str(repo), "--runner", "testbed")
     assert "write a repository plan with `cleave plan REPO`" in err
