@@ -24,14 +24,19 @@ import grpc
 import pytest
 import yaml
 from cleave.bench.harness.processes import process_table
-from cleave.cli import main
 from cleave.launch.process import ServeProcess
 from cleave.plan import Host, load_plan, make_plan, save_plan
 from cleave.runners import membership
 from cleave.runners.local import free_ports
 from cleave.settings import RankerConfig, RouterConfig, ServeConfig
 from support.client import failures
-from support.repository import Versions, http_client, infer_version, repository_index
+from support.repository import (
+    http_client,
+    infer_version,
+    plan_repository,
+    repository_index,
+    version_1_of_2,
+)
 from support.served import SCALES, TOLERANCE, Served, check_scores, under_load
 from support.waiting import wait_for
 
@@ -285,18 +290,9 @@ def test_a_repository_plan_loads_rolls_out_and_unloads_versions_on_ray_nodes(clu
     # loaded through tritonclient, promoted with `cleave rollout`, 1 unloaded: each step's
     # roles on the nodes of their plan hosts, each version scored against its model.
     root = tmp_path / "repo"
-    dlrm = Versions(root, "dlrm")
-    dlrm.write(1)
-    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
-    (root / "dlrm" / "model.toml").write_text("[version_policy]\nspecific = [1]\n")
-    config = tmp_path / "serve.toml"
-    # Budgets for plumbing on a shared 2-core machine, not a latency claim.
-    config.write_text(
-        '[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\ndevice = "cpu"\n'
-    )
-    plan_path = tmp_path / "plan.yaml"
+    dlrm = version_1_of_2(root)
     flags = ["--hosts", "3", "--shards", "1", "--replicas", "1", "--rankers", "1"]
-    assert main(["plan", str(root), *flags, "--config", str(config), "-o", str(plan_path)]) == 0
+    plan_path = plan_repository(root, tmp_path, *flags)
     plan = load_plan(plan_path)
     node = {h: n.node_id for h, n in cluster.nodes_by_host.items()}
     with serve(cluster, plan_path) as server:

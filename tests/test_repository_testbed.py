@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import pytest
 import tritonclient.grpc as grpcclient
-from cleave.cli import main
 from cleave.launch.process import ServeProcess
 from cleave.plan import load_plan
 from cleave.testbed import commands
-from support.repository import Versions, http_client, infer_version, repository_index
+from support.repository import (
+    http_client,
+    infer_version,
+    plan_repository,
+    repository_index,
+    version_1_of_2,
+)
 from support.served import TOLERANCE, grpc_target
 from support.testbed import host_addresses
 from support.waiting import wait_for
@@ -31,25 +36,14 @@ pytestmark = [
 def repo(tmp_path_factory):
     """dlrm 1, and 2 (other dense weights and table emb_l_0); the plan carries 1 only."""
     root = tmp_path_factory.mktemp("repo")
-    dlrm = Versions(root, "dlrm")
-    dlrm.write(1)
-    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
-    (root / "dlrm" / "model.toml").write_text("[version_policy]\nspecific = [1]\n")
-    return root, dlrm
+    return root, version_1_of_2(root)
 
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
     root, _ = repo
-    here = tmp_path_factory.mktemp("plan")
-    config = here / "serve.toml"
-    # Budgets for plumbing on a shared 2-core machine, not a latency claim.
-    config.write_text(
-        '[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\ndevice = "cpu"\n'
-    )
-    plan = here / "plan.yaml"
     flags = ["--hosts", "4", "--shards", "1", "--replicas", "2", "--rankers", "2"]
-    assert main(["plan", str(root), *flags, "--config", str(config), "-o", str(plan)]) == 0
+    plan = plan_repository(root, tmp_path_factory.mktemp("plan"), *flags)
     with ServeProcess(None, "--plan", str(plan), "--runner", "testbed", "--grpc-port", "0") as s:
         yield s, load_plan(plan)
 

@@ -20,6 +20,8 @@ from support.served import SCALES
 from support.triton import triton_inputs
 
 OUTPUTS = ["output_0"]  # the reference dlrm's one output
+# Budgets for plumbing on a machine shared with the suite, not a latency claim.
+PLUMBING = '[router]\nbudget_ms = 20000\nshed = false\n[ranker]\nthreads = 1\ndevice = "cpu"\n'
 
 
 class Versions:
@@ -65,6 +67,26 @@ class Versions:
             arrays, want = self.arrays(batch)
             out.append((infer_body({k: torch.from_numpy(v) for k, v in arrays.items()}), want))
         return out
+
+
+def version_1_of_2(root: Path) -> Versions:
+    """dlrm 1, and 2 (other dense weights and table emb_l_0), its policy serving 1 only."""
+    dlrm = Versions(root, "dlrm")
+    dlrm.write(1)
+    dlrm.write(2, dense=0.1, table="emb_l.0.weight")
+    (root / "dlrm" / "model.toml").write_text("[version_policy]\nspecific = [1]\n")
+    return dlrm
+
+
+def plan_repository(root: Path, here: Path, *flags: str) -> Path:
+    """`cleave plan ROOT FLAGS` with the plumbing settings above; the plan's path."""
+    from cleave.cli import main
+
+    config = here / "serve.toml"
+    config.write_text(PLUMBING)
+    plan = here / "plan.yaml"
+    assert main(["plan", str(root), *flags, "--config", str(config), "-o", str(plan)]) == 0
+    return plan
 
 
 def corrupt(bundle: Path) -> None:
