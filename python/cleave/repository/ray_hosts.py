@@ -113,7 +113,7 @@ class RayHosts:
         new one, which a restart of the router reads."""
         actor = self.actors.get(ROUTER)
         if actor is not None and str(path) == self.router_json:
-            self.ray.get(actor.write.remote(self.files(ChildSpec(ROUTER, []))), timeout=30)
+            self.ray.get(actor.write.remote({self.router_json: path.read_text()}), timeout=30)
 
     def _place(self, roles: list[tuple[str, object]], first: int = 0) -> None:
         """A role host for each role on its host's node, and its ports there (three: the
