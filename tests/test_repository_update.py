@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from cleave.stream.consumer import Deployment, StreamError
 from cleave.update import write_delta
 from support.client import post
 from support.processes import child_processes
-from support.repository import Versions, max_error
+from support.repository import Versions, max_error, plan_repository
 from support.served import TOLERANCE
 from support.waiting import wait_for
 
@@ -62,9 +63,11 @@ def _error(server, dlrm: Versions, version: str) -> float:
     return max_error(got, want[version])
 
 
-def _update(server, root, *flags: str) -> subprocess.CompletedProcess:
+def _update(server, served: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`cleave update` of what `served` names: a repository, or (a .yaml) its plan."""
+    which = "--plan" if served.suffix == ".yaml" else "--repository"
     return subprocess.run(
-        [sys.executable, "-m", "cleave.cli", "update", "--repository", str(root)]
+        [sys.executable, "-m", "cleave.cli", "update", which, str(served)]
         + ["--router", server.url, "--switch-margin-ms", "300", *flags],
         capture_output=True,
         text=True,
@@ -102,7 +105,11 @@ def test_an_update_reaches_every_version_sharing_the_table(server, repo, tmp_pat
     done = _update(server, root, *flags[2:], "--version", "1")
     assert done.returncode != 0 and "--model" in done.stderr, done.stderr
 
-    done = _update(server, root, *flags, "--version", "1")
+    # Through a repository plan of it (`cleave update --plan`), as a plan's deployment is.
+    plan = plan_repository(root, tmp_path, "--hosts", "1")
+    done = _update(server, plan, *flags[2:], "--version", "1")
+    assert done.returncode != 0 and "a repository plan) needs --model" in done.stderr
+    done = _update(server, plan, *flags, "--version", "1")
     assert done.returncode == 0, done.stderr
     for version in (1, 2):  # one table, stored once: both versions now have the new rows
         with torch.no_grad():

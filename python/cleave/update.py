@@ -308,14 +308,15 @@ def live_shards(
     return list(dict.fromkeys(t.addr for t in targets))
 
 
-def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
-    """--repository: the tables of MODEL/VERSION's bundle, and (model, version)."""
+def _repository_tables(repo, args, what: str) -> tuple[dict[str, dict], tuple[str, str]]:
+    """The tables of MODEL/VERSION's bundle in `repo` (named by `what`: --repository, or a
+    repository plan), and (model, version)."""
     if not (args.model and args.version):
-        raise UpdateError("--repository needs --model NAME and --version V (bundle REPO/NAME/V)")
+        raise UpdateError(f"{what} needs --model NAME and --version V (bundle REPO/NAME/V)")
     from cleave.bundle.repository import version_bundle
 
     try:
-        bundle = version_bundle(args.repository, args.model, args.version)
+        bundle = version_bundle(repo, args.model, args.version)
     except ValueError as err:
         raise UpdateError(str(err)) from None
     return bundle_tables(bundle), (args.model, args.version)
@@ -323,14 +324,20 @@ def _repository_tables(args) -> tuple[dict[str, dict], tuple[str, str]]:
 
 def add_arguments(parser) -> None:
     served = parser.add_mutually_exclusive_group(required=True)
-    served.add_argument("--plan", help="the deployment plan (its bundle, secret)")
+    served.add_argument(
+        "--plan",
+        help="the deployment plan (its bundle, secret); a repository plan with --model and "
+        "--version",
+    )
     served.add_argument(
         "--repository",
         metavar="REPO",
         help="a model repository `cleave serve REPO` serves (with --model and --version)",
     )
-    parser.add_argument("--model", help="with --repository: the model whose table to update")
-    parser.add_argument("--version", help="with --repository: the model version that names it")
+    parser.add_argument("--model", help="with a repository (plan): the model whose table to update")
+    parser.add_argument(
+        "--version", help="with a repository (plan): the model version that names it"
+    )
     parser.add_argument("--table", required=True, help="the table to update")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--rows", metavar="DELTA", help="a delta: new rows for some ids")
@@ -358,12 +365,17 @@ def run(args) -> int:
 
     if not 0 <= args.switch_margin_ms <= 600_000:
         raise UpdateError(f"--switch-margin-ms: expected 0..600000, got {args.switch_margin_ms}")
+    from cleave.bundle.repository import is_repository
+
     if args.plan:
         plan = load_plan(args.plan)
-        tables = bundle_tables(plan.bundle_path())
-        version = None
+        if is_repository(plan.bundle_path()):
+            what = f"--plan {args.plan} (a repository plan)"
+            tables, version = _repository_tables(plan.bundle_path(), args, what)
+        else:
+            tables, version = bundle_tables(plan.bundle_path()), None
     else:
-        tables, version = _repository_tables(args)
+        tables, version = _repository_tables(args.repository, args, "--repository")
     table = tables.get(args.table)
     if table is None:
         raise UpdateError(f"--table {args.table!r}: the bundle has {sorted(tables)}")
