@@ -1,7 +1,8 @@
-"""`transport: shm` end to end (docs/protocol.md, "Shared-memory transport"): the `dlrm`
-reference model served by `cleave serve` (1 shard) on shared memory, Unix sockets, TCP and
-MPTCP, one after the other, answers the same requests with the same scores bit for bit (the
-RANK payloads of 64 and 256 candidates and the shard replies travel through slots on shm);
+"""`transport: shm` end to end (docs/protocol.md, "Shared-memory transport"): each reference
+model (dlrm, dcn, din, shared) served by `cleave serve` (1 shard) on shared memory, Unix
+sockets, TCP and MPTCP, one after the other, answers the same requests with the same scores
+bit for bit (the RANK payloads of 64 and 256 candidates and the shard replies travel through
+slots on shm);
 and on shm a ranker killed under load costs at most 503s, never a hang: every request is
 answered within its budget and the deployment goes on serving."""
 
@@ -69,10 +70,25 @@ def test_scores_are_equal_bit_for_bit_on_shm_unix_tcp_and_mptcp(shm_server, serv
             got[transport] = scores(s, served, requests)
             if transport == "mptcp":
                 assert any("mptcp:" in line for line in s.log), "roles listen on mptcp:"
+    same_everywhere(got, requests)
+
+
+@pytest.mark.parametrize("name", ["dcn", "din", "shared"])
+def test_the_other_reference_models_score_bit_for_bit_on_every_transport(models, name):
+    served = models[name]
+    requests = [served.request(b) for b in BATCHES]
+    got = {}
+    for transport in ("shm", *OTHERS):
+        with serve(served, transport, rankers=1) as s:
+            got[transport] = scores(s, served, requests)
+    same_everywhere(got, requests)
+
+
+def same_everywhere(got: dict[str, list], requests) -> None:
+    """Every transport's scores are shm's bit for bit, and shm's are the model's."""
     for transport in OTHERS:
         for a, b in zip(got["shm"], got[transport], strict=True):
             assert [x.tobytes() for x in a] == [y.tobytes() for y in b], transport
-    # And they are the model's scores.
     for outputs, (_, want) in zip(got["shm"], requests, strict=True):
         for g, w in zip(outputs, want, strict=True):
             assert np.abs(g - w).max() <= 1e-5
