@@ -141,7 +141,7 @@ def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[
     import torch.distributed as dist
 
     from cleave.score.pipeline import RankScorer
-    from cleave.score.ranks import init_group
+    from cleave.score.ranks import init_group, leave_group
 
     began = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -171,6 +171,7 @@ def run_torchrun(options: dict, on_event: Callable[[int, dict], None]) -> tuple[
     stats = scorer.run()
     gathered = [None] * world
     dist.gather_object(stats, gathered if rank == 0 else None, dst=0)
+    leave_group()
     if rank != 0:
         return None
     merge(job)
