@@ -361,12 +361,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from cleave.bundle.repository import is_repository
     from cleave.plan.files import load_plan
 
     if not 0 <= args.switch_margin_ms <= 600_000:
         raise UpdateError(f"--switch-margin-ms: expected 0..600000, got {args.switch_margin_ms}")
-    from cleave.bundle.repository import is_repository
-
     if args.plan:
         plan = load_plan(args.plan)
         if is_repository(plan.bundle_path()):

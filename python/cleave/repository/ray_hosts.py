@@ -28,9 +28,16 @@ from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, ChildSpec, probe_ready
 from cleave.plan import Plan
 from cleave.runners.ray import check_capacity, connect, map_hosts
-from cleave.runners.ray_actors import RayBinding, RoleHost, live_nodes, role_needs
+from cleave.runners.ray_actors import (
+    RayBinding,
+    bind_ports,
+    live_nodes,
+    new_role_host,
+    role_env,
+    stop_role_hosts,
+)
 from cleave.runners.roles import Binding
-from cleave.runners.supervised import INTERNAL_SECRET, read_internal_secret
+from cleave.runners.supervised import read_internal_secret
 
 ROUTER = "router"  # the deployment's router child (deployment.py names it so)
 WATCH_EVERY_S = 1.0
@@ -60,8 +67,7 @@ class RayHosts:
         self.nodes: dict[str, dict] = {}
         self.binding = RayBinding()
         self.actors: dict[str, object] = {}  # role name -> its role host
-        self.kinds: dict[str, str] = {}  # role name -> shard | ranker | router
-        self.env: dict[str, str] = {}  # what every role host's processes get
+        self.secret: str | None = None  # the internal secret, if the plan names one
         self.router_json = ""  # the router's JSON: it travels to the router's node
 
     def supervisor(self, fail_stop: bool, log) -> RaySupervisor:
@@ -73,10 +79,7 @@ class RayHosts:
         self.nodes = live_nodes(ray)
         self.mapping = map_hosts(self.plan, self.nodes)
         check_capacity(self.plan, self.mapping, self.nodes)
-        # Ray's workers do not see this process's environment: the secret goes with each role.
-        secret = read_internal_secret(self.plan.router.internal_secret_env)
-        if secret:
-            self.env[INTERNAL_SECRET] = secret
+        self.secret = read_internal_secret(self.plan.router.internal_secret_env)
         say(
             "Ray nodes: "
             + ", ".join(f"{h}={self.nodes[n]['ip']}({n[:8]})" for h, n in self.mapping.items())
@@ -116,43 +119,19 @@ class RayHosts:
             self.ray.get(actor.write.remote({self.router_json: path.read_text()}), timeout=30)
 
     def _place(self, roles: list[tuple[str, object]], first: int = 0) -> None:
-        """A role host for each role on its host's node, and its ports there (three: the
-        role's, its metrics', its control's); `first`: a router's plan port, if not 0."""
-        ray = self.ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        wheres = []
+        """A role host for each (kind, role) on its host's node, and the role's ports there;
+        `first`: a router's plan port, if not 0."""
+        token_env = self.plan.router.admin_token_env
+        token = os.environ.get(token_env) if token_env else None
+        fail_stop = self.plan.supervision.fail_stop
         for kind, role in roles:
             node = self.mapping[role.host]
-            env = dict(self.env)
-            token_env = self.plan.router.admin_token_env
-            if kind == "router" and token_env and os.environ.get(token_env):
-                env[token_env] = os.environ[token_env]
-            cpus, gpus = role_needs(kind, role, self.nodes[node]["gpus"])
-            actor = (
-                ray.remote(RoleHost)
-                .options(
-                    num_cpus=cpus,
-                    num_gpus=gpus,
-                    max_concurrency=4,  # state() answers while run() waits for readiness
-                    max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                )
-                .remote(role.name, self.plan.supervision.fail_stop, env)
-            )
-            self.actors[role.name], self.kinds[role.name] = actor, kind
-            wheres.append(actor.where.remote(3, first))
+            env = role_env(kind, token_env, token, self.secret)
+            gpus = self.nodes[node]["gpus"]
+            self.actors[role.name], _ = new_role_host(kind, role, node, gpus, fail_stop, env)
             self.say(f"role {role.name} on Ray node {node} ({self.nodes[node]['ip']})")
-        timeout = self.plan.supervision.ready_timeout_s
-        ready, _ = ray.wait(wheres, num_returns=len(wheres), timeout=timeout)
-        if len(ready) < len(wheres):
-            late = [r.name for (_, r), w in zip(roles, wheres, strict=True) if w not in ready]
-            raise ChildFailed(
-                f"{', '.join(late)}: not placed on their Ray nodes after {timeout:.0f} s "
-                "(is the node short of CPUs or GPUs, or gone?)"
-            )
-        for (_, role), where in zip(roles, ray.get(wheres), strict=True):
-            self.binding.where[role.name] = where
+        hosts = [(role.name, self.actors[role.name], first) for _, role in roles]
+        bind_ports(self.binding, hosts, self.plan.supervision.ready_timeout_s)
 
     def free(self, roles: set[str]) -> None:
         for name in roles:
@@ -254,17 +233,10 @@ class RaySupervisor:
         """The router first, then shards and rankers; each process SIGTERM, SIGKILL after
         `timeout_s`. Returns each role's exit code."""
         self.stopping.set()
-        ray, actors = self.hosts.ray, self.hosts.actors
-        if ray is None:
+        if self.hosts.ray is None:
             return {}
-        codes: dict[str, int] = {}
-        first = [n for n in actors if n == ROUTER]
-        for batch in (first, [n for n in actors if n != ROUTER]):
-            refs = {name: actors[name].stop.remote(timeout_s) for name in batch}
-            for name, ref in refs.items():
-                try:
-                    codes.update(ray.get(ref, timeout=timeout_s + 30))
-                except ray.exceptions.RayError:
-                    codes[name] = -9
-                ray.kill(actors.pop(name))
-        return codes
+        hosts = list(self.hosts.actors.items())
+        self.hosts.actors.clear()
+        routers = [h for h in hosts if h[0] == ROUTER]
+        codes = stop_role_hosts(routers, timeout_s)
+        return codes | stop_role_hosts([h for h in hosts if h[0] != ROUTER], timeout_s)

@@ -139,6 +139,75 @@ class RayBinding(Binding):
         return ip, ports[0]
 
 
+def role_env(kind: str, token_env: str, token: str | None, secret: str | None) -> dict:
+    """What a role's process gets in its environment from its role host: Ray's workers do
+    not see the driver's. A router: the admin token in the variable the plan names; every
+    role: the internal secret (docs/security.md)."""
+    env = {}
+    if kind == "router" and token and token_env:
+        env[token_env] = token
+    if secret:
+        env[INTERNAL_SECRET] = secret
+    return env
+
+
+def new_role_host(kind: str, role, node: str, node_gpus: float, fail_stop: bool, env: dict):
+    """A `RoleHost` for `role` pinned to `node`, reserving the role's CPUs and GPUs there:
+    (the actor, its (CPUs, GPUs)). Ray never restarts it: a dead node's roles are placed
+    again by their owner (the one-bundle controller), or not at all."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    needs = role_needs(kind, role, node_gpus)
+    actor = (
+        ray.remote(RoleHost)
+        .options(
+            num_cpus=needs[0],
+            num_gpus=needs[1],
+            max_concurrency=4,  # state() answers while run() waits for readiness
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )
+        .remote(role.name, fail_stop, env)
+    )
+    return actor, needs
+
+
+def bind_ports(binding: RayBinding, hosts: list[tuple[str, object, int]], timeout: float):
+    """Each (role name, role host, first port) picks the role's ports on its node (listen,
+    metrics, control; `first`: a router's plan port, if not 0) into `binding`; ChildFailed
+    naming the roles not placed within `timeout`."""
+    import ray
+
+    wheres = [actor.where.remote(3, first) for _, actor, first in hosts]
+    ready, _ = ray.wait(wheres, num_returns=len(wheres), timeout=timeout)
+    if len(ready) < len(wheres):
+        late = [name for (name, _, _), w in zip(hosts, wheres, strict=True) if w not in ready]
+        raise ChildFailed(
+            f"{', '.join(late)}: not placed on their Ray nodes after {timeout:.0f} s "
+            "(is the node short of CPUs or GPUs, or gone?)"
+        )
+    for (name, _, _), where in zip(hosts, ray.get(wheres), strict=True):
+        binding.where[name] = where
+
+
+def stop_role_hosts(hosts: list[tuple[str, object]], timeout_s: float) -> dict[str, int]:
+    """Stops each (role name, role host)'s process together (SIGTERM, SIGKILL after
+    `timeout_s`) and kills the role hosts: each role's exit code (-9 where its node is
+    gone)."""
+    import ray
+
+    refs = [actor.stop.remote(timeout_s) for _, actor in hosts]
+    codes: dict[str, int] = {}
+    for (name, actor), ref in zip(hosts, refs, strict=True):
+        try:
+            codes.update(ray.get(ref, timeout=timeout_s + 30))
+        except ray.exceptions.RayError:
+            codes[name] = -9
+        ray.kill(actor)
+    return codes
+
+
 @dataclass
 class Placed:
     kind: str  # shard | ranker | router
@@ -222,26 +291,9 @@ class Controller:
         }
 
     def _create(self, kind: str, role, node: str) -> Placed:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        env = {}
-        if kind == "router" and self.token and self.plan.router.admin_token_env:
-            env[self.plan.router.admin_token_env] = self.token
-        if self.secret:
-            env[INTERNAL_SECRET] = self.secret
-        needs = role_needs(kind, role, self.nodes[node]["gpus"])
-        actor = (
-            ray.remote(RoleHost)
-            .options(
-                num_cpus=needs[0],
-                num_gpus=needs[1],
-                max_concurrency=4,  # state() answers while run() waits for readiness
-                max_restarts=0,  # a dead node's roles are re-placed by the controller
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            )
-            .remote(role.name, self.plan.supervision.fail_stop, env)
-        )
+        env = role_env(kind, self.plan.router.admin_token_env, self.token, self.secret)
+        fail_stop = self.plan.supervision.fail_stop
+        actor, needs = new_role_host(kind, role, node, self.nodes[node]["gpus"], fail_stop, env)
         return Placed(kind, role, actor, node, needs=needs)
 
     def _launch(self, placed: list[Placed]) -> None:
@@ -250,18 +302,10 @@ class Controller:
         import ray
 
         timeout = self.plan.supervision.ready_timeout_s
-        wheres = [
-            p.actor.where.remote(3, p.role.http_port if p.kind == "router" else 0) for p in placed
+        hosts = [
+            (p.role.name, p.actor, p.role.http_port if p.kind == "router" else 0) for p in placed
         ]
-        ready, _ = ray.wait(wheres, num_returns=len(wheres), timeout=timeout)
-        if len(ready) < len(wheres):
-            late = [p.role.name for p, w in zip(placed, wheres, strict=True) if w not in ready]
-            raise ChildFailed(
-                f"{', '.join(late)}: not placed on their Ray nodes after {timeout:.0f} s "
-                "(is the node short of CPUs or GPUs, or gone?)"
-            )
-        for p, where in zip(placed, ray.get(wheres), strict=True):
-            self.binding.where[p.role.name] = where
+        bind_ports(self.binding, hosts, timeout)
         for p in placed:
             if p.spec is None:
                 p.spec = self._spec(p)
@@ -579,20 +623,12 @@ class Controller:
     def stop(self) -> dict[str, int]:
         """Routers first, then shards and rankers; each process SIGTERM, SIGKILL after the
         plan's stop timeout. Returns each role's exit code."""
-        import ray
-
         self.stopping.set()
         codes: dict[str, int] = {}
         timeout = self.plan.supervision.stop_timeout_s
         with self.lock:
             for kinds in (("router",), ("shard", "ranker")):
-                batch = [p for p in self.placed.values() if p.kind in kinds]
-                refs = [p.actor.stop.remote(timeout) for p in batch]
-                for p, ref in zip(batch, refs, strict=True):
-                    try:
-                        codes.update(ray.get(ref, timeout=timeout + 30))
-                    except ray.exceptions.RayError:
-                        codes[p.role.name] = -9
-                    ray.kill(p.actor)
+                batch = [(n, p.actor) for n, p in self.placed.items() if p.kind in kinds]
+                codes |= stop_role_hosts(batch, timeout)
             self.placed.clear()
         return codes
