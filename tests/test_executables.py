@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
-from support.processes import Process, child_processes, cli, get
+from support.processes import Process, cli, get, processes_below
 from support.served import Served
 from support.shards import write_bundle
 from support.waiting import wait_for
@@ -304,7 +304,7 @@ def test_serve_fails_when_a_roles_ready_never_turns_200_naming_role_and_url(tmp_
 def shard_pids(parent: int) -> dict[frozenset, tuple[int, list[str]]]:
     """cleave-shard children of `parent` by their rows (`--rows`), from /proc."""
     found = {}
-    for pid, argv in child_processes(parent).items():
+    for pid, argv in processes_below(parent).items():
         if argv[0].endswith("cleave-shard"):
             found[frozenset(argv[argv.index("--rows") + 1].split(","))] = (pid, argv)
     return found

@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 from cleave.launch.process import ServeProcess
 from cleave.repository.deployment import ROLLOUT_FILE
 from support.client import closed_loop, post
-from support.processes import child_processes, get
+from support.processes import get, processes_below
 from support.repository import (
     Versions,
     break_probe,
@@ -130,7 +130,7 @@ def test_versions_and_models_share_the_tables_they_have_in_common(server, repo):
 
 
 def _processes(server) -> set[int]:
-    return set(child_processes(server.proc.pid))
+    return set(processes_below(server.proc.pid))
 
 
 def _load_error(client, *args, **kwargs) -> str:
@@ -275,7 +275,7 @@ def test_rollout_state_survives_a_router_restart(server, repo):
     state = _get_json(f"{server.url}/admin/v1/rollout")
     assert state["models"]["dlrm"]["canary"] == {"version": "3", "percent": 25.0}
     assert json.loads((root / ROLLOUT_FILE).read_text())  # persisted in the repository
-    argvs = child_processes(server.proc.pid)
+    argvs = processes_below(server.proc.pid)
     router = next(pid for pid, argv in argvs.items() if "cleave-router" in argv[0])
     os.kill(router, signal.SIGKILL)
     wait_for(lambda: _router_restarted(server, router), "the router to come back", 60)
@@ -304,7 +304,7 @@ def _get_json(url: str) -> dict:
 
 
 def _router_restarted(server, old: int) -> bool:
-    argvs = child_processes(server.proc.pid)
+    argvs = processes_below(server.proc.pid)
     pids = [pid for pid, argv in argvs.items() if "cleave-router" in argv[0]]
     return bool(pids) and old not in pids and get(f"{server.url}/v2/health/ready")[0] == 200
 

@@ -26,7 +26,7 @@ from cleave.runners.membership import members
 from cleave.stream.consumer import Deployment, StreamError
 from cleave.update import write_delta
 from support.client import post
-from support.processes import child_processes
+from support.processes import processes_below
 from support.repository import Versions, max_error, plan_repository
 from support.served import TOLERANCE
 from support.waiting import wait_for
@@ -78,7 +78,7 @@ def _update(server, served: Path, *flags: str) -> subprocess.CompletedProcess:
 def _shard_pids(server, name: str) -> list[int]:
     return [
         pid
-        for pid, argv in child_processes(server.proc.pid).items()
+        for pid, argv in processes_below(server.proc.pid).items()
         if any(arg.endswith(f"/state/{name}") for arg in argv)
     ]
 

@@ -6,6 +6,7 @@ exits 2 leaving nothing behind. Kept small: one deployment per runner."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from cleave.launch.process import ServeProcess
 from cleave.plan import emulated_hosts, make_plan, save_plan
 from cleave.settings import RankerConfig, ServeConfig
 from cleave.testbed import commands
-from support.processes import descendants, namespaces_of_testbeds
+from support.processes import descendants, namespaces_of_testbeds, parent_of, processes_below
 from support.served import Served, check_scores, run_serve
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -63,6 +64,11 @@ def test_testbed_runner_serves_the_plan_and_removes_the_testbed(served, plan_fil
         check_scores(server, served)
         roles = descendants(server.proc.pid)
         assert len(roles) >= 4  # two shards, a ranker and a router
+        # The ranker was forked by a fork server in its host's namespace, its parent.
+        below = processes_below(server.proc.pid)
+        (ranker,) = [pid for pid, argv in below.items() if "ranker" in argv]
+        assert "cleave.launch.forkserver" in below[parent_of(ranker)]
+        assert os.readlink(f"/proc/{ranker}/ns/net") != os.readlink("/proc/self/ns/net")
         assert server.stop() == 0
     assert not urls.exists()  # removed with the deployment: its URLs are dead
     assert namespaces_of_testbeds() - before == set()
@@ -86,7 +92,7 @@ def test_local_runner_serves_the_same_plan_over_tcp_through_two_routers(served, 
         server.url = second
         check_scores(server, served)
         roles = descendants(server.proc.pid)
-        assert len(roles) == 5  # two shards, a ranker, two routers
+        assert len(roles) == 6  # two shards, a ranker and its fork server, two routers
         assert server.stop() == 0
     assert not [pid for pid in roles if Path(f"/proc/{pid}").exists()]
 

@@ -24,7 +24,7 @@ from cleave.score import job as score_job
 from cleave.score.input import Schema
 from support.bench import run_bench
 from support.client import post
-from support.processes import Process, child_processes, cli
+from support.processes import Process, cli, processes_below
 from support.score import run_score, scores, write_input
 from support.sequences import SEQUENCE_ROWS, sequence_model, sequence_requests
 from support.served import SCALES, TOLERANCE, roomy_budget
@@ -256,7 +256,7 @@ def test_a_killed_rank_fails_the_job_and_a_rerun_resumes_bit_for_bit(shared, two
     )
     rank1 = next(
         pid
-        for pid, argv in child_processes(job.proc.pid).items()
+        for pid, argv in processes_below(job.proc.pid).items()
         if "cleave.score.pipeline" in argv and argv[argv.index("--rank") + 1] == "1"
     )
     os.kill(rank1, signal.SIGKILL)

@@ -35,7 +35,7 @@ from cleave.stream import encode_record, record_key
 from cleave.stream.consumer import EXIT_BEFORE_COMMIT_ENV
 from cleave.update import targets_from_router
 from support.client import post
-from support.processes import child_processes
+from support.processes import processes_below
 from support.updates import updatable_plan
 from support.waiting import wait_for
 
@@ -168,7 +168,7 @@ class Env:
 
 def shard_pid(server: ServeProcess, name: str) -> int | None:
     found = [
-        p for p, argv in child_processes(server.proc.pid).items() if any(name in a for a in argv)
+        p for p, argv in processes_below(server.proc.pid).items() if any(name in a for a in argv)
     ]
     return found[0] if found else None
 

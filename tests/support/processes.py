@@ -124,15 +124,24 @@ def get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
 # -- /proc -----------------------------------------------------------------------------------
 
 
-def child_processes(parent: int) -> dict[int, list[str]]:
-    """The direct children of `parent`: pid -> argv, from /proc."""
-    return {pid: argv for pid, (p, argv) in process_table().items() if p == parent}
+def processes_below(parent: int) -> dict[int, list[str]]:
+    """Every process below `parent`: pid -> argv, from /proc. A launcher's roles are its
+    children, or its fork server's (cleave/launch/forkserver.py): the rankers."""
+    table = process_table()
+    found, frontier = {}, [parent]
+    while frontier:
+        above = frontier.pop()
+        for pid, (p, argv) in table.items():
+            if p == above and pid not in found:
+                found[pid] = argv
+                frontier.append(pid)
+    return found
 
 
 def children(pid: int) -> dict[str, int]:
-    """A launcher's children by role name (shard-0, ranker-1, router), from /proc."""
+    """A launcher's roles by name (shard-0, ranker-1, router), from /proc."""
     found = {}
-    for child, cmdline in child_processes(pid).items():
+    for child, cmdline in processes_below(pid).items():
         if Path(cmdline[0]).name == "cleave-router":
             found["router"] = child
         for arg in cmdline:
@@ -140,6 +149,11 @@ def children(pid: int) -> dict[str, int]:
                 if arg.endswith(".sock") and f"/{role}-" in arg:
                     found[Path(arg).stem] = child
     return found
+
+
+def parent_of(pid: int) -> int:
+    """Its parent's pid, from /proc."""
+    return process_table()[pid][0]
 
 
 def descendants(pid: int) -> list[int]:

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cleave.bench.harness.processes import process_table, sample_process
+from cleave.bench.harness.processes import process_table, process_tree, sample_process
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, parse_pin, pinned
 from cleave.errors import UsageError
@@ -244,7 +244,8 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
     for line in list(server.log):
         if " metrics " in line and "-shard-" in line:
             table_bytes += _shard_table_bytes(line.split()[4], row_bytes)
-    argv = {pid: a for pid, (parent, a) in process_table().items() if parent == server.proc.pid}
+    table, below = process_table(), process_tree(server.proc.pid)  # rankers: forked, below
+    argv = {pid: table[pid][1] for pid in below if pid in table and pid != server.proc.pid}
     shards = [pid for pid, a in argv.items() if Path(a[0]).name == "cleave-shard"]
     rankers = [pid for pid, a in argv.items() if "ranker" in a]
     return {

@@ -20,7 +20,6 @@ death stops the deployment instead.
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.errors import CleaveError
+from cleave.launch import forkserver
 
 _TAIL_LINES = 20
 _BACKOFF_FIRST_S = 0.5
@@ -59,6 +59,8 @@ class ChildSpec:
     probe: str = ""  # base URL of its /ready, /live, /metrics ("http://127.0.0.1:9100")
     # Its first ready line's ADDRESS and key=value words ("address", "metrics", "control").
     reported: dict[str, str] = field(default_factory=dict)
+    # A `python -m cleave.cli` role a supervisor that forks may fork (forkserver.py).
+    forkable: bool = False
 
     @property
     def ready_url(self) -> str:
@@ -109,7 +111,7 @@ def with_port(address: str, port: int) -> str:
 @dataclass
 class Child:
     spec: ChildSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forkserver.ForkedProcess
     ready: threading.Event = field(default_factory=threading.Event)
     last_answer: str = "no answer yet"  # of its /ready, for messages
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
@@ -131,14 +133,6 @@ class Child:
         if not lines:
             return ""
         return "\n  its last output:\n" + "\n".join(f"    {line}" for line in lines)
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when the launcher dies.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _describe_exit(code: int) -> str:
@@ -197,7 +191,9 @@ def backoff_s(attempt: int) -> float:
 
 
 class Supervisor:
-    def __init__(self, fail_stop: bool = False, log=None, env: dict | None = None):
+    def __init__(
+        self, fail_stop: bool = False, log=None, env: dict | None = None, fork: bool = False
+    ):
         self.fail_stop = fail_stop
         self.log = log or sys.stderr
         # Every line goes out in one write under this lock: a text stream is not thread-safe,
@@ -213,27 +209,46 @@ class Supervisor:
         self._attempts: dict[str, int] = {}  # name -> restarts in a row without a stable run
         # The children change while watch() runs (a model version loaded or retired).
         self._lock = threading.RLock()
+        # Python roles forked from one process that imported torch (forkserver.py): where
+        # several roles start on one machine, or start while others serve.
+        self.fork = fork and forkserver.enabled()
+        self._fork_servers: dict[tuple[str, ...], forkserver.ForkServer] = {}
 
     # -- starting ------------------------------------------------------------------------------
     def spawn(self, spec: ChildSpec, ready_timeout_s: float) -> Child:
         if callable(spec.before_start):
             spec.before_start()
-        proc = subprocess.Popen(
-            spec.argv,
+        proc = self._start_process(spec)
+        child = Child(spec, proc)
+        threading.Thread(target=self._read, args=(child, proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(child, proc.stderr), daemon=True).start()
+        threading.Thread(target=self._probe, args=(child, ready_timeout_s), daemon=True).start()
+        return child
+
+    def _start_process(self, spec: ChildSpec) -> subprocess.Popen | forkserver.ForkedProcess:
+        argv = spec.argv
+        at = _python_at(argv) if self.fork and spec.forkable else None
+        if at is not None:
+            # One fork server per command-line wrapping (a testbed host's namespace and CPU
+            # cap): it runs where its children would, and they inherit that.
+            wrap = tuple(argv[:at])
+            with self._lock:
+                server = self._fork_servers.get(wrap)
+                if server is None or not server.alive:
+                    server = self._fork_servers[wrap] = forkserver.ForkServer(list(wrap))
+            env = dict(os.environ if self.env is None else self.env)
+            return server.spawn(argv[at + len(python_argv()) :], env, os.getcwd())
+        return subprocess.Popen(
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=forkserver.die_with_parent if sys.platform == "linux" else None,
             env=self.env,
         )
-        child = Child(spec, proc)
-        threading.Thread(target=self._read, args=(child, proc.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(child, proc.stderr), daemon=True).start()
-        threading.Thread(target=self._probe, args=(child, ready_timeout_s), daemon=True).start()
-        return child
 
     def _probe(self, child: Child, timeout_s: float) -> None:
         """GET /ready until 200, the child exits, we stop, or (a little after) its ready
@@ -404,6 +419,8 @@ class Supervisor:
             children = [by_name[name] for name in group]
             self._terminate(children, timeout_s)
             codes.update((child.spec.name, child.proc.returncode) for child in children)
+        for server in self._fork_servers.values():
+            server.close()
         return codes
 
     def _terminate(self, children: list[Child], timeout_s: float) -> None:
@@ -418,6 +435,12 @@ class Supervisor:
                 self.say(f"{child.describe()} did not stop in {timeout_s:.0f} s; killing it")
                 child.proc.kill()
                 child.proc.wait()
+
+
+def _python_at(argv: list[str]) -> int | None:
+    """Where `python -m cleave.cli` starts in `argv` (after a runner's wrapping), or None."""
+    prefix = python_argv()
+    return next((i for i in range(len(argv)) if argv[i : i + len(prefix)] == prefix), None)
 
 
 def python_argv(*args: str) -> list[str]:

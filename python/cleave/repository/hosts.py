@@ -32,7 +32,7 @@ class LocalHosts:
         self.controller_host = LOOPBACK
 
     def supervisor(self, fail_stop: bool, log) -> Supervisor:
-        return Supervisor(fail_stop=fail_stop, log=log)
+        return Supervisor(fail_stop=fail_stop, log=log, fork=True)
 
     def up(self, runtime: Path, say) -> None:
         self.runtime = runtime
@@ -67,7 +67,7 @@ class TestbedHosts:
         self.whole: TestbedBinding | None = None  # the plan's router and carried roles
 
     def supervisor(self, fail_stop: bool, log) -> Supervisor:
-        return Supervisor(fail_stop=fail_stop, log=log)
+        return Supervisor(fail_stop=fail_stop, log=log, fork=True)
 
     def up(self, runtime: Path, say) -> None:
         self.runtime = runtime

@@ -180,7 +180,9 @@ class RoleSpecs:
                 port = self.binding.control_port(r)
                 self.control[r.name] = control_address(address, port)
                 argv += ["--incast-control", "--control-port", str(port), *flags(r, IncastConfig)]
-            specs.append(self._spec(r, argv, address, metrics_port))
+            spec = self._spec(r, argv, address, metrics_port)
+            spec.forkable = True
+            specs.append(spec)
         return specs
 
     def measures_activation(self) -> bool:

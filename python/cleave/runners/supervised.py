@@ -82,7 +82,7 @@ class SupervisedRunner(Runner):
 
     def __init__(self, log=None):
         self.log = log or sys.stderr
-        self.supervisor = Supervisor(log=self.log)
+        self.supervisor = Supervisor(log=self.log, fork=True)
         self.plan: Plan | None = None
         self._stopped = False
 

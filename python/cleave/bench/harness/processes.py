@@ -47,6 +47,8 @@ def _role(argv: list[str]) -> str:
             return stem
     if " serve " in f" {line} ":
         return "serve"
+    if "cleave.launch.forkserver" in argv:
+        return "fork-server"
     return Path(argv[0]).name if argv and argv[0] else "?"
 
 
