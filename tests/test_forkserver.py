@@ -25,7 +25,8 @@ def server():
 
 def ranker_argv(bundle, tmp_path, name="ranker-0") -> list[str]:
     listen = f"unix:{tmp_path / name}.sock"
-    return ["ranker", "--bundle", str(bundle), "--listen", listen, "--metrics-port", "0"]
+    flags = ["--bundle", str(bundle), "--listen", listen, "--metrics-port", "0"]
+    return ["-m", "cleave.cli", "ranker", *flags]
 
 
 def ready_line(proc) -> str:
@@ -49,7 +50,7 @@ def test_a_forked_ranker_serves_shows_its_command_line_and_reports_its_exit(
     status, body = get(f"{metrics}/ready")
     assert status == 200, body
     assert parent_of(proc.pid) == server.proc.pid
-    assert cmdline(proc.pid)[1:] == ["-m", "cleave.cli", *argv]
+    assert cmdline(proc.pid)[1:] == argv
     assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
     assert proc.poll() is None
     proc.terminate()  # the ranker's orderly stop
@@ -76,8 +77,9 @@ def test_a_ranker_that_cannot_start_exits_with_its_error(tmp_path, server):
     [
         (b"not json", 2, "expected a JSON object"),
         (json.dumps({"argv": [], "env": {}, "cwd": "/"}).encode(), 2, "expected a JSON"),
-        (json.dumps({"argv": ["ranker"], "env": {"A": 1}, "cwd": "/"}).encode(), 2, "expected"),
-        (json.dumps({"argv": ["ranker"], "env": {}, "cwd": "/"}).encode(), 0, "0 descriptors"),
+        (json.dumps({"argv": ["ranker"], "env": {}, "cwd": "/"}).encode(), 2, '["-m", module'),
+        (json.dumps({"argv": ["-m", "m"], "env": {"A": 1}, "cwd": "/"}).encode(), 2, "expected"),
+        (json.dumps({"argv": ["-m", "m"], "env": {}, "cwd": "/"}).encode(), 0, "0 descriptors"),
         (json.dumps([1, 2]).encode(), 1, "expected a JSON object"),
     ],
 )
@@ -108,5 +110,5 @@ def test_children_die_with_the_server(models, tmp_path):
     wait_for(lambda: not os.path.exists(f"/proc/{pid}"), "the forked ranker to be gone", 30)
     assert not server.alive
     with pytest.raises(Exception, match="fork server"):
-        server.spawn(["ranker", "--help"], dict(os.environ), "/")
+        server.spawn(["-m", "cleave.cli", "ranker", "--help"], dict(os.environ), "/")
     assert server.proc.wait(5) == -signal.SIGKILL

@@ -12,9 +12,11 @@ the server never runs.
 The protocol, over a Unix SEQPACKET socket pair the supervisor made (nobody else can connect):
 
 * supervisor -> server: a JSON object `{"argv": [...], "env": {...}, "cwd": "..."}` with two
-  descriptors (the child's stdout and stderr); `argv` is what follows `python -m cleave.cli`.
-* server -> supervisor: `{"pid": N}` or `{"error": "..."}`, in order; and `{"exit": N,
-  "code": C}` when child N ends (C as `Popen.returncode`: negative for a signal).
+  descriptors (the child's stdout and stderr); `argv` is what follows the interpreter on a
+  command line, `-m MODULE ARGS...`: the child runs MODULE as `python -m` would.
+* server -> supervisor: `{"pid": N}` with the child's pidfd, or `{"error": "..."}`, in order;
+  and `{"exit": N, "code": C}` when child N ends (C as `Popen.returncode`: negative for a
+  signal).
 
 `CLEAVE_FORK=0` in the supervisor's environment turns it off: each role starts its own
 interpreter, as before (a diagnostic switch; docs/serving.md)."""
@@ -26,6 +28,7 @@ import importlib
 import json
 import os
 import queue
+import runpy
 import selectors
 import signal
 import socket
@@ -36,12 +39,11 @@ import traceback
 
 from cleave.errors import CleaveError
 
-# What a ranker imports before it serves (cleave/ranker/cli.py's run()).
+# What a ranker imports before it serves (cleave/ranker/cli.py's run()), by name: this
+# module only preloads them, the child runs its command line's module.
 PRELOAD = (
     "torch",
     "cleave._native",
-    "cleave.cli",
-    "cleave.ranker.cli",
     "cleave.ranker.program",
     "cleave.ranker.probes",
     "cleave.ranker.control",
@@ -71,13 +73,13 @@ class ForkedProcess:
     """What the supervisor needs of a `subprocess.Popen`, for a child of the fork server: its
     exit code comes from the server, its signals go through a pidfd (never to a reused pid)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, pidfd: int):
         self.pid = pid
         self.returncode: int | None = None
         self.stdout = self.stderr = None
         self._exited = threading.Event()
         self._lock = threading.Lock()
-        self._pidfd = os.pidfd_open(pid)
+        self._pidfd = pidfd  # opened by the server before it could reap the child
 
     def _ended(self, code: int) -> None:
         with self._lock:
@@ -141,8 +143,8 @@ class ForkServer:
         return self.proc.poll() is None
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> ForkedProcess:
-        """Forks a child that runs `cleave.cli.main(argv)` with this environment, in this
-        directory; its stdout and stderr are the returned process's text streams."""
+        """Forks a child that runs `python ARGV` (`-m MODULE ARGS...`) with this environment,
+        in this directory; its stdout and stderr are the returned process's text streams."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
@@ -164,7 +166,7 @@ class ForkServer:
             os.close(out_r)
             os.close(err_r)
             raise CleaveError(f"the fork server could not start {argv[:1]}: {reply.get('error')}")
-        proc = self._children[reply["pid"]]
+        proc = reply["process"]
         proc.stdout = open(out_r, encoding="utf-8", errors="replace")
         proc.stderr = open(err_r, encoding="utf-8", errors="replace")
         return proc
@@ -180,9 +182,9 @@ class ForkServer:
         server is gone, so are its children (each dies with it: PR_SET_PDEATHSIG)."""
         while True:
             try:
-                message = self._sock.recv(_MAX_MESSAGE)
+                message, fds, _, _ = socket.recv_fds(self._sock, _MAX_MESSAGE, 1)
             except OSError:
-                message = b""
+                message, fds = b"", []
             if not message:
                 break
             reply = json.loads(message)
@@ -192,7 +194,8 @@ class ForkServer:
                     proc._ended(reply["code"])
                 continue
             if "pid" in reply:  # registered before its exit can arrive
-                self._children[reply["pid"]] = ForkedProcess(reply["pid"])
+                proc = self._children[reply["pid"]] = ForkedProcess(reply["pid"], fds[0])
+                reply["process"] = proc
             self._replies.put(reply)
         self._replies.put({"error": f"the fork server ended ({self.proc.wait()})"})
         for proc in list(self._children.values()):
@@ -226,8 +229,8 @@ def _show_argv(argv: list[str]) -> None:
 
 def _request(message: bytes, fds: list[int]) -> tuple[list[str], dict[str, str], str]:
     expected = (
-        'expected a JSON object {"argv": [strings], "env": {string: string}, "cwd": string} '
-        "with two file descriptors"
+        'expected a JSON object {"argv": ["-m", module, strings...], "env": {string: string}, '
+        '"cwd": string} with two file descriptors'
     )
     try:
         request = json.loads(message)
@@ -236,7 +239,8 @@ def _request(message: bytes, fds: list[int]) -> tuple[list[str], dict[str, str],
         raise ValueError(f"{expected}; got {message[:200]!r} ({err})") from None
     ok = (
         isinstance(argv, list)
-        and argv
+        and len(argv) >= 2
+        and argv[0] == "-m"
         and all(isinstance(a, str) for a in argv)
         and isinstance(env, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
@@ -266,11 +270,10 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int], paren
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = [sys.executable, "-m", "cleave.cli", *argv]
-        _show_argv(sys.argv)
-        from cleave.cli import main
-
-        code = main(argv)
+        _show_argv([sys.executable, *argv])
+        sys.argv = [argv[1], *argv[2:]]  # as `python -m` sets it (runpy puts the path first)
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exit_:
         if isinstance(exit_.code, int) or exit_.code is None:
             code = exit_.code or 0
@@ -290,6 +293,13 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int], paren
 def serve(fd: int) -> int:
     """The server's loop: fork on each request, report each child's exit; ends when the
     supervisor's end of the socket closes."""
+    try:
+        return _serve(fd)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the supervisor is gone; the children die with us
+
+
+def _serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     _show_argv([sys.executable, "-m", __spec__.name, str(fd)])
     try:
@@ -343,7 +353,11 @@ def serve(fd: int) -> int:
                 _child(argv, env, cwd, fds, server)
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"pid": pid}).encode())
+            pidfd = os.pidfd_open(pid)  # before _reap: it names this child, never a reused pid
+            try:
+                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
+            finally:
+                os.close(pidfd)
             _reap(sock)  # a child may have ended while we forked
 
 

@@ -237,7 +237,7 @@ class Supervisor:
                 if server is None or not server.alive:
                     server = self._fork_servers[wrap] = forkserver.ForkServer(list(wrap))
             env = dict(os.environ if self.env is None else self.env)
-            return server.spawn(argv[at + len(python_argv()) :], env, os.getcwd())
+            return server.spawn(argv[at + 1 :], env, os.getcwd())
         return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
