@@ -15,6 +15,7 @@ import pytest
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, backoff_s
 from cleave.plan.planner import table_ranges
+from cleave.serve import say_ready
 from cleave.settings import config_file
 from support.waiting import wait_for
 
@@ -379,3 +380,24 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path.write_text("monolithic = true\nrankers = 2\n")
     with pytest.raises(UsageError, match=r"rankers: expected 1 with monolithic, got 2"):
         config_file.load(path).check()
+
+
+def test_the_ready_lines_are_written_whole_each_in_one_write():
+    """A role's log line on stderr once landed between `ready URL` and its newline in a pipe
+    that took both streams (print() wrote them in two calls), and the reader took
+    `http://127.0.0.1:43885[router]` for the URL."""
+
+    class Writes:
+        def __init__(self):
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Writes()
+    say_ready(["http://127.0.0.1:8000", "http://127.0.0.1:8001"], out)
+    assert out.calls == ["ready http://127.0.0.1:8000\n", "ready http://127.0.0.1:8001\n"]

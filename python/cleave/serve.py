@@ -283,6 +283,17 @@ def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
     return {"host": host} if host is not None else {}
 
 
+def say_ready(urls: list[str], out=None) -> None:
+    """One `ready URL` line a router on stdout, each in one write: a reader that takes our
+    stdout and stderr through one pipe (ServeProcess) must never find a role's log line inside
+    it, as it did when print() wrote the text and its newline in two calls (it does, with
+    PYTHONUNBUFFERED): `ready http://127.0.0.1:43885[router] ...`."""
+    out = out or sys.stdout
+    for url in urls:
+        out.write(f"ready {url}\n")
+        out.flush()
+
+
 def write_url_file(path: Path, urls: list[str]) -> None:
     """Atomically: a temporary file beside it, renamed into place."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
@@ -376,8 +387,7 @@ def run(args: argparse.Namespace) -> int:
         if url_file is not None:  # before the ready lines: whoever reads them finds it
             write_url_file(url_file, urls)
             wrote = True
-        for url in urls:
-            print(f"ready {url}", flush=True)
+        say_ready(urls)
         code = runner.watch()
     except ChildFailed as err:
         if stopping.is_set():
