@@ -171,16 +171,27 @@ def test_loads_that_fail_leave_nothing_behind(server, repo):
 def test_a_second_load_of_a_loading_model_is_refused(server, repo):
     root, dlrm, _, _ = repo
     dlrm.write(3, dense=-0.1)  # dense weights only: rankers, no shard
+    # A forked ranker starts in a tenth of a second: the load is held at its ranker's start,
+    # the fork server stopped, so that the second load surely finds it loading.
+    (fork_server,) = [
+        pid
+        for pid, argv in processes_below(server.proc.pid).items()
+        if "cleave.launch.forkserver" in argv
+    ]
     with http_client(server) as http:
         done = []
         first = threading.Thread(
             target=lambda: done.append(http_load(server, "dlrm", "3")), daemon=True
         )
-        first.start()
-        with http_client(server) as other:
-            started = "dlrm version 3: loading"
-            wait_for(lambda: any(started in line for line in server.log), "v3 loading", 60)
-            message = _load_error(other, "dlrm", query_params={"version": "3"})
+        os.kill(fork_server, signal.SIGSTOP)
+        try:
+            first.start()
+            with http_client(server) as other:
+                started = "dlrm version 3: loading"
+                wait_for(lambda: any(started in line for line in server.log), "v3 loading", 60)
+                message = _load_error(other, "dlrm", query_params={"version": "3"})
+        finally:
+            os.kill(fork_server, signal.SIGCONT)
         assert "loading" in message
         first.join(120)
         assert done == [200]

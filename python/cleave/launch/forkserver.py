@@ -55,7 +55,14 @@ _START_TIMEOUT_S = 120.0  # the server's imports, on a loaded machine
 
 
 def enabled() -> bool:
-    return os.environ.get("CLEAVE_FORK", "1") != "0"
+    """Unless `CLEAVE_FORK=0`, where the kernel gives pidfds (Linux 5.3)."""
+    if os.environ.get("CLEAVE_FORK", "1") == "0" or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
 
 
 def die_with_parent() -> None:
@@ -115,14 +122,18 @@ class ForkServer:
     """The supervisor's handle on one fork server: started here (its imports take a couple of
     seconds), then `spawn` any number of children."""
 
-    def __init__(self, wrap: list[str] | None = None):
+    def __init__(self, wrap: list[str] | None = None, log=None):
         """`wrap`: what runs it (`ip netns exec HOST`, say); its children inherit where it
-        runs."""
+        runs. `log`: called with each line the server itself writes (an import's warning)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         own = [sys.executable, "-m", __name__, str(theirs.fileno()), "." * _ARGV_ROOM]
         self.proc = subprocess.Popen(
             [*(wrap or []), *own],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
             pass_fds=[theirs.fileno()],
             start_new_session=True,
             preexec_fn=die_with_parent,
@@ -133,6 +144,7 @@ class ForkServer:
         self._replies: queue.Queue = queue.Queue()
         self._children: dict[int, ForkedProcess] = {}
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._echo, args=(log or print,), daemon=True).start()
         reply = self._reply(_START_TIMEOUT_S)
         if reply.get("ready") is not True:
             self.close()
@@ -176,6 +188,10 @@ class ForkServer:
             return self._replies.get(timeout=timeout)
         except queue.Empty:
             raise CleaveError(f"the fork server did not answer in {timeout:.0f} s") from None
+
+    def _echo(self, log) -> None:
+        for line in self.proc.stdout:
+            log(line.rstrip("\n"))
 
     def _read(self) -> None:
         """Replies to the waiting request; children's exits to their processes. When the

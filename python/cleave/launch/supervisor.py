@@ -235,7 +235,8 @@ class Supervisor:
             with self._lock:
                 server = self._fork_servers.get(wrap)
                 if server is None or not server.alive:
-                    server = self._fork_servers[wrap] = forkserver.ForkServer(list(wrap))
+                    server = forkserver.ForkServer(list(wrap), self._fork_server_says)
+                    self._fork_servers[wrap] = server
             env = dict(os.environ if self.env is None else self.env)
             return server.spawn(argv[at + 1 :], env, os.getcwd())
         return subprocess.Popen(
@@ -249,6 +250,9 @@ class Supervisor:
             preexec_fn=forkserver.die_with_parent if sys.platform == "linux" else None,
             env=self.env,
         )
+
+    def _fork_server_says(self, line: str) -> None:
+        self.emit(f"[fork-server] {line}")
 
     def _probe(self, child: Child, timeout_s: float) -> None:
         """GET /ready until 200, the child exits, we stop, or (a little after) its ready
