@@ -4,7 +4,10 @@ about half its capacity. Prints what the docs record: the capacity, the load, fa
 how long from the last record produced until its batch served (its offset committed), and
 whether the final scores equal the model with every update.
 
-    .venv/bin/python tools/kafka/measure.py [--updates 100000] [--scale 0.01]
+    .venv/bin/python tools/kafka/measure.py [--updates 100000] [--scale 0.01] [--pin auto]
+
+With `--pin auto` (the default) the deployment and the consumer run on every core but the
+last, the broker, the producer and the load generator on the last (issue 23's layout).
 
 Needs `make tools` (the broker's jars in .tools/kafka/libs) and `make setup`.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 from cleave.bench.loadgen import closed_loop, infer_body, open_loop, outputs_of  # noqa: E402
+from cleave.bench.machine import parse_pin, pinned  # noqa: E402
 from cleave.bundle.bundle import Bundle  # noqa: E402
 from cleave.launch.process import ServeProcess  # noqa: E402
 from cleave.models import MODELS, RequestGenerator  # noqa: E402
@@ -47,7 +52,16 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.01, help="dlrm's scale")
     parser.add_argument("--rate", type=float, default=10_000, help="records produced a second")
     parser.add_argument("--load-s", type=float, default=30.0, help="seconds of load")
+    parser.add_argument(
+        "--pin",
+        default="auto",
+        help="SERVER:CLIENT CPU lists (auto, off): the deployment "
+        "and the consumer on SERVER; the broker, producer and load generator on CLIENT",
+    )
     args = parser.parse_args()
+    args.server_cpus, client_cpus = parse_pin(args.pin)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)  # the broker, started next, too
     root = Path(tempfile.mkdtemp(prefix="cleave-stream-measure-"))
     broker = Broker(root / "kafka").start()
     try:
@@ -103,7 +117,9 @@ def measure(args, root: Path, broker: Broker) -> None:
         row = rng.standard_normal((1, table["dim"])).astype(np.float32)
         rows[table["name"]][at] = row.view(np.uint8)
         records.append((record_key(name, table["name"]), encode_record(name, table, [at], row)))
-    with ServeProcess(None, "--plan", str(plan_path)) as server:
+    with pinned(args.server_cpus):
+        server = ServeProcess(None, "--plan", str(plan_path)).start()
+    try:
         url = f"{server.url}/v2/models/{name}/infer"
         capacity = closed_loop(url, bodies, clients=8, duration_s=5.0)
         ok = [s for s in capacity if s.status == 200]
@@ -111,12 +127,13 @@ def measure(args, root: Path, broker: Broker) -> None:
         print(f"capacity {len(ok) / 5.0:.0f} requests/s (8 clients); load {rate:.0f}/s")
         report("baseline, no stream (10 s)", open_loop(url, bodies, rate, 10.0))
         log = (root / "stream.log").open("w")
-        consumer = subprocess.Popen(
-            [sys.executable, "-m", "cleave.cli", "stream", "--plan", str(plan_path)]
-            + ["--router", server.url, "--bootstrap", broker.bootstrap, "--topic", TOPIC]
-            + ["--group", GROUP],
-            stderr=log,
-        )
+        with pinned(args.server_cpus):
+            consumer = subprocess.Popen(
+                [sys.executable, "-m", "cleave.cli", "stream", "--plan", str(plan_path)]
+                + ["--router", server.url, "--bootstrap", broker.bootstrap, "--topic", TOPIC]
+                + ["--group", GROUP],
+                stderr=log,
+            )
         samples: list = []
         load = threading.Thread(
             target=lambda: samples.extend(open_loop(url, bodies, rate, args.load_s))
@@ -155,6 +172,8 @@ def measure(args, root: Path, broker: Broker) -> None:
         print(f"final scores vs the model with every update: max abs diff {worst:.2e}")
         batches = (root / "stream.log").read_text().count("batch of ")
         print(f"batches {batches}")
+    finally:
+        server.stop()
 
 
 def report(what: str, samples: list) -> None:
