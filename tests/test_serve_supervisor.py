@@ -383,9 +383,9 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
 
 
 def test_the_ready_lines_are_written_whole_each_in_one_write():
-    """A role's log line on stderr once landed between `ready URL` and its newline in a pipe
-    that took both streams (print() wrote them in two calls), and the reader took
-    `http://127.0.0.1:43885[router]` for the URL."""
+    """print() wrote `ready URL` and its newline in two calls (with PYTHONUNBUFFERED), so a
+    role's log line on stderr could land between them in a pipe that takes both streams, and
+    the reader take the URL with the line's first word glued to it."""
 
     class Writes:
         def __init__(self):

@@ -286,8 +286,8 @@ def _runner_options(args: argparse.Namespace, host: str | None) -> dict:
 def say_ready(urls: list[str], out=None) -> None:
     """One `ready URL` line a router on stdout, each in one write: a reader that takes our
     stdout and stderr through one pipe (ServeProcess) must never find a role's log line inside
-    it, as it did when print() wrote the text and its newline in two calls (it does, with
-    PYTHONUNBUFFERED): `ready http://127.0.0.1:43885[router] ...`."""
+    it, as it can when print() writes the text and its newline in two calls (it does, with
+    PYTHONUNBUFFERED)."""
     out = out or sys.stdout
     for url in urls:
         out.write(f"ready {url}\n")
