@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cleave.bench.harness.processes import process_table, process_tree
+from cleave.bench.harness.processes import process_table, processes_below
 
 from support.waiting import wait_for
 
@@ -124,20 +124,6 @@ def get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
 # -- /proc -----------------------------------------------------------------------------------
 
 
-def processes_below(parent: int) -> dict[int, list[str]]:
-    """Every process below `parent`: pid -> argv, from /proc. A launcher's roles are its
-    children, or its fork server's (cleave/launch/forkserver.py): the rankers."""
-    table = process_table()
-    found, frontier = {}, [parent]
-    while frontier:
-        above = frontier.pop()
-        for pid, (p, argv) in table.items():
-            if p == above and pid not in found:
-                found[pid] = argv
-                frontier.append(pid)
-    return found
-
-
 def children(pid: int) -> dict[str, int]:
     """A launcher's roles by name (shard-0, ranker-1, router), from /proc."""
     found = {}
@@ -158,7 +144,7 @@ def parent_of(pid: int) -> int:
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc."""
-    return [p for p in process_tree(pid) if p != pid]
+    return list(processes_below(pid))
 
 
 def namespaces_of_testbeds() -> set[str]:

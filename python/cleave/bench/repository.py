@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cleave.bench.harness.processes import process_table, process_tree, sample_process
+from cleave.bench.harness.processes import processes_below, pss_bytes, sample_process
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, parse_pin, pinned
 from cleave.errors import UsageError
@@ -239,13 +239,14 @@ def _failed(samples) -> dict[str, int]:
 
 
 def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
-    """The shards' table bytes (their /metrics) and resident memory, the processes running."""
+    """The shards' table bytes (their /metrics) and resident memory, the processes running,
+    and the whole deployment's PSS (forked rankers share the fork server's pages, which RSS
+    counts in each)."""
     table_bytes = 0
     for line in list(server.log):
         if " metrics " in line and "-shard-" in line:
             table_bytes += _shard_table_bytes(line.split()[4], row_bytes)
-    table, below = process_table(), process_tree(server.proc.pid)  # rankers: forked, below
-    argv = {pid: table[pid][1] for pid in below if pid in table and pid != server.proc.pid}
+    argv = processes_below(server.proc.pid)
     shards = [pid for pid, a in argv.items() if Path(a[0]).name == "cleave-shard"]
     rankers = [pid for pid, a in argv.items() if "ranker" in a]
     return {
@@ -256,6 +257,7 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
         "ranker_processes": len(rankers),
         "shard_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in shards),
         "ranker_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in rankers),
+        "deployment_pss_bytes": sum(map(pss_bytes, [server.proc.pid, *argv])),
     }
 
 
@@ -282,12 +284,13 @@ def print_table(result: dict) -> None:
         f"{result['changed_table']} {result['changed_table_bytes'] / mib:.1f} MiB"
     )
     print(f"{'step':>18} {'load s':>7} {'tables MiB':>10} {'shards':>6} {'rankers':>7}", end="")
-    print(f" {'shard RSS MiB':>13} {'ranker RSS MiB':>14}")
+    print(f" {'shard RSS MiB':>13} {'ranker RSS MiB':>14} {'all PSS MiB':>11}")
     for s in result["steps"]:
         print(
             f"{s['step']:>18} {s['load_s']:>7.1f} {s['table_bytes'] / mib:>10.1f} "
             f"{s['shard_processes']:>6} {s['ranker_processes']:>7} "
-            f"{s['shard_rss_bytes'] / mib:>13.1f} {s['ranker_rss_bytes'] / mib:>14.1f}"
+            f"{s['shard_rss_bytes'] / mib:>13.1f} {s['ranker_rss_bytes'] / mib:>14.1f} "
+            f"{s['deployment_pss_bytes'] / mib:>11.1f}"
         )
     if "rollout" in result:
         r = result["rollout"]

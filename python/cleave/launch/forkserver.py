@@ -1,11 +1,11 @@
 """A fork server for the Python roles (rankers): one process imports what a ranker needs once,
 and each ranker is forked from it instead of starting an interpreter of its own.
 
-Why: importing torch is most of a ranker's start (about 2 s of CPU, a third of it in the kernel
-mapping 600 MB of libraries, on the AMD EPYC here). A model version loaded under load starts
-its rankers on the cores that serve, and on one core that start slowed the serving ranker
-enough to refuse requests (docs/benchmarks.md, "A load under load on one core, with forked
-rankers"). A forked ranker shares the imported pages and starts in tens of milliseconds.
+Why: importing torch is most of a ranker's start (about 2 s of CPU on the AMD EPYC here). A
+model version loaded under load starts its rankers on the cores that serve, and on one core
+that start slowed the serving ranker enough to refuse requests (docs/benchmarks.md, "A load
+under load on one core, with forked rankers"). A forked ranker shares the imported pages,
+and a version loads in a tenth of the time.
 Nothing is imported that starts threads we would fork: torch's thread pools start at its
 first operation, which the server never runs.
 

@@ -24,17 +24,26 @@ def process_table() -> dict[int, tuple[int, list[str]]]:
     return table
 
 
-def process_tree(pid: int) -> dict[int, str]:
-    """`pid` and its descendants, each with a short name from its command line."""
-    table = process_table()
-    tree, frontier = {pid: _role(table[pid][1]) if pid in table else "serve"}, [pid]
+def processes_below(pid: int, table: dict | None = None) -> dict[int, list[str]]:
+    """Every process below `pid` (children, theirs, ...: a launcher's rankers are its fork
+    server's children): pid -> argv, from `table` (default: /proc now)."""
+    table = process_table() if table is None else table
+    found, frontier = {}, [pid]
     while frontier:
         parent = frontier.pop()
         for child, (p, argv) in table.items():
-            if p == parent and child not in tree:
-                tree[child] = _role(argv)
+            if p == parent and child not in found:
+                found[child] = argv
                 frontier.append(child)
-    return tree
+    return found
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """`pid` and its descendants, each with a short name from its command line."""
+    table = process_table()
+    below = processes_below(pid, table)
+    root = {pid: _role(table[pid][1]) if pid in table else "serve"}
+    return root | {child: _role(argv) for child, argv in below.items()}
 
 
 def _role(argv: list[str]) -> str:
@@ -50,6 +59,18 @@ def _role(argv: list[str]) -> str:
     if "cleave.launch.forkserver" in argv:
         return "fork-server"
     return Path(argv[0]).name if argv and argv[0] else "?"
+
+
+def pss_bytes(pid: int) -> int:
+    """Its proportional set size: pages shared with other processes (a fork server's with
+    the rankers it forked) counted once over all of them; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def sample_process(pid: int) -> tuple[int, int] | None:
