@@ -96,7 +96,31 @@ def sized(models, tmp_path_factory) -> dict:
     )
     common = ["--profile", str(profile), "--p99-ms", "200"]
     run("size", str(bundle), "--rate", "10", "--catalog", str(catalog), "-o", str(plan), *common)
-    return {"root": root, "bundle": str(bundle), "profile": profile, "plan": plan, "common": common}
+    return {
+        "root": root,
+        "bundle": str(bundle),
+        "profile": profile,
+        "plan": plan,
+        "common": common,
+        "catalog": catalog,
+    }
+
+
+def test_capped_hosts_are_measured_role_by_role(sized):
+    """`cleave profile --capped`: the bundle served on hosts of the catalog's kind, each
+    role's CPU per request measured at low load and saturated (so each role's processes are
+    found: over TCP their arguments name no socket), as factors over the profile's."""
+    from cleave.sizing.capped import measure_capped
+
+    profile = json.loads(sized["profile"].read_text())
+    got = measure_capped(Path(sized["bundle"]), profile, str(sized["catalog"]), True, print)
+    capped = got["tb-test"]
+    assert capped["cores"] == pytest.approx(0.14)
+    for load in ("low", "saturated"):
+        for role in ("routers", "shards", "rankers"):
+            assert capped[load]["cpu_ms"][role] > 0, (load, role, capped)
+            assert capped[load]["factor"][role] > 0
+    assert capped["saturated_rate"] > 0 and capped["low_p50_ms"] > 0
 
 
 def test_validate_serves_the_plan_and_compares(sized):
@@ -140,6 +164,8 @@ def test_plans_it_cannot_validate_are_refused(sized, tmp_path):
         "size", sized["bundle"], "--rate", "10", "--catalog", str(example), "-o", str(real), *common
     )
     assert "testbed: true" in refused("size", "--validate", str(real))
+    measured = ["profile", sized["bundle"], "-o", str(tmp_path / "p.json"), "--capped"]
+    assert "not a testbed catalog" in refused(*measured, str(example))
     # Caps that leave the load generator no core.
     greedy = tmp_path / "greedy.yaml"
     greedy.write_text(text.replace("cpu_cores: '0.14'", "cpu_cores: '50'"))

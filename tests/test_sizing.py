@@ -110,6 +110,8 @@ def test_size_writes_the_cheapest_plan_that_checks(models, profiled, tmp_path, n
     hosts = {p["pool"]: p["hosts"] for p in chosen["pools"]}
     assert sum(hosts.values()) == len(plan.hosts)
     assert "OK" in run("plan", "--check", str(plan_path))
+    # A request the target lets be slow is not refused for it.
+    assert plan.router.budget_ms >= max(1000.0, 2 * p99)
     cost = sum(p["cost_per_hour"] for p in chosen["pools"])
     assert math.isclose(cost, chosen["cost_per_hour"], rel_tol=1e-3)
 
@@ -349,3 +351,68 @@ def test_requests_are_synthesized_from_the_manifest_kjts_included():
         _resolve("N9", {"B": 4})
     with pytest.raises(Unsupported):
         _resolve("__import__('os')", {"B": 4})
+
+
+def test_a_capped_kinds_measured_cpu_sets_its_pools_latency_and_capacity(models, profiled):
+    """`cleave profile --capped`'s factors (injected here): a pool of that kind serves one
+    request in the low-load figure and saturates at the saturated one; a kind whose cap
+    differs from the measured one keeps the catalog's cpu_speed."""
+    from cleave.bundle import manifest as manifest_io
+    from cleave.sizing.capped import model_cpu_ms
+    from cleave.sizing.search import Sizer, Target
+
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = manifest_io.read(models["dcn"].dir, whole=False)
+    tenth, other = parse_catalog(
+        {
+            "machines": [
+                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
+                 "price_per_hour": 1},
+                {"kind": "tb-2", "cpus": 1, "cpu_speed": 0.2, "memory_gib": 2, "nic_gbit": 1,
+                 "price_per_hour": 1},
+            ]
+        },
+        "test",
+    )  # fmt: skip
+    plain = Sizer(manifest, profile, [tenth, other], Target(10, 1e4))
+    low = {"routers": 3.0, "shards": 2.0, "rankers": 2.0}
+    saturated = {"routers": 2.0, "shards": 1.0, "rankers": 0.5}
+    profile["capped"] = {
+        name: {
+            "cores": 0.1,
+            "low": {"factor": low},
+            "saturated": {"factor": saturated},
+            "wait_scale": 2.0,
+        }
+        for name in ("tb", "tb-2")  # tb-2's cap is 0.2: its figures were not measured on it
+    }
+    capped = Sizer(manifest, profile, [tenth, other], Target(10, 1e4))
+    assert capped.calibrated() == ["tb"]
+    pools = {
+        "routers": lambda s, k: s.routers(k),
+        "shards": lambda s, k: s.shards(k, 2),
+        "rankers": lambda s, k: s.rankers(k, "float32", 1),
+    }
+    for role, make in pools.items():
+        base, measured = make(plain, tenth), make(capped, tenth)
+        assert measured.service_ms == pytest.approx(base.service_ms * low[role])
+        assert measured.capacity_ms == pytest.approx(base.service_ms * saturated[role])
+        assert measured.cpu_util(10) == pytest.approx(base.cpu_util(10) * saturated[role])
+        assert make(capped, other).service_ms == pytest.approx(make(plain, other).service_ms)
+    # Lightly loaded, a request sees its own (low-load) time: the ranker's doubled.
+    ranker = pools["rankers"](capped, tenth)
+    assert ranker.p99_ms(1e-6) == pytest.approx(ranker.service_ms)
+    # Its capacity is the saturated figure's: half the plain ranker's time, twice the rate.
+    base = pools["rankers"](plain, tenth)
+    assert math.isinf(base.p99_ms(1e3 / base.service_ms))
+    assert math.isfinite(ranker.p99_ms(1e3 / base.service_ms))
+    # Its wait is the queue's at that capacity, times the measured scale.
+    rate, s = 0.5e3 / ranker.capacity_ms, ranker.capacity_ms / 1e3
+    wait = (queueing.p99_s(1, s, rate) - s) * 1e3
+    assert ranker.p99_ms(rate) == pytest.approx(ranker.service_ms + 2.0 * wait)
+    # Each host is its own queue: two rankers at twice the rate wait as one does.
+    assert ranker.p99_ms(2 * rate, hosts=2) == pytest.approx(ranker.p99_ms(rate))
+    # The whole-core figures the factors are over: what the profile says each role spends.
+    model = model_cpu_ms(plain, profile)
+    assert model["routers"] == pytest.approx(plain.router_us / 1e3)
+    assert model["rankers"] == pytest.approx(base.service_ms * tenth.cpu_speed)

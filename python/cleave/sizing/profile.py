@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not serve the bundle to time the router (cleave size then estimates it)",
     )
+    parser.add_argument(
+        "--capped",
+        metavar="CATALOG",
+        help="also serve the bundle on testbed hosts of each kind of this testbed catalog and "
+        "measure what each role spends per request there (docs/sizing.md, 'Capped hosts')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         )
     cores = len(os.sched_getaffinity(0))
     threads = _thread_counts(args.threads, cores)
+    if args.capped:  # a capped host's ranker runs one thread: its factor is over that
+        from cleave.sizing.capped import testbed_kinds
+
+        testbed_kinds(args.capped)  # a bad catalog is refused before the measurements
+        threads = sorted({1, *threads})
     profile = measure(
         Path(args.bundle),
         candidates=args.candidates,
@@ -79,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         serve=not args.no_serve,
         gpu=_gpu_asked(args.device),
+        capped=args.capped,
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +119,8 @@ def measure(
     quick: bool,
     serve: bool = True,
     gpu: bool = False,
+    capped: str | None = None,
+    log=print,
 ) -> dict:
     from cleave.bundle import manifest as manifest_io
 
@@ -131,6 +145,10 @@ def measure(
         if serve
         else _unmeasured("not asked (--no-serve)"),
     }
+    if capped:
+        from cleave.sizing.capped import measure_capped
+
+        profile["capped"] = measure_capped(bundle_dir, profile, capped, quick, log)
     profile["seconds"] = round(time.monotonic() - started, 1)
     return profile
 
@@ -522,6 +540,12 @@ def print_summary(profile: dict) -> None:
         )
     else:
         print(f"router: not measured: {router['why']}")
+    for kind, c in profile.get("capped", {}).items():
+        print(
+            f"capped {kind} ({c['cores']:g} core): CPU per request over the profile's, "
+            f"low load {c['low']['factor']}, saturated {c['saturated']['factor']} "
+            f"(at {c['saturated_rate']}/s)"
+        )
     b = profile["bytes_per_candidate"]
     print(
         f"bytes per candidate: request {b['request']:.0f}, to shards {b['lookup_request']:.0f}, "

@@ -50,6 +50,11 @@ class Pool:
     hosts: int
     servers_per_host: int  # processes x threads that each take one request at a time
     service_ms: float  # one request's (shards: one range group's lookup) time on one server
+    # The same when the pool is saturated, where that differs (a capped host measured by
+    # `cleave profile --capped`: a ranker joins queued requests); 0: service_ms. It sets the
+    # pool's capacity, service_ms the latency a request sees.
+    saturated_ms: float = 0.0
+    wait_scale: float = 1.0  # the queueing wait's measured factor on such hosts (capped.py)
     arrivals_per_request: int = 1  # shards: one lookup per range group
     quantile: float = queueing.QUANTILE
     bytes_per_request: float = 0.0  # the most of in or out on a host's NIC, per request
@@ -63,14 +68,25 @@ class Pool:
     def servers(self, hosts: int | None = None) -> int:
         return (self.hosts if hosts is None else hosts) * self.servers_per_host
 
+    @property
+    def capacity_ms(self) -> float:
+        return self.saturated_ms or self.service_ms
+
     def p99_ms(self, rate: float, hosts: int | None = None) -> float:
-        arrivals = rate * self.arrivals_per_request
-        s = self.service_ms / 1e3
-        return queueing.p99_s(self.servers(hosts), s, arrivals, self.quantile) * 1e3 + self.batch_ms
+        """The wait of a queue served at the pool's capacity, plus one request's own time.
+        Each host is its own queue with its share of the arrivals: clients spread requests
+        over the routers, and each router picks a ranker from what it alone has in flight,
+        so no host takes over another's queue (on the testbed each of two routers sent all
+        its requests to one of two rankers)."""
+        hosts = self.hosts if hosts is None else hosts
+        arrivals = rate * self.arrivals_per_request / hosts
+        s = self.capacity_ms / 1e3
+        wait = queueing.p99_s(self.servers_per_host, s, arrivals, self.quantile) - s
+        return wait * 1e3 * self.wait_scale + self.service_ms + self.batch_ms
 
     def cpu_util(self, rate: float, hosts: int | None = None) -> float:
         arrivals = rate * self.arrivals_per_request
-        return queueing.utilization(self.servers(hosts), self.service_ms / 1e3, arrivals)
+        return queueing.utilization(self.servers(hosts), self.capacity_ms / 1e3, arrivals)
 
     def nic_util(self, rate: float, hosts: int | None = None) -> float:
         hosts = self.hosts if hosts is None else hosts
@@ -91,6 +107,7 @@ class Pool:
             "hosts": self.hosts,
             "servers_per_host": self.servers_per_host,
             "service_ms": round(self.service_ms, 4),
+            "saturated_service_ms": round(self.capacity_ms, 4),
             "cpu_utilization": round(self.cpu_util(rate), 3),
             "nic_utilization": round(self.nic_util(rate), 3),
             "p99_ms": round(self.p99_ms(rate), 3),
@@ -194,6 +211,7 @@ class Sizer:
         self.bytes = profile["bytes_per_candidate"]
         self.router_us, self.router_source = router_us(profile, self.candidates)
         self.ranker_overhead_ms = ranker_overhead_ms(profile, self.candidates)
+        self.capped = profile.get("capped") or {}
         shard = profile["shard"]
         self.shard_call_us, self.shard_ns_per_id = shard["call_us"], shard["ns_per_id"]
         self.ids = shard["ids_per_request"]
@@ -214,6 +232,29 @@ class Sizer:
 
     # -- pools ---------------------------------------------------------------------------
 
+    def measured(self, kind: MachineKind) -> dict | None:
+        """What `cleave profile --capped` measured on hosts of this kind (the same cap)."""
+        measured = self.capped.get(kind.kind)
+        if not measured or abs(measured["cores"] - kind.cpus * kind.cpu_speed) > 1e-9:
+            return None
+        return measured
+
+    def speeds(self, kind: MachineKind, pool: str) -> tuple[float, float, float]:
+        """(low-load speed, saturated speed, wait scale) of one of the kind's cores for the
+        pool's role, speeds relative to the profiled machine's core: the catalog's
+        `cpu_speed` and the plain queueing wait, or where the profile measured hosts of this
+        kind, that speed over the CPU per request the role really spent there (as a factor
+        of the profile's) and the wait's measured factor."""
+        measured = self.measured(kind)
+        if measured is None:
+            return kind.cpu_speed, kind.cpu_speed, 1.0
+        low, saturated = measured["low"]["factor"][pool], measured["saturated"]["factor"][pool]
+        return kind.cpu_speed / low, kind.cpu_speed / saturated, measured.get("wait_scale", 1.0)
+
+    def calibrated(self) -> list[str]:
+        """The catalog's kinds whose CPU per request was measured on capped hosts."""
+        return [k.kind for k in self.kinds if self.measured(k) is not None]
+
     def rankers(self, kind: MachineKind, dtype: str, threads: int | str) -> Pool:
         """A ranker process per `threads` cores, as many as the host's memory holds, each
         running one request per batch; on GPUs one per GPU (its speed the GPU profile's, not
@@ -224,11 +265,14 @@ class Sizer:
             joined = max(1, RANKER_MAX_BATCH // self.candidates)
             batch = dense_ms(self.profile, dtype, GPU, joined * self.candidates)
             per_host, service, extra = kind.gpus, batch / joined, batch - batch / joined
+            saturated, scale = 0.0, 1.0
         else:
             memory = int(kind.memory_gib * MEMORY_SHARE / RANKER_MEMORY_GIB)
             per_host = max(1, min(kind.cpus // threads, memory))
             dense = dense_ms(self.profile, dtype, threads, self.candidates)
-            service = (dense + self.ranker_overhead_ms) / kind.cpu_speed
+            low, saturated, scale = self.speeds(kind, "rankers")
+            service = (dense + self.ranker_overhead_ms) / low
+            saturated = (dense + self.ranker_overhead_ms) / saturated
             joined, extra = 1, 0.0
         return Pool(
             "rankers",
@@ -236,6 +280,8 @@ class Sizer:
             1,
             per_host,
             service,
+            saturated_ms=saturated,
+            wait_scale=scale,
             bytes_per_request=self.candidates * (self.bytes["rank"] + self.bytes["reply"]),
             batch_ms=extra,
             extra={"dtype": dtype, "threads": threads, "requests_per_batch": joined},
@@ -249,12 +295,15 @@ class Sizer:
         reply = (
             self.candidates * missed * (self.bytes["lookup_reply"] + self.bytes["lookup_request"])
         )
+        low, saturated, scale = self.speeds(kind, "shards")
         return Pool(
             "shards",
             kind,
             hosts,
             kind.cpus,
-            per_group_us / 1e3 / kind.cpu_speed,
+            per_group_us / 1e3 / low,
+            saturated_ms=per_group_us / 1e3 / saturated,
+            wait_scale=scale,
             arrivals_per_request=hosts,
             # The slowest of `hosts` lookups decides: each must be within 1 - 0.01/hosts.
             quantile=queueing.QUANTILE ** (1.0 / hosts),
@@ -279,12 +328,15 @@ class Sizer:
         missed = 1.0 - (cache["hit_rate"] if cache else 0.0)
         inward = b["request"] + missed * b["lookup_reply"] + b["reply"]
         outward = missed * b["lookup_request"] + b["rank"] + b["reply"]
+        low, saturated, scale = self.speeds(kind, "routers")
         return Pool(
             "routers",
             kind,
             1,
             kind.cpus,
-            self.router_us / 1e3 / kind.cpu_speed,
+            self.router_us / 1e3 / low,
+            saturated_ms=self.router_us / 1e3 / saturated,
+            wait_scale=scale,
             bytes_per_request=self.candidates * max(inward, outward),
             memory_per_host=ROUTER_MEMORY_BYTES + (cache["bytes"] if cache else 0),
             extra={
@@ -461,6 +513,7 @@ class Sizer:
             ),
             "router_cpu_us": {"value": round(self.router_us, 1), "source": self.router_source},
             "ranker_overhead_ms": round(self.ranker_overhead_ms, 4),
+            "capped_kinds": self.calibrated(),
         }
         result["chosen_mix"] = chosen
         return result

@@ -54,6 +54,11 @@ def _role(argv: list[str]) -> str:
         stem = Path(arg).stem
         if stem.startswith(("shard-", "ranker-")):
             return stem
+    # Over TCP their arguments name no socket file.
+    if argv and Path(argv[0]).name == "cleave-shard":
+        return "shard"
+    if "cleave.cli" in argv[:3] and "ranker" in argv[:4]:
+        return "ranker"
     if " serve " in f" {line} ":
         return "serve"
     if "cleave.launch.forkserver" in argv:
