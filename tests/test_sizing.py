@@ -416,3 +416,47 @@ def test_a_capped_kinds_measured_cpu_sets_its_pools_latency_and_capacity(models,
     model = model_cpu_ms(plain, profile)
     assert model["routers"] == pytest.approx(plain.router_us / 1e3)
     assert model["rankers"] == pytest.approx(base.service_ms * tenth.cpu_speed)
+
+
+def test_a_capped_rankers_capacity_is_what_it_batched_within_the_target(models, profiled):
+    """The saturated factor follows the target: the measured step whose p99 met it at the
+    highest rate, towards the next step's as the target nears that step's p99; below every
+    step the low-load figure; beyond every step the most loaded one."""
+    from cleave.bundle import manifest as manifest_io
+    from cleave.sizing.search import Sizer, Target
+
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = manifest_io.read(models["dcn"].dir, whole=False)
+    (kind,) = parse_catalog(
+        {
+            "machines": [
+                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
+                 "price_per_hour": 1}
+            ]
+        },
+        "test",
+    )  # fmt: skip
+    roles = ("routers", "shards", "rankers")
+    steps = [  # the ranker's factor falls as the load (and its batches) grows
+        {"answered_rate": 10, "p99_ms": 20.0, "factor": dict.fromkeys(roles, 2.0)},
+        {"answered_rate": 20, "p99_ms": 60.0, "factor": dict.fromkeys(roles, 1.5)},
+        {"answered_rate": 30, "p99_ms": 100.0, "factor": dict.fromkeys(roles, 1.0)},
+    ]
+    profile["capped"] = {
+        "tb": {
+            "cores": 0.1,
+            "low": {"factor": dict.fromkeys(roles, 3.0)},
+            "saturated": {"factor": dict.fromkeys(roles, 1.0)},
+            "steps": steps,
+        }
+    }
+
+    def factor(p99_ms):
+        sizer = Sizer(manifest, profile, [kind], Target(1, p99_ms))
+        return sizer.speeds(kind, "rankers")[1]
+
+    assert factor(10) == pytest.approx(0.1 / 3.0)  # no step met it: the low-load figure
+    assert factor(20) == pytest.approx(0.1 / 2.0)
+    assert factor(40) == pytest.approx(0.1 / 1.75)  # halfway to the next step's p99
+    assert factor(60) == pytest.approx(0.1 / 1.5)
+    assert factor(500) == pytest.approx(0.1 / 1.0)  # beyond every step: the most loaded

@@ -168,9 +168,9 @@ def _serve_and_measure(plan, manifest, profile, kind, model: dict, quick: bool, 
     # The most a deployment of these hosts answered: its bottleneck's capacity, batches as
     # large as a queue under overload makes them.
     top = max(steps, key=lambda st: st["answered_rate"])
-    busy_cpu = top.pop("cpu_ms")
-    for st in steps:
-        st.pop("cpu_ms", None)
+    busy_cpu = top["cpu_ms"]
+    for st in steps:  # each step's CPU as factors too: cleave size picks one by its target
+        st.update(_factors(st["cpu_ms"], model))
     result = {
         "cores": cores,
         "link_gbit": kind.nic_gbit,

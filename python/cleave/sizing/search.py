@@ -248,8 +248,32 @@ class Sizer:
         measured = self.measured(kind)
         if measured is None:
             return kind.cpu_speed, kind.cpu_speed, 1.0
-        low, saturated = measured["low"]["factor"][pool], measured["saturated"]["factor"][pool]
+        low, saturated = measured["low"]["factor"][pool], self._saturated(measured, pool)
         return kind.cpu_speed / low, kind.cpu_speed / saturated, measured.get("wait_scale", 1.0)
+
+    def _saturated(self, measured: dict, pool: str) -> float:
+        """The role's CPU factor when its pool is the bottleneck at this target: a ranker
+        joins what queued into one batch, so what a request costs depends on how long
+        requests may queue. The factor at the measured step whose p99 met the target at the
+        highest rate, towards the next step's as the target nears that step's p99; without
+        steps (or none within the target) the most loaded figure, or the low-load one."""
+        steps = sorted(
+            (st for st in measured.get("steps", []) if "factor" in st),
+            key=lambda st: st["answered_rate"],
+        )
+        if not steps:
+            return measured["saturated"]["factor"][pool]
+        goal = self.target.p99_ms
+        within = [i for i, st in enumerate(steps) if st["p99_ms"] <= goal]
+        if not within:
+            return measured["low"]["factor"][pool]
+        i = within[-1]
+        here = steps[i]["factor"][pool]
+        if i + 1 == len(steps):
+            return here
+        above = steps[i + 1]
+        share = (goal - steps[i]["p99_ms"]) / max(above["p99_ms"] - steps[i]["p99_ms"], 1e-9)
+        return here + (above["factor"][pool] - here) * min(max(share, 0.0), 1.0)
 
     def calibrated(self) -> list[str]:
         """The catalog's kinds whose CPU per request was measured on capped hosts."""
