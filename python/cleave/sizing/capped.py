@@ -8,9 +8,10 @@ while a ranker that is the bottleneck joins queued requests into one batch and s
 So for each kind of a testbed catalog, `cleave profile --capped CATALOG` serves the bundle on
 the testbed with one router, two shard hosts and one ranker, each on a host of that kind (its
 CPU cap and link), and measures every role's CPU per request one request at a time (what a
-request sees: its own time) and at the most the deployment answered under open-loop steps
-(what a pool costs when it is the bottleneck: its capacity), and how the steps' p99 waits
-compare with the queueing model's. Each CPU figure is kept as a factor over what the
+request sees: its own time) and at open-loop steps up past what the deployment answers (what
+a pool costs when it is the bottleneck, with as much queueing as each step's p99 shows:
+`cleave size` picks the step its target allows), and how the steps' p99 waits compare with
+the queueing model's. Each CPU figure is kept as a factor over what the
 whole-core profile says that role costs, so `cleave size` applies it to any dtype, batch
 size and host count of that kind."""
 
@@ -164,6 +165,8 @@ def _serve_and_measure(plan, manifest, profile, kind, model: dict, quick: bool, 
         closed = closed_loop(url, bodies, CLIENTS, closed_s, timeout_s=30.0)
         closed_rate = sum(1 for s in closed if not s.error) / closed_s
         steps = _steps(target, url, bodies, closed_rate, quick, log)
+    if not steps:
+        raise UsageError(f"capped {kind.kind}: every request of the first step was refused")
     cores = kind.cpus * kind.cpu_speed
     # The most a deployment of these hosts answered: its bottleneck's capacity, batches as
     # large as a queue under overload makes them.

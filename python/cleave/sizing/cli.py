@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from cleave.bundle import manifest as manifest_io
     from cleave.plan.files import read_yaml
     from cleave.sizing.catalog import is_testbed, load_catalog
+    from cleave.sizing.plan import write_plan
     from cleave.sizing.profile import load_profile
     from cleave.sizing.search import Sizer, Target
 
@@ -72,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile, bundle)
     else:
         profile = _measure_now(bundle)
-    from cleave.sizing.plan import write_plan
-
     result = Sizer(manifest, profile, kinds, target).size()
     mix = result.pop("chosen_mix")
     testbed = is_testbed(read_yaml(args.catalog, "catalog"))
