@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cleave.bench.harness.processes import processes_below, pss_bytes, sample_process
+from cleave.bench.harness.processes import process_tree, pss_bytes, sample_process
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, parse_pin, pinned
 from cleave.errors import UsageError
@@ -246,9 +246,9 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
     for line in list(server.log):
         if " metrics " in line and "-shard-" in line:
             table_bytes += _shard_table_bytes(line.split()[4], row_bytes)
-    argv = processes_below(server.proc.pid)
-    shards = [pid for pid, a in argv.items() if Path(a[0]).name == "cleave-shard"]
-    rankers = [pid for pid, a in argv.items() if "ranker" in a]
+    roles = process_tree(server.proc.pid)
+    shards = [pid for pid, role in roles.items() if role.startswith("shard")]
+    rankers = [pid for pid, role in roles.items() if role.startswith("ranker")]
     return {
         "step": what,
         "load_s": load_s,
@@ -257,7 +257,7 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
         "ranker_processes": len(rankers),
         "shard_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in shards),
         "ranker_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in rankers),
-        "deployment_pss_bytes": sum(map(pss_bytes, [server.proc.pid, *argv])),
+        "deployment_pss_bytes": sum(map(pss_bytes, roles)),
     }
 
 

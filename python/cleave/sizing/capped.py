@@ -237,8 +237,7 @@ def _hosts(role: str) -> int:
 def _by_role(target) -> dict[str, float]:
     """CPU seconds so far of the deployment's processes, summed per pool (schedstat's ns: a
     run of a few dozen requests is a few clock ticks of a router's time)."""
-    from cleave.bench.harness.processes import process_tree
-    from cleave.sizing.router import cpu_ns
+    from cleave.bench.harness.processes import cpu_ns, process_tree
 
     used = dict.fromkeys(ROLES, 0.0)
     for pid, role in process_tree(target.server.proc.pid).items():

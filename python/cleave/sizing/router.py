@@ -127,7 +127,7 @@ def _ids_len(manifest, bag_input: str, sizes, specs) -> int:
 
 def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
     """Serves the bundle and sends `named` as a binary-tensor request, one at a time."""
-    from cleave.bench.harness.processes import role_pid
+    from cleave.bench.harness.processes import cpu_ns, role_pid
     from cleave.bench.loadgen import binary_infer_body
     from cleave.launch.process import ServeProcess
 
@@ -146,7 +146,7 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
         router = role_pid(server.proc.pid, "router")
         # The ranker's CPU too: its whole process's per request (decoding, the dense
         # program, encoding), which `cleave size` sets against the dense program's own time.
-        ranker = _ranker_pid(server.proc.pid)
+        ranker = role_pid(server.proc.pid, "ranker")
         ranker_before = cpu_ns(ranker) if ranker else 0
         before, start, latencies = cpu_ns(router), time.perf_counter(), []
         while (time.perf_counter() - start < seconds or len(latencies) < MIN_REQUESTS) and len(
@@ -171,30 +171,6 @@ def measure_router(bundle_dir: Path, named: dict, seconds: float) -> dict:
             else {}
         ),
     }
-
-
-def _ranker_pid(root: int) -> int | None:
-    """The `cleave ranker` process under `root` (over TCP its argv names no socket file, by
-    which `role_pid` would know it)."""
-    from cleave.bench.harness.processes import process_table, process_tree
-
-    table = process_table()
-    for pid in process_tree(root):
-        if "ranker" in table.get(pid, (0, []))[1][:4]:
-            return pid
-    return None
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of a process, ns (schedstat: finer than /proc/PID/stat's
-    clock ticks, which are 10 ms: a few hundred requests' worth of router time)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total
 
 
 def _send(conn: http.client.HTTPConnection, path: str, body) -> None:

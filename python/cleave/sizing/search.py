@@ -257,10 +257,7 @@ class Sizer:
         requests may queue. The factor at the measured step whose p99 met the target at the
         highest rate, towards the next step's as the target nears that step's p99; without
         steps (or none within the target) the most loaded figure, or the low-load one."""
-        steps = sorted(
-            (st for st in measured.get("steps", []) if "factor" in st),
-            key=lambda st: st["answered_rate"],
-        )
+        steps = sorted(measured.get("steps", []), key=lambda st: st["answered_rate"])
         if not steps:
             return measured["saturated"]["factor"][pool]
         goal = self.target.p99_ms
