@@ -116,6 +116,10 @@ def test_capped_hosts_are_measured_role_by_role(sized):
     got = measure_capped(Path(sized["bundle"]), profile, str(sized["catalog"]), True, print)
     capped = got["tb-test"]
     assert capped["cores"] == pytest.approx(0.14)
+    # The smallest plan cleave size writes on the kind (7 x 0.14 cores fit beside the load
+    # generator's core), at the target the plans are sized for.
+    assert capped["hosts"] == {"routers": 2, "shards": 3, "rankers": 2}
+    assert capped["p99_target_ms"] == 500 and capped["steps"]
     for load in ("low", "saturated"):
         for role in ("routers", "shards", "rankers"):
             assert capped[load]["cpu_ms"][role] > 0, (load, role, capped)

@@ -226,6 +226,12 @@ def test_bad_input_is_refused_with_what_was_expected(models, profiled, tmp_path)
     assert "expected a profile JSON" in err
     err = refused("size", bundle, "--rate", "-1", "--p99-ms", "25", "--catalog", catalog, *common)
     assert "must be positive" in err
+    # The capped runs' target without the capped runs, or not a target.
+    out = str(tmp_path / "profile.json")
+    err = refused("profile", bundle, "-o", out, "--p99-ms", "100")
+    assert "--p99-ms" in err and "without --capped" in err
+    err = refused("profile", bundle, "-o", out, "--p99-ms", "-5", "--capped", catalog)
+    assert "expected a positive target" in err
 
 
 @pytest.mark.parametrize(
@@ -414,7 +420,7 @@ def test_a_capped_kinds_measured_cpu_sets_its_pools_latency_and_capacity(models,
     # Each host is its own queue: two rankers at twice the rate wait as one does.
     assert ranker.p99_ms(2 * rate, hosts=2) == pytest.approx(ranker.p99_ms(rate))
     # The whole-core figures the factors are over: what the profile says each role spends.
-    model = model_cpu_ms(plain, profile)
+    model = model_cpu_ms(plain, 2)
     assert model["routers"] == pytest.approx(plain.router_us / 1e3)
     assert model["rankers"] == pytest.approx(base.service_ms * tenth.cpu_speed)
 
@@ -439,9 +445,9 @@ def test_a_capped_rankers_capacity_is_what_it_batched_within_the_target(models, 
     )  # fmt: skip
     roles = ("routers", "shards", "rankers")
     steps = [  # the ranker's factor falls as the load (and its batches) grows
-        {"answered_rate": 10, "p99_ms": 20.0, "factor": dict.fromkeys(roles, 2.0)},
-        {"answered_rate": 20, "p99_ms": 60.0, "factor": dict.fromkeys(roles, 1.5)},
-        {"answered_rate": 30, "p99_ms": 100.0, "factor": dict.fromkeys(roles, 1.0)},
+        {"rate": 10, "p99_ms": 20.0, "factor": dict.fromkeys(roles, 2.0)},
+        {"rate": 20, "p99_ms": 60.0, "factor": dict.fromkeys(roles, 1.5)},
+        {"rate": 30, "p99_ms": 100.0, "factor": dict.fromkeys(roles, 1.0)},
     ]
     profile["capped"] = {
         "tb": {
@@ -461,3 +467,131 @@ def test_a_capped_rankers_capacity_is_what_it_batched_within_the_target(models, 
     assert factor(40) == pytest.approx(0.1 / 1.75)  # halfway to the next step's p99
     assert factor(60) == pytest.approx(0.1 / 1.5)
     assert factor(500) == pytest.approx(0.1 / 1.0)  # beyond every step: the most loaded
+
+
+def test_steps_cross_a_target_where_the_first_one_misses_it():
+    """As validate.py's search meets it: the last step within before the first that is not
+    (a later step within, by chance, does not count), a step with more than 1% refused
+    misses, and the target lies between the two by their p99s."""
+    from cleave.sizing.capped import crossing, crossing_rate
+
+    def step(rate, p99, errors=0):
+        return {"rate": rate, "p99_ms": p99, "errors": errors, "sent": 1000}
+
+    steps = [step(10, 20.0), step(20, 60.0), step(30, 140.0), step(40, 90.0)]
+    assert crossing(steps, 100.0) == (1, 0.5, True)
+    assert crossing_rate(steps, 100.0) == pytest.approx(25.0)
+    assert crossing_rate(list(reversed(steps)), 100.0) == pytest.approx(25.0)  # any order
+    refused = [step(10, 20.0), step(20, 30.0, errors=11), step(30, 40.0)]
+    assert crossing(refused, 100.0) == (0, 0.0, True)  # missed by its refusals alone
+    assert crossing(steps, 10.0) is None  # none met it
+    assert crossing(steps, 500.0) == (3, 0.0, False)  # none missed it
+    assert crossing_rate(steps, 500.0) is None
+
+
+def test_the_wait_is_fitted_to_where_the_measured_deployment_crossed_the_target(models, profiled):
+    """A kind measured on capped hosts: the model's pools of the measured deployment (two
+    routers, three shard hosts, two rankers) reach the target at the rate where the steps'
+    p99 crossed it, whatever the queueing model alone would say; a plan of that shape is
+    predicted at that rate, and one with twice the rankers and routers at more."""
+    from cleave.bundle import manifest as manifest_io
+    from cleave.sizing.capped import calibration_pools
+    from cleave.sizing.search import Mix, Sizer, Target
+
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = manifest_io.read(models["dcn"].dir, whole=False)
+    (kind,) = parse_catalog(
+        {
+            "machines": [
+                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
+                 "price_per_hour": 1}
+            ]
+        },
+        "test",
+    )  # fmt: skip
+    roles = ("routers", "shards", "rankers")
+    hosts = {"routers": 2, "shards": 3, "rankers": 2}
+    probe = Sizer(manifest, profile, [kind], Target(1, 1e4))
+    capacity = 1e3 / probe.regrown(probe.rankers(kind, "float32", 1), 2).capacity_ms * 2
+    rates = [0.2 * capacity, 0.4 * capacity, 0.6 * capacity]
+    steps = [
+        {"rate": r, "p99_ms": p99, "errors": 0, "sent": 500, "factor": dict.fromkeys(roles, 1.0)}
+        for r, p99 in zip(rates, (2e3, 4e3, 8e3), strict=True)
+    ]
+    profile["capped"] = {
+        "tb": {
+            "cores": 0.1,
+            "hosts": hosts,
+            "low": {"factor": dict.fromkeys(roles, 1.0)},
+            "saturated": {"factor": dict.fromkeys(roles, 1.0)},
+            "steps": steps,
+            "wait_scale": 1.0,
+        }
+    }
+    for goal, crossed in ((3e3, 0.3 * capacity), (6e3, 0.5 * capacity)):
+        sizer = Sizer(manifest, profile, [kind], Target(0.01 * crossed, goal))
+        pools = calibration_pools(sizer, kind, hosts)
+        mix = Mix(pools, sizer.fixed_ms(pools))
+        assert mix.max_rate(Target(1, goal)) == pytest.approx(crossed, rel=0.01)
+        assert sizer.wait_scale(kind) > 1  # slower than M/M/c: these steps' p99s are long
+        chosen = sizer.size()["chosen_mix"]  # the smallest plan: the measured shape
+        assert {p.name: p.hosts for p in chosen.pools} == hosts
+        assert chosen.max_rate(Target(1, goal)) == pytest.approx(crossed, rel=0.01)
+        doubled = [sizer.regrown(p, 2 * p.hosts) if p.name != "shards" else p for p in pools]
+        assert Mix(doubled, sizer.fixed_ms(doubled)).max_rate(Target(1, goal)) > 1.5 * crossed
+
+
+def test_a_testbed_plan_must_fit_the_machines_caps(models, profiled):
+    """With a testbed catalog every plan is one the testbed can serve: its hosts' caps add up
+    to at most what this machine leaves them, else the constraint is named."""
+    from cleave.bundle import manifest as manifest_io
+    from cleave.errors import UsageError
+    from cleave.sizing.search import Sizer, Target
+
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = manifest_io.read(models["dcn"].dir, whole=False)
+    (kind,) = parse_catalog(
+        {
+            "machines": [
+                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
+                 "price_per_hour": 1}
+            ]
+        },
+        "test",
+    )  # fmt: skip
+    hosts = Sizer(manifest, profile, [kind], Target(1, 1e4), cap_room=1.0).size()["chosen_mix"]
+    caps = sum(p.hosts for p in hosts.pools) * 0.1
+    with pytest.raises(UsageError, match=f"testbed: the hosts' CPU caps add up to {caps:g} cores"):
+        Sizer(manifest, profile, [kind], Target(1, 1e4), cap_room=caps - 0.05).size()
+
+
+def test_the_capped_runs_serve_the_smallest_plan_that_fits_the_machine(models, profiled):
+    """`cleave profile --capped` serves a kind as the smallest plan cleave size writes on it;
+    where those caps do not fit this machine beside the load generator's core, one path of
+    hosts; where not even that does, a clear error before anything is served."""
+    from cleave.bundle import manifest as manifest_io
+    from cleave.errors import UsageError
+    from cleave.sizing.capped import ONE_PATH, calibration_hosts
+    from cleave.sizing.catalog import testbed_room
+    from cleave.sizing.search import Sizer, Target
+
+    profile = json.loads(profiled["dcn"].read_text())
+    manifest = manifest_io.read(models["dcn"].dir, whole=False)
+    room = testbed_room()
+
+    def hosts(cores):
+        (kind,) = parse_catalog(
+            {
+                "machines": [
+                    {"kind": "tb", "cpus": 1, "cpu_speed": cores, "memory_gib": 2,
+                     "nic_gbit": 1, "price_per_hour": 1}
+                ]
+            },
+            "test",
+        )  # fmt: skip
+        return calibration_hosts(Sizer(manifest, profile, [kind], Target(1.0, 500)), kind)
+
+    assert hosts(room / 7) == {"routers": 2, "shards": 3, "rankers": 2}
+    assert hosts(room / 5) == ONE_PATH
+    with pytest.raises(UsageError, match="even one path of its hosts"):
+        hosts(room / 3)

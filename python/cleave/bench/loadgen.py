@@ -407,6 +407,17 @@ def sequential(url: str, bodies: Sequence[bytes], count: int, timeout_s: float =
         return asyncio.run(run(url, bodies, count, timeout_s, check))
 
 
+def settle(url: str, bodies: Sequence[bytes], base_ms: float, tries: int = 40) -> bool:
+    """Waits out a backlog an overloading run left (requests still queued in the routers):
+    lone requests, at most `tries`, until one is answered about as fast as `base_ms` (its
+    unloaded latency). False when none was."""
+    for _ in range(tries):
+        got = sequential(url, bodies, 1, timeout_s=30.0)
+        if not got[0].error and got[0].latency_s * 1e3 <= 2 * base_ms + 1:
+            return True
+    return False
+
+
 def codec_counters(metrics_text: str) -> dict[tuple[str, str], tuple[float, int]]:
     """The router's parse/encode CPU counters from its /metrics text:
     {(step, protocol): (cpu seconds, count)}."""

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         profiles = {}
         for model in dict.fromkeys(m for m, _, _ in cases):
             log(f"size: {model}: bundle and profile")
-            profiles[model] = _profile(model, root, args.quick, args.catalog, log)
+            goal = min(p for m, _, p in cases if m == model)  # its plans' routers' budget
+            profiles[model] = _profile(model, root, args.quick, args.catalog, goal, log)
         plans = []
         for model, rate, p99_ms in cases:
             log(f"size: {model} at {rate:g}/s, p99 {p99_ms:g} ms")
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "catalog": args.catalog,
         "candidates": CANDIDATES,
         "scale": SCALE,
+        "calibration": {m: _calibration(profile) for m, (_, profile) in profiles.items()},
         "plans": plans,
         "summary": _summary(plans),
         "seconds": round(time.monotonic() - started, 1),
@@ -85,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(model: str, root: Path, quick: bool, catalog: str, log) -> tuple[Path, Path]:
+def _profile(
+    model: str, root: Path, quick: bool, catalog: str, p99_ms: float, log
+) -> tuple[Path, Path]:
     import cleave
     from cleave.models import MODELS
     from cleave.sizing.profile import measure
@@ -98,8 +102,11 @@ def _profile(model: str, root: Path, quick: bool, catalog: str, log) -> tuple[Pa
     path = root / f"{model}-profile.json"
     if not path.exists():
         # Quick only with --quick: 7 runs a batch size (3 are noisy on a loaded machine).
-        # With each role's CPU per request measured on the catalog's capped hosts.
-        profile = measure(bundle, CANDIDATES, 1.0, 1.05, [1], quick, capped=catalog, log=log)
+        # With each role's CPU per request and the p99 steps measured on the catalog's
+        # capped hosts, served as plans for the cases' target are.
+        profile = measure(
+            bundle, CANDIDATES, 1.0, 1.05, [1], quick, capped=catalog, capped_p99_ms=p99_ms, log=log
+        )
         path.write_text(json.dumps(profile, indent=1) + "\n")
     return bundle, path
 
@@ -123,6 +130,14 @@ def _case(model: str, rate: float, p99_ms: float, args, root: Path, profiled, lo
     except (CleaveError, RuntimeError, OSError) as err:  # the other cases still run
         return {"model": model, "catalog": args.catalog, "rate": rate, "error": str(err)}
     return {"model": model, "catalog": Path(args.catalog).name, "rate": rate, **got}
+
+
+def _calibration(profile: Path) -> dict:
+    """Per kind, the measured deployment and where its p99 crossed the target: a plan of its
+    shape is predicted at about that rate."""
+    capped = json.loads(profile.read_text()).get("capped", {})
+    keys = ("hosts", "p99_target_ms", "crossing_rate", "saturated_rate")
+    return {kind: {k: c.get(k) for k in keys} for kind, c in capped.items()}
 
 
 def _summary(plans: list[dict]) -> dict:

@@ -72,16 +72,23 @@ def testbed_cores(kind: MachineKind) -> float:
     return kind.cpus * kind.cpu_speed
 
 
+def testbed_room() -> float:
+    """The most cores a testbed plan's caps may add up to: this machine's, less the load
+    generator's (runners/testbed.py refuses a plan over it)."""
+    import os
+
+    from cleave.runners.testbed import SPARE_CORES
+
+    return float((os.cpu_count() or 1) - SPARE_CORES)
+
+
 def check_testbed(kinds: list[MachineKind], source: str) -> None:
     """Refuse a testbed kind the testbed cannot emulate: GPUs, a CPU cap outside what one
     cgroup gives (testbed/cpu.py) with a core left for the load generator, a link htb
     cannot shape."""
-    import os
-
-    from cleave.runners.testbed import SPARE_CORES
     from cleave.testbed.cpu import MIN_CORES
 
-    room = (os.cpu_count() or 1) - SPARE_CORES
+    room = testbed_room()
     problems = []
     for k in kinds:
         cores = testbed_cores(k)

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cleave.bundle import manifest as manifest_io
     from cleave.plan.files import read_yaml
-    from cleave.sizing.catalog import is_testbed, load_catalog
+    from cleave.sizing.catalog import is_testbed, load_catalog, testbed_room
     from cleave.sizing.plan import write_plan
     from cleave.sizing.profile import load_profile
     from cleave.sizing.search import Sizer, Target
@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile, bundle)
     else:
         profile = _measure_now(bundle)
-    result = Sizer(manifest, profile, kinds, target).size()
-    mix = result.pop("chosen_mix")
     testbed = is_testbed(read_yaml(args.catalog, "catalog"))
+    room = testbed_room() if testbed else None
+    result = Sizer(manifest, profile, kinds, target, cap_room=room).size()
+    mix = result.pop("chosen_mix")
     result["traffic"] = dict(profile["traffic"])
     result["catalog"] = {"path": str(args.catalog), "testbed": testbed}
     plan = write_plan(bundle, mix, result, output)

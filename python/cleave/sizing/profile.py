@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the bundle on testbed hosts of each kind of this testbed catalog and "
         "measure what each role spends per request there (docs/sizing.md, 'Capped hosts')",
     )
+    parser.add_argument(
+        "--p99-ms",
+        type=float,
+        default=None,
+        help="with --capped: the p99 target of the plans you will size (their routers' budget "
+        "follows it, and the capped runs serve as they will; default 500)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         )
     cores = len(os.sched_getaffinity(0))
     threads = _thread_counts(args.threads, cores)
+    if args.p99_ms is not None and (not args.capped or not args.p99_ms > 0):
+        raise UsageError(
+            f"--p99-ms: expected a positive target in ms, with --capped; got {args.p99_ms} "
+            f"{'with' if args.capped else 'without'} --capped"
+        )
     if args.capped:  # a capped host's ranker runs one thread: its factor is over that
         from cleave.sizing.capped import testbed_kinds
 
@@ -91,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         serve=not args.no_serve,
         gpu=_gpu_asked(args.device),
         capped=args.capped,
+        capped_p99_ms=args.p99_ms,
     )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +133,7 @@ def measure(
     serve: bool = True,
     gpu: bool = False,
     capped: str | None = None,
+    capped_p99_ms: float | None = None,
     log=print,
 ) -> dict:
     from cleave.bundle import manifest as manifest_io
@@ -146,9 +160,10 @@ def measure(
         else _unmeasured("not asked (--no-serve)"),
     }
     if capped:
-        from cleave.sizing.capped import measure_capped
+        from cleave.sizing.capped import CALIBRATION_P99_MS, measure_capped
 
-        profile["capped"] = measure_capped(bundle_dir, profile, capped, quick, log)
+        p99_ms = capped_p99_ms or CALIBRATION_P99_MS
+        profile["capped"] = measure_capped(bundle_dir, profile, capped, quick, log, p99_ms)
     profile["seconds"] = round(time.monotonic() - started, 1)
     return profile
 

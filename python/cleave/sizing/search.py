@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from cleave.errors import UsageError
@@ -20,7 +21,15 @@ from cleave.plan.check import GIB, SHARD_MARGIN_BYTES
 from cleave.plan.planner import RANKER_MEMORY_GIB
 from cleave.settings.schema import RankerConfig
 from cleave.sizing import queueing
-from cleave.sizing.catalog import MachineKind
+from cleave.sizing.capped import (
+    MAX_WAIT_SCALE,
+    MIN_WAIT_SCALE,
+    ONE_PATH,
+    calibration_pools,
+    crossing,
+    crossing_rate,
+)
+from cleave.sizing.catalog import MachineKind, testbed_cores
 
 MEMORY_SHARE = 0.85  # of a host's memory for table rows; the rest for the OS and processes
 RTT_MS = 0.05  # one hop's round trip inside a data center, beside the serialization delay
@@ -198,7 +207,16 @@ def ranker_overhead_ms(profile: dict, candidates: int) -> float:
 
 
 class Sizer:
-    def __init__(self, manifest: dict, profile: dict, kinds: list[MachineKind], target: Target):
+    def __init__(
+        self,
+        manifest: dict,
+        profile: dict,
+        kinds: list[MachineKind],
+        target: Target,
+        cap_room: float | None = None,
+    ):
+        """`cap_room`: for a testbed catalog, the most cores a plan's hosts' caps may add up
+        to (catalog.testbed_room): a plan over it could not be served here."""
         if not target.rate > 0 or not target.p99_ms > 0:
             raise UsageError(
                 f"--rate and --p99-ms must be positive, got {target.rate}, {target.p99_ms}"
@@ -206,12 +224,14 @@ class Sizer:
         if not 0 < target.headroom <= 1:
             raise UsageError(f"--headroom: expected a share in (0, 1], got {target.headroom}")
         self.profile, self.kinds, self.target = profile, kinds, target
+        self.cap_room = cap_room
         self.candidates = int(profile["traffic"]["candidates"])
         self.table_bytes = float(sum(t["rows"] * t["row_bytes"] for t in manifest["tables"]))
         self.bytes = profile["bytes_per_candidate"]
         self.router_us, self.router_source = router_us(profile, self.candidates)
         self.ranker_overhead_ms = ranker_overhead_ms(profile, self.candidates)
         self.capped = profile.get("capped") or {}
+        self._scales: dict[str, float] = {}  # kind -> its pools' wait scale at this target
         shard = profile["shard"]
         self.shard_call_us, self.shard_ns_per_id = shard["call_us"], shard["ns_per_id"]
         self.ids = shard["ids_per_request"]
@@ -244,33 +264,66 @@ class Sizer:
         pool's role, speeds relative to the profiled machine's core: the catalog's
         `cpu_speed` and the plain queueing wait, or where the profile measured hosts of this
         kind, that speed over the CPU per request the role really spent there (as a factor
-        of the profile's) and the wait's measured factor."""
+        of the profile's) and the wait's factor fitted to this target (wait_scale)."""
         measured = self.measured(kind)
         if measured is None:
             return kind.cpu_speed, kind.cpu_speed, 1.0
         low, saturated = measured["low"]["factor"][pool], self._saturated(measured, pool)
-        return kind.cpu_speed / low, kind.cpu_speed / saturated, measured.get("wait_scale", 1.0)
+        return kind.cpu_speed / low, kind.cpu_speed / saturated, self.wait_scale(kind)
 
     def _saturated(self, measured: dict, pool: str) -> float:
         """The role's CPU factor when its pool is the bottleneck at this target: a ranker
         joins what queued into one batch, so what a request costs depends on how long
-        requests may queue. The factor at the measured step whose p99 met the target at the
-        highest rate, towards the next step's as the target nears that step's p99; without
-        steps (or none within the target) the most loaded figure, or the low-load one."""
-        steps = sorted(measured.get("steps", []), key=lambda st: st["answered_rate"])
+        requests may queue. The factor at the measured step that met the target at the
+        highest rate, towards the next step's as the target nears that step's p99
+        (capped.crossing); without steps the most loaded figure, with none that met the
+        target the low-load one."""
+        steps = sorted(measured.get("steps", []), key=lambda st: st["rate"])
         if not steps:
             return measured["saturated"]["factor"][pool]
-        goal = self.target.p99_ms
-        within = [i for i, st in enumerate(steps) if st["p99_ms"] <= goal]
-        if not within:
+        found = crossing(steps, self.target.p99_ms)
+        if found is None:
             return measured["low"]["factor"][pool]
-        i = within[-1]
+        i, share, crossed = found
         here = steps[i]["factor"][pool]
-        if i + 1 == len(steps):
-            return here
-        above = steps[i + 1]
-        share = (goal - steps[i]["p99_ms"]) / max(above["p99_ms"] - steps[i]["p99_ms"], 1e-9)
-        return here + (above["factor"][pool] - here) * min(max(share, 0.0), 1.0)
+        return here + (steps[i + 1]["factor"][pool] - here) * share if crossed else here
+
+    def wait_scale(self, kind: MachineKind) -> float:
+        """The factor on the queueing wait of the kind's pools, for this target: the one at
+        which the model's pools of the measured deployment (capped.calibration_pools) reach
+        the target at the rate where the measured steps' p99 crossed it (capped.crossing),
+        so the model reproduces what the measured deployment did and scales it by host
+        counts. Where they did not cross it, the profile's least-squares fit over all steps."""
+        measured = self.measured(kind)
+        if measured is None:
+            return 1.0
+        if kind.kind not in self._scales:
+            self._scales[kind.kind] = measured.get("wait_scale", 1.0)  # the pools built below
+            rate = crossing_rate(measured.get("steps", []), self.target.p99_ms)
+            if rate is not None:
+                hosts = measured.get("hosts", ONE_PATH)
+                self._scales[kind.kind] = self._fit_scale(kind, hosts, rate)
+        return self._scales[kind.kind]
+
+    def _fit_scale(self, kind: MachineKind, hosts: dict[str, int], rate: float) -> float:
+        pools = calibration_pools(self, kind, hosts)
+        mix = Mix(pools, self.fixed_ms(pools))
+        goal = Target(1.0, self.target.p99_ms)
+
+        def reached(scale: float) -> float:  # falls as the scale grows
+            for p in pools:
+                p.wait_scale = scale
+            return mix.max_rate(goal)
+
+        lo, hi = MIN_WAIT_SCALE, MAX_WAIT_SCALE
+        if reached(lo) <= rate:
+            return lo
+        if reached(hi) >= rate:
+            return hi
+        for _ in range(30):  # bisection on the log of the scale
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if reached(mid) >= rate else (lo, mid)
+        return round(math.sqrt(lo * hi), 4)
 
     def calibrated(self) -> list[str]:
         """The catalog's kinds whose CPU per request was measured on capped hosts."""
@@ -427,7 +480,14 @@ class Sizer:
             pool_names = ("routers", "shards", "rankers")
             names = [n for n, p in zip(pool_names, pools, strict=True) if p is None]
             return Mix([], 0.0, f"{', '.join(names)}: more hosts than the catalog offers")
-        return self._meet_latency(Mix(pools, self.fixed_ms(pools)))
+        mix = self._meet_latency(Mix(pools, self.fixed_ms(pools)))
+        caps = sum(p.hosts * testbed_cores(p.kind) for p in mix.pools)
+        if not mix.problem and self.cap_room is not None and caps > self.cap_room + 1e-9:
+            mix.problem = (
+                f"testbed: the hosts' CPU caps add up to {caps:g} cores; this machine leaves "
+                f"{self.cap_room:g} to them"
+            )
+        return mix
 
     def monolithic_mix(self, kind, dtype, threads) -> Mix:
         if self.table_bytes + 2 * SHARD_MARGIN_BYTES > kind.memory_gib * GIB * MEMORY_SHARE:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import UsageError
+from cleave.sizing.capped import MAX_ERROR_SHARE, crossing_rate
 
 # Seconds of load per rate step: enough for STEP_SAMPLES requests (a p99 of fewer is its
 # maximum), within these bounds; at the sized rate more, for its p99.
@@ -25,7 +26,6 @@ SIZING_PREFIX = "sizing: "  # the plan header's machine-readable line (cli.py wr
 FIRST_STEP = 0.5  # of the predicted max rate
 GROWTH = 1.25  # each step's rate over the last's, until one misses
 MAX_STEPS, BISECTIONS = 9, 2
-MAX_ERROR_SHARE = 0.01  # a step with more failed requests than this misses
 BODIES = 16  # distinct requests, cycled
 SEARCH_BUDGET_S = 170.0  # from the start, the search steps no more (bounded: ~3 min a plan)
 DRAIN_TRIES = 40  # sequential requests to wait out a missed step's backlog
@@ -99,7 +99,13 @@ def validate(path: Path, quick: bool = False, log=print) -> dict:
         urls = [f"{u}/v2/models/{plan.name}/infer" for u in target.urls]
         prober = _Prober(target, urls, bodies, goal, step_s, log)
         at_sized = prober.probe(rate, sized_s, sized=True)
-        measured = prober.search(predicted, quick, started)
+        highest = prober.search(predicted, quick, started)
+        searched = [st for st in prober.steps if not st["at_sized_rate"]]
+        # Where the steps' p99 crosses the target, between the last within and the first
+        # over it, as the profile's calibration finds it (capped.crossing_rate); the highest
+        # step within where they did not cross it.
+        crossed = crossing_rate(searched, goal)
+        measured = round(crossed, 1) if crossed is not None else highest
         cpu = at_sized.pop("cpu_ms_by_role", {})
     result = {
         "plan": str(path),
@@ -112,6 +118,7 @@ def validate(path: Path, quick: bool = False, log=print) -> dict:
         "predicted_p99_ms": sizing["predicted_p99_ms"],
         "predicted_max_rate": predicted,
         "measured_max_rate": measured,
+        "highest_rate_within": highest,
         "max_rate_ratio": _ratio(measured, predicted),
         "p99_ms_at_sized_rate": at_sized["p99_ms"],
         "p99_ratio_at_sized_rate": _ratio(at_sized["p99_ms"], sizing["predicted_p99_ms"]),
@@ -175,14 +182,10 @@ class _Prober:
         return point
 
     def _drain(self) -> None:
-        """Wait out the backlog a missed step left (requests queued in the routers): until a
-        lone request is answered about as fast as before the load."""
-        from cleave.bench.loadgen import sequential
+        """Wait out the backlog a missed step left (requests queued in the routers)."""
+        from cleave.bench.loadgen import settle
 
-        for _ in range(DRAIN_TRIES):
-            got = sequential(self.urls[0], self.bodies, 1, timeout_s=30.0)
-            if not got[0].error and got[0].latency_s * 1e3 <= 2 * self.base_ms + 1:
-                return
+        settle(self.urls[0], self.bodies, self.base_ms, DRAIN_TRIES)
 
     def search(self, predicted: float, quick: bool, started: float) -> float:
         """The highest rate whose p99 stays within the target: steps from FIRST_STEP of the
