@@ -224,6 +224,12 @@ impl Gradient {
         self.last_sample = now;
         let us = s.latency.as_secs_f64().max(1e-6) * 1e6;
         let b = bucket(s.cost);
+        if !self.learnt {
+            // The start's limit, now that a request's size is known: refreshed before the
+            // first one was sized, it was one row per ranker, and its own answer would have
+            // looked like a limit in use.
+            self.limit = self.limit.max(INITIAL_REQUESTS * self.floor());
+        }
         let app_limited = (s.in_flight as f64) < self.limit / 2.0;
         if !s.expired {
             self.min.record(b, us);
@@ -440,6 +446,33 @@ mod tests {
         }
         g.refresh(now, 2);
         assert!(g.limit() < 3200, "{}", g.limit());
+    }
+
+    #[test]
+    fn the_first_request_of_a_fresh_router_does_not_end_its_start() {
+        // As the router calls it: the limit refreshed before the first request's rows are
+        // known (no mean size yet), then its answer observed with only its own rows in
+        // flight. That lone answer says nothing about the limit (measured: it set the limit
+        // to two requests on a just-started router, whose third concurrent request of a
+        // 6/s trickle was refused).
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.refresh(now, 2);
+        assert!(g.fits(32));
+        g.charge(32, true);
+        g.sized(32);
+        g.observe(tight(200 * MS, 32), now);
+        g.uncharge(32, true);
+        g.refresh(now, 2);
+        assert_eq!(
+            g.limit(),
+            1024,
+            "16 requests of 32 rows for each of 2 rankers"
+        );
+        for _ in 0..32 {
+            assert!(g.fits(32));
+            g.charge(32, true);
+        }
     }
 
     #[test]
