@@ -425,24 +425,31 @@ def test_a_capped_kinds_measured_cpu_sets_its_pools_latency_and_capacity(models,
     assert model["rankers"] == pytest.approx(base.service_ms * tenth.cpu_speed)
 
 
-def test_a_capped_rankers_capacity_is_what_it_batched_within_the_target(models, profiled):
-    """The saturated factor follows the target: the measured step whose p99 met it at the
-    highest rate, towards the next step's as the target nears that step's p99; below every
-    step the low-load figure; beyond every step the most loaded one."""
+def dcn_on_a_testbed_kind(models, profiled, cores: float = 0.1) -> tuple[dict, dict, object]:
+    """dcn's profile and manifest, and one testbed-like kind of one core at `cores` speed."""
     from cleave.bundle import manifest as manifest_io
-    from cleave.sizing.search import Sizer, Target
 
     profile = json.loads(profiled["dcn"].read_text())
     manifest = manifest_io.read(models["dcn"].dir, whole=False)
     (kind,) = parse_catalog(
         {
             "machines": [
-                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
+                {"kind": "tb", "cpus": 1, "cpu_speed": cores, "memory_gib": 2, "nic_gbit": 1,
                  "price_per_hour": 1}
             ]
         },
         "test",
     )  # fmt: skip
+    return profile, manifest, kind
+
+
+def test_a_capped_rankers_capacity_is_what_it_batched_within_the_target(models, profiled):
+    """The saturated factor follows the target: the measured step whose p99 met it at the
+    highest rate, towards the next step's as the target nears that step's p99; below every
+    step the low-load figure; beyond every step the most loaded one."""
+    from cleave.sizing.search import Sizer, Target
+
+    profile, manifest, kind = dcn_on_a_testbed_kind(models, profiled)
     roles = ("routers", "shards", "rankers")
     steps = [  # the ranker's factor falls as the load (and its batches) grows
         {"rate": 10, "p99_ms": 20.0, "factor": dict.fromkeys(roles, 2.0)},
@@ -494,21 +501,10 @@ def test_the_wait_is_fitted_to_where_the_measured_deployment_crossed_the_target(
     routers, three shard hosts, two rankers) reach the target at the rate where the steps'
     p99 crossed it, whatever the queueing model alone would say; a plan of that shape is
     predicted at that rate, and one with twice the rankers and routers at more."""
-    from cleave.bundle import manifest as manifest_io
     from cleave.sizing.capped import calibration_pools
     from cleave.sizing.search import Mix, Sizer, Target
 
-    profile = json.loads(profiled["dcn"].read_text())
-    manifest = manifest_io.read(models["dcn"].dir, whole=False)
-    (kind,) = parse_catalog(
-        {
-            "machines": [
-                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
-                 "price_per_hour": 1}
-            ]
-        },
-        "test",
-    )  # fmt: skip
+    profile, manifest, kind = dcn_on_a_testbed_kind(models, profiled)
     roles = ("routers", "shards", "rankers")
     hosts = {"routers": 2, "shards": 3, "rankers": 2}
     probe = Sizer(manifest, profile, [kind], Target(1, 1e4))
@@ -544,21 +540,10 @@ def test_the_wait_is_fitted_to_where_the_measured_deployment_crossed_the_target(
 def test_a_testbed_plan_must_fit_the_machines_caps(models, profiled):
     """With a testbed catalog every plan is one the testbed can serve: its hosts' caps add up
     to at most what this machine leaves them, else the constraint is named."""
-    from cleave.bundle import manifest as manifest_io
     from cleave.errors import UsageError
     from cleave.sizing.search import Sizer, Target
 
-    profile = json.loads(profiled["dcn"].read_text())
-    manifest = manifest_io.read(models["dcn"].dir, whole=False)
-    (kind,) = parse_catalog(
-        {
-            "machines": [
-                {"kind": "tb", "cpus": 1, "cpu_speed": 0.1, "memory_gib": 2, "nic_gbit": 1,
-                 "price_per_hour": 1}
-            ]
-        },
-        "test",
-    )  # fmt: skip
+    profile, manifest, kind = dcn_on_a_testbed_kind(models, profiled)
     hosts = Sizer(manifest, profile, [kind], Target(1, 1e4), cap_room=1.0).size()["chosen_mix"]
     caps = sum(p.hosts for p in hosts.pools) * 0.1
     with pytest.raises(UsageError, match=f"testbed: the hosts' CPU caps add up to {caps:g} cores"):
@@ -569,26 +554,15 @@ def test_the_capped_runs_serve_the_smallest_plan_that_fits_the_machine(models, p
     """`cleave profile --capped` serves a kind as the smallest plan cleave size writes on it;
     where those caps do not fit this machine beside the load generator's core, one path of
     hosts; where not even that does, a clear error before anything is served."""
-    from cleave.bundle import manifest as manifest_io
     from cleave.errors import UsageError
     from cleave.sizing.capped import ONE_PATH, calibration_hosts
     from cleave.sizing.catalog import testbed_room
     from cleave.sizing.search import Sizer, Target
 
-    profile = json.loads(profiled["dcn"].read_text())
-    manifest = manifest_io.read(models["dcn"].dir, whole=False)
     room = testbed_room()
 
     def hosts(cores):
-        (kind,) = parse_catalog(
-            {
-                "machines": [
-                    {"kind": "tb", "cpus": 1, "cpu_speed": cores, "memory_gib": 2,
-                     "nic_gbit": 1, "price_per_hour": 1}
-                ]
-            },
-            "test",
-        )  # fmt: skip
+        profile, manifest, kind = dcn_on_a_testbed_kind(models, profiled, cores)
         return calibration_hosts(Sizer(manifest, profile, [kind], Target(1.0, 500)), kind)
 
     assert hosts(room / 7) == {"routers": 2, "shards": 3, "rankers": 2}

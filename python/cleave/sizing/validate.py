@@ -28,7 +28,6 @@ GROWTH = 1.25  # each step's rate over the last's, until one misses
 MAX_STEPS, BISECTIONS = 9, 2
 BODIES = 16  # distinct requests, cycled
 SEARCH_BUDGET_S = 170.0  # from the start, the search steps no more (bounded: ~3 min a plan)
-DRAIN_TRIES = 40  # sequential requests to wait out a missed step's backlog
 
 
 def read_sizing(path: Path) -> dict:
@@ -185,7 +184,7 @@ class _Prober:
         """Wait out the backlog a missed step left (requests queued in the routers)."""
         from cleave.bench.loadgen import settle
 
-        settle(self.urls[0], self.bodies, self.base_ms, DRAIN_TRIES)
+        settle(self.urls[0], self.bodies, self.base_ms)
 
     def search(self, predicted: float, quick: bool, started: float) -> float:
         """The highest rate whose p99 stays within the target: steps from FIRST_STEP of the
