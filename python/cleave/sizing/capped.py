@@ -16,8 +16,8 @@ bottleneck, and the rate at which the deployment meets the target). Each CPU fig
 as a factor over what the whole-core profile says that role costs, so `cleave size` applies
 it to any dtype, batch size and host count of that kind, and fits its wait to the crossing
 (search.Sizer.wait_scale). One path of hosts (one router, two shard hosts, one ranker) was
-measured before: it answered 1.2-1.7x what each path of a two-router, two-ranker plan did
-(a lone ranker fed by one router batches more), so predictions from it missed by as much."""
+measured before: it answered 1.2-1.8x what each path of a two-router, two-ranker plan did
+(docs/sizing.md, "Capped hosts"), so predictions from it missed by as much."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import UsageError
+from cleave.sizing.catalog import is_testbed, load_catalog, testbed_cores, testbed_room
 
 ROLES = ("routers", "shards", "rankers")
 SEQUENTIAL, QUICK_SEQUENTIAL = 40, 8  # requests one at a time (low load)
@@ -59,7 +60,7 @@ def measure_capped(
     catalog: str,
     quick: bool,
     log,
-    p99_ms: float = CALIBRATION_P99_MS,
+    p99_ms: float | None = None,
 ) -> dict:
     """{kind: {cores, hosts, low, saturated, steps, ...}} for every kind of the testbed
     catalog: each role's CPU ms per request and its factor over the profile's, and each
@@ -69,6 +70,7 @@ def measure_capped(
 
     kinds = testbed_kinds(catalog)
     manifest = manifest_io.read(bundle_dir, whole=False)
+    p99_ms = p99_ms or CALIBRATION_P99_MS
     base = {k: v for k, v in profile.items() if k != "capped"}  # whole-core figures only
     out = {}
     with tempfile.TemporaryDirectory(prefix="cleave-capped-") as tmp:
@@ -76,7 +78,7 @@ def measure_capped(
             sizer = Sizer(manifest, base, [kind], Target(1.0, p99_ms))
             hosts = calibration_hosts(sizer, kind)
             log(
-                f"profile: capped hosts of kind {kind.kind} ({kind.cpus * kind.cpu_speed:g} "
+                f"profile: capped hosts of kind {kind.kind} ({testbed_cores(kind):g} "
                 f"core): {hosts['routers']} routers, {hosts['shards']} shard hosts, "
                 f"{hosts['rankers']} rankers"
             )
@@ -115,7 +117,6 @@ def wait_scale(manifest: dict, profile: dict, kind, measured: dict) -> float:
 def testbed_kinds(catalog: str) -> list:
     """The catalog's kinds, refused unless it describes the testbed's hosts."""
     from cleave.plan.files import read_yaml
-    from cleave.sizing.catalog import is_testbed, load_catalog
 
     kinds = load_catalog(catalog)
     if not is_testbed(read_yaml(catalog, "catalog"), str(catalog)):
@@ -130,13 +131,7 @@ def calibration_hosts(sizer, kind) -> dict[str, int]:
     """The measured deployment's host counts: the smallest plan cleave size writes on this
     kind (each pool's fewest hosts at the sizer's rate, one spare; most plans for the testbed
     are it), or one path where its caps do not fit here."""
-    from cleave.sizing.catalog import testbed_cores, testbed_room
-
-    fewest = [
-        sizer.fewest(sizer.routers(kind), 1),
-        sizer.fewest(sizer.shards(kind, 1), 2),
-        sizer.fewest(sizer.rankers(kind, default_dtype(sizer.profile), 1), 1),
-    ]
+    fewest = sizer.fewest_pools(kind, kind, kind, default_dtype(sizer.profile), 1)
     room = testbed_room()
     smallest = {p.name: p.hosts + 1 for p in fewest if p is not None}
     for hosts in (smallest, ONE_PATH):
@@ -179,16 +174,32 @@ def calibration_pools(sizer, kind, hosts: dict[str, int]) -> list:
     ]
 
 
+def summary(samples, rate: float) -> dict:
+    """A load step's rate, requests sent and refused, and p50 and p99 of those answered
+    (None when none was), as calibration and validation steps record them."""
+    ok = [s.latency_s * 1e3 for s in samples if not s.error]
+    return {
+        "rate": round(rate, 2),
+        "sent": len(samples),
+        "errors": len(samples) - len(ok),
+        "p50_ms": round(float(np.percentile(ok, 50)), 3) if ok else None,
+        "p99_ms": round(float(np.percentile(ok, 99)), 3) if ok else None,
+    }
+
+
+def meets(step: dict, goal_ms: float) -> bool:
+    """A step met a p99 target: its p99 within, at most MAX_ERROR_SHARE of it refused."""
+    p99 = step["p99_ms"]
+    return p99 is not None and p99 <= goal_ms and step["errors"] <= MAX_ERROR_SHARE * step["sent"]
+
+
 def crossing(steps: list[dict], goal_ms: float) -> tuple[int, float, bool] | None:
     """Where steps (sorted by offered rate) cross a p99 target, as validate.py's search
     finds it: (i, share, crossed), step i the last that met the target (p99 within, at most
     MAX_ERROR_SHARE refused) before the first that missed it, `share` how far towards that
     one's rate the target lies by their p99s (0 when it missed by its refusals alone);
     `crossed` False when none missed. None when no step met it."""
-    met = [
-        st["p99_ms"] <= goal_ms and st.get("errors", 0) <= MAX_ERROR_SHARE * st.get("sent", 1)
-        for st in steps
-    ]
+    met = [meets({"errors": 0, "sent": 1, **st}, goal_ms) for st in steps]
     if not any(met):
         return None
     first = met.index(True)
@@ -273,7 +284,7 @@ def _serve_and_measure(
     if not steps:
         raise UsageError(f"capped {kind.kind}: every request of the first step was refused")
     steps.sort(key=lambda st: st["rate"])
-    cores = kind.cpus * kind.cpu_speed
+    cores = testbed_cores(kind)
     # The most a deployment of these hosts answered: its bottleneck's capacity, batches as
     # large as a queue under overload makes them.
     top = max(steps, key=lambda st: st["answered_rate"])
@@ -358,21 +369,14 @@ class _Load:
         seconds = 1.0 if self.quick else min(MAX_STEP_S, max(STEP_S, STEP_SAMPLES / rate))
         before = _by_role(self.target)
         samples = open_loop_spread(self.urls, self.bodies, rate, seconds, timeout_s=30.0, seed=seed)
-        ok = [s.latency_s * 1e3 for s in samples if not s.error]
-        if not ok:
+        step = summary(samples, rate)
+        if step["p99_ms"] is None:
             return None
-        cpu = _per_request(before, _by_role(self.target), samples)
+        step["cpu_ms"] = _per_request(before, _by_role(self.target), samples)
         # Answers over the time until the last one: a backlog answered late is not rate.
-        span = max(seconds, max(s.scheduled_s + s.latency_s for s in samples if not s.error))
-        step = {
-            "rate": round(rate, 2),
-            "sent": len(samples),
-            "errors": len(samples) - len(ok),
-            "answered_rate": round(len(ok) / span, 2),
-            "p50_ms": round(float(np.percentile(ok, 50)), 3),
-            "p99_ms": round(float(np.percentile(ok, 99)), 3),
-            "cpu_ms": cpu,
-        }
+        answered = [s for s in samples if not s.error]
+        span = max(seconds, max(s.scheduled_s + s.latency_s for s in answered))
+        step["answered_rate"] = round(len(answered) / span, 2)
         self.log(f"    {rate:8.1f}/s: answered {step['answered_rate']}/s, p99 {step['p99_ms']} ms")
         return step
 
@@ -386,16 +390,11 @@ class _Load:
 def _by_role(target) -> dict[str, float]:
     """CPU seconds so far of the deployment's processes, summed per pool (schedstat's ns: a
     run of a few dozen requests is a few clock ticks of a router's time)."""
-    from cleave.bench.harness.processes import cpu_ns, process_tree
-
     used = dict.fromkeys(ROLES, 0.0)
-    for pid, role in process_tree(target.server.proc.pid).items():
+    for role, seconds in target.cpu_seconds(fine=True).items():
         pool = next((p for p in ROLES if role.startswith(p[:-1])), None)
         if pool:
-            try:
-                used[pool] += cpu_ns(pid) / 1e9
-            except OSError:  # gone meanwhile
-                continue
+            used[pool] += seconds
     return used
 
 

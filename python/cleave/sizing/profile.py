@@ -160,10 +160,9 @@ def measure(
         else _unmeasured("not asked (--no-serve)"),
     }
     if capped:
-        from cleave.sizing.capped import CALIBRATION_P99_MS, measure_capped
+        from cleave.sizing.capped import measure_capped
 
-        p99_ms = capped_p99_ms or CALIBRATION_P99_MS
-        profile["capped"] = measure_capped(bundle_dir, profile, capped, quick, log, p99_ms)
+        profile["capped"] = measure_capped(bundle_dir, profile, capped, quick, log, capped_p99_ms)
     profile["seconds"] = round(time.monotonic() - started, 1)
     return profile
 

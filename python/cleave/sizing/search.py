@@ -28,6 +28,7 @@ from cleave.sizing.capped import (
     calibration_pools,
     crossing,
     crossing_rate,
+    default_dtype,
 )
 from cleave.sizing.catalog import MachineKind, testbed_cores
 
@@ -200,7 +201,7 @@ def ranker_overhead_ms(profile: dict, candidates: int) -> float:
     dense = profile.get("dense", {})
     if not measured or not dense:
         return 0.0
-    dtype = "float32" if "float32" in dense else next(iter(dense))
+    dtype = default_dtype(profile)
     if "1" not in dense[dtype]:
         return 0.0
     return max(measured / 1e3 - dense_ms(profile, dtype, 1, candidates), 0.0)
@@ -255,7 +256,7 @@ class Sizer:
     def measured(self, kind: MachineKind) -> dict | None:
         """What `cleave profile --capped` measured on hosts of this kind (the same cap)."""
         measured = self.capped.get(kind.kind)
-        if not measured or abs(measured["cores"] - kind.cpus * kind.cpu_speed) > 1e-9:
+        if not measured or abs(measured["cores"] - testbed_cores(kind)) > 1e-9:
             return None
         return measured
 
@@ -469,13 +470,20 @@ class Sizer:
                 return pool
         return None
 
-    def mix(self, router_kind, shard_kind, ranker_kind, dtype, threads, cache) -> Mix:
+    def fewest_pools(
+        self, router_kind, shard_kind, ranker_kind, dtype, threads, cache=None
+    ) -> list[Pool | None]:
+        """Each pool with its fewest hosts for the rate (shards at least two groups), before
+        the latency and the spare: None for a pool the kind's count cannot carry."""
         hit = cache["hit_rate"] if cache else 0.0
-        pools = [
+        return [
             self.fewest(self.routers(router_kind, cache), 1),
             self.fewest(self.shards(shard_kind, 1, hit), 2),
             self.fewest(self.rankers(ranker_kind, dtype, threads), 1),
         ]
+
+    def mix(self, router_kind, shard_kind, ranker_kind, dtype, threads, cache) -> Mix:
+        pools = self.fewest_pools(router_kind, shard_kind, ranker_kind, dtype, threads, cache)
         if any(p is None for p in pools):
             pool_names = ("routers", "shards", "rankers")
             names = [n for n, p in zip(pool_names, pools, strict=True) if p is None]

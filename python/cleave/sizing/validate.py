@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.errors import UsageError
-from cleave.sizing.capped import MAX_ERROR_SHARE, crossing_rate
+from cleave.sizing.capped import crossing_rate, meets, summary
 
 # Seconds of load per rate step: enough for STEP_SAMPLES requests (a p99 of fewer is its
 # maximum), within these bounds; at the sized rate more, for its p99.
@@ -153,23 +153,14 @@ class _Prober:
 
         cpu = self.target.cpu_seconds() if sized else {}
         samples = open_loop_spread(self.urls, self.bodies, rate, seconds, seed=int(rate))
-        lat = np.array([s.latency_s * 1e3 for s in samples if not s.error])
-        errors = sum(1 for s in samples if s.error)
-        p99 = float(np.percentile(lat, 99)) if len(lat) else None
-        within = p99 is not None and p99 <= self.goal and errors <= MAX_ERROR_SHARE * len(samples)
-        point = {
-            "rate": round(rate, 2),
-            "sent": len(samples),
-            "errors": errors,
-            "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
-            "p99_ms": round(p99, 3) if p99 is not None else None,
-            "within": bool(within),
-            "at_sized_rate": sized,
-        }
-        if sized and len(lat):  # which role spends what: where the model's service times miss
+        point = summary(samples, rate)
+        errors, within = point["errors"], meets(point, self.goal)
+        point.update(within=within, at_sized_rate=sized)
+        answered = point["sent"] - errors
+        if sized and answered:  # which role spends what: where the model's service times miss
             after = self.target.cpu_seconds()
             point["cpu_ms_by_role"] = {
-                r: round(1e3 * (after[r] - cpu.get(r, 0.0)) / len(lat), 3) for r in sorted(after)
+                r: round(1e3 * (after[r] - cpu.get(r, 0.0)) / answered, 3) for r in sorted(after)
             }
         self.steps.append(point)
         self.log(

@@ -217,6 +217,12 @@ impl Gradient {
             self.mean_cost + 0.1 * (rows_f - self.mean_cost)
         };
         self.largest_cost = self.largest_cost.max(rows);
+        if !self.learnt {
+            // The start's limit follows the mean size: refreshed before the first request
+            // was sized, it was one row per ranker, and that request's own answer would have
+            // read as a limit in use.
+            self.limit = self.limit.max(INITIAL_REQUESTS * self.floor());
+        }
     }
 
     pub fn observe(&mut self, s: Sample, now: Instant) {
@@ -224,12 +230,6 @@ impl Gradient {
         self.last_sample = now;
         let us = s.latency.as_secs_f64().max(1e-6) * 1e6;
         let b = bucket(s.cost);
-        if !self.learnt {
-            // The start's limit, now that a request's size is known: refreshed before the
-            // first one was sized, it was one row per ranker, and its own answer would have
-            // looked like a limit in use.
-            self.limit = self.limit.max(INITIAL_REQUESTS * self.floor());
-        }
         let app_limited = (s.in_flight as f64) < self.limit / 2.0;
         if !s.expired {
             self.min.record(b, us);

@@ -130,18 +130,25 @@ class Target:
             self.stop()
         self.start()
 
-    def cpu_seconds(self) -> dict[str, float]:
+    def cpu_seconds(self, fine: bool = False) -> dict[str, float]:
         """CPU time so far (user + system) of each process of the deployment, by role; empty
-        for a deployment started elsewhere."""
-        from cleave.bench.harness.processes import cpu_seconds, process_tree
+        for a deployment started elsewhere. `fine`: from the live threads' schedstat (ns),
+        for runs a few clock ticks long; it leaves out threads that ended."""
+        from cleave.bench.harness.processes import cpu_ns, cpu_seconds, process_tree
 
         if self.owner is not None:
-            return self.owner.cpu_seconds()
+            return self.owner.cpu_seconds(fine)
         if self.server is None or self.server.proc is None:
             return {}
         used: dict[str, float] = {}
         for pid, role in process_tree(self.server.proc.pid).items():
-            seconds = cpu_seconds(pid)
+            if fine:
+                try:
+                    seconds = cpu_ns(pid) / 1e9
+                except OSError:  # gone meanwhile
+                    seconds = None
+            else:
+                seconds = cpu_seconds(pid)
             if seconds is not None:
                 used[role] = used.get(role, 0.0) + seconds
         return used
