@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 from cleave.errors import UsageError
-from cleave.testbed import Testbed, TestbedError, commands, naming, resources, state
+from cleave.testbed import Testbed, TestbedError, commands, naming, resources, state, tcp
 from cleave.testbed.owner import PROCESS, Owner, start_time
 from support.waiting import wait_for
 
@@ -230,6 +230,19 @@ def test_every_link_direction_is_shaped_with_htb(make_testbed):
             assert "class htb 1:10 parent 1:1 leaf 10:" in classes, classes
 
 
+def test_hosts_and_the_route_to_them_use_the_retransmission_floor(make_testbed):
+    tb = make_testbed(2, 1.0, rto_min_ms=4)
+    route = commands.ip("-4", "route", "show", str(tb.subnet))
+    assert "rto_min lock 4ms" in route, route  # iproute2 locks the metric it is given
+    if tcp.SYSCTL.exists():
+        for h in tb.hosts:
+            floor = commands.ip("netns", "exec", h.netns, "sysctl", "-n", tcp.SYSCTL_KEY)
+            assert floor.strip() == "4000", floor
+    # The kernel's own, where asked: the root namespace's route keeps no floor.
+    kernel = make_testbed(1, 1.0, rto_min_ms=0)
+    assert "rto_min" not in commands.ip("-4", "route", "show", str(kernel.subnet))
+
+
 def _bulk_gbit(tb: Testbed, nbytes: int) -> float:
     """Gbit/s of one TCP transfer of ``nbytes`` from the root namespace to h0, timed until
     the receiver has counted every byte."""
@@ -400,6 +413,8 @@ def test_cli_up_list_down_round_trip(make_testbed):
         (["--hosts", "2", "--link-gbit", "-1"], "link_gbit must be > 0"),
         (["--hosts", "2", "--name", "no spaces"], "name must be"),
         (["--hosts", "two"], "invalid int value"),
+        (["--hosts", "2", "--rto-min-ms", "201"], "rto_min_ms must be 0 (the kernel's) to 200"),
+        (["--hosts", "2", "--rto-min-ms", "-1"], "rto_min_ms must be 0 (the kernel's) to 200"),
     ],
 )
 def test_cli_rejects_bad_input(args, message):

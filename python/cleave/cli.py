@@ -49,6 +49,7 @@ BENCHMARKS = {
     "misses": ("cleave.bench.misses", "SSD-tier misses: read inline vs by miss workers"),
     "score": ("cleave.bench.score", "cleave score over ranks x lag x injected imbalance (BLS)"),
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
+    "refusal": ("cleave.bench.refusal", "the router's CPU per refused request, by body size"),
     "json-parse": ("cleave.bench.json_parse", "router JSON request parsing, scanner vs serde_json"),
     "repository": ("cleave.bench.repository", "a model repository's memory per loaded version"),
     "torchrec-quant": (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cleave.testbed import instances, racks, shaping
+from cleave.testbed import instances, racks, shaping, tcp
 from cleave.testbed.testbed import Testbed
 
 DEFAULT_NAME = "default"
@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=shaping.DEFAULT_QUEUE_KB,
         help=f"bfifo queue limit (default {shaping.DEFAULT_QUEUE_KB:g})",
     )
+    up.add_argument(
+        "--rto-min-ms",
+        type=float,
+        default=tcp.DEFAULT_RTO_MIN_MS,
+        help=f"hosts' TCP retransmission floor (default {tcp.DEFAULT_RTO_MIN_MS:g}; 0: the "
+        "kernel's 200)",
+    )
     up.add_argument("--name", default=DEFAULT_NAME, help=f"(default {DEFAULT_NAME!r})")
     down = sub.add_parser("down", help="remove a CLI-made testbed, or all leftovers")
     which = down.add_mutually_exclusive_group()
@@ -80,6 +87,7 @@ def _up(args: argparse.Namespace) -> int:
         args.link_gbit,
         burst_kb=args.burst_kb,
         queue_kb=args.queue_kb,
+        rto_min_ms=args.rto_min_ms,
         name=args.name,
         detached=True,
         racks=args.racks,

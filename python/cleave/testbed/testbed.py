@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from cleave.errors import UsageError
-from cleave.testbed import cpu, exit_hooks, naming, resources, shaping, state
+from cleave.testbed import cpu, exit_hooks, naming, resources, shaping, state, tcp
 from cleave.testbed import racks as racks_module
 from cleave.testbed.commands import TestbedError, ip, require_privileges
 from cleave.testbed.owner import CLI, PROCESS, Owner
@@ -64,6 +64,7 @@ class Testbed:
         rack_gbit: list[float] | None = None,
         host_gbit: list[float | None] | None = None,
         cpu_cores: list[float | None] | None = None,
+        rto_min_ms: float = tcp.DEFAULT_RTO_MIN_MS,
     ):
         if isinstance(hosts, bool) or not isinstance(hosts, int):
             raise UsageError(f"hosts must be an integer, got {hosts!r}")
@@ -79,6 +80,7 @@ class Testbed:
             burst_kb=_check_positive("burst_kb", burst_kb, 1024.0 * 1024),
             queue_kb=_check_positive("queue_kb", queue_kb, 1024.0 * 1024),
         )
+        self.rto_min_ms = tcp.check(rto_min_ms)
         # Racks (racks.py): `hosts` split into `racks` racks of equal size, wired per `mode`.
         self.racks = racks
         self.mode = mode
@@ -201,11 +203,13 @@ class Testbed:
         ip("link", "set", "dev", n.bridge, "alias", owner.alias())
         ip("addr", "add", f"{n.root_address}/{prefix}", "dev", n.bridge)
         ip("link", "set", "dev", n.bridge, "up")
+        tcp.apply_route(str(n.subnet), n.bridge, n.root_address, self.rto_min_ms)
         per_rack = self.host_count // self.racks if self.racks else 0
         for r in range(self.racks or 0):
             ip("netns", "add", n.rack_netns(r))
             ip("-n", n.rack_netns(r), "link", "set", "dev", "lo", "up")
             racks_module.sysctls(n.rack_netns(r))
+            tcp.apply_netns(n.rack_netns(r), self.rto_min_ms)
         for i in range(self.host_count):
             rack = i // per_rack if per_rack else None
             host = Host(
@@ -219,6 +223,7 @@ class Testbed:
             )
             if rack is None:
                 ip("netns", "add", host.netns)
+                tcp.apply_netns(host.netns, self.rto_min_ms)
             ip(
                 "link",
                 "add",

@@ -13,8 +13,12 @@ use crate::app::BodyLimits;
 use crate::error::{ErrorKind, RequestError, Stage};
 
 /// The largest unread body a refusal reads and drops to keep its connection open; a larger
-/// one is answered at once and its connection closed (lingering: conn.rs).
-pub const DISCARD_BYTES: u64 = 64 << 10;
+/// one is answered at once and its connection closed (lingering: conn.rs). Closing does not
+/// spare the reading, since the lingering close drains the same bytes, and the client then
+/// pays a new connection (`cleave bench refusal`, docs/benchmarks.md): so the bound is
+/// twice a 2,048-candidate DLRM request in JSON (1.07 MiB), and under what a lingering close
+/// drains, so that a larger body still ends in an orderly close.
+pub const DISCARD_BYTES: u64 = 2 << 20;
 /// How long reading such a body may take before the refusal gives up on the connection.
 pub const DISCARD_TIME: Duration = Duration::from_millis(100);
 
