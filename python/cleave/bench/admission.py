@@ -12,10 +12,8 @@ second and of p50 and p99 latency. Target: throughput ratio >= 0.97 at 50% and 9
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave.bench.harness.command import in_workdir, report
     from cleave.bench.machine import parse_pin
 
     if args.quick:  # the shape of a run, not a measurement
@@ -52,17 +51,8 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.rounds}, {args.candidates}, {args.shards}, {args.duration}"
         )
     pins = parse_pin(args.pin)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = measure(Path(args.workdir), args, loads, pins)
-    else:
-        with tempfile.TemporaryDirectory(prefix="cleave-bench-admission-") as tmp:
-            result = measure(Path(tmp), args, loads, pins)
-    print(json.dumps(result))
-    print_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    result = in_workdir(args, "admission", lambda workdir: measure(workdir, args, loads, pins))
+    report(result, args, print_table)
     return 0
 
 

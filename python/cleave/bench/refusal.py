@@ -13,16 +13,16 @@ ways, alternating, in the same run:
   request: what every refusal of a body over 64 KiB cost while the router closed those
   connections, and what a client that does not keep connections alive pays.
 
-Ratios keep-alive over close, per size. Server and client are pinned apart (--pin).
+Ratios keep-alive over close, per size. Server and client are pinned apart (--pin). The
+client is this module's own few lines over a socket, not the load generator: what is measured
+is which connection each request goes on, which a load generator leaves to itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave.bench.harness.command import in_workdir, report
     from cleave.bench.machine import describe, parse_pin
 
     if args.quick:  # the shape of a run, not a measurement
@@ -59,18 +60,9 @@ def run(args: argparse.Namespace) -> int:
             f"--count and --rounds must be at least 1, got {args.count}, {args.rounds}"
         )
     pins = parse_pin(args.pin)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = measure(Path(args.workdir), args, sizes, pins)
-    else:
-        with tempfile.TemporaryDirectory(prefix="cleave-bench-refusal-") as tmp:
-            result = measure(Path(tmp), args, sizes, pins)
+    result = in_workdir(args, "refusal", lambda workdir: measure(workdir, args, sizes, pins))
     result["machine"] = describe()
-    print(json.dumps(result))
-    print_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    report(result, args, print_table)
     return 0
 
 
