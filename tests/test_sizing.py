@@ -510,9 +510,20 @@ def test_the_wait_is_fitted_to_where_the_measured_deployment_crossed_the_target(
     probe = Sizer(manifest, profile, [kind], Target(1, 1e4))
     capacity = 1e3 / probe.regrown(probe.rankers(kind, "float32", 1), 2).capacity_ms * 2
     rates = [0.2 * capacity, 0.4 * capacity, 0.6 * capacity]
+    # Targets the model of the measured deployment reaches at 0.3 and 0.5 of the capacity with
+    # a wait four times M/M/c's, and steps whose p99 crosses each there: set from the model,
+    # so that they hold whatever this machine measured the roles at (fixed targets of seconds
+    # were within reach of a loaded machine's profile without any scaling).
+    model_pools = calibration_pools(probe, kind, hosts)
+    for p in model_pools:
+        p.wait_scale = 4.0
+    model = Mix(model_pools, probe.fixed_ms(model_pools))
+    goals = (model.p99_ms(0.3 * capacity), model.p99_ms(0.5 * capacity))
+    middle = sum(goals) / 2
+    p99s = (2 * goals[0] - middle, middle, 2 * goals[1] - middle)
     steps = [
         {"rate": r, "p99_ms": p99, "errors": 0, "sent": 500, "factor": dict.fromkeys(roles, 1.0)}
-        for r, p99 in zip(rates, (2e3, 4e3, 8e3), strict=True)
+        for r, p99 in zip(rates, p99s, strict=True)
     ]
     profile["capped"] = {
         "tb": {
@@ -524,12 +535,12 @@ def test_the_wait_is_fitted_to_where_the_measured_deployment_crossed_the_target(
             "wait_scale": 1.0,
         }
     }
-    for goal, crossed in ((3e3, 0.3 * capacity), (6e3, 0.5 * capacity)):
+    for goal, crossed in zip(goals, (0.3 * capacity, 0.5 * capacity), strict=True):
         sizer = Sizer(manifest, profile, [kind], Target(0.01 * crossed, goal))
         pools = calibration_pools(sizer, kind, hosts)
         mix = Mix(pools, sizer.fixed_ms(pools))
         assert mix.max_rate(Target(1, goal)) == pytest.approx(crossed, rel=0.01)
-        assert sizer.wait_scale(kind) > 1  # slower than M/M/c: these steps' p99s are long
+        assert sizer.wait_scale(kind) == pytest.approx(4.0, rel=0.01)  # slower than M/M/c
         chosen = sizer.size()["chosen_mix"]  # the smallest plan: the measured shape
         assert {p.name: p.hosts for p in chosen.pools} == hosts
         assert chosen.max_rate(Target(1, goal)) == pytest.approx(crossed, rel=0.01)

@@ -35,11 +35,11 @@ class Served:
         self.dir = self.bundle.save(root / name)
         self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
 
-    def request(self, batch: int) -> tuple[bytes, list[np.ndarray]]:
+    def request(self, batch: int, budget_ms: float | None = None) -> tuple[bytes, list[np.ndarray]]:
         args = self.generator.batch(batch)
         with torch.inference_mode():
             want = [t.double().numpy() for t in pytree.tree_leaves(self.model(*args))]
-        return infer_body(self.bundle.named_inputs(*args)), want
+        return infer_body(self.bundle.named_inputs(*args), budget_ms), want
 
 
 def infer_url(server: ServeProcess, served: Served) -> str:

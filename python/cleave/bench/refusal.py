@@ -107,7 +107,7 @@ def measure(workdir: Path, args, sizes: list[int], pins) -> dict:
         address = _address(server.url)
         path = f"/v2/models/{bundle.name}/infer"
         runs: dict = {(n, m): [] for n in sizes for m in MODES}
-        with pinned(client_cpus), _held(address, path, bodies[sizes[0]], server.url):
+        with pinned(client_cpus), _Held(address, path, bodies[sizes[0]], server.url):
             for i in range(args.rounds):
                 for n in sizes:
                     for mode in MODES if i % 2 == 0 else MODES[::-1]:
@@ -132,7 +132,7 @@ def _head(path: str, length: int, close: bool) -> bytes:
     ).encode()
 
 
-class _held:
+class _Held:
     """One request admitted and kept in flight, its body half sent, for the block."""
 
     def __init__(self, address, path: str, body: bytes, url: str):
