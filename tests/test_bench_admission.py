@@ -26,8 +26,8 @@ def test_quick_run_measures_both_rules_at_each_load_with_ratios(tmp_path):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--loads", "half"], "--loads: expected shares of C"),
-        (["--loads", "0.5,-1"], "expected positive shares"),
+        (["--loads", "half"], "--loads: expected numbers > 0"),
+        (["--loads", "0.5,-1"], "--loads: expected numbers > 0"),
         (["--rounds", "0"], "must be at least 1"),
     ],
 )

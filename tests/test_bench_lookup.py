@@ -60,8 +60,8 @@ def test_quick_run_writes_every_case(tmp_path):
 
 def test_bad_arguments_are_usage_errors(tmp_path):
     for args, message in (
-        (["--threads", "0"], "at least 1"),
-        (["--threads", "x"], "comma-separated integers"),
+        (["--threads", "0"], "--threads: expected integers >= 1"),
+        (["--threads", "x"], "separated by commas"),
         (["--rounds", "0"], "--rounds must be >= 1"),
     ):
         done = _bench("--quick", *args, cwd=tmp_path)

@@ -27,8 +27,8 @@ def test_quick_run_refuses_on_kept_and_on_new_connections(tmp_path):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--candidates", "many"], "--candidates: expected sizes"),
-        (["--candidates", "100,0"], "--candidates: expected sizes"),
+        (["--candidates", "many"], "--candidates: expected integers >= 1"),
+        (["--candidates", "100,0"], "--candidates: expected integers >= 1"),
         (["--count", "0"], "must be at least 1"),
     ],
 )

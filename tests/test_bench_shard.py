@@ -35,4 +35,4 @@ def test_quick_bench_writes_json_and_a_table(tmp_path):
 
 
 def test_bad_fractions_are_a_usage_error(tmp_path):
-    assert "--fractions must be numbers" in refused("bench", "shard", "--fractions", "0.5,x")
+    assert "--fractions: expected numbers > 0" in refused("bench", "shard", "--fractions", "0.5,x")

@@ -103,7 +103,7 @@ def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_pat
 def test_bench_serve_refuses_flags_that_disagree(tmp_path):
     for flags, message in [
         (["--runner", "testbed"], "--runner testbed: only with --plan or --shard-hosts"),
-        (["--shard-hosts", "1,x"], "--shard-hosts: expected shard host counts"),
+        (["--shard-hosts", "1,x"], "--shard-hosts: expected integers >= 1"),
         (["--shard-hosts", "1", "--compare"], "got --shard-hosts, --compare"),
         (["--plan", "p.yaml", "--link-gbit", "2"], "--link-gbit: only with --runner testbed"),
         (["--plan", str(tmp_path / "none.yaml")], "none.yaml: plan not found"),

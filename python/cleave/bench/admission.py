@@ -39,12 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cleave.bench.harness.command import in_workdir, report
+    from cleave.bench.harness.command import in_workdir, positives, report
     from cleave.bench.machine import parse_pin
 
     if args.quick:  # the shape of a run, not a measurement
         args.scale, args.rounds, args.duration, args.shards = 0.01, 1, 0.5, 1
-    loads = _loads(args.loads)
+    loads = positives(args.loads, "--loads")
     if args.rounds < 1 or not args.duration > 0 or args.candidates < 1 or args.shards < 1:
         raise UsageError(
             "--rounds, --candidates and --shards must be at least 1 and --duration positive, "
@@ -54,16 +54,6 @@ def run(args: argparse.Namespace) -> int:
     result = in_workdir(args, "admission", lambda workdir: measure(workdir, args, loads, pins))
     report(result, args, print_table)
     return 0
-
-
-def _loads(text: str) -> list[float]:
-    try:
-        loads = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--loads: expected shares of C such as 0.5,0.9, got {text!r}") from None
-    if not loads or not all(0 < x for x in loads):
-        raise UsageError(f"--loads: expected positive shares of C, got {text!r}")
-    return loads
 
 
 def measure(workdir: Path, args, loads: list[float], pins) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import Ratio, ms, ratio
 from cleave.bench.harness.target import Target
 from cleave.errors import UsageError
@@ -71,16 +72,13 @@ def deployment_settings(args) -> dict:
     if settings["incast_list"] and (args.overload or args.soak):
         raise UsageError("--overload and --soak measure one deployment: drop --incast-control")
     if args.shard_hosts:
-        try:
-            counts = [int(s) for s in args.shard_hosts.split(",") if s.strip()]
-        except ValueError:
-            counts = []
-        if not counts or any(not 1 <= s <= MAX_SHARD_HOSTS for s in counts):
+        hosts = counts(args.shard_hosts, "--shard-hosts")
+        if max(hosts) > MAX_SHARD_HOSTS:
             raise UsageError(
                 f"--shard-hosts: expected shard host counts 1..{MAX_SHARD_HOSTS} separated by "
                 f"commas, got {args.shard_hosts!r}"
             )
-        settings["shard_host_list"] = counts
+        settings["shard_host_list"] = hosts
     if args.plan:
         from cleave.plan import load_plan
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import nearest_rank
 from cleave.errors import CleaveError, UsageError
 
@@ -80,22 +81,12 @@ def find_incast_binary() -> str:
     )
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"--{what}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UsageError(f"--{what}: expected integers >= 1, got {text!r}")
-    return values
-
-
 def settings(args: argparse.Namespace) -> dict:
     quick = args.quick
     s = {
         "message_bytes": round((args.message_mib or (0.25 if quick else 8.0)) * MIB),
-        "incast": _ints(args.incast or ("10" if quick else "10,20,100"), "incast"),
-        "windows": _ints(args.windows or ("1" if quick else "1,4,16"), "windows"),
+        "incast": counts(args.incast or ("10" if quick else "10,20,100"), "--incast"),
+        "windows": counts(args.windows or ("1" if quick else "1,4,16"), "--windows"),
         "case_s": args.case_s or (2.0 if quick else 20.0),
         "credit_s": args.credit_s or (2.0 if quick else 10.0),
         "link_gbit": args.link_gbit,

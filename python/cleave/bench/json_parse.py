@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import write_json
 from cleave.bench.harness.workload import Workload
 from cleave.bench.machine import describe
@@ -42,15 +43,9 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.rounds, args.seconds, args.requests = 1, 0.01, 1
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    try:
-        counts = [int(c) for c in args.candidates.split(",") if c.strip()]
-    except ValueError:
-        counts = []
-    if not models or not counts or min(counts) < 1:
-        raise UsageError(
-            f"--models and --candidates: expected names and counts >= 1 separated by commas, "
-            f"got {args.models!r} and {args.candidates!r}"
-        )
+    if not models:
+        raise UsageError(f"--models: expected names separated by commas, got {args.models!r}")
+    sizes = counts(args.candidates, "--candidates")
     if args.rounds < 1 or args.seconds <= 0 or args.requests < 1:
         raise UsageError("--rounds, --seconds and --requests must be positive")
     result = {
@@ -63,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     }
     for model in models:
         bundle = None  # the first count's bundle serves the others
-        for count in counts:
+        for count in sizes:
             workload = Workload(
                 argparse.Namespace(**{**vars(args), "model": model, "candidates": count})
             )

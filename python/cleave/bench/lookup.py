@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.bench.harness.bundles import Table, is_complete, write_bundle
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe, go_realtime
 from cleave.errors import UsageError
@@ -156,13 +157,7 @@ def run(args: argparse.Namespace) -> int:
 def _thread_counts(text: str | None, cores: int) -> list[int]:
     if text is None:
         return sorted({1, cores})
-    try:
-        counts = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UsageError(f"--threads must be comma-separated integers, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise UsageError(f"--threads must list counts of at least 1, got {text!r}")
-    return counts
+    return counts(text, "--threads")
 
 
 # --- tables -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.bench.harness.bundles import Table, write_bundle
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import write_json
 from cleave.bench.machine import describe
 from cleave.errors import CleaveError, UsageError
@@ -142,14 +143,7 @@ def _ratio(a: float, b: float) -> float | None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.rows, args.duration, args.hot_rate, args.cold_rate = 100_000, 1.0, 100.0, 20.0
-    try:
-        cases = [int(m) for m in args.miss_threads.split(",") if m.strip()]
-    except ValueError:
-        cases = []
-    if not cases or min(cases) < 0:
-        raise UsageError(
-            f"--miss-threads: expected counts >= 0 separated by commas, got {args.miss_threads!r}"
-        )
+    cases = counts(args.miss_threads, "--miss-threads", least=0)
     if args.rows < 10 * HOT_ROWS or args.duration <= 0 or min(args.hot_rate, args.cold_rate) <= 0:
         raise UsageError(f"--rows must be at least {10 * HOT_ROWS}, --duration and the rates > 0")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-bm-"))

@@ -24,9 +24,9 @@ import argparse
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from cleave.bench.stages import gauge
 from cleave.errors import UsageError
 
 MODES = ("keep-alive", "close")
@@ -49,12 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cleave.bench.harness.command import in_workdir, report
+    from cleave.bench.harness.command import counts, in_workdir, report
     from cleave.bench.machine import describe, parse_pin
 
     if args.quick:  # the shape of a run, not a measurement
         args.scale, args.count, args.rounds = 0.01, 20, 1
-    sizes = _sizes(args.candidates)
+    sizes = counts(args.candidates, "--candidates")
     if args.count < 1 or args.rounds < 1:
         raise UsageError(
             f"--count and --rounds must be at least 1, got {args.count}, {args.rounds}"
@@ -64,16 +64,6 @@ def run(args: argparse.Namespace) -> int:
     result["machine"] = describe()
     report(result, args, print_table)
     return 0
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise UsageError(f"--candidates: expected sizes such as 100,256,2048, got {text!r}")
-    return sizes
 
 
 def measure(workdir: Path, args, sizes: list[int], pins) -> dict:
@@ -142,7 +132,7 @@ class _Held:
         self.sock = socket.create_connection(self.address, timeout=IO_TIMEOUT_S)
         self.sock.sendall(_head(self.path, len(self.body), False) + self.body[:10])
         deadline = time.monotonic() + IO_TIMEOUT_S
-        while _in_flight(self.url) != 1:
+        while gauge(f"{self.url}/metrics", "cleave_router_in_flight") != 1:
             if time.monotonic() > deadline:
                 raise RuntimeError("the held request was not admitted")
             time.sleep(0.01)
@@ -150,14 +140,6 @@ class _Held:
 
     def __exit__(self, *exc):
         self.sock.close()
-
-
-def _in_flight(url: str) -> float | None:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=IO_TIMEOUT_S) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith("cleave_router_in_flight "):
-                return float(line.split()[1])
-    return None
 
 
 def _refusals(address, path: str, body: bytes, mode: str, count: int, router: int) -> dict:

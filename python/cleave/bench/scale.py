@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.command import counts
 from cleave.bench.loadgen import Answer, ClosedLoop
 from cleave.bench.machine import describe
 from cleave.errors import CleaveError, UsageError
@@ -143,21 +144,15 @@ def scale_to(name: str, address: str, rankers: int, url: str) -> float:
 
 
 def parse_rankers(text: str) -> list[int]:
-    try:
-        counts = [int(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise UsageError(f"--rankers: expected counts separated by commas, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise UsageError(f"--rankers: expected counts of at least 1, got {text!r}")
-    return counts
+    return counts(text, "--rankers")
 
 
 def measure(args, workload, address: str, log) -> dict:
     from cleave.bench.harness.target import Target
 
-    counts = parse_rankers(args.rankers)
+    steps = parse_rankers(args.rankers)
     plan_path = Path(args.workdir) / f"{workload.name}-scale-plan.yaml"
-    plan = write_plan(workload.bundle_dir, counts[0], args.threads, plan_path)
+    plan = write_plan(workload.bundle_dir, steps[0], args.threads, plan_path)
     target = Target(plan=plan_path, flags=["--runner", "ray", "--ray-address", address])
     windows = []
     with target:
@@ -168,9 +163,9 @@ def measure(args, workload, address: str, log) -> dict:
         load.start()
         try:
             time.sleep(min(5.0, args.duration / 2))  # warm-up: not measured
-            for i, rankers in enumerate(counts):
+            for i, rankers in enumerate(steps):
                 scaled_s = None
-                if i > 0 and rankers != counts[i - 1]:
+                if i > 0 and rankers != steps[i - 1]:
                     scaled_s = scale_to(plan.name, address, rankers, target.url)
                     log(f"  scaled to {rankers} rankers in {scaled_s:.1f} s (under load)")
                 start = time.monotonic()
@@ -188,8 +183,8 @@ def measure(args, workload, address: str, log) -> dict:
     reference = windows[0]["goodput_rps"]
     for w in windows:
         w["goodput_over_first"] = w["goodput_rps"] / reference if reference else float("nan")
-    fewest = [w["goodput_rps"] for w in windows if w["rankers"] == min(counts)]
-    most = [w["goodput_rps"] for w in windows if w["rankers"] == max(counts)]
+    fewest = [w["goodput_rps"] for w in windows if w["rankers"] == min(steps)]
+    most = [w["goodput_rps"] for w in windows if w["rankers"] == max(steps)]
     return {
         "windows": windows,
         # Drift on a shared machine hits every window: the means of alternating windows too.
@@ -201,7 +196,7 @@ def measure(args, workload, address: str, log) -> dict:
         "failures_first": failures[:5],
         # The first window with the most rankers over the first (not the best of several).
         "gain_of_most_rankers": next(
-            w["goodput_over_first"] for w in windows if w["rankers"] == max(counts)
+            w["goodput_over_first"] for w in windows if w["rankers"] == max(steps)
         ),
     }
 

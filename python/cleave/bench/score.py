@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleave.bench.harness.command import counts
 from cleave.bench.harness.summary import nearest_rank, write_outputs
 from cleave.bench.machine import describe
 from cleave.errors import UsageError
@@ -89,14 +90,9 @@ def run(args: argparse.Namespace) -> int:
     args.batch_size = args.batch_size or 64
     if args.quick:
         args.rows, args.batch_size, args.delay_ms, args.repeats = min(args.rows, 2048), 64, 5.0, 1
-    lags = [int(x) for x in args.lags.split(",")]
+    lags = counts(args.lags, "--lags", least=0)
     imbalances = args.imbalance.split(",")
-    try:
-        counts = [int(x) for x in args.ranks.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise UsageError(f"--ranks must list rank counts of at least 1, got {args.ranks!r}")
+    rank_counts = counts(args.ranks, "--ranks")
     if lags[0] != 0 or any(k < 0 for k in lags) or not set(imbalances) <= set(IMBALANCES):
         raise UsageError(f"--lags must start with 0; --imbalance among {', '.join(IMBALANCES)}")
 
@@ -122,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     keys = [
         (imbalance, ranks, lag, args.threads)
         for imbalance in imbalances
-        for ranks in counts
+        for ranks in rank_counts
         for lag in ([0] if ranks == 1 else lags)
         + ([None] if args.independent and ranks > 1 else [])
     ]

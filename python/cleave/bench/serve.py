@@ -24,6 +24,7 @@ import threading
 import time
 
 from cleave.bench import hosts
+from cleave.bench.harness.command import positives
 from cleave.bench.harness.measurement import measure, paired_single
 from cleave.bench.harness.summary import (
     Ratio,
@@ -449,14 +450,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.quick:
         args.rates, args.duration, args.single, args.requests = "20,40", 1.5, 20, 8
         args.search = False
-    try:
-        args.rate_list = [float(r) for r in args.rates.split(",") if r.strip()]
-    except ValueError:
-        raise UsageError(
-            f"--rates: expected numbers separated by commas, got {args.rates!r}"
-        ) from None
-    if any(r <= 0 for r in args.rate_list):
-        raise UsageError(f"--rates must be > 0, got {args.rates!r}")
+    args.rate_list = positives(args.rates, "--rates")
     if args.duration <= 0 or args.candidates < 1 or args.requests < 1 or args.single < 1:
         raise UsageError("--duration, --candidates, --requests and --single must be positive")
     if args.soak is not None and args.soak <= 0:

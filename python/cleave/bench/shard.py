@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from cleave.bench.harness.bundles import Table, write_bundle
+from cleave.bench.harness.command import positives
 from cleave.bench.harness.summary import nearest_rank, write_json
 from cleave.bench.machine import describe, go_realtime
 from cleave.errors import CleaveError, UsageError
@@ -151,10 +152,7 @@ def run(args: argparse.Namespace) -> int:
     rows = args.rows or (20_000 if args.quick else 100_000)
     dim = args.dim or (32 if args.quick else 64)
     duration = args.duration or (0.4 if args.quick else 3.0)
-    try:
-        fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
-    except ValueError:
-        raise UsageError(f"--fractions must be numbers, got {args.fractions!r}") from None
+    fractions = positives(args.fractions, "--fractions")
     if args.quick:
         fractions = [0.25, 0.5, 0.9]
     if not fractions or any(not 0 < f <= 2 for f in fractions):

@@ -30,6 +30,7 @@ SCRAPE_TIMEOUT_S = 5.0
 __all__ = [
     "ROUTER_STAGES",
     "breakdown",
+    "gauge",
     "metrics_endpoints",
     "printed_all_metrics",
     "scrape",
@@ -92,6 +93,15 @@ def _link_drops(netns: str, veth: str, bridge_port: str) -> dict[str, float]:
 def _fetch(url: str) -> str:
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
         return reply.read().decode()
+
+
+def gauge(url: str, name: str) -> float | None:
+    """One unlabelled sample of the metrics at `url` (None: not exported)."""
+    for family in text_string_to_metric_families(_fetch(url)):
+        for sample in family.samples:
+            if sample.name == name and not sample.labels:
+                return sample.value
+    return None
 
 
 def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, dict[str, float]]:

@@ -38,18 +38,24 @@ def check(rto_min_ms: float) -> float:
     return float(rto_min_ms)
 
 
-def apply_netns(netns: str, rto_min_ms: float) -> None:
-    """Every TCP connection made in `netns` from now on waits at least `rto_min_ms`."""
-    if not rto_min_ms:
-        return
-    if not SYSCTL.exists():
+def netns_floor(rto_min_ms: float) -> float:
+    """The floor the testbed's namespaces can take: `rto_min_ms`, or 0 (said once, on stderr)
+    where this kernel has no per-namespace floor."""
+    if rto_min_ms and not SYSCTL.exists():
         print(
             f"testbed: this kernel has no {SYSCTL} (Linux < 6.11): the hosts keep its "
             f"{KERNEL_RTO_MIN_MS:g} ms retransmission floor",
             file=sys.stderr,
         )
-        return
-    ip("netns", "exec", netns, "sysctl", "-qw", f"{SYSCTL_KEY}={round(rto_min_ms * 1000)}")
+        return 0.0
+    return rto_min_ms
+
+
+def apply_netns(netns: str, rto_min_ms: float) -> None:
+    """Every TCP connection made in `netns` from now on waits at least `rto_min_ms` (a
+    `netns_floor`; 0: the kernel's)."""
+    if rto_min_ms:
+        ip("netns", "exec", netns, "sysctl", "-qw", f"{SYSCTL_KEY}={round(rto_min_ms * 1000)}")
 
 
 def apply_route(subnet: str, dev: str, src: str, rto_min_ms: float) -> None:

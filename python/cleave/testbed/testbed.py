@@ -204,12 +204,13 @@ class Testbed:
         ip("addr", "add", f"{n.root_address}/{prefix}", "dev", n.bridge)
         ip("link", "set", "dev", n.bridge, "up")
         tcp.apply_route(str(n.subnet), n.bridge, n.root_address, self.rto_min_ms)
+        netns_floor = tcp.netns_floor(self.rto_min_ms)
         per_rack = self.host_count // self.racks if self.racks else 0
         for r in range(self.racks or 0):
             ip("netns", "add", n.rack_netns(r))
             ip("-n", n.rack_netns(r), "link", "set", "dev", "lo", "up")
             racks_module.sysctls(n.rack_netns(r))
-            tcp.apply_netns(n.rack_netns(r), self.rto_min_ms)
+            tcp.apply_netns(n.rack_netns(r), netns_floor)
         for i in range(self.host_count):
             rack = i // per_rack if per_rack else None
             host = Host(
@@ -223,7 +224,7 @@ class Testbed:
             )
             if rack is None:
                 ip("netns", "add", host.netns)
-                tcp.apply_netns(host.netns, self.rto_min_ms)
+                tcp.apply_netns(host.netns, netns_floor)
             ip(
                 "link",
                 "add",
