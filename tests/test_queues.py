@@ -1,8 +1,9 @@
 """The ranker's queue policies (cleave/ranker/queues/) and deadline drops in its batching loop:
 FIFO keeps arrival order, EDF starts the earliest deadline first and starves nobody when the
-load allows; a request with less time left than a batch's compute takes is answered
-`deadline` and never computed. Unit tests on an in-process source; the real processes are in
-test_queues_e2e.py."""
+load allows; a request with less time left than it would compute in alone is answered
+`deadline` and never computed, and a batch stops growing where its compute would outlast its
+tightest deadline (the compute model: cleave/ranker/compute.py). Unit tests on an in-process
+source; the real processes are in test_queues_e2e.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cleave import serve
 from cleave.errors import UsageError
 from cleave.plan import local_plan, plan_from_dict, plan_to_dict
 from cleave.ranker.batcher import ERR_DEADLINE, Batcher
+from cleave.ranker.compute import ComputeModel
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.local import LocalQueue, RankerError
 from cleave.ranker.payload import KIND_RANK, decode_response, encode_request
@@ -128,7 +130,8 @@ class FakeClock:
         return self.now
 
 
-def make_batcher(policy: str, batch_ns: int = 0, **kw):
+def make_batcher(policy: str, batch_ns=0, **kw):
+    """`batch_ns`: what a batch costs on the fake clock, a number or a function of its rows."""
     sig = signature(DENSE_MANIFEST, False)
     executor = DenseExecutor(Dense(), sig, "cpu", threads=1)
     clock = FakeClock()
@@ -136,8 +139,9 @@ def make_batcher(policy: str, batch_ns: int = 0, **kw):
     real_run = executor.run
 
     def run(inputs):
-        runs.append(inputs[0].shape[0])
-        clock.now += batch_ns
+        rows = inputs[0].shape[0]
+        runs.append(rows)
+        clock.now += batch_ns(rows) if callable(batch_ns) else batch_ns
         return real_run(inputs)
 
     executor.run = run
@@ -178,7 +182,8 @@ def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed()
         first = submit(queue, 2, 0)
         while not first.done():
             batcher.step()
-        assert batcher.compute_ewma_us == 50_000_000 and runs == [2]
+        # One batch seen: time taken as proportional to rows, 25 s a row.
+        assert batcher.compute.estimate_us(3) == 75_000_000 and runs == [2]
         now_us = int(time.time() * 1e6)
         doomed = submit(queue, 3, 1, deadline_us=now_us + 10_000_000)  # 10 s left
         fine = submit(queue, 4, 2, deadline_us=now_us + 600_000_000)
@@ -187,7 +192,9 @@ def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed()
         with pytest.raises(RankerError) as err:
             doomed.result()
         assert err.value.code == ERR_DEADLINE, policy
-        assert "cannot be met" in err.value.message and "50000000 us" in err.value.message
+        # What it needs alone: 75 s, or about 49 s where the 4-row request ran first (LIFO).
+        needs = re.search(r"computes in (\d+) us alone", err.value.message)
+        assert "cannot be met" in err.value.message and int(needs[1]) > 10_000_000, policy
         assert decode_response(fine.result()).batch_requests == 1
         assert runs == [2, 4], f"{policy}: the doomed request's 3 rows were computed"
         s = batcher.stats
@@ -210,6 +217,50 @@ def test_drops_pull_the_estimate_down_so_one_slow_batch_does_not_shut_the_ranker
     else:
         pytest.fail("every request was dropped: the estimate never came down")
     assert dropped >= 1 and runs[-1] == 1 and batcher.stats.dropped_late == dropped
+
+
+def test_a_batch_stops_growing_where_its_tightest_deadline_would_be_missed():
+    for policy in ("fifo", "edf"):
+        # A batch costs 10 s plus 1 s a row on the batcher's clock (seconds: far above the
+        # wall clock's drift while the test runs).
+        queue, batcher, runs = make_batcher(policy, batch_ns=lambda r: (10 + r) * 10**9)
+        for rows in (1, 4):  # two sizes: the model learns the fixed part and the per-row part
+            f = submit(queue, rows, rows)
+            while not f.done():
+                batcher.step()
+        assert batcher.compute.estimate_us(8) == pytest.approx(18e6)
+        now_us = int(time.time() * 1e6)
+        # Four requests of 2 rows, the second with 15 s left: 2 requests (14 s) fit its
+        # deadline, 3 (16 s) do not. The other two have no deadline.
+        futures = [
+            submit(queue, 2, 10 + i, deadline_us=now_us + 15_000_000 if i == 1 else 0)
+            for i in range(4)
+        ]
+        batcher._receive(0.0)
+        while not all(f.done() for f in futures):
+            batcher.step()
+        assert runs[2:] == [4, 4], policy
+        assert [decode_response(f.result()).batch_requests for f in futures] == [2, 2, 2, 2]
+
+
+def test_the_compute_model_splits_a_batch_into_fixed_and_per_row_time():
+    model = ComputeModel()
+    assert model.estimate_us(100) == 0  # nothing seen: nothing is dropped or capped
+    for rows in (100, 100, 100):
+        model.record(rows, 2000 + 20 * rows)
+    # One size says nothing of the split: proportional to rows through the mean.
+    assert model.estimate_us(200) == pytest.approx(8000)
+    for rows in (200, 400, 100, 300):
+        model.record(rows, 2000 + 20 * rows)
+    assert model.estimate_us(1000) == pytest.approx(22000)
+    assert model.estimate_us(50) == pytest.approx(3000)
+    model.scale(0.5)
+    assert model.estimate_us(1000) == pytest.approx(11000)
+    # Noise that makes bigger batches look cheaper falls back to proportional, never negative.
+    noisy = ComputeModel()
+    for rows, us in ((100, 5000), (400, 3000), (100, 5000), (400, 3000)):
+        noisy.record(rows, us)
+    assert noisy.estimate_us(250) > 0
 
 
 def test_without_a_measured_batch_nothing_is_dropped_early():

@@ -20,7 +20,7 @@ from cleave.plan.files import load_plan
 from cleave.sizing import queueing
 from cleave.sizing.catalog import parse_catalog
 from cleave.sizing.profile import _time_ms
-from cleave.sizing.search import dense_ms, ranker_overhead_ms
+from cleave.sizing.search import RANKER_MAX_BATCH, dense_ms, ranker_overhead_ms
 from support.cli import refused
 
 CATALOG = {
@@ -141,10 +141,11 @@ def test_gpu_rankers_are_sized_from_a_gpu_profile_only(models, profiled, tmp_pat
     assert chosen["gpu"]["device"] == "cuda" and chosen["gpu"]["kinds"]["rankers"] == "gpu-1"
     rankers = next(p for p in chosen["gpu"]["pools"] if p["pool"] == "rankers")
     assert rankers["servers_per_host"] == 2  # one ranker per GPU
-    # Two requests of 100 rows join a batch (256 rows at most): each costs half of it.
-    batch = dense_ms(json.loads(gpu_profile.read_text()), "float32", "cuda", 200)
-    assert rankers["requests_per_batch"] == 2
-    assert math.isclose(rankers["service_ms"], batch / 2, rel_tol=1e-3)
+    # Requests of 100 rows join a batch up to the rankers' max_batch: each costs its share.
+    joined = RANKER_MAX_BATCH // 100
+    batch = dense_ms(json.loads(gpu_profile.read_text()), "float32", "cuda", joined * 100)
+    assert rankers["requests_per_batch"] == joined
+    assert math.isclose(rankers["service_ms"], batch / joined, rel_tol=1e-3)
     plan = load_plan(tmp_path / "gpu.yaml")
     assert {r.device for r in plan.rankers} == {"cuda"}
     assert chosen["cpu"]["device"] == "cpu"  # no GPU timings: no GPU rankers

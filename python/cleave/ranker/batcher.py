@@ -17,9 +17,12 @@ queued rows reach `max_batch` (or the lower cap the router's latest request carr
 memory budget leaves beside its cache, docs/cache.md), or when the longest-waiting request has
 waited `max_wait_s`; with `max_wait_s = 0` the loop is work-conserving (it runs whatever
 arrived while the previous batch computed). A batch is one call of the dense program: requests
-are never interleaved. A request that cannot make its deadline when its batch is formed (less
-time left than a batch's compute takes, a moving average) is answered with error `deadline`
-and not computed; one whose caller cancelled it is dropped from the queue. The queue holds at
+are never interleaved. A batch stops growing before a request whose joining would make the
+batch's compute (cleave/ranker/compute.py: learnt from the batches run) outlast the tightest
+deadline in it, so large batches amortise the program's fixed cost without costing tight
+budgets. A request that cannot make its deadline when its batch is formed (less time left than
+it would take alone) is answered with error `deadline` and not computed; one whose caller
+cancelled it is dropped from the queue. The queue holds at
 most `max_queue` requests: one more is answered `overloaded` at once (not executed, so the
 router retries it on another ranker).
 
@@ -43,7 +46,8 @@ from cleave._native import (
     ERR_INTERNAL,
     ERR_OVERLOADED,
 )
-from cleave.ranker import DEFAULT_MAX_QUEUE
+from cleave.ranker import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+from cleave.ranker.compute import ComputeModel
 from cleave.ranker.executor import DenseExecutor
 from cleave.ranker.payload import PayloadError, decode_request, encode_response
 from cleave.ranker.queues import DEFAULT_POLICY, make_queue
@@ -64,7 +68,6 @@ __all__ = [
 ]
 
 _IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
-_EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time average (as the router's)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Batcher:
         executor: DenseExecutor,
         signature: Signature,
         kind: int,
-        max_batch: int = 256,
+        max_batch: int = DEFAULT_MAX_BATCH,
         max_wait_s: float = 0.0,
         max_queue: int = DEFAULT_MAX_QUEUE,
         wall_clock=time.time,
@@ -120,9 +123,8 @@ class Batcher:
         self.queue = make_queue(queue)
         self.queued_rows = 0
         self.stats = BatchStats()
-        # Moving average of a batch's compute (µs): a request with less time left than this
-        # cannot make its deadline. 0 until the first batch (nothing is dropped as late).
-        self.compute_ewma_us = 0.0
+        # A batch's compute by its rows: 0 until the first batch (nothing is dropped as late).
+        self.compute = ComputeModel()
         self.dense_choice = None  # load_ranker's: the dense precision served, and why
         self.activation_bytes = None  # load_ranker's: memory per batch row, when measured
 
@@ -197,28 +199,38 @@ class Batcher:
             self._error(p.conn_id, p.request_id, ERR_CANCELLED, "cancelled by the caller")
 
     def _take(self) -> list[Pending]:
-        """In the queue policy's order, up to max_batch rows (at least one request); drops
-        those that cannot make their deadline."""
+        """In the queue policy's order, up to max_batch rows (at least one request) and no
+        more than the tightest deadline among them leaves time to compute; drops those that
+        cannot make their deadline."""
         batch: list[Pending] = []
         rows = 0
         now_us = int(self.wall_clock() * 1e6)
-        needs_us = int(self.compute_ewma_us)
+        tightest_us = None  # the least time left of the batch's requests with a deadline
         while self.queue:
             head = self.queue.peek()
             if batch and (not self.signature.batchable or rows + head.rows > self.batch_limit()):
                 break
+            left_us = head.deadline_us - now_us if head.deadline_us else None
+            if batch:
+                lefts = [t for t in (tightest_us, left_us) if t is not None]
+                if lefts and self.compute.estimate_us(rows + head.rows) > min(lefts):
+                    break  # the head heads the next batch
             self.queue.pop()
             self.queued_rows -= head.rows
-            if head.deadline_us and head.deadline_us - now_us < needs_us:
+            needs_us = int(self.compute.estimate_us(head.rows))
+            if left_us is not None and left_us < needs_us:
                 self._drop_late(head, now_us, needs_us)
-                if head.deadline_us >= now_us:
-                    # Only batches run refresh the average: each drop pulls it below the time
-                    # that was left (half of it as a sample), so one slow batch cannot make
-                    # the ranker drop every later request.
-                    self._record_compute((head.deadline_us - now_us) // 2)
+                if left_us >= 0:
+                    # Only batches run teach the model: each drop pulls it towards half the
+                    # time that was left, so one slow batch cannot make the ranker drop every
+                    # later request.
+                    target = needs_us + self.compute.weight * (left_us / 2 - needs_us)
+                    self.compute.scale(target / needs_us)
                 continue
             batch.append(head)
             rows += head.rows
+            if left_us is not None:
+                tightest_us = left_us if tightest_us is None else min(tightest_us, left_us)
         return batch
 
     def _drop_late(self, p: Pending, now_us: int, needs_us: int) -> None:
@@ -233,8 +245,8 @@ class Batcher:
             left_us = p.deadline_us - now_us
             log.warning("trace=%016x cannot make its deadline (%d us left)", p.trace_id, left_us)
             message = (
-                f"deadline cannot be met: {left_us} us left when its batch formed, a batch "
-                f"computes in {needs_us} us; dropped before starting"
+                f"deadline cannot be met: {left_us} us left when its batch formed, and it "
+                f"computes in {needs_us} us alone; dropped before starting"
             )
         self._error(p.conn_id, p.request_id, ERR_DEADLINE, message)
 
@@ -254,7 +266,7 @@ class Batcher:
             self._error(p.conn_id, p.request_id, ERR_INTERNAL, f"dense program failed: {err}")
             return 0
         compute_us = (self.clock() - start) // 1000
-        self._record_compute(compute_us)
+        self.compute.record(sum(p.rows for p in batch), compute_us)
         depth = len(self.queue)
         if log.isEnabledFor(logging.DEBUG):  # the hot path: format nothing unless asked
             traces = ",".join(f"{p.trace_id:016x}" for p in batch)
@@ -266,10 +278,6 @@ class Batcher:
         self.stats.requests += len(batch)
         self.stats.batches += 1
         return len(batch)
-
-    def _record_compute(self, compute_us: int) -> None:
-        old = self.compute_ewma_us
-        self.compute_ewma_us = compute_us if old == 0 else old + _EWMA_ALPHA * (compute_us - old)
 
     # A reply that cannot be delivered (the source forgot the request, e.g. while closing) is
     # logged: it must never stop the loop that serves everyone else.

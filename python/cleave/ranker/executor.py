@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from cleave.ranker import DEFAULT_MAX_BATCH
 from cleave.ranker.signature import Signature
 
 log = logging.getLogger("cleave.ranker")
@@ -35,7 +36,7 @@ class DenseExecutor:
         signature: Signature,
         device: str = "cpu",
         threads: int | None = None,
-        max_batch: int = 256,
+        max_batch: int = DEFAULT_MAX_BATCH,
         cuda_graphs: bool = True,
     ):
         if device == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ import torch
 
 from cleave.bundle.manifest import dtype_accuracy
 from cleave.errors import BundleError, CleaveError, UsageError
-from cleave.ranker import DEFAULT_MAX_QUEUE, activation
+from cleave.ranker import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, activation
 from cleave.ranker import dense_dtype as dense_precision
 from cleave.ranker.batcher import Batcher
 from cleave.ranker.executor import DenseExecutor
@@ -88,7 +88,7 @@ def load_ranker(
     monolithic: bool = False,
     device: str = "auto",
     threads: int | None = None,
-    max_batch: int = 256,
+    max_batch: int = DEFAULT_MAX_BATCH,
     max_wait_s: float = 0.0,
     cuda_graphs: bool = True,
     max_queue: int = DEFAULT_MAX_QUEUE,

@@ -196,7 +196,11 @@ class RankerConfig:
     threads: int = setting(
         0, "torch CPU threads per ranker; 0: by the bundle's measured demand (see Cores)"
     )
-    max_batch: int = setting(256, "rows per batch at most")
+    # 1024: a dense program's fixed cost per call (about 2 ms of eager dispatch on a 2-core
+    # guest, where a 100-candidate DLRM request added 1.8 ms) spread over up to 10 such
+    # requests rather than 2 (docs/benchmarks.md, "Batches of 1,024 rows"); a tight deadline
+    # still caps a batch (cleave/ranker/compute.py).
+    max_batch: int = setting(1024, "rows per batch at most")
     max_wait_ms: float = setting(
         0.0, "how long a request may wait for company; 0: work-conserving (see Batching)"
     )
