@@ -504,7 +504,7 @@ def test_bad_values_fail_the_render_saying_what_to_change(helm, small_plan, tmp_
     )
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text(yaml.safe_dump(text))
-    fails(mixed, says="rankers[1].max_batch is 64 but rankers[0].max_batch is 1024")
+    fails(mixed, says="rankers[1].max_batch is 64 but rankers[0].max_batch is 256")
     text = yaml.safe_load(small_plan.read_text())
     text["router"]["admin_token_env"] = "CLEAVE_ADMIN_TOKEN"
     token = tmp_path / "token.yaml"

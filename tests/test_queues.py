@@ -219,7 +219,7 @@ def test_drops_pull_the_estimate_down_so_one_slow_batch_does_not_shut_the_ranker
     assert dropped >= 1 and runs[-1] == 1 and batcher.stats.dropped_late == dropped
 
 
-def test_a_batch_stops_growing_where_its_tightest_deadline_would_be_missed():
+def test_a_batch_stops_growing_where_a_deadline_would_bound_it():
     for policy in ("fifo", "edf"):
         # A batch costs 10 s plus 1 s a row on the batcher's clock (seconds: far above the
         # wall clock's drift while the test runs).
@@ -230,10 +230,11 @@ def test_a_batch_stops_growing_where_its_tightest_deadline_would_be_missed():
                 batcher.step()
         assert batcher.compute.estimate_us(8) == pytest.approx(18e6)
         now_us = int(time.time() * 1e6)
-        # Four requests of 2 rows, the second with 15 s left: 2 requests (14 s) fit its
-        # deadline, 3 (16 s) do not. The other two have no deadline.
+        # Four requests of 2 rows, the second with 150 s left, so its batch may compute for
+        # 15 s (BATCH_SHARE): 2 requests (14 s) fit, 3 (16 s) do not. The others have no
+        # deadline.
         futures = [
-            submit(queue, 2, 10 + i, deadline_us=now_us + 15_000_000 if i == 1 else 0)
+            submit(queue, 2, 10 + i, deadline_us=now_us + 150_000_000 if i == 1 else 0)
             for i in range(4)
         ]
         batcher._receive(0.0)

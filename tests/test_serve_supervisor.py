@@ -356,7 +356,7 @@ def test_config_file_overrides_defaults_and_names_bad_keys(tmp_path):
     path.write_text("shards = 3\nfail_stop = true\n[ranker]\nmax_wait_ms = 2\ndevice = 'cpu'\n")
     config = config_file.load(path).check()
     assert (config.shards, config.fail_stop, config.ranker.max_wait_ms) == (3, True, 2.0)
-    assert config.rankers == 1 and config.ranker.max_batch == 1024
+    assert config.rankers == 1 and config.ranker.max_batch == 256
     path.write_text("[ranker]\nthreads = true\n")
     with pytest.raises(UsageError, match=r"ranker.threads must be an integer, got bool True"):
         config_file.load(path)

@@ -172,7 +172,7 @@ def test_launcher_flags_round_trip_through_the_rankers_parser():
     assert (args.incast_order, args.link_gbit) == ("fifo", 2.5)
     # Off and automatic values are left out; so is every switch at its default.
     assert flags(RankerConfig(threads=0, max_wait_ms=0.0), RankerConfig) == [
-        *("--device", "auto", "--dense-dtype", "auto", "--max-batch", "1024"),
+        *("--device", "auto", "--dense-dtype", "auto", "--max-batch", "256"),
         *("--max-queue", "1024", "--queue", "fifo"),
     ]
     assert flags(ShardConfig(), ShardConfig) == ["--threads", "1", "--queue", "fifo"]

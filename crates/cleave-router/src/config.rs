@@ -177,7 +177,7 @@ fn default_cache_window() -> usize {
 }
 
 fn default_ranker_max_batch() -> usize {
-    1024
+    256
 }
 
 /// A model version: a decimal integer, written as a string in JSON.

@@ -18,11 +18,12 @@ memory budget leaves beside its cache, docs/cache.md), or when the longest-waiti
 waited `max_wait_s`; with `max_wait_s = 0` the loop is work-conserving (it runs whatever
 arrived while the previous batch computed). A batch is one call of the dense program: requests
 are never interleaved. A batch stops growing before a request whose joining would make the
-batch's compute (cleave/ranker/compute.py: learnt from the batches run) outlast the tightest
-deadline in it, so large batches amortise the program's fixed cost without costing tight
-budgets. A request that cannot make its deadline when its batch is formed (less time left than
-it would take alone) is answered with error `deadline` and not computed; one whose caller
-cancelled it is dropped from the queue. The queue holds at
+batch's compute (cleave/ranker/compute.py: learnt from the batches run) outlast the time any of
+its requests has left, or take more than `BATCH_SHARE` of the time any of them had left when
+it arrived: large batches amortise the program's fixed cost under loose budgets, and tight
+budgets keep small ones. A request that cannot make its deadline when its batch is formed
+(less time left than it would take alone) is answered with error `deadline` and not computed;
+one whose caller cancelled it is dropped from the queue. The queue holds at
 most `max_queue` requests: one more is answered `overloaded` at once (not executed, so the
 router retries it on another ranker).
 
@@ -68,6 +69,12 @@ __all__ = [
 ]
 
 _IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
+# A batch's compute takes at most this share of the time each of its requests had left on
+# arrival: a request waits for the batch running when it comes, then runs in its own, so
+# batching costs it at most a fifth of its budget, the least latency the router's admission
+# tolerates (gradient.rs, TARGET_FLOOR). Measured: batches of 1,024 rows for every budget cost
+# 100 ms budgets more expired requests (docs/benchmarks.md, "Batches of 1,024 rows").
+BATCH_SHARE = 0.1
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Pending:
     tensors: list[torch.Tensor]
     rows: int
     trace_id: int = 0  # the router's request id, for logs (docs/protocol.md); 0: none
+    batch_us: float = 0.0  # the most compute its batch may take (BATCH_SHARE); 0: no bound
 
 
 @dataclass
@@ -163,6 +171,7 @@ class Batcher:
             1024, timeout_s
         ):
             now = self.clock()
+            left_us = deadline_us - self.wall_clock() * 1e6 if deadline_us else 0.0
             if len(self.queue) >= self.max_queue:
                 self.stats.overloaded += 1
                 message = f"ranker queue full ({len(self.queue)} requests); not executed"
@@ -181,8 +190,11 @@ class Batcher:
                 log.warning("trace=%016x bad request: %s", trace_id, err)
                 self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
                 continue
+            batch_us = max(0.0, BATCH_SHARE * left_us)
             self.queue.push(
-                Pending(conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id)
+                Pending(
+                    conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id, batch_us
+                )
             )
             self.queued_rows += rows
         self._drop_cancelled()
@@ -200,20 +212,21 @@ class Batcher:
 
     def _take(self) -> list[Pending]:
         """In the queue policy's order, up to max_batch rows (at least one request) and no
-        more than the tightest deadline among them leaves time to compute; drops those that
-        cannot make their deadline."""
+        more than its requests' deadlines leave time to compute (module doc); drops those
+        that cannot make their deadline."""
         batch: list[Pending] = []
         rows = 0
         now_us = int(self.wall_clock() * 1e6)
-        tightest_us = None  # the least time left of the batch's requests with a deadline
+        bound_us = None  # the most compute the batch may take; None: no deadline in it
         while self.queue:
             head = self.queue.peek()
             if batch and (not self.signature.batchable or rows + head.rows > self.batch_limit()):
                 break
             left_us = head.deadline_us - now_us if head.deadline_us else None
+            head_bound = None if left_us is None else min(left_us, head.batch_us)
             if batch:
-                lefts = [t for t in (tightest_us, left_us) if t is not None]
-                if lefts and self.compute.estimate_us(rows + head.rows) > min(lefts):
+                bounds = [b for b in (bound_us, head_bound) if b is not None]
+                if bounds and self.compute.estimate_us(rows + head.rows) > min(bounds):
                     break  # the head heads the next batch
             self.queue.pop()
             self.queued_rows -= head.rows
@@ -229,8 +242,8 @@ class Batcher:
                 continue
             batch.append(head)
             rows += head.rows
-            if left_us is not None:
-                tightest_us = left_us if tightest_us is None else min(tightest_us, left_us)
+            if head_bound is not None:
+                bound_us = head_bound if bound_us is None else min(bound_us, head_bound)
         return batch
 
     def _drop_late(self, p: Pending, now_us: int, needs_us: int) -> None:

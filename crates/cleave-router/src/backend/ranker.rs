@@ -32,8 +32,12 @@ pub struct Ranker {
     /// f64 bits of the moving average of compute_us / batch_requests: the ranker's time per
     /// request when busy, for admission control (`RankerPool::expected_wait`).
     service_us: Ewma,
-    /// f64 bits of the moving average of compute_us: the least a request sent now takes once
-    /// the ranker starts it. A request with less time left is not sent (`RankerPool::rank`).
+    /// f64 bits of the moving average of a request's share of its batch's compute
+    /// (compute_us / batch_requests, as `service_us`, but pulled down by skips): at most what a
+    /// request sent now takes alone once the ranker starts it (a batch's fixed cost is shared;
+    /// the whole batch's compute turned away requests that had time to run alone once batches
+    /// held several). A request with less time left is not sent (`RankerPool::rank`); the
+    /// ranker, which knows its batches, drops the rest that cannot make it.
     compute_us: Ewma,
     outstanding: AtomicU64,
     healthy: AtomicBool,
@@ -102,7 +106,7 @@ impl Ranker {
         let service_us = response.compute_us as f64 / response.batch_requests.max(1) as f64;
         self.ewma_us.update(latency_us);
         self.service_us.update(service_us);
-        self.compute_us.update(response.compute_us as f64);
+        self.compute_us.update(service_us);
     }
 
     fn mark(&self, healthy: bool, error: Option<String>) {
@@ -697,7 +701,7 @@ mod tests {
     #[test]
     fn a_payload_no_ranker_can_compute_in_time_is_not_sent() {
         let slow = ranker(0.0, 0);
-        slow.record(&reply(0, 1_000_000, 4)); // a batch takes 1 s
+        slow.record(&reply(0, 4_000_000, 4)); // a batch of 4 takes 4 s: 1 s each
         assert_eq!(slow.compute_us(), 1_000_000.0);
         let pool = RankerPool::with_rankers(
             vec![Arc::new(slow)],
@@ -730,6 +734,31 @@ mod tests {
         // skips and the ranker is tried again, so one slow batch does not shut it out.
         let after = pool.rankers()[0].compute_us();
         assert!(after < 1_000_000.0 && after > 25_000.0, "{after}");
+    }
+
+    #[test]
+    fn a_request_with_time_to_run_alone_is_sent_though_a_full_batch_takes_longer() {
+        let batching = ranker(0.0, 0);
+        batching.record(&reply(0, 40_000, 4)); // a batch of 4 takes 40 ms: 10 ms each
+        let pool = RankerPool::with_rankers(
+            vec![Arc::new(batching)],
+            IoThreads::new("test", 1).unwrap(),
+            ClientConfig::default(),
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let empty = crate::backend::payload::RankPayload::new([], 0);
+        let rank = pool.rank(
+            crate::backend::payload::RANK,
+            &empty,
+            Duration::from_millis(25),
+            1,
+        );
+        // Sent (25 ms left, 10 ms its share): it fails to connect (port 1), not `deadline`.
+        let err = rt.block_on(rank).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
     }
 
     #[test]
