@@ -280,7 +280,8 @@ def test_bench_scale_reports_the_second_rankers_goodput_without_failures(cluster
     assert not role_processes(served)
     # Bad input: exit 2 before anything starts, saying what was expected.
     done = cli("bench", "scale", "--rankers", "1,0")
-    assert done.returncode == 2 and "counts of at least 1, got '1,0'" in done.stderr, done.stderr
+    expected = "--rankers: expected integers >= 1 separated by commas, got '1,0'"
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
     done = cli("bench", "scale", "--ray-address", "127.0.0.1:1")
     assert done.returncode == 2 and "no Ray cluster answers there" in done.stderr, done.stderr
 

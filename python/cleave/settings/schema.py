@@ -196,10 +196,11 @@ class RankerConfig:
     threads: int = setting(
         0, "torch CPU threads per ranker; 0: by the bundle's measured demand (see Cores)"
     )
-    # 256 rather than 1,024, which served 100-candidate requests under a 1 s budget at 1.2-1.4x
-    # the rate on a 2-core guest but raised the closed-loop capacity that tight budgets'
-    # overload goodput is judged against, with their goodput unchanged (docs/benchmarks.md,
-    # "Batches of 1,024 rows"). Deadlines cap a batch either way (cleave/ranker/batcher.py).
+    # 256 rather than 1,024, which answered 1.2-1.3x the 100-candidate requests of a 1 s
+    # budget in overload on a 2-core guest but raised the closed-loop capacity that tight
+    # budgets' overload goodput is judged against, with their goodput unchanged
+    # (docs/benchmarks.md, "Batches of 1,024 rows"). Deadlines cap a batch either way
+    # (cleave/ranker/batcher.py).
     max_batch: int = setting(256, "rows per batch at most")
     max_wait_ms: float = setting(
         0.0, "how long a request may wait for company; 0: work-conserving (see Batching)"
