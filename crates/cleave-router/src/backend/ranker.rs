@@ -698,13 +698,11 @@ mod tests {
         assert!((r.service_us() - 440.0).abs() < 1e-9);
     }
 
-    #[test]
-    fn a_payload_no_ranker_can_compute_in_time_is_not_sent() {
-        let slow = ranker(0.0, 0);
-        slow.record(&reply(0, 4_000_000, 4)); // a batch of 4 takes 4 s: 1 s each
-        assert_eq!(slow.compute_us(), 1_000_000.0);
+    /// An empty RANK with `left` of its budget, sent to a pool of `ranker` alone (it listens
+    /// on port 1: a request sent fails to connect); the pool, and the error.
+    fn rank_alone(ranker: Ranker, left: Duration) -> (RankerPool, RequestError) {
         let pool = RankerPool::with_rankers(
-            vec![Arc::new(slow)],
+            vec![Arc::new(ranker)],
             IoThreads::new("test", 1).unwrap(),
             ClientConfig::default(),
         );
@@ -713,13 +711,17 @@ mod tests {
             .build()
             .unwrap();
         let empty = crate::backend::payload::RankPayload::new([], 0);
-        let rank = pool.rank(
-            crate::backend::payload::RANK,
-            &empty,
-            Duration::from_millis(50),
-            1,
-        );
+        let rank = pool.rank(crate::backend::payload::RANK, &empty, left, 1);
         let err = rt.block_on(rank).unwrap_err();
+        (pool, err)
+    }
+
+    #[test]
+    fn a_payload_no_ranker_can_compute_in_time_is_not_sent() {
+        let slow = ranker(0.0, 0);
+        slow.record(&reply(0, 4_000_000, 4)); // a batch of 4 takes 4 s: 1 s each
+        assert_eq!(slow.compute_us(), 1_000_000.0);
+        let (pool, err) = rank_alone(slow, Duration::from_millis(50));
         // Sent, it would have failed to connect (port 1) and been `unavailable`.
         assert_eq!(
             (err.kind, err.stage),
@@ -740,24 +742,8 @@ mod tests {
     fn a_request_with_time_to_run_alone_is_sent_though_a_full_batch_takes_longer() {
         let batching = ranker(0.0, 0);
         batching.record(&reply(0, 40_000, 4)); // a batch of 4 takes 40 ms: 10 ms each
-        let pool = RankerPool::with_rankers(
-            vec![Arc::new(batching)],
-            IoThreads::new("test", 1).unwrap(),
-            ClientConfig::default(),
-        );
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let empty = crate::backend::payload::RankPayload::new([], 0);
-        let rank = pool.rank(
-            crate::backend::payload::RANK,
-            &empty,
-            Duration::from_millis(25),
-            1,
-        );
-        // Sent (25 ms left, 10 ms its share): it fails to connect (port 1), not `deadline`.
-        let err = rt.block_on(rank).unwrap_err();
+                                               // Sent (25 ms left, 10 ms its share): it fails to connect (port 1), not `deadline`.
+        let (_, err) = rank_alone(batching, Duration::from_millis(25));
         assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
     }
 
