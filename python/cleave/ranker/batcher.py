@@ -71,9 +71,9 @@ __all__ = [
 _IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag
 # A batch's compute takes at most this share of the time each of its requests had left on
 # arrival: a request waits for the batch running when it comes, then runs in its own, so
-# batching costs it at most a fifth of its budget, the least latency the router's admission
-# tolerates (gradient.rs, TARGET_FLOOR). Measured: batches of 1,024 rows for every budget cost
-# 100 ms budgets more expired requests (docs/benchmarks.md, "Batches of 1,024 rows").
+# among requests of like budgets batching costs one at most about a fifth of its budget, the
+# least latency the router's admission tolerates (gradient.rs, TARGET_FLOOR). Chosen so, not
+# measured against other shares (docs/benchmarks.md, "Batches of 1,024 rows").
 BATCH_SHARE = 0.1
 
 
