@@ -143,14 +143,10 @@ def scale_to(name: str, address: str, rankers: int, url: str) -> float:
     return time.monotonic() - start
 
 
-def parse_rankers(text: str) -> list[int]:
-    return counts(text, "--rankers")
-
-
 def measure(args, workload, address: str, log) -> dict:
     from cleave.bench.harness.target import Target
 
-    steps = parse_rankers(args.rankers)
+    steps = counts(args.rankers, "--rankers")
     plan_path = Path(args.workdir) / f"{workload.name}-scale-plan.yaml"
     plan = write_plan(workload.bundle_dir, steps[0], args.threads, plan_path)
     target = Target(plan=plan_path, flags=["--runner", "ray", "--ray-address", address])
@@ -220,7 +216,7 @@ def print_table(result: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.duration, args.requests = 3.0, 8
-    parse_rankers(args.rankers)
+    counts(args.rankers, "--rankers")
     if args.duration <= 0 or args.clients < 1 or args.candidates < 1 or args.requests < 1:
         raise UsageError("--duration, --clients, --candidates and --requests must be positive")
     try:

@@ -34,6 +34,7 @@ form of the router's `x-request-id`: failures at WARNING, one record per batch a
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class Pending:
     tensors: list[torch.Tensor]
     rows: int
     trace_id: int = 0  # the router's request id, for logs (docs/protocol.md); 0: none
-    batch_us: float = 0.0  # the most compute its batch may take (BATCH_SHARE); 0: no bound
+    batch_us: float = math.inf  # the most compute its batch may take (BATCH_SHARE)
 
 
 @dataclass
@@ -167,11 +168,10 @@ class Batcher:
         return max(0.0, left_ns / 1e9)
 
     def _receive(self, timeout_s: float) -> None:
-        for conn_id, request_id, kind, payload, deadline_us, trace_id in self.source.recv(
-            1024, timeout_s
-        ):
+        received = self.source.recv(1024, timeout_s)
+        now_us = self.wall_clock() * 1e6
+        for conn_id, request_id, kind, payload, deadline_us, trace_id in received:
             now = self.clock()
-            left_us = deadline_us - self.wall_clock() * 1e6 if deadline_us else 0.0
             if len(self.queue) >= self.max_queue:
                 self.stats.overloaded += 1
                 message = f"ranker queue full ({len(self.queue)} requests); not executed"
@@ -190,7 +190,7 @@ class Batcher:
                 log.warning("trace=%016x bad request: %s", trace_id, err)
                 self._error(conn_id, request_id, ERR_BAD_REQUEST, str(err))
                 continue
-            batch_us = max(0.0, BATCH_SHARE * left_us)
+            batch_us = max(0.0, BATCH_SHARE * (deadline_us - now_us)) if deadline_us else math.inf
             self.queue.push(
                 Pending(
                     conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id, batch_us
@@ -217,17 +217,15 @@ class Batcher:
         batch: list[Pending] = []
         rows = 0
         now_us = int(self.wall_clock() * 1e6)
-        bound_us = None  # the most compute the batch may take; None: no deadline in it
+        bound_us = math.inf  # the most compute the batch may take
         while self.queue:
             head = self.queue.peek()
             if batch and (not self.signature.batchable or rows + head.rows > self.batch_limit()):
                 break
             left_us = head.deadline_us - now_us if head.deadline_us else None
-            head_bound = None if left_us is None else min(left_us, head.batch_us)
-            if batch:
-                bounds = [b for b in (bound_us, head_bound) if b is not None]
-                if bounds and self.compute.estimate_us(rows + head.rows) > min(bounds):
-                    break  # the head heads the next batch
+            head_bound = head.batch_us if left_us is None else min(left_us, head.batch_us)
+            if batch and self.compute.estimate_us(rows + head.rows) > min(bound_us, head_bound):
+                break  # the head heads the next batch
             self.queue.pop()
             self.queued_rows -= head.rows
             needs_us = int(self.compute.estimate_us(head.rows))
@@ -242,8 +240,7 @@ class Batcher:
                 continue
             batch.append(head)
             rows += head.rows
-            if head_bound is not None:
-                bound_us = head_bound if bound_us is None else min(bound_us, head_bound)
+            bound_us = min(bound_us, head_bound)
         return batch
 
     def _drop_late(self, p: Pending, now_us: int, needs_us: int) -> None:

@@ -5,7 +5,8 @@ would take alone), and how many rows a batch may take before its tightest deadli
 met. Both need the time of a batch of a size not yet seen, and a batch's time is not
 proportional to its rows: a dense program's fixed cost per call (operator dispatch, the
 Python around it) was about 2 ms on a 2-core KVM guest where each 100-candidate DLRM request
-added 1.8 ms, so 10 requests in one batch cost 2.1 ms each and 2 cost 2.8.
+added 1.8 ms, so 10 requests in one batch cost 2.1 ms each and 2 cost 2.8 (a one-off
+diagnosis: docs/benchmarks.md, "Batches of 1,024 rows").
 
 So the time is fitted as `fixed + per_row × rows` by least squares over the recent batches,
 newest weighted most (each batch's weight shrinks by `1 - WEIGHT` per newer batch). While the
