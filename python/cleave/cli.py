@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from cleave.errors import CleaveError
@@ -58,6 +59,11 @@ BENCHMARKS = {
     ),
 }
 
+# Commands that start deployments, testbeds or Ray nodes for a while and are not servers
+# themselves: SIGTERM unwinds them as Ctrl-C does, so what they started is stopped on the way
+# out instead of outliving them (the serving roles handle SIGTERM their own way).
+UNWIND_ON_SIGTERM = {"bench", "demo", "profile", "size"}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own exit code is 2 as well
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cleave shard: error: {err}", file=sys.stderr)
             return 2
     args = build_parser(argv).parse_args(argv)
+    if args.command in UNWIND_ON_SIGTERM:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except CleaveError as err:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -232,8 +230,6 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:  # before the workload is built: a bad address fails in seconds
         _check_reachable(args.ray_address)
 
-    if threading.current_thread() is threading.main_thread():  # stop what started on SIGTERM
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.monotonic()
     workload = Workload(args)
     log(f"workload: {workload.name} ({time.monotonic() - t0:.1f} s)")

@@ -18,9 +18,7 @@ cleave.bench.overload's, `--plan` and `--shard-hosts` cleave.bench.hosts's.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 import time
 
 from cleave.bench import hosts
@@ -559,10 +557,6 @@ def run(args: argparse.Namespace) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    # SIGTERM unwinds like Ctrl-C: every deployment started here is stopped (and its testbed
-    # removed) on the way out, instead of outliving the benchmark.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()
     workload = Workload(args)
     args.budget_ms = workload.budget_ms

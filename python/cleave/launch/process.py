@@ -38,6 +38,14 @@ class ServeProcess:
             bufsize=1,
         )
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        try:
+            self._wait_ready()
+        except BaseException:  # not ready in time, or SIGTERM/Ctrl-C while it starts
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._ready.wait(0.05):
             if self.proc.poll() is not None:
@@ -47,12 +55,10 @@ class ServeProcess:
                     + "\n".join(self.log)
                 )
             if time.monotonic() > deadline:
-                self.stop()
                 raise CleaveError(
                     f"cleave serve was not ready after {self.ready_timeout_s:.0f} s:\n"
                     + "\n".join(self.log)
                 )
-        return self
 
     def _read(self, stream) -> None:
         for raw in stream:
