@@ -7,6 +7,7 @@ import argparse
 import importlib
 import signal
 import sys
+import threading
 
 from cleave.errors import CleaveError
 
@@ -102,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cleave shard: error: {err}", file=sys.stderr)
             return 2
     args = build_parser(argv).parse_args(argv)
-    if args.command in UNWIND_ON_SIGTERM:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # Only Python's main thread may set a handler (a caller of main() in a thread keeps its own);
+    # an in-process caller gets its handler back.
+    unwind = (
+        args.command in UNWIND_ON_SIGTERM and threading.current_thread() is threading.main_thread()
+    )
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if unwind else None
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except CleaveError as err:
@@ -111,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(*_) -> None:
+    sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":
