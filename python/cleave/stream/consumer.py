@@ -441,31 +441,21 @@ class Stream:
         for m in messages:
             last[m.partition()] = max(last.get(m.partition(), -1), m.offset())
         offsets = [TopicPartition(self.topic, p, o + 1) for p, o in sorted(last.items())]
-        wait = BACKOFF_S[0]
-        while not self.stopping.is_set():
-            try:
-                self.consumer.commit(offsets=offsets, asynchronous=False)
-                break
-            except KafkaException as err:
-                code = err.args[0].code()
-                if err.args[0].fatal() or code in (
-                    KafkaError._FATAL,
-                    KafkaError.FENCED_INSTANCE_ID,
-                ):
-                    raise _Fatal(str(err)) from None  # the batch serves; a new client skips it
-                if code in (
-                    KafkaError.ILLEGAL_GENERATION,
-                    KafkaError.UNKNOWN_MEMBER_ID,
-                    KafkaError.REBALANCE_IN_PROGRESS,
-                ):  # the partitions moved: their new owner skips what the shards have
-                    log.warning("commit dropped (%s): the shards' sources cover it", err)
-                    return
-                self.metrics.batches.labels("retried").inc()
-                log.warning("commit failed, again in %.1f s: %s", wait, err)
-                self.stopping.wait(wait)
-                wait = min(wait * 2, BACKOFF_S[1])
-        else:
-            return  # stopped before the commit: the shards' sources cover the batch
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as err:
+            if err.args[0].code() in (
+                KafkaError.ILLEGAL_GENERATION,
+                KafkaError.UNKNOWN_MEMBER_ID,
+                KafkaError.REBALANCE_IN_PROGRESS,
+            ):  # the partitions moved: their new owner skips what the shards have
+                log.warning("commit dropped (%s): the shards' sources cover it", err)
+                return
+            # Not retried on this client: after a broker restart librdkafka's client can wait
+            # for a group coordinator for good (CI saw every retry fail so for 90 s). A new
+            # client reads from the committed offsets; the shards' sources skip what serves.
+            self.metrics.batches.labels("retried").inc()
+            raise _Fatal(f"commit failed: {err}") from None
         self.metrics.batches.labels("committed").inc()
         self.metrics.serving.set(time.time())
         log.info(
