@@ -452,7 +452,7 @@ class Stream:
                 log.warning("commit dropped (%s): the shards' sources cover it", err)
                 return
             # Not retried on this client: after a broker restart librdkafka's client can wait
-            # for a group coordinator for good (CI saw every retry fail so for 90 s). A new
+            # for a group coordinator for good (CI saw every retry fail that way for 90 s). A new
             # client reads from the committed offsets; the shards' sources skip what serves.
             self.metrics.batches.labels("retried").inc()
             raise _Fatal(f"commit failed: {err}") from None
