@@ -115,11 +115,16 @@ def test_a_request_that_cannot_make_it_is_504_naming_the_stage_and_never_compute
     shard_url, ranker_url = deployment.shard.metrics_url, deployment.ranker.metrics_url
     before = counter(shard_url, shard_ok), counter(ranker_url, ranker_ok)
 
-    # Half the shard's usual time: the lookup cannot make it, so it is never sent.
+    # Half the shard's usual time: the lookup cannot make it, so it is never sent. A router
+    # starved of CPU (other test workers) can spend that budget before the lookup, naming
+    # "parse" (seen in a full run: 2.8 ms of a 1.4 ms budget): then it is sent again.
     small, _ = good_request(deployment, batch=1, seed=3)
     small["parameters"] = {"budget_ms": shard_ms / 2}
-    status, reply = post(f"{deployment.url}/infer", small)
-    assert status == 504, reply
+    for _ in range(10):
+        status, reply = post(f"{deployment.url}/infer", small)
+        assert status == 504, reply
+        if reply["stage"] != "parse":
+            break
     assert reply["stage"] == "lookup", reply
     assert "not sent to shard" in reply["error"], reply
     assert (counter(shard_url, shard_ok), counter(ranker_url, ranker_ok)) == before
