@@ -201,6 +201,22 @@ def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed()
         assert (s.dropped_late, s.dropped_deadline, s.requests) == (1, 0, 2)
 
 
+def test_one_slow_batch_of_few_rows_does_not_drop_a_larger_request_that_may_fit():
+    # Seen in a full suite run: a starved ranker's first batch (16 rows) took 468 ms, and
+    # taken as proportional to rows, the 128-row requests that followed were estimated at
+    # 3.7 s and dropped with 1 s left. A larger batch takes at least as long as a smaller
+    # one, not 8 times as long: the seen time is what such a request surely needs.
+    queue, batcher, runs = make_batcher("edf", batch_ns=50_000_000_000)  # 50 s a batch
+    first = submit(queue, 16, 0)
+    while not first.done():
+        batcher.step()
+    later = submit(queue, 128, 1, deadline_us=int(time.time() * 1e6) + 100_000_000)  # 100 s
+    while not later.done():
+        batcher.step()
+    assert decode_response(later.result()).batch_requests == 1
+    assert runs == [16, 128] and batcher.stats.dropped_late == 0
+
+
 def test_drops_pull_the_estimate_down_so_one_slow_batch_does_not_shut_the_ranker():
     queue, batcher, runs = make_batcher("edf", batch_ns=50_000_000)  # one batch of 50 ms
     first = submit(queue, 2, 0)
@@ -251,10 +267,14 @@ def test_the_compute_model_splits_a_batch_into_fixed_and_per_row_time():
         model.record(rows, 2000 + 20 * rows)
     # One size says nothing of the split: proportional to rows through the mean.
     assert model.estimate_us(200) == pytest.approx(8000)
+    # What a request surely needs (whether to drop it): not more than the size seen takes.
+    assert model.least_us(200) == pytest.approx(4000)
+    assert model.least_us(50) == pytest.approx(2000)
     for rows in (200, 400, 100, 300):
         model.record(rows, 2000 + 20 * rows)
     assert model.estimate_us(1000) == pytest.approx(22000)
     assert model.estimate_us(50) == pytest.approx(3000)
+    assert model.least_us(1000) == pytest.approx(22000)  # the fit: one answer
     model.scale(0.5)
     assert model.estimate_us(1000) == pytest.approx(11000)
     # Noise that makes bigger batches look cheaper falls back to proportional, never negative.

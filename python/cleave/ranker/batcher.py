@@ -228,7 +228,7 @@ class Batcher:
                 break  # the head heads the next batch
             self.queue.pop()
             self.queued_rows -= head.rows
-            needs_us = int(self.compute.estimate_us(head.rows))
+            needs_us = int(self.compute.least_us(head.rows))
             if left_us is not None and left_us < needs_us:
                 self._drop_late(head, now_us, needs_us)
                 if left_us >= 0:
