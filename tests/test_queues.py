@@ -202,10 +202,10 @@ def test_a_request_that_cannot_make_its_deadline_is_dropped_and_never_computed()
 
 
 def test_one_slow_batch_of_few_rows_does_not_drop_a_larger_request_that_may_fit():
-    # Seen in a full suite run: a starved ranker's first batch (16 rows) took 468 ms, and
-    # taken as proportional to rows, the 128-row requests that followed were estimated at
-    # 3.7 s and dropped with 1 s left. A larger batch takes at least as long as a smaller
-    # one, not 8 times as long: the seen time is what such a request surely needs.
+    # Seen in a full suite run: a starved ranker's first batch (1 row) took 468 ms, and
+    # taken as proportional to rows, the 8-row request that followed was estimated at 3.7 s
+    # and dropped with 1 s left. A larger batch takes at least as long as a smaller one, not
+    # proportionally longer: the seen time is what such a request surely needs.
     queue, batcher, runs = make_batcher("edf", batch_ns=50_000_000_000)  # 50 s a batch
     first = submit(queue, 16, 0)
     while not first.done():

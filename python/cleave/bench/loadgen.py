@@ -374,6 +374,7 @@ def _read_reply(sample: Sample, raw: bytes, check, parse=parse_reply) -> None:
 
 
 _heap_frozen = False
+_REFUSED_PAUSE_S = 0.2
 
 
 @contextlib.contextmanager
@@ -414,19 +415,17 @@ def sequential(url: str, bodies: Sequence[bytes], count: int, timeout_s: float =
         return asyncio.run(run(url, bodies, count, timeout_s, check))
 
 
-def settle(
-    url: str, bodies: Sequence[bytes], base_ms: float, tries: int = 40, pause_s: float = 0.2
-) -> bool:
+def settle(url: str, bodies: Sequence[bytes], base_ms: float, tries: int = 40) -> bool:
     """Waits out a backlog an overloading run left (requests still queued in the routers):
     lone requests, at most `tries`, until one is answered about as fast as `base_ms` (its
-    unloaded latency). False when none was. A refused try waits `pause_s` before the next:
-    a refusal answers at once, and the next try at once would be refused again."""
+    unloaded latency). False when none was. A refused try waits `_REFUSED_PAUSE_S` before the
+    next: a refusal answers at once, and the next try at once would be refused again."""
     for _ in range(tries):
         got = sequential(url, bodies, 1, timeout_s=30.0)
         if not got[0].error and got[0].latency_s * 1e3 <= 2 * base_ms + 1:
             return True
         if got[0].error:
-            time.sleep(pause_s)
+            time.sleep(_REFUSED_PAUSE_S)
     return False
 
 

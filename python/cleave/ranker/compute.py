@@ -45,8 +45,8 @@ class ComputeModel:
         """What a batch of `rows` surely takes, by what was seen: the fit, or, while the
         batches seen are all about one size, their time scaled down to fewer rows but not up
         to more (a larger batch takes at least as long, not proportionally longer). A request
-        is dropped only when even this exceeds its time left: one slow batch of a few rows (a
-        starved ranker's first, 468 ms for 16 rows) made 128-row requests look like 3.7 s."""
+        is dropped only when even this exceeds its time left: one slow batch of one row (a
+        starved ranker's first, 468 ms) made 8-row requests look like 3.7 s."""
         return self._fit(rows, grow=False)
 
     def _fit(self, rows: int, grow: bool) -> float:
