@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
 VENV   := .venv
 PY     := $(VENV)/bin/python
+UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 SOURCES := pyproject.toml Cargo.toml $(shell find crates -name '*.rs' -o -name Cargo.toml)
 TORCHREC := torchrec==1.9.2
@@ -10,17 +11,23 @@ export PYO3_PYTHON := $(abspath $(PY))
 
 setup: $(STAMP)
 
-# One pip install builds the native module (maturin, release) and installs every dependency;
-# TorchRec follows with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names
-# the CPU build and what TorchRec imports: docs/dependencies.md); then the standalone
-# executables (cleave-shard, cleave-router, cleave-incast: no Python in them) are built in
-# release and installed next to the `cleave` script, where the launcher looks first.
+# One install builds the native module (maturin, release) and installs every dependency, with
+# uv (a fifth of pip's time for the 6 GB of torch's wheels: docs/testing.md); TorchRec follows
+# with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names the CPU build and
+# what TorchRec imports: docs/dependencies.md). --reinstall-package rebuilds the module when a
+# Rust source changed; --compile-bytecode does what pip did, since a process under
+# PYTHONDONTWRITEBYTECODE=1 would otherwise compile torch at every import. Then the standalone executables (cleave-shard, cleave-router,
+# cleave-incast: no Python in them) are built in release and installed next to the `cleave`
+# script, where the launcher looks first. That build names the native module's package and
+# feature too, so cargo unifies the dependencies' features as maturin's build did and reuses
+# every crate it compiled, linking only the executables.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ray,torchrec,stream]'
-	$(PY) -m pip install -q --no-deps $(TORCHREC)
-	cargo build --release --bins -p cleave-shard -p cleave-router -p cleave-flow
+	$(PY) -m pip install -q 'uv>=0.9,<1'
+	$(UV) pip install -q --compile-bytecode --python $(PY) --reinstall-package cleave -e '.[dev,ray,torchrec,stream]'
+	$(UV) pip install -q --compile-bytecode --python $(PY) --no-deps $(TORCHREC)
+	cargo build --release --bins -p cleave-shard -p cleave-router -p cleave-flow \
+		-p cleave-py --features cleave-py/extension-module
 	install -m 755 target/release/cleave-shard target/release/cleave-router target/release/cleave-incast \
 		$(VENV)/bin/
 	touch $@
