@@ -16,11 +16,12 @@ setup: $(STAMP)
 # with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names the CPU build and
 # what TorchRec imports: docs/dependencies.md). --reinstall-package rebuilds the module when a
 # Rust source changed; --compile-bytecode does what pip did, since a process under
-# PYTHONDONTWRITEBYTECODE=1 would otherwise compile torch at every import. Then the standalone executables (cleave-shard, cleave-router,
-# cleave-incast: no Python in them) are built in release and installed next to the `cleave`
-# script, where the launcher looks first. That build names the native module's package and
-# feature too, so cargo unifies the dependencies' features as maturin's build did and reuses
-# every crate it compiled, linking only the executables.
+# PYTHONDONTWRITEBYTECODE=1 would otherwise compile torch at every import. Then the standalone
+# executables (cleave-shard, cleave-router, cleave-incast: no Python in them) are built in
+# release and installed next to the `cleave` script, where the launcher looks first. That build
+# names the native module's package and feature too, so cargo unifies the dependencies'
+# features as maturin's build did and reuses every crate it compiled, linking only the
+# executables.
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q 'uv>=0.9,<1'
