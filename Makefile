@@ -12,7 +12,7 @@ export PYO3_PYTHON := $(abspath $(PY))
 setup: $(STAMP)
 
 # One install builds the native module (maturin, release) and installs every dependency, with
-# uv (a fifth of pip's time for the 6 GB of torch's wheels: docs/testing.md); TorchRec follows
+# uv (it fetches and unpacks torch's 6 GB of wheels in parallel: docs/testing.md); TorchRec follows
 # with --no-deps (it declares the CUDA fbgemm-gpu; the `torchrec` extra names the CPU build and
 # what TorchRec imports: docs/dependencies.md). --reinstall-package rebuilds the module when a
 # Rust source changed; --compile-bytecode does what pip did, since a process under
