@@ -32,7 +32,7 @@ def test_the_data_server_lists_its_tcp_connections_counters():
         payload = b"x" * 100_000
         caller = threading.Thread(target=client.call, args=(KIND, payload))
         caller.start()
-        (conn, rid, kind, got, _, _) = server.recv(timeout_s=10)[0]
+        (conn, rid, kind, got, *_) = server.recv(timeout_s=10)[0]
         server.reply(conn, rid, kind, b"")
         caller.join()
         (stats,) = server.receiver_stats()

@@ -31,7 +31,7 @@ def test_a_skewed_load_moves_a_connection_and_answers_every_request():
             assert len(held) == 2 * PER_CONN
             # the I/O thread moves the connection as it next balances, not necessarily yet
             wait_for(lambda: server.stats()["migrations"] >= 1, "a connection to move")
-            for conn_id, rid, kind, payload, _, _ in held:
+            for conn_id, rid, kind, payload, *_ in held:
                 server.reply(conn_id, rid, kind, payload)
             for i in (0, 2):
                 got = {}

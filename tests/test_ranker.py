@@ -257,7 +257,7 @@ def test_a_request_larger_than_max_batch_runs_alone():
 def test_max_wait_holds_a_batch_until_the_oldest_waited_long_enough():
     clock = FakeClock()
     queue, batcher, _ = make_batcher(max_batch=100, max_wait_s=0.002)
-    batcher.clock = clock
+    queue.clock = batcher.clock = clock
     first = submit(queue, dense_request(2, 0))
     assert batcher.step() == 0  # alone and not waited yet
     clock.ns += 1_000_000
@@ -268,6 +268,19 @@ def test_max_wait_holds_a_batch_until_the_oldest_waited_long_enough():
     a, b = decode_response(first.result()), decode_response(second.result())
     assert a.batch_requests == b.batch_requests == 2
     assert a.queue_us == 2000 and b.queue_us == 1000
+
+
+def test_the_queue_time_reported_counts_the_wait_in_the_request_source():
+    """A request that arrives while the loop computes another waits in the source (the frame
+    server's inbox), not in the loop's own queue: that is queueing at the ranker all the same,
+    and the router's `transfer` stage (round trip less queue and compute) must not count it."""
+    clock = FakeClock()
+    queue, batcher, _ = make_batcher()
+    queue.clock = batcher.clock = clock
+    first = submit(queue, dense_request(2, 0))
+    clock.ns += 3_000_000  # the loop is busy elsewhere for 3 ms
+    assert batcher.step() == 1
+    assert decode_response(first.result()).queue_us == 3000
 
 
 def test_full_batch_does_not_wait():

@@ -20,7 +20,7 @@ KIND = 0x0200
 def serve(server: _native.FrameServer, stop: threading.Event) -> None:
     """A toy ranker: replies each request's float32 payload doubled; kind 0x0201 errors."""
     while not stop.is_set():
-        for conn, rid, kind, payload, _, _ in server.recv(max_items=16, timeout_s=0.05):
+        for conn, rid, kind, payload, *_ in server.recv(max_items=16, timeout_s=0.05):
             if kind == KIND + 1:
                 server.reply_error(conn, rid, 7, f"kind {kind:#x} is refused here")
             else:
@@ -64,6 +64,20 @@ def test_errors_name_the_peer(ranker):
     assert np.frombuffer(client.call(KIND, b"\x00\x00\x80\x3f"), np.float32)[0] == 2.0
 
 
+def test_recv_says_how_long_each_request_waited_for_it():
+    """The pickup: the ranker reports it as queueing (its `queue_us`), not as transfer."""
+    with _native.FrameServer("127.0.0.1:0") as server:
+        client = _native.FrameClient(server.address, timeout_s=10)
+        caller = threading.Thread(target=lambda: client.call(KIND, b"abc"))
+        caller.start()
+        wait_for(lambda: server.pending() == 1, "the request queued for recv")
+        time.sleep(0.02)  # not a wait for a signal: the time the request must be seen to wait
+        (conn, rid, _, _, _, _, waited_ns) = server.recv(timeout_s=10)[0]
+        assert 20e6 <= waited_ns < 10e9
+        server.reply(conn, rid, KIND, b"")
+        caller.join()
+
+
 def test_reply_checks_its_arguments():
     with _native.FrameServer("127.0.0.1:0") as server:
         client = _native.FrameClient(server.address, timeout_s=10)
@@ -72,7 +86,7 @@ def test_reply_checks_its_arguments():
         caller = threading.Thread(target=call)
         caller.start()
         before_us = time.time() * 1e6
-        (conn, rid, kind, payload, deadline_us, trace_id) = server.recv(timeout_s=10)[0]
+        (conn, rid, kind, payload, deadline_us, trace_id, _) = server.recv(timeout_s=10)[0]
         assert (kind, payload, trace_id) == (KIND, b"abc", 31)
         # The header carries now + the client's timeout (10 s) as the deadline.
         assert before_us < deadline_us <= time.time() * 1e6 + 10e6
@@ -138,7 +152,7 @@ def test_a_caller_that_gives_up_cancels_its_request():
         # One exchange first, so that the data connection is open before the short timeouts.
         warm = threading.Thread(target=lambda: client.call(KIND, b"warm"))
         warm.start()
-        (conn, rid, _, _, _, _) = server.recv(timeout_s=10)[0]
+        (conn, rid, *_) = server.recv(timeout_s=10)[0]
         server.reply(conn, rid, KIND, b"")
         warm.join()
         # Queued, never received: the cancel removes it before Python sees it.
@@ -152,7 +166,7 @@ def test_a_caller_that_gives_up_cancels_its_request():
             target=lambda: result.update(r=_call_or_error(client, b"taken", 1.0))
         )
         caller.start()
-        (conn, rid, _, payload, _, _) = server.recv(timeout_s=10)[0]
+        (conn, rid, _, payload, *_) = server.recv(timeout_s=10)[0]
         assert payload == b"taken"
         caller.join()
         assert "no response within" in result["r"]

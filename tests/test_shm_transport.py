@@ -14,6 +14,7 @@ import signal
 import numpy as np
 import pytest
 from cleave.bench.loadgen import outputs_of
+from cleave.bench.stages import scrape
 from cleave.launch.process import ServeProcess
 from support.client import post
 from support.processes import children
@@ -66,15 +67,24 @@ def shm_server(served):
 OTHERS = ("unix", "tcp", "mptcp")
 
 
+def send_cpu_s(server: ServeProcess) -> float | None:
+    """The router's CPU on its send path to the rankers so far (`cleave bench serve
+    --transport` compares it per round trip)."""
+    return scrape({"router": f"{server.url}/metrics"})["router"].get("router.send_cpu")
+
+
 def test_scores_are_equal_bit_for_bit_on_shm_unix_tcp_and_mptcp(shm_server, served, requests):
+    before = send_cpu_s(shm_server)
     got = {"shm": scores(shm_server, served, requests)}
     assert any("shm:" in line for line in shm_server.log), "the roles listen on shm: addresses"
+    assert send_cpu_s(shm_server) > before, "writing payloads into slots is the send path's"
     for transport in OTHERS:
         # One ranker is enough to compare scores (the second is for the kill test below).
         with serve(served, transport, rankers=1) as s:
             got[transport] = scores(s, served, requests)
             if transport == "mptcp":
                 assert any("mptcp:" in line for line in s.log), "roles listen on mptcp:"
+            assert send_cpu_s(s) > 0, transport
     same_everywhere(got, requests)
 
 
@@ -124,7 +134,7 @@ def test_a_shm_frame_server_hands_python_the_slot_in_place_and_a_full_ring_goes_
 
         def answer(server=server, held=held):
             while len(held) < 20:
-                for conn, request_id, kind, got, _, _ in server.recv(64, 5.0):
+                for conn, request_id, kind, got, *_ in server.recv(64, 5.0):
                     held.append(got)
                     server.reply(conn, request_id, kind, b"ok")
 

@@ -483,7 +483,7 @@ s = FrameServer(sys.argv[1] + ":0")
 print("ready", s.address.rsplit(":", 1)[1], flush=True)
 end = time.monotonic() + 60
 while time.monotonic() < end:
-    for conn, rid, kind, payload, _, _ in s.recv(64, 0.2):
+    for conn, rid, kind, payload, *_ in s.recv(64, 0.2):
         s.reply(conn, rid, kind, payload)
 """
 

@@ -260,7 +260,8 @@ impl FrameServer {
     }
 
     /// Waits up to `timeout_s` (forever if None) for requests and returns up to `max_items`
-    /// of them as `(conn_id, request_id, kind, payload, deadline_us, trace_id)` (`payload`:
+    /// of them as `(conn_id, request_id, kind, payload, deadline_us, trace_id, waited_ns)`
+    /// (`waited_ns`: how long it waited here for a `recv`, the pickup; `payload`:
     /// `bytes`, or on `shm:` a read-only uint8 numpy array over the slot, which stays taken
     /// while the array or a tensor over it lives)
     /// (`deadline_us`: Unix µs, 0 = none; `trace_id`: 0 = none); empty on timeout. Requests
@@ -294,13 +295,18 @@ impl FrameServer {
             q.drain(..n).collect()
         });
         let now = Instant::now();
-        let waited: u128 = items.iter().map(|it| (now - it.queued_at).as_nanos()).sum();
+        let waits: Vec<u64> = items
+            .iter()
+            .map(|it| (now - it.queued_at).as_nanos() as u64)
+            .collect();
         let inbox = &self.inbox;
         inbox
             .picked_up
             .fetch_add(items.len() as u64, Ordering::Relaxed);
-        inbox.pickup_ns.fetch_add(waited as u64, Ordering::Relaxed);
-        let tuples = items.into_iter().map(|it| {
+        inbox
+            .pickup_ns
+            .fetch_add(waits.iter().sum::<u64>(), Ordering::Relaxed);
+        let tuples = items.into_iter().zip(waits).map(|(it, waited_ns)| {
             let payload = if self.in_place {
                 in_place(py, it.payload)?
             } else {
@@ -315,6 +321,7 @@ impl FrameServer {
                     payload,
                     it.deadline_us.into_pyobject(py)?.into_any(),
                     it.trace_id.into_pyobject(py)?.into_any(),
+                    waited_ns.into_pyobject(py)?.into_any(),
                 ],
             )
         });

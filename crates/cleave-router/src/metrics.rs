@@ -6,7 +6,7 @@
 //! observation is a few atomic adds; what other parts own (ranker loads, the front door's
 //! counters) is read at the scrape and handed to the encoder as metric families of that scrape.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,20 +78,8 @@ impl Protocol {
     }
 }
 
-/// The CPU time this thread has used. Parsing and encoding run without an await, on one
-/// thread, so the difference of two readings is their CPU time, whatever else the process
-/// does meanwhile.
-pub fn thread_cpu() -> Duration {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the struct we own.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
-}
+// Parsing and encoding run without an await, on one thread: two readings bound their CPU.
+pub use cleave_wire::cpu::thread_cpu;
 
 pub struct Metrics {
     registry: Registry,
@@ -107,6 +95,9 @@ pub struct Metrics {
     expired_after_admission: IntCounter,
     /// The per-version families (docs/api.md, "Metrics"), resolved per version by `version`.
     by_version: VersionFamilies,
+    /// CPU time (ns) of the send path to the rankers: packing each RANK payload and the
+    /// ranker clients' writes (`ClientConfig::send_cpu`), whatever the transport.
+    pub ranker_send_cpu: Arc<AtomicU64>,
     /// The embedding cache every version looks up through (set once, by the builder), here
     /// because every part that reports to it or reads it already holds the metrics.
     pub cache: std::sync::OnceLock<Arc<dyn CacheHandle>>,
@@ -272,6 +263,7 @@ impl Metrics {
             admitted,
             expired_after_admission,
             registry,
+            ranker_send_cpu: Arc::default(),
             cache: std::sync::OnceLock::new(),
         })
     }
@@ -353,6 +345,19 @@ impl Metrics {
             "cleave_router_ranker_latency_seconds",
             "Moving average of a ranker's queue + compute time, as it reports them.",
             by_ranker(|r| r.2),
+        ));
+        families.push(scrape_family(
+            MetricType::COUNTER,
+            "cleave_router_ranker_send_cpu_seconds_total",
+            "CPU time of the send path to the rankers: packing each payload (into a buffer, \
+             or on shm straight into a slot) and the socket writes.",
+            // Like the other ranker families: none for a router without rankers.
+            (!rankers.is_empty()).then(|| {
+                (
+                    vec![],
+                    self.ranker_send_cpu.load(Ordering::Relaxed) as f64 / 1e9,
+                )
+            }),
         ));
         families.push(scrape_family(
             MetricType::GAUGE,
@@ -537,6 +542,7 @@ mod tests {
         m.admitted();
         m.expired_after_admission();
         m.codec_cpu("parse", Protocol::Binary, thread_cpu());
+        m.ranker_send_cpu.fetch_add(2_500_000, Ordering::Relaxed);
         let front = FrontStats {
             in_flight: 3,
             max_in_flight: 64,
@@ -566,6 +572,7 @@ mod tests {
             "cleave_router_expired_after_admission_total 1",
             "cleave_router_codec_total{protocol=\"binary\",step=\"parse\"} 1",
             "cleave_router_connections 5",
+            "cleave_router_ranker_send_cpu_seconds_total 0.0025",
             "cleave_router_shed_total{reason=\"estimate\"} 4",
             "cleave_router_connections_closed_total{reason=\"idle_timeout\"} 1",
             "# TYPE cleave_router_stage_seconds histogram",

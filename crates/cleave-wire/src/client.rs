@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::addr::{Address, Stream};
 use crate::auth::hello_payload_with;
 use crate::conn::{read_header, read_payload, FrameReader, FrameWriter, HeaderError};
+use crate::cpu::{add_since, counted, thread_cpu};
 use crate::error::WireError;
 use crate::frame::{
     flags, hello_options, kind, ConnClass, Credit, ErrorBody, Frame, DEFAULT_MAX_PAYLOAD,
@@ -42,6 +43,10 @@ pub struct ClientConfig {
     pub response_credits: Option<u64>,
     /// The region this client's data connections to an `shm:` address send through.
     pub shm: ShmConfig,
+    /// Where the client adds the CPU time its send path takes, in ns: writing a payload where
+    /// its connection wants it (`call_written`) and the socket writes of every frame. `None`:
+    /// not measured (two clock readings a write).
+    pub send_cpu: Option<Arc<AtomicU64>>,
 }
 
 impl Default for ClientConfig {
@@ -53,6 +58,7 @@ impl Default for ClientConfig {
             idle_close: Duration::from_secs(60),
             response_credits: None,
             shm: ShmConfig::default(),
+            send_cpu: None,
         }
     }
 }
@@ -356,7 +362,15 @@ impl Client {
             let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
             // A slot written for a connection that then ends is never read: its region goes
             // with the connection, and the next attempt writes the payload again.
+            let counting = inner
+                .config
+                .send_cpu
+                .as_ref()
+                .map(|total| (total, thread_cpu()));
             let (payload, in_slot) = body.for_conn(&conn);
+            if let Some((total, start)) = counting {
+                add_since(total, start);
+            }
             let call = Call {
                 id,
                 kind,
@@ -600,7 +614,8 @@ async fn run_connection(
         let event = tokio::select! {
             m = msgs.recv(), if accepting => Event::Msg(m),
             r = reader.fill(&mut rd) => Event::Read(r),
-            w = writer.write_some(&mut wr), if writer.has_pending() => Event::Wrote(w),
+            w = counted(writer.write_some(&mut wr), config.send_cpu.as_deref()),
+                if writer.has_pending() => Event::Wrote(w),
             _ = tokio::time::sleep_until(last_activity + config.idle_close),
                 if quiet => Event::Idle,
         };

@@ -13,6 +13,7 @@
 //! * [`queue`]: the order requests start in (FIFO, EDF), one file per policy.
 //! * [`health`]: the readiness schema every role serves.
 //! * [`log`]: the one log set-up of the executables (`tracing`, text or JSON lines).
+//! * [`cpu`]: a thread's CPU time, and what one path of it costs.
 //!
 //! The layout, limits and timeouts are specified in docs/protocol.md.
 
@@ -21,6 +22,7 @@ pub mod auth;
 pub mod balance;
 mod client;
 mod conn;
+pub mod cpu;
 mod credit;
 mod error;
 pub mod ewma;

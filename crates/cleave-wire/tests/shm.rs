@@ -385,3 +385,37 @@ fn shared_memory_is_refused_on_tcp_and_on_control_connections() {
     .unwrap_err();
     assert!(e.contains("data connections only"), "{e}");
 }
+
+#[test]
+fn the_send_path_cpu_is_counted_when_asked_on_slots_and_on_sockets() {
+    let d = dir("send-cpu");
+    let (server, _) = keeping_server(&d);
+    let counted = |addr: Address| {
+        let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let config = ClientConfig {
+            connections: 1,
+            send_cpu: Some(total.clone()),
+            ..ClientConfig::default()
+        };
+        (
+            Client::new(addr, IoThreads::new("cpu-client", 1).unwrap(), config),
+            total,
+        )
+    };
+    let (shm, shm_cpu) = counted(server.local_addr().clone());
+    let (unix, unix_cpu) = counted(Address::Unix(d.join("s.sock")));
+    rt().block_on(async {
+        for c in [&shm, &unix] {
+            let w = Written(payload(1 << 20, 7));
+            c.call_written(ECHO, &w, T, 0).await.unwrap();
+        }
+    });
+    // A MiB written into a slot, or packed and written to a socket, takes CPU time.
+    for (what, total) in [("shm", shm_cpu), ("unix", unix_cpu)] {
+        assert!(
+            total.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{what}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -296,7 +296,7 @@ def _transport_ratios(transports: list[str], monolithic: bool) -> list[Ratio]:
         key, other = f"{transport}_over_{first}", f"{base}/{transport}"
         declared += [
             Ratio(f"transfer_ms_{key}", other, base, _at_common_rates(_transfer_ms)),
-            Ratio(f"transfer_wire_ms_{key}", other, base, _at_common_rates(_transfer_wire_ms)),
+            Ratio(f"send_cpu_ms_{key}", other, base, _at_common_rates(_send_cpu_ms)),
             Ratio(f"router_cpu_ms_{key}", other, base, _at_common_rates(_router_cpu_ms)),
             Ratio(f"single_p50_{key}", other, base, ratio_of(single_p50)),
             Ratio(f"max_rate_{key}", other, base, ratio_of(max_rate)),
@@ -311,9 +311,15 @@ def _transfer_ms(point: dict) -> float | None:
     return us / 1e3 if us is not None else None
 
 
-def _transfer_wire_ms(point: dict) -> float | None:
-    """`transfer` less the rankers' pickup (stages.py), ms: the transport's own part."""
-    us = point.get("metrics", {}).get("stages_us", {}).get("transfer_wire_us")
+def _pickup_ms(point: dict) -> float | None:
+    """The rankers' pickup (stages.py): the part of their queue spent in the frame server, ms."""
+    us = point.get("metrics", {}).get("stages_us", {}).get("pickup_us")
+    return us / 1e3 if us is not None else None
+
+
+def _send_cpu_ms(point: dict) -> float | None:
+    """The routers' CPU per ranker round trip on the send path (stages.py), ms."""
+    us = point.get("metrics", {}).get("send_cpu_us")
     return us / 1e3 if us is not None else None
 
 
@@ -349,15 +355,17 @@ def _at_common_rates(metric):
 
 
 def transport_summary(deployments: dict) -> dict:
-    """Per deployment: its mean `transfer` stage and routers' CPU per request, ms, over its
-    probes within budget (every probe when none was)."""
+    """Per deployment: its mean `transfer` stage, rankers' pickup, routers' send-path CPU per
+    round trip and routers' CPU per request, ms, over its probes within budget (every probe
+    when none was)."""
     out = {}
     for name, d in deployments.items():
         points = [p for p in d["rates"] if p["within_budget"]] or d["rates"]
         row = {}
         for key, metric in (
             ("transfer_ms", _transfer_ms),
-            ("transfer_wire_ms", _transfer_wire_ms),
+            ("pickup_ms", _pickup_ms),
+            ("send_cpu_ms", _send_cpu_ms),
             ("router_cpu_ms", _router_cpu_ms),
         ):
             values = [v for v in map(metric, points) if v is not None]
@@ -481,12 +489,13 @@ def _print_transports(result: dict) -> None:
     rows = result.get("by_transport")
     if not rows:
         return
-    print(f"{'deployment':<28} {'transfer ms':>12} {'less pickup':>12} {'router CPU ms/req':>18}")
+    heads = ("transfer ms", "pickup ms", "send CPU ms", "router CPU ms/req")
+    print(f"{'deployment':<28}" + "".join(f"{h:>18}" for h in heads))
     for name, row in rows.items():
         cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in row]
-        print(f"{name:<28} {cells[0]:>12} {cells[1]:>12} {cells[2]:>18}")
+        print(f"{name:<28}" + "".join(f"{c:>18}" for c in cells))
     for key, value in result.get("ratios", {}).items():
-        if key.startswith(("transfer_ms_", "transfer_wire_ms_", "router_cpu_ms_")):
+        if key.startswith(("transfer_ms_", "send_cpu_ms_", "router_cpu_ms_")):
             print(f"{key}: {value:.3f}")
 
 

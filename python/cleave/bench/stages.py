@@ -9,10 +9,12 @@ shard that served (a router's lookup waits for the last shard of its fan-out). W
 is the wire both ways, the shard's socket queueing and the router's own encode and merge; a
 mean of maxima is at least the maximum of means, so it leans towards the network.
 `transfer` (the ranker's side) is the router's round trip less the ranker's reported queue and
-compute (`Ranked::transfer` in crates/cleave-router/src/backend/ranker.rs). It includes the
-ranker's pickup: a request waiting in its frame server for the Python thread, busy with a
-batch (`cleave_ranker_pickup_seconds`, mean `pickup`); `transfer_wire` = transfer - pickup is
-the transport's own part (means of different request sets: an estimate). On the testbed, the
+compute (`Ranked::transfer` in crates/cleave-router/src/backend/ranker.rs). The ranker's
+queue includes its pickup, a request waiting in its frame server for the Python thread busy
+with a batch (`cleave_ranker_pickup_seconds`, mean `pickup`), so `transfer` is the transport's
+own: copies, socket, wake-ups. `send_cpu` is the router's CPU per ranker round trip on its send
+path (`cleave_router_ranker_send_cpu_seconds_total`: packing the payload and the socket
+writes, on shm the write into the slot). On the testbed, the
 packets each host link's queue dropped (`tc -s qdisc`, its bfifo) are counted too: drops mean TCP
 retransmissions, which no stage shows by name.
 """
@@ -135,6 +137,8 @@ def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, di
                     values["shard.count"] = sample.value
                 elif sample.name == "cleave_shard_response_bytes_total":
                     values["shard.response_bytes"] = sample.value
+                elif sample.name == "cleave_router_ranker_send_cpu_seconds_total":
+                    values["router.send_cpu"] = sample.value
                 elif sample.name in _PICKUP:
                     values[f"ranker.pickup.{_PICKUP[sample.name]}"] = sample.value
                 elif sample.name in _ADMISSION:  # shed: summed over the reasons
@@ -188,15 +192,17 @@ def breakdown(before: dict, after: dict) -> dict:
         if "shard.count" in values and count > 0:  # stand-by replicas served nothing
             service.append(_delta(before, after, role, "shard.sum") / count * 1e6)
             sent += _delta(before, after, role, "shard.response_bytes")
-    # The rankers' pickup (a request waiting in the frame server for the Python thread) is
-    # inside `transfer`; what is left is the transport's own part: copies, socket, wake-ups.
+    # The rankers' pickup (a request waiting in the frame server for the Python thread): the
+    # part of their queue spent there.
     picked = sum(_delta(before, after, r, "ranker.pickup.count") for r in after)
     if picked > 0:
         waited = sum(_delta(before, after, r, "ranker.pickup.sum") for r in after)
         stages["pickup_us"] = waited / picked * 1e6
-        if "transfer_us" in stages:
-            stages["transfer_wire_us"] = stages["transfer_us"] - stages["pickup_us"]
     result: dict = {"stages_us": stages, "shards_served": len(service)}
+    trips = sum(_delta(before, after, r, "router.transfer.count") for r in routers)
+    if trips > 0 and any("router.send_cpu" in after[r] for r in routers):
+        sent_cpu = sum(_delta(before, after, r, "router.send_cpu") for r in routers)
+        result["send_cpu_us"] = sent_cpu / trips * 1e6
     codec = {k.rsplit(".", 1)[0] for r in routers for k in after[r] if k.startswith("codec.")}
     cpu_us = {}
     for key in sorted(codec):

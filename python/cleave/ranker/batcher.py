@@ -82,12 +82,16 @@ BATCH_SHARE = 0.1
 class Pending:
     conn_id: int
     request_id: int
-    arrived_ns: int  # Batcher.clock() when the ranker received it
+    arrived_ns: int  # Batcher.clock() when the loop received it
     deadline_us: int  # Unix microseconds; 0: none
     tensors: list[torch.Tensor]
     rows: int
     trace_id: int = 0  # the router's request id, for logs (docs/protocol.md); 0: none
     batch_us: float = math.inf  # the most compute its batch may take (BATCH_SHARE)
+    # How long it waited in the source (the frame server's inbox) for the loop, busy with a
+    # batch: queueing at the ranker, reported in `queue_us` (else the router would count it
+    # as transfer).
+    waited_us: int = 0
 
 
 @dataclass
@@ -170,7 +174,7 @@ class Batcher:
     def _receive(self, timeout_s: float) -> None:
         received = self.source.recv(1024, timeout_s)
         now_us = self.wall_clock() * 1e6
-        for conn_id, request_id, kind, payload, deadline_us, trace_id in received:
+        for conn_id, request_id, kind, payload, deadline_us, trace_id, waited_ns in received:
             now = self.clock()
             if len(self.queue) >= self.max_queue:
                 self.stats.overloaded += 1
@@ -193,7 +197,15 @@ class Batcher:
             batch_us = max(0.0, BATCH_SHARE * (deadline_us - now_us)) if deadline_us else math.inf
             self.queue.push(
                 Pending(
-                    conn_id, request_id, now, deadline_us, request.tensors, rows, trace_id, batch_us
+                    conn_id,
+                    request_id,
+                    now,
+                    deadline_us,
+                    request.tensors,
+                    rows,
+                    trace_id,
+                    batch_us,
+                    waited_ns // 1000,
                 )
             )
             self.queued_rows += rows
@@ -282,7 +294,7 @@ class Batcher:
             traces = ",".join(f"{p.trace_id:016x}" for p in batch)
             log.debug("batch of %d requests in %d us: trace=%s", len(batch), compute_us, traces)
         for p, outs in zip(batch, pieces, strict=True):
-            queue_us = (start - p.arrived_ns) // 1000
+            queue_us = (start - p.arrived_ns) // 1000 + p.waited_us
             payload = encode_response(queue_us, compute_us, len(batch), depth, outs)
             self._reply(p.conn_id, p.request_id, payload)
         self.stats.requests += len(batch)

@@ -293,8 +293,10 @@ class ControlledSource:
                 if item[5]:
                     self._control.complete(item[5])
             if items:
+                # Stamped as queued when the server queued them: `take` reports both waits.
+                now = time.monotonic_ns()
                 with self._cond:
-                    self._items.extend(items)
+                    self._items.extend((*item[:6], now - item[6]) for item in items)
                     self._cond.notify()
 
     def recv(self, max_items: int, timeout_s: float) -> list:

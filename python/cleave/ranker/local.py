@@ -10,9 +10,17 @@ from collections import deque
 from concurrent.futures import Future
 
 
-def take(cond: threading.Condition, items: deque, max_items: int, timeout_s: float) -> list:
+def take(
+    cond: threading.Condition,
+    items: deque,
+    max_items: int,
+    timeout_s: float,
+    clock=time.monotonic_ns,
+) -> list:
     """Up to `max_items` from the front of `items`, waiting on `cond` (which guards them) up
-    to `timeout_s` for the first: what a ranker's request source's `recv` does."""
+    to `timeout_s` for the first: what a ranker's request source's `recv` does. Items are
+    queued as `(conn_id, request_id, kind, payload, deadline_us, trace_id, queued_ns)` (a
+    `clock()` stamp) and returned in `recv`'s shape, the stamp turned into the wait here, ns."""
     deadline = time.monotonic() + timeout_s
     with cond:
         while not items:
@@ -20,7 +28,9 @@ def take(cond: threading.Condition, items: deque, max_items: int, timeout_s: flo
             if left <= 0:
                 return []
             cond.wait(left)
-        return [items.popleft() for _ in range(min(max_items, len(items)))]
+        taken = [items.popleft() for _ in range(min(max_items, len(items)))]
+    now = clock()
+    return [(*item[:6], now - item[6]) for item in taken]
 
 
 class RankerError(Exception):
@@ -39,6 +49,7 @@ class LocalQueue:
         self._cond = threading.Condition()
         self._next_id = 0
         self._cancelled: list[tuple[int, int]] = []
+        self.clock = time.monotonic_ns  # stamps what waits here (`take`)
 
     def submit(self, kind: int, payload: bytes, deadline_us: int = 0, trace_id: int = 0) -> Future:
         """Queues one request; the future resolves to the response payload or RankerError.
@@ -48,7 +59,9 @@ class LocalQueue:
             self._next_id += 1
             future.request_id = self._next_id
             self._waiting[self._next_id] = future
-            self._items.append((0, self._next_id, kind, payload, deadline_us, trace_id))
+            self._items.append(
+                (0, self._next_id, kind, payload, deadline_us, trace_id, self.clock())
+            )
             self._cond.notify()
         return future
 
@@ -71,7 +84,7 @@ class LocalQueue:
         return out
 
     def recv(self, max_items: int, timeout_s: float) -> list:
-        return take(self._cond, self._items, max_items, timeout_s)
+        return take(self._cond, self._items, max_items, timeout_s, self.clock)
 
     # A reply to a cancelled request is dropped, as the FrameServer does.
     def reply(self, conn_id: int, request_id: int, kind: int, payload) -> None:

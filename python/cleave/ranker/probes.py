@@ -52,9 +52,9 @@ class _BatcherCollector:
 
 def _pickup(source):
     """How long requests waited in the frame server for the batching loop to take them
-    (`FrameServer.stats`; none for other sources): the part of the router's `transfer` stage
-    that is the ranker's Python thread being busy, whatever the transport (docs/benchmarks.md,
-    "Pass-by-reference between co-located roles")."""
+    (`FrameServer.stats`; none for other sources): the part of the ranker's queue (`queue_us`)
+    spent there, its Python thread busy with a batch, whatever the transport
+    (docs/benchmarks.md, "Pass-by-reference between co-located roles")."""
     stats = getattr(source, "stats", None)
     counts = stats() if callable(stats) else {}
     if "picked_up" not in counts:

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cleave_shard::MembershipError;
+use cleave_wire::cpu::{add_since, thread_cpu};
 use cleave_wire::{Address, Client, ClientConfig, ErrorCode, IoThreads, Payload, WireError};
 
 use crate::backend::incast::IncastLink;
@@ -370,7 +371,11 @@ impl RankerPool {
             }
             let in_slot = matches!(ranker.client.addr(), Address::Shm(_));
             if !in_slot && packed.is_none() {
+                let cpu = thread_cpu();
                 packed = Some(payload.to_bytes());
+                if let Some(total) = &self.config.send_cpu {
+                    add_since(total, cpu);
+                }
             }
             let left = timeout.saturating_sub(started.elapsed());
             // The round trip starts once the payload is made: packing it in the router's

@@ -85,6 +85,7 @@ impl Builder {
         let client = ClientConfig {
             connections: self.ranker_connections.max(1),
             connect_timeout: self.connect_timeout,
+            send_cpu: Some(self.metrics.ranker_send_cpu.clone()),
             ..ClientConfig::default()
         };
         let rankers = RankerPool::new(&v.rankers, &self.io, client)?;
