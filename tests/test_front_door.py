@@ -11,6 +11,8 @@ only prove a connection was closed at all.
 from __future__ import annotations
 
 import json
+import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -167,6 +169,32 @@ def test_budget_that_cannot_be_met_is_shed_at_once(backends, rule, message):
         assert request(f"{router.address}/v2/health/ready")[0] == 200
         assert post(f"{router.url}/infer", good)[0] == 200
         assert router.metric('cleave_router_shed_total{reason="estimate"}') == 1
+
+
+def test_a_request_that_waited_in_the_kernel_past_its_budget_is_not_served(backends):
+    """The budget starts when the kernel received the request, not when the router read it:
+    a router stopped (as one starved of CPU is) while a request waits in its socket finds the
+    budget spent when it reads it."""
+    good, _ = good_request(backends)
+    body = json.dumps(good).encode()
+    with Router(backends) as router:
+        assert post(f"{router.url}/infer", good)[0] == 200
+        sock = router.connect()
+        assert get(sock, "/v2/health/live")[0] == 200  # accepted, and read from since
+        router.child.proc.send_signal(signal.SIGSTOP)
+        try:
+            sock.sendall(
+                post_head(f"/v2/models/{MODEL}/infer", len(body), "cleave-budget-ms: 200\r\n")
+            )
+            sock.sendall(body)
+            # Not a wait for a signal: the time the request must be seen to spend in the kernel.
+            time.sleep(0.5)
+        finally:
+            router.child.proc.send_signal(signal.SIGCONT)
+        status, _, reply = read_response(sock)
+        assert status in (503, 504), reply
+        assert "budget" in json.loads(reply)["error"], reply
+        assert post(f"{router.url}/infer", good)[0] == 200, "fresh requests are served"
 
 
 def test_request_ids_on_success_and_errors(backends):

@@ -5,14 +5,17 @@
 //! connection when the deadline passes.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant, SystemTime};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::TcpStream;
+
+use crate::front::rx_stamp;
 
 /// When a request's first byte arrived: put in the request's extensions by the REST door
 /// (door.rs) and by the gRPC layer (grpc_layer.rs, when a call's HEADERS frame arrives); the
@@ -128,13 +131,16 @@ impl Drop for Slot {
     }
 }
 
-/// The client socket, noting when each request's first byte is read. When dropped before
-/// the client closed its side, it drains the socket briefly in the background (holding the
-/// connection's slot) so that the client can read our last response.
+/// The client socket, noting when each request's first byte arrived: as the kernel stamped
+/// it (rx_stamp.rs), else when it was read. When dropped before the client closed its side,
+/// it drains the socket briefly in the background (holding the connection's slot) so that the
+/// client can read our last response.
 pub struct Conn {
     stream: Option<TcpStream>,
     state: Arc<ConnState>,
     slot: Option<Slot>,
+    /// The kernel stamps what the socket receives.
+    stamped: bool,
     /// No read has waited yet: the first request's bytes were there when the connection
     /// was first polled, so they may have arrived as early as the accept.
     unwaited: bool,
@@ -144,11 +150,37 @@ pub struct Conn {
 impl Conn {
     pub fn new(stream: TcpStream, state: Arc<ConnState>, slot: Slot) -> Conn {
         Conn {
+            stamped: rx_stamp::enable(stream.as_raw_fd()),
             stream: Some(stream),
             state,
             slot: Some(slot),
             unwaited: true,
             eof: false,
+        }
+    }
+
+    /// One read, with the kernel's stamp of when its last byte arrived.
+    fn poll_recv(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<Option<SystemTime>>> {
+        let stream = self.stream()?;
+        loop {
+            ready!(stream.poll_read_ready(cx))?;
+            // SAFETY: recvmsg only writes into the unfilled part; `assume_init` covers exactly
+            // the bytes it wrote.
+            let unfilled = unsafe { buf.unfilled_mut() };
+            let fd = stream.as_raw_fd();
+            match stream.try_io(Interest::READABLE, || rx_stamp::recv(fd, unfilled)) {
+                Ok((n, stamp)) => {
+                    unsafe { buf.assume_init(n) };
+                    buf.advance(n);
+                    return Poll::Ready(Ok(stamp));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
         }
     }
 
@@ -166,25 +198,37 @@ impl AsyncRead for Conn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
-        let polled = Pin::new(self.stream()?).poll_read(cx, buf);
+        let polled = if self.stamped {
+            self.poll_recv(cx, buf)
+        } else {
+            Pin::new(self.stream()?)
+                .poll_read(cx, buf)
+                .map_ok(|()| None)
+        };
         match polled {
-            Poll::Ready(Ok(())) => {
+            Poll::Ready(Ok(stamp)) => {
                 if buf.filled().len() > before {
-                    let at = if self.unwaited {
-                        self.state.accepted
-                    } else {
-                        Instant::now()
+                    let at = match stamp {
+                        Some(stamp) => rx_stamp::instant_of(stamp),
+                        None if self.unwaited => self.state.accepted,
+                        None => Instant::now(),
                     };
                     self.state.on_bytes(at);
                 } else {
                     self.eof = true;
                 }
                 self.unwaited = false;
+                Poll::Ready(Ok(()))
             }
-            Poll::Pending => self.unwaited = false,
-            Poll::Ready(Err(_)) => self.eof = true,
+            Poll::Pending => {
+                self.unwaited = false;
+                Poll::Pending
+            }
+            Poll::Ready(Err(e)) => {
+                self.eof = true;
+                Poll::Ready(Err(e))
+            }
         }
-        polled
     }
 }
 
@@ -276,6 +320,34 @@ mod tests {
         // A head parsed from bytes already buffered arrives "now".
         let before = Instant::now();
         assert!(c.begin_request() >= before);
+    }
+
+    #[tokio::test]
+    async fn a_request_arrives_when_the_kernel_got_it_not_when_it_was_read() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        let timeouts = Timeouts {
+            header: 10 * S,
+            idle: 60 * S,
+        };
+        let state = Arc::new(ConnState::new(Instant::now(), timeouts));
+        let open = Arc::new(AtomicUsize::new(0));
+        let mut conn = Conn::new(stream, state.clone(), Slot::take(&open, 1).unwrap());
+        // The first poll has waited: without the kernel's stamp the read would be "now".
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_millis(10), conn.read(&mut buf)).await;
+        assert!(read.is_err(), "nothing sent yet");
+        client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        // Not a wait for a signal: the time the bytes must be seen to spend in the kernel.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(conn.read(&mut buf).await.unwrap(), 16);
+        let Phase::Head { first_byte } = state.current() else {
+            panic!("a head began: {:?}", state.current());
+        };
+        assert!(first_byte.elapsed() >= Duration::from_millis(50));
     }
 
     #[test]

@@ -12,4 +12,5 @@ pub mod grpc;
 pub mod grpc_layer;
 pub mod repository;
 pub mod rest;
+pub mod rx_stamp;
 pub mod tls;
