@@ -177,7 +177,7 @@ def test_a_request_that_waited_in_the_kernel_past_its_budget_is_not_served(backe
     budget spent when it reads it."""
     good, _ = good_request(backends)
     body = json.dumps(good).encode()
-    with Router(backends) as router:
+    with front_door.kernel_stamping(), Router(backends) as router:
         assert post(f"{router.url}/infer", good)[0] == 200
         sock = router.connect()
         assert get(sock, "/v2/health/live")[0] == 200  # accepted, and read from since

@@ -4,6 +4,7 @@ client sends byte by byte and how the connection ends."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -73,6 +74,30 @@ class Router:
             if line.startswith(line_start + " "):
                 return float(line.split()[-1])
         raise AssertionError(f"no metric {line_start!r} in:\n{text}")
+
+
+@contextlib.contextmanager
+def kernel_stamping():
+    """Holds a loopback pair whose reads the kernel stamps (`SO_TIMESTAMPING`, as the
+    router's sockets ask), once it does: the kernel turns stamping on for every socket a
+    moment after the first one asks and off when the last one closes, so a test that relies on
+    the router's stamps holds this open around it."""
+    so_timestamping, rx_software, software = 37, 1 << 3, 1 << 4
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()) as client:
+            server, _ = listener.accept()
+            with server:
+                server.setsockopt(socket.SOL_SOCKET, so_timestamping, rx_software | software)
+                for _ in range(1000):
+                    client.sendall(b".")
+                    _, stamps, _, _ = server.recvmsg(64, 1024)
+                    if stamps:
+                        yield
+                        return
+                    time.sleep(0.001)
+                raise AssertionError("the kernel never stamped a read")
 
 
 def closed_within(sock: socket.socket, bound_s: float, trickle: bytes = b"") -> float:

@@ -324,6 +324,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_arrives_when_the_kernel_got_it_not_when_it_was_read() {
+        let _stamping = rx_stamp::stamping_pair();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let mut client = TcpStream::connect(listener.local_addr().unwrap())
             .await

@@ -1,8 +1,11 @@
 //! The kernel's receive timestamps on client sockets (`SO_TIMESTAMPING` with
 //! `SOF_TIMESTAMPING_RX_SOFTWARE`; for TCP since Linux 4.14): when the last byte a read returns
 //! reached the machine. A request's budget then starts when it arrived, not when a router
-//! starved of CPU got round to reading it (docs/benchmarks.md: under contention requests wait
-//! in the socket queues for longer than their budgets, which the router's own clock missed).
+//! stalled or starved of CPU got round to reading it (tests/test_front_door.py stops one while
+//! a request waits in its socket).
+//! The kernel stamps packets only while some socket asks, and turns that on a moment after
+//! the first one does: a read of bytes that came before carries no stamp, and the caller's
+//! clock stands in.
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -89,6 +92,34 @@ pub fn instant_of(stamp: SystemTime) -> Instant {
     now.checked_sub(age).unwrap_or(now)
 }
 
+/// A loopback pair whose reads the kernel stamps, once it does: the kernel turns stamping on
+/// for every socket a moment after the first one asks (a deferred static key), and off when
+/// the last one that asked closes, so a test holds this pair open while it relies on stamps.
+#[cfg(test)]
+pub(crate) fn stamping_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (server, _) = listener.accept().unwrap();
+    assert!(enable(server.as_raw_fd()), "the kernel stamps TCP reads");
+    server.set_nonblocking(true).unwrap();
+    let mut buf = [MaybeUninit::<u8>::uninit(); 8];
+    for _ in 0..1000 {
+        client.write_all(b".").unwrap();
+        loop {
+            match recv(server.as_raw_fd(), &mut buf) {
+                Ok((_, Some(_))) => return (client, server),
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    panic!("the kernel never stamped a read");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,10 +128,7 @@ mod tests {
 
     #[test]
     fn a_read_says_when_its_bytes_arrived() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (server, _) = listener.accept().unwrap();
-        assert!(enable(server.as_raw_fd()), "the kernel stamps TCP reads");
+        let (mut client, server) = stamping_pair();
         client.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         // Not a wait for a signal: the time the bytes must be seen to spend in the kernel.
         std::thread::sleep(Duration::from_millis(50));
