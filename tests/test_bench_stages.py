@@ -7,24 +7,20 @@ import pytest
 from cleave.bench.stages import breakdown
 
 
+def scrape(transfer_s: float, trips: int, send_cpu_s: float, pickup_s: float) -> dict:
+    """What `stages.scrape` returns for a router and a ranker, as far as these tests look."""
+    return {
+        "router": {
+            "router.transfer.sum": transfer_s,
+            "router.transfer.count": trips,
+            "router.send_cpu": send_cpu_s,
+        },
+        "ranker-0": {"ranker.pickup.sum": pickup_s, "ranker.pickup.count": trips},
+    }
+
+
 def test_breakdown_gives_transfer_pickup_and_send_cpu_per_round_trip():
-    before = {
-        "router": {
-            "router.transfer.sum": 1.0,
-            "router.transfer.count": 100,
-            "router.send_cpu": 0.5,
-        },
-        "ranker-0": {"ranker.pickup.sum": 0.1, "ranker.pickup.count": 100},
-    }
-    after = {
-        "router": {
-            "router.transfer.sum": 1.2,
-            "router.transfer.count": 200,
-            "router.send_cpu": 0.6,
-        },
-        "ranker-0": {"ranker.pickup.sum": 0.15, "ranker.pickup.count": 200},
-    }
-    got = breakdown(before, after)
+    got = breakdown(scrape(1.0, 100, 0.5, 0.1), scrape(1.2, 200, 0.6, 0.15))
     # The pickup is part of the rankers' queue, no longer taken out of transfer here.
     assert got["stages_us"] == pytest.approx({"transfer_us": 2000.0, "pickup_us": 500.0})
     assert got["send_cpu_us"] == pytest.approx(1000.0)
