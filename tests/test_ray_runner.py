@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -397,3 +398,38 @@ def test_a_cuda_ranker_on_a_node_without_a_gpu_is_named(models, tmp_path):
         check_capacity(plan, mapping, nodes)
     nodes["c"]["gpus"] = 1.0
     check_capacity(plan, mapping, nodes)  # fits now
+
+
+# A second role host, as its own process: offered the ports in argv first, then the kernel's
+# free ones, it asks the book for as many as argv names; prints which of those it was given.
+_ASK_FOR_HELD_PORTS = """
+import itertools, json, sys
+from pathlib import Path
+from cleave.runners.local import free_ports
+from cleave.runners.ray_actors import hold_ports
+book, offered = Path(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+fresh = (free_ports("127.0.0.1", 1)[0] for _ in itertools.count())
+offer = itertools.chain(offered, fresh).__next__
+ports, _ = hold_ports("127.0.0.1", len(offered), book, offer=offer)
+print(json.dumps(sorted(set(ports) & set(offered))))
+"""
+
+
+def test_a_port_one_role_host_holds_is_never_handed_to_another_until_released(tmp_path):
+    """The race a clean clone's CI hit: a role's port is free while its process restarts, and
+    another role host picking free ports in that moment was handed it."""
+    from cleave.runners.ray_actors import hold_ports
+
+    book = tmp_path / "ports"
+    held, locks = hold_ports("127.0.0.1", 2, book)
+
+    def another_role_host_given() -> list[int]:
+        argv = [sys.executable, "-c", _ASK_FOR_HELD_PORTS, str(book), *map(str, held)]
+        child = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0, child.stderr
+        return json.loads(child.stdout)
+
+    assert another_role_host_given() == []  # held, though nothing listens on them
+    for fd in locks:
+        os.close(fd)  # the role stopped (or its host died): free to the next role host
+    assert another_role_host_given() == sorted(held)

@@ -11,6 +11,7 @@ where they are created, so this module imports without Ray.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 from cleave.errors import UsageError
 from cleave.launch.supervisor import ChildFailed, ChildSpec, Supervisor, probe_ready, probe_text
 from cleave.runners import membership
+from cleave.runners.local import free_ports
 from cleave.runners.roles import (
     Binding,
     RoleSpecs,
@@ -38,6 +40,40 @@ CONTROLLER = "controller"
 HEAL_EVERY_S = 0.5  # how often the controller looks for dead role hosts
 STATE_TIMEOUT_S = 10.0  # a role host that does not answer in this long is asked again later
 DRAIN_TIMEOUT_S = 30.0  # a drained member with requests still in flight after this is removed
+# One lock file per port a role host holds, shared by every role host of this machine.
+PORT_BOOK = Path(tempfile.gettempdir()) / f"cleave-ray-ports-{os.getuid()}"
+PORT_TRIES = 64  # free ports asked of the kernel per port wanted before giving up
+
+
+def hold_ports(ip: str, n: int, book: Path = PORT_BOOK, offer=None) -> tuple[list[int], list[int]]:
+    """`n` ports free on `ip` now that no other live role host of this machine holds, and the
+    open lock files that hold them (closed, or their process dead, they are free again). A
+    role's port is free while its process restarts, so without this another role host could
+    be handed it in that moment and the restarted role would find it taken. `offer()` is the
+    next candidate port (the kernel's free one; a test steers it)."""
+    offer = offer or (lambda: free_ports(ip, 1)[0])
+    book.mkdir(parents=True, exist_ok=True)
+    ports: list[int] = []
+    locks: list[int] = []
+    for _ in range(PORT_TRIES * n):
+        if len(ports) == n:
+            return ports, locks
+        port = offer()
+        if port in ports:
+            continue
+        fd = os.open(book / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        ports.append(port)
+        locks.append(fd)
+    if len(ports) == n:
+        return ports, locks
+    for fd in locks:
+        os.close(fd)
+    raise RuntimeError(f"no {n} free ports on {ip} that another role host does not hold")
 
 
 def role_needs(kind: str, role, node_gpus: float = 0.0) -> tuple[float, float]:
@@ -72,18 +108,23 @@ class RoleHost:
         self.name = name
         self.supervisor = Supervisor(fail_stop=fail_stop, env={**os.environ, **(env or {})})
         self.result: int | None = None  # Supervisor.watch's, once it returned
+        self.port_locks: list[int] = []  # hold_ports's, for as long as the role may restart
 
     def where(self, ports: int, first: int = 0) -> tuple[str, list[int]]:
         """This node's address and `ports` ports for the role to bind: `first` if not 0 (a
-        router's plan port: its clients' URL), the others free on the node now."""
+        router's plan port: its clients' URL), the others free on the node now and held for
+        this role until it stops (`hold_ports`)."""
         import ray
 
-        from cleave.runners.local import free_ports
-
         ip = ray.util.get_node_ip_address()
-        if first:
-            return ip, [first, *free_ports(ip, ports - 1)]
-        return ip, free_ports(ip, ports)
+        fixed = [first] if first else []
+        picked, self.port_locks = hold_ports(ip, ports - len(fixed))
+        return ip, [*fixed, *picked]
+
+    def release_ports(self) -> None:
+        for fd in self.port_locks:
+            os.close(fd)
+        self.port_locks = []
 
     def run(self, spec: ChildSpec, files: dict[str, str], ready_timeout_s: float) -> dict:
         """Writes `files` (a router's JSON), starts the role and returns once its /ready
@@ -114,11 +155,17 @@ class RoleHost:
         return "restarting" if self.supervisor._recovering else "ready"
 
     def stop(self, timeout_s: float) -> dict[str, int]:
-        return self.supervisor.stop(timeout_s)
+        try:
+            return self.supervisor.stop(timeout_s)
+        finally:
+            self.release_ports()
 
     def retire(self, timeout_s: float) -> None:
         """Kills the role for good (Supervisor.retire: a model version unloaded)."""
-        self.supervisor.retire({self.name}, timeout_s)
+        try:
+            self.supervisor.retire({self.name}, timeout_s)
+        finally:
+            self.release_ports()
 
 
 class RayBinding(Binding):
