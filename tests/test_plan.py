@@ -178,7 +178,7 @@ def where(plan: Plan) -> dict[str, set[str]]:
 def test_one_host_is_the_local_default(bundle):
     plan = make_plan(bundle, hosts(1), 3, 1, 2, 1, ServeConfig())
     assert where(plan) == {"shards": {"h0"}, "rankers": {"h0"}, "routers": {"h0"}}
-    assert plan.transport == "unix"
+    assert plan.transport == "shm"
     assert [s.ranges for s in plan.shards] == table_ranges(MANIFEST, 3)
     assert [s.name for s in plan.shards] == ["shard-0", "shard-1", "shard-2"]
     assert [r.threads for r in plan.rankers] == [3, 3]  # (8 cores - 1) // 2 rankers

