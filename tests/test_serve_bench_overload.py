@@ -47,6 +47,7 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
     assert {"router", "shard-0", "ranker-0"} <= roles
     for proc in dep["processes"].values():
         assert proc["rss_median_mib"] > 0 and proc["fds_max"] >= proc["fds_min"] > 0
+        assert 0 < proc["private_median_mib"] <= proc["rss_median_mib"]
     assert dep["windows"] and "max dev %" in result.stdout
 
 

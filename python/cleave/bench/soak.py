@@ -1,6 +1,8 @@
 """`cleave bench serve --soak MINUTES`: a constant load at 40% of the capacity for MINUTES
 while the resident memory and open files of every process of the deployment are sampled;
-after a warm-up, each process's RSS must stay flat."""
+after a warm-up, each process's RSS must stay flat. Its private (anonymous) memory is
+sampled too: on `transport = "shm"` RSS also grows as a process first touches pages of the
+fixed-size shared regions, which is not a leak."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 
 import numpy as np
 
-from cleave.bench.harness.processes import Sampler, process_tree, sample_process
+from cleave.bench.harness.processes import Sampler, private_bytes, process_tree, sample_process
 from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
 
 
@@ -21,11 +23,14 @@ class MemorySampler(Sampler):
 
     def sample(self, now: float) -> bool:
         for p, name in process_tree(self.pid).items():
-            got = sample_process(p)
-            if got:
-                entry = self.series.setdefault(f"{name} ({p})", {"t": [], "rss": [], "fds": []})
+            got, private = sample_process(p), private_bytes(p)
+            if got and private is not None:
+                entry = self.series.setdefault(
+                    f"{name} ({p})", {"t": [], "rss": [], "private": [], "fds": []}
+                )
                 entry["t"].append(round(now, 1))
                 entry["rss"].append(got[0])
+                entry["private"].append(private)
                 entry["fds"].append(got[1])
         return True
 
@@ -69,24 +74,34 @@ def soak(target, workload, args, log) -> dict:
 
 
 def flatness(entry: dict, warmup: float = 0.2) -> dict:
-    """After the first `warmup` share of the samples: the largest RSS deviation from their
-    median, in percent, and the range of open files."""
-    n = len(entry["rss"])
-    rest = entry["rss"][int(n * warmup) :] or entry["rss"]
-    median = float(np.median(rest))
-    fds = entry["fds"][int(n * warmup) :] or entry["fds"]
-    return {
-        **entry,
-        "rss_median_mib": median / 2**20,
-        "rss_max_dev_pct": 100 * max(abs(r - median) for r in rest) / median if median else None,
-        "fds_min": min(fds),
-        "fds_max": max(fds),
-    }
+    """After the first `warmup` share of the samples: the median of RSS and of private
+    memory and their largest deviation from it, in percent, and the range of open files."""
+    start = int(len(entry["rss"]) * warmup)
+    fds = entry["fds"][start:] or entry["fds"]
+    out = {**entry, "fds_min": min(fds), "fds_max": max(fds)}
+    for key in ("rss", "private"):
+        rest = entry[key][start:] or entry[key]
+        median = float(np.median(rest))
+        out[f"{key}_median_mib"] = median / 2**20
+        out[f"{key}_max_dev_pct"] = (
+            100 * max(abs(r - median) for r in rest) / median if median else None
+        )
+    return out
 
 
 def print_soak(result: dict) -> None:
     print(f"soak: {result['rate']:.1f}/s for {result['minutes']:g} min, {result['errors']} errors")
-    print(f"{'process':<24} {'RSS MiB':>8} {'max dev %':>10} {'files':>9}")
+    print(
+        f"{'process':<24} {'RSS MiB':>8} {'max dev %':>10} {'private MiB':>12} {'max dev %':>10}"
+        f" {'files':>9}"
+    )
     for name, p in result["processes"].items():
-        dev = f"{p['rss_max_dev_pct']:10.2f}" if p["rss_max_dev_pct"] is not None else "-"
-        print(f"{name:<24} {p['rss_median_mib']:8.1f} {dev} {p['fds_min']:4d}-{p['fds_max']:<4d}")
+        dev = {
+            k: f"{p[k]:10.2f}" if p[k] is not None else f"{'-':>10}"
+            for k in ("rss_max_dev_pct", "private_max_dev_pct")
+        }
+        print(
+            f"{name:<24} {p['rss_median_mib']:8.1f} {dev['rss_max_dev_pct']} "
+            f"{p['private_median_mib']:12.1f} {dev['private_max_dev_pct']} "
+            f"{p['fds_min']:4d}-{p['fds_max']:<4d}"
+        )

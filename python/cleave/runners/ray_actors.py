@@ -118,6 +118,7 @@ class RoleHost:
 
         ip = ray.util.get_node_ip_address()
         fixed = [first] if first else []
+        self.release_ports()  # asked again: the ports it held before are not the role's now
         picked, self.port_locks = hold_ports(ip, ports - len(fixed))
         return ip, [*fixed, *picked]
 

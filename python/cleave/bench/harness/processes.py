@@ -88,6 +88,18 @@ def sample_process(pid: int) -> tuple[int, int] | None:
     return rss_pages * os.sysconf("SC_PAGE_SIZE"), fds
 
 
+def private_bytes(pid: int) -> int | None:
+    """Its resident memory less the pages it shares with files and shared-memory regions
+    (`statm`'s resident - shared: its anonymous memory), None once it is gone. An shm
+    region's pages count in RSS as the peer first touches them, up to the region's size, so
+    a leak shows here, not in RSS."""
+    try:
+        resident, shared = map(int, Path(f"/proc/{pid}/statm").read_text().split()[1:3])
+    except (OSError, ValueError):
+        return None
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time of a process so far, None once it is gone."""
     try:
