@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from cleave.bench.harness.processes import Sampler, private_bytes, process_tree, sample_process
+from cleave.bench.harness.processes import Sampler, process_tree, sample_process
 from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
 
 
@@ -23,15 +23,15 @@ class MemorySampler(Sampler):
 
     def sample(self, now: float) -> bool:
         for p, name in process_tree(self.pid).items():
-            got, private = sample_process(p), private_bytes(p)
-            if got and private is not None:
+            got = sample_process(p)
+            if got:
                 entry = self.series.setdefault(
                     f"{name} ({p})", {"t": [], "rss": [], "private": [], "fds": []}
                 )
                 entry["t"].append(round(now, 1))
                 entry["rss"].append(got[0])
-                entry["private"].append(private)
-                entry["fds"].append(got[1])
+                entry["private"].append(got[1])
+                entry["fds"].append(got[2])
         return True
 
 

@@ -78,26 +78,18 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def sample_process(pid: int) -> tuple[int, int] | None:
-    """(RSS bytes, open files) of a process, None once it is gone."""
-    try:
-        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, ValueError, IndexError):
-        return None
-    return rss_pages * os.sysconf("SC_PAGE_SIZE"), fds
-
-
-def private_bytes(pid: int) -> int | None:
-    """Its resident memory less the pages it shares with files and shared-memory regions
-    (`statm`'s resident - shared: its anonymous memory), None once it is gone. An shm
-    region's pages count in RSS as the peer first touches them, up to the region's size, so
-    a leak shows here, not in RSS."""
+def sample_process(pid: int) -> tuple[int, int, int] | None:
+    """(RSS bytes, private bytes, open files) of a process, None once it is gone. Private:
+    `statm`'s resident less shared (its anonymous memory). A shm region's pages count in RSS
+    as the process first touches them, up to the region's size, so a leak shows in private
+    memory, not in RSS."""
     try:
         resident, shared = map(int, Path(f"/proc/{pid}/statm").read_text().split()[1:3])
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, ValueError):
         return None
-    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
+    page = os.sysconf("SC_PAGE_SIZE")
+    return resident * page, (resident - shared) * page, fds
 
 
 def cpu_seconds(pid: int) -> float | None:
