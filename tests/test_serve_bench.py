@@ -3,7 +3,10 @@ every score, writes JSON and a plot), so it cannot rot unnoticed. No timing is a
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
+from cleave.bench.harness.target import serve_flags
 from support.bench import FLOAT32, run_bench, serve_bench
 from support.cli import refused
 
@@ -103,6 +106,18 @@ def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_pat
     assert stages["lookup_network_us"] == stages["lookup_us"] - stages["lookup_service_us"]
     assert metrics["lookup_reply_bytes"] > 0
     assert "lookup_n" in result.stdout  # the stage table
+
+
+def test_more_rankers_leave_the_monolith_one_process():
+    """`--rankers 2 --compare` compares against the monolith as it is (one process): before,
+    the monolith got `--rankers 2` as well, which `cleave serve --monolithic` refuses."""
+    args = argparse.Namespace(
+        shards=1, rankers=2, config=None, threads=1, compile=False, device=None
+    )
+    flags = {mode: serve_flags(args, mode) for mode in ("monolithic", "disaggregated")}
+    assert flags["monolithic"][:4] == ["--shards", "1", "--rankers", "1"]
+    assert flags["monolithic"][-1] == "--monolithic"
+    assert flags["disaggregated"][:4] == ["--shards", "1", "--rankers", "2"]
 
 
 def test_bench_serve_refuses_flags_that_disagree(tmp_path):

@@ -125,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     mode.add_argument("--monolithic", action="store_true", help="only the monolithic baseline")
     parser.add_argument("--shards", type=int, default=1)
-    parser.add_argument("--rankers", type=int, default=1)
+    parser.add_argument(
+        "--rankers", type=int, default=1, help="rankers of each deployment but the monolith's one"
+    )
     parser.add_argument("--config", help="cleave serve TOML config for both deployments")
     parser.add_argument("--check", action="store_true", help="compare every score to the model")
     parser.add_argument("--json", help="write the results here")

@@ -196,8 +196,10 @@ def _grpc_port(flags: list[str]) -> int | None:
 
 def serve_flags(args, mode: str, protocol: str = "json") -> list[str]:
     """`cleave serve`'s flags for a deployment in `mode` (disaggregated, monolithic,
-    router-held) that gets requests in `protocol`."""
-    flags = ["--shards", str(args.shards), "--rankers", str(args.rankers)]
+    router-held) that gets requests in `protocol`. `--rankers` counts for the disaggregated
+    deployments: the monolith is one process (docs/plan.md, "monolithic")."""
+    rankers = 1 if mode == "monolithic" else args.rankers
+    flags = ["--shards", str(args.shards), "--rankers", str(rankers)]
     if protocol == "grpc":
         flags += ["--grpc-port", "0"]  # the router binds one and logs it: no port to pick
     if args.config:
