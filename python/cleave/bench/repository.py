@@ -255,8 +255,8 @@ def _step(what: str, server, load_s: float, row_bytes: dict[str, int]) -> dict:
         "table_bytes": table_bytes,
         "shard_processes": len(shards),
         "ranker_processes": len(rankers),
-        "shard_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in shards),
-        "ranker_rss_bytes": sum((sample_process(pid) or (0, 0))[0] for pid in rankers),
+        "shard_rss_bytes": sum(s.rss for pid in shards if (s := sample_process(pid))),
+        "ranker_rss_bytes": sum(s.rss for pid in rankers if (s := sample_process(pid))),
         "deployment_pss_bytes": sum(map(pss_bytes, roles)),
     }
 

@@ -29,9 +29,9 @@ class MemorySampler(Sampler):
                     f"{name} ({p})", {"t": [], "rss": [], "private": [], "fds": []}
                 )
                 entry["t"].append(round(now, 1))
-                entry["rss"].append(got[0])
-                entry["private"].append(got[1])
-                entry["fds"].append(got[2])
+                entry["rss"].append(got.rss)
+                entry["private"].append(got.private)
+                entry["fds"].append(got.fds)
         return True
 
 

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 
 def process_table() -> dict[int, tuple[int, list[str]]]:
@@ -78,18 +79,25 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def sample_process(pid: int) -> tuple[int, int, int] | None:
-    """(RSS bytes, private bytes, open files) of a process, None once it is gone. Private:
-    `statm`'s resident less shared (its anonymous memory). A shm region's pages count in RSS
-    as the process first touches them, up to the region's size, so a leak shows in private
-    memory, not in RSS."""
+class ProcessSample(NamedTuple):
+    """A process's memory and open files at one instant. Private: `statm`'s resident less
+    shared (its anonymous memory). A shm region's pages count in RSS as the process first
+    touches them, up to the region's size, so a leak shows in private memory, not in RSS."""
+
+    rss: int  # bytes
+    private: int  # bytes
+    fds: int
+
+
+def sample_process(pid: int) -> ProcessSample | None:
+    """The process's sample, None once it is gone (one read of `statm`)."""
     try:
         resident, shared = map(int, Path(f"/proc/{pid}/statm").read_text().split()[1:3])
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, ValueError):
         return None
     page = os.sysconf("SC_PAGE_SIZE")
-    return resident * page, (resident - shared) * page, fds
+    return ProcessSample(resident * page, (resident - shared) * page, fds)
 
 
 def cpu_seconds(pid: int) -> float | None:
