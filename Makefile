@@ -75,10 +75,10 @@ test: lint test-rust test-python
 
 # pytest-xdist: 4 workers (most of a test's time is spent waiting for the processes it
 # starts, so more workers than cores pay), each taking whole modules, longest first
-# (tests/conftest.py). A module with testbed tests runs under a lock the workers share.
-# PYTEST_WORKERS=0 runs one process. docs/testing.md.
+# (tests/conftest.py; --no-loadscope-reorder keeps that order). A module with testbed tests
+# runs under a lock the workers share. PYTEST_WORKERS=0 runs one process. docs/testing.md.
 PYTEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests

@@ -2,6 +2,7 @@
 fixtures build is in tests/support/."""
 
 import fcntl
+import os
 import sys
 from pathlib import Path
 
@@ -11,45 +12,65 @@ import pytest
 # are importable as `support` and `factories`.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from support import served  # noqa: E402
 from support.helm import HELM  # noqa: E402
 from support.kafka import Broker  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
 # The modules that take longest, longest first (seconds within the parallel suite on a 2-core
-# machine, measured 2026-11-26: docs/testing.md). Parallel runs hand whole modules to workers
-# (--dist loadfile) in collection order, so these start at once instead of ending the run
-# alone. Only the run's length depends on this list.
+# machine, measured 2026-11-29: docs/testing.md), with the testbed modules (TB) spread among
+# them: those run one at a time under a shared lock, so handed out together they would leave
+# workers waiting on it. Parallel runs hand whole modules to workers (--dist loadfile) in this
+# order (--no-loadscope-reorder: pytest-xdist would otherwise put the modules with the most
+# tests first), so the long ones start at once instead of ending the run alone. Only the run's
+# length depends on this list.
 LONGEST_FIRST = [
-    "test_score.py",  # 281
-    "test_ray_runner.py",  # 253
-    "test_serve_bench.py",  # 238
-    "test_serve.py",  # 198
-    "test_serve_bench_overload.py",  # 141
-    "test_torchrec.py",  # 134
-    "test_partition.py",  # 131
-    "test_binary_tensors.py",  # 101
-    "test_incast_bench.py",  # 100
-    "test_serve_bench_testbed.py",  # 82
-    "test_models.py",  # 88
-    "test_dense_precision.py",  # 84
-    "test_tier.py",  # 80
-    "test_tritonclient.py",  # 78
-    "test_executables.py",  # 77
-    "test_serve_bench_torchrec.py",  # 75
-    "test_grpc_clients.py",  # 65
-    "test_router_cache.py",  # 35
-    "test_repository_update.py",  # 22
-    "test_shm_transport.py",  # 18-34 (44 on a loaded machine); four transports since shm9
-    "test_testbed_serve.py",  # 118, after the other testbed module: they share one lock
-    "test_testbed_racks.py",  # 19-32, testbed too
-    "test_size_validate.py",  # 48 alone, testbed too
-    "test_repository_testbed.py",  # 18 alone, testbed too
+    "test_ray_runner.py",  # 287
+    "test_size_validate.py",  # 104 TB
+    "test_serve_bench.py",  # 207
+    "test_score.py",  # 191
+    "test_shm_transport.py",  # 111
+    "test_serve_bench_testbed.py",  # 68 TB
+    "test_repository.py",  # 99
+    "test_serve_bench_overload.py",  # 92
+    "test_incast_bench.py",  # 69 TB
+    "test_torchrec.py",  # 86
+    "test_router_cache.py",  # 84
+    "test_testbed_serve.py",  # 55 TB
+    "test_dense_precision.py",  # 82
+    "test_partition.py",  # 73
+    "test_testbed_racks.py",  # 45 TB
+    "test_serve.py",  # 71
+    "test_tier.py",  # 69
+    "test_runners.py",  # 35 TB
+    "test_sizing.py",  # 65
+    "test_update.py",  # 53
+    "test_repository_testbed.py",  # 18 TB
+    "test_stream.py",  # 52
+    "test_binary_tensors.py",  # 50
+    "test_testbed.py",  # 17 TB
+    "test_executables.py",  # 46
+    "test_bench_rack_testbed.py",  # 16 TB
+    "test_models.py",  # 45
+    "test_bench_refusal.py",  # 44
+    "test_serve_bench_torchrec.py",  # 42
+    "test_tritonclient.py",  # 85 with the gRPC clients, before one deployment served both
 ]
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_bundles(tmp_path_factory):
+    """One directory of reference bundles for the session's workers (`support.served.CACHE`):
+    the parent of a worker's base temp is the session's, shared by its workers."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    served.CACHE = root / "reference-bundles"
+    served.CACHE.mkdir(exist_ok=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,5 +1,5 @@
 """KServe's Python SDK inference clients, unmodified, against a running `cleave serve`: run by
-tests/test_grpc_clients.py as its own process, because the `kserve` and `tritonclient.grpc`
+tests/test_tritonclient.py as its own process, because the `kserve` and `tritonclient.grpc`
 packages register the same protobuf names (`inference.ServerLiveRequest`, ...) and cannot be
 imported into one process.
 

@@ -8,6 +8,7 @@ import cleave
 import numpy as np
 import pytest
 import torch
+from cleave.bench.roofline import roofline
 from cleave.bundle import precision
 from cleave.bundle.precision import constant_linears, convert, count_flops, slow_reason
 from cleave.errors import CleaveError, UsageError
@@ -191,6 +192,28 @@ def test_compiled_ranker_matches_eager_and_keeps_its_cache(bf16_dir, tmp_path):
     want = bundle.reference(*args).reshape(got.shape)
     assert float((got - want).abs().max()) <= 0.02
     assert any(cache.rglob("*"))  # generated code kept for the next start
+
+
+def test_the_roofline_times_a_compiled_program(bf16_dir):
+    # `bench serve --compile` hands the roofline torch.compile's module, whose truth value
+    # raises (it forwards len() to the module it wraps): the bench crashed before measuring.
+    bundle = cleave.load_bundle(bf16_dir)
+    args = RequestGenerator("shared", scale=SCALE, seed=4).batch(9)
+    program = torch.compile(bundle.dense_module(), backend="eager")
+    result = roofline(bundle, dense_args(bundle, args), 1, program)
+    assert result["compiled"] and result["dense_ms"] > 0
+
+
+def test_the_monolith_runs_a_compiled_program(bf16_dir):
+    # `cleave serve --monolithic --compile` wraps the compiled program in the whole model: its
+    # truth value raised there too, and the monolith exited before it was ready.
+    bundle = cleave.load_bundle(bf16_dir)
+    args = RequestGenerator("shared", scale=SCALE, seed=4).batch(9)
+    full = bundle.full_module(torch.compile(bundle.dense_module(), backend="eager"))
+    with torch.inference_mode():
+        (got,) = full(*bundle.named_inputs(*args).values())
+    want = bundle.reference(*args).reshape(got.shape)
+    assert float((got - want).abs().max()) <= 1e-6
 
 
 def test_cores_follow_measured_demand():

@@ -51,6 +51,10 @@ pytestmark = [
 
 NODE_CPUS = 6  # logical: Ray's accounting, not this machine's cores
 OBJECT_STORE = 80 * 1024 * 1024  # the roles pass no objects through Ray
+# A stop's bound: the routers' stop_timeout_s, then the other roles', then Ray's own teardown
+# (actors, the driver), which took over 10 s with the suite's other workers busy: ServeProcess's
+# default 30 s killed a deployment that was stopping as documented (seen once, exit -9).
+STOP_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +146,7 @@ def role_processes(served: Served) -> list[str]:
 
 def stopped_cleanly(server: ServeProcess, served: Served) -> None:
     assert role_processes(served)
-    assert server.stop() == 0
+    assert server.stop(STOP_S) == 0
     wait_for(lambda: not role_processes(served), "every role process to exit", 30)
 
 
@@ -322,7 +326,7 @@ def test_a_repository_plan_loads_rolls_out_and_unloads_versions_on_ray_nodes(clu
             served, error = infer_version(http, dlrm, version="2")
             assert served == "2" and error <= TOLERANCE
         assert repository_processes(root)
-        assert server.stop() == 0
+        assert server.stop(STOP_S) == 0
         wait_for(lambda: not repository_processes(root), "every role process to exit", 30)
 
 

@@ -3,6 +3,8 @@ model's own scores, and the check that a deployment answers them within TOLERANC
 
 from __future__ import annotations
 
+import fcntl
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,6 +26,12 @@ SCALES = {"dlrm": 0.002, "dcn": 0.0005, "din": 0.002, "shared": 0.01}
 TOLERANCE = 1e-5
 
 
+# Where the test session keeps each reference model's bundle, partitioned once for all its
+# workers (tests/conftest.py sets it): torch.export of a reference model took 1-1.6 s of CPU
+# and the suite partitioned the same four models about 30 times. None: partition every time.
+CACHE: Path | None = None
+
+
 class Served:
     """A model, its bundle and its request generator."""
 
@@ -31,8 +39,12 @@ class Served:
         self.name = name
         self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
         self.model.eval()
-        self.bundle = cleave.partition(self.model, example)
-        self.dir = self.bundle.save(root / name)
+        if CACHE is None:
+            self.bundle = cleave.partition(self.model, example)
+            self.dir = self.bundle.save(root / name)
+        else:  # a copy of the session's: tests may write into theirs
+            self.dir = Path(shutil.copytree(_cached(name, self.model, example), root / name))
+            self.bundle = cleave.load_bundle(self.dir)
         self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
 
     def request(self, batch: int, budget_ms: float | None = None) -> tuple[bytes, list[np.ndarray]]:
@@ -40,6 +52,17 @@ class Served:
         with torch.inference_mode():
             want = [t.double().numpy() for t in pytree.tree_leaves(self.model(*args))]
         return infer_body(self.bundle.named_inputs(*args), budget_ms), want
+
+
+def _cached(name: str, model, example) -> Path:
+    """The session's bundle of reference model `name`: partitioned by the first worker that
+    asks, under a lock the workers share (the others wait for it, then read it)."""
+    path = CACHE / name
+    with (CACHE / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():  # Bundle.save renames a whole bundle into place
+            cleave.partition(model, example).save(path)
+    return path
 
 
 def infer_url(server: ServeProcess, served: Served) -> str:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-import cleave
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
-from cleave.models import MODELS, RequestGenerator
+from cleave.models import RequestGenerator
 from tritonclient.utils import np_to_triton_dtype
 
-from support.served import SCALES, TOLERANCE
+from support.served import SCALES, TOLERANCE, Served
 
 
 def inputs_and_scores(model, bundle, generator, batch: int):
@@ -45,13 +44,10 @@ def check(result, output_names: list[str], want: list[np.ndarray], what: str) ->
 def served_model(tmp_path, name: str):
     """A reference model, its saved bundle and three requests (batches 1, 13, 64) with the
     model's own scores."""
-    model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
-    model.eval()
-    bundle = cleave.partition(model, example)
-    bundle_dir = bundle.save(tmp_path / name)
+    served = Served(name, tmp_path)
     generator = RequestGenerator(name, scale=SCALES[name], seed=5, min_pooling=0)
-    requests = [inputs_and_scores(model, bundle, generator, b) for b in (1, 13, 64)]
-    return bundle_dir, requests
+    requests = [inputs_and_scores(served.model, served.bundle, generator, b) for b in (1, 13, 64)]
+    return served.dir, requests
 
 
 def triton_round_trips(sync_module, async_module, url, model_name, outputs, requests, what):

@@ -75,7 +75,8 @@ def roofline(
     torch.set_num_threads(threads)
     try:
         fp32 = bundle.dense_module("float32")
-        module = program or bundle.dense_module(dtype)
+        # `is None`: a compiled module's truth value raises (it forwards len()).
+        module = bundle.dense_module(dtype) if program is None else program
         flops = count_flops(fp32, dense_inputs)
         with torch.inference_mode():
             seconds = _best_seconds(lambda: module(*dense_inputs), repeats=5)

@@ -191,7 +191,9 @@ class Bundle:
     def run_dense(self, values: dict[str, torch.Tensor], dense=None) -> tuple:
         """The dense program (`dense_module()`, or `dense`) on the named values."""
         names = self.manifest["dense"]["inputs"]
-        return tuple((dense or self.dense_module())(*[values[n] for n in names]))
+        # `is None`, not `or`: a compiled module's truth value raises (it forwards len()).
+        dense = self.dense_module() if dense is None else dense
+        return tuple(dense(*[values[n] for n in names]))
 
     def reference(self, *args, dtype: str | None = None):
         """The model's outputs: the sparse side by the reference executor, then the dense
@@ -207,7 +209,7 @@ class Bundle:
         """The whole model in one module over the flat manifest inputs (the monolithic
         baseline): (*inputs) -> tuple of flat outputs. `dense`: the dense program to run
         (default `dense_module()`), a compiled one say."""
-        return _FullModel(self, dense or self.dense_module())
+        return _FullModel(self, self.dense_module() if dense is None else dense)
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -87,6 +87,83 @@ impl Shared {
     }
 }
 
+/// A request's entry in `waiting` while it waits for its answer. Dropped before it is
+/// settled (the request's future dropped: its client went, a gRPC deadline), it takes the
+/// entry out and gives back a grant that had come, so neither the map nor the ranker's window
+/// keeps what nobody waits for.
+struct Claim {
+    shared: Arc<Shared>,
+    id: u64,
+    rx: oneshot::Receiver<Answer>,
+    settled: bool,
+}
+
+impl Claim {
+    fn new(shared: &Arc<Shared>, id: u64) -> Claim {
+        let (tx, rx) = oneshot::channel();
+        shared
+            .waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, tx);
+        Claim {
+            shared: shared.clone(),
+            id,
+            rx,
+            settled: false,
+        }
+    }
+
+    /// Out of the map; whether the ranker holds something of this request to give back
+    /// (it still queues it, or its grant came unread).
+    fn settle(&mut self) -> bool {
+        self.settled = true;
+        let queued = self.shared.take(self.id).is_some();
+        queued || matches!(self.rx.try_recv(), Ok(Answer::Grant))
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if !self.settled && self.settle() {
+            give_back(&self.shared, self.id);
+        }
+    }
+}
+
+/// A grant whose payload is on its way. Dropped without [`Granted::delivered`] (the call
+/// failed, or the request's future was dropped during it), it gives the ranker the window
+/// space back: a payload that will not arrive must not hold it.
+pub struct Granted {
+    shared: Arc<Shared>,
+    id: u64,
+    delivered: bool,
+}
+
+impl Granted {
+    /// The payload reached the ranker: the ranker frees the space when it is done with it.
+    pub fn delivered(mut self) {
+        self.delivered = true;
+    }
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        if !self.delivered {
+            give_back(&self.shared, self.id);
+        }
+    }
+}
+
+/// Tells the ranker (done {id}) that message `id` will not come, from a drop: sent by a task of
+/// its own, since a drop cannot wait.
+fn give_back(shared: &Arc<Shared>, id: u64) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let shared = shared.clone();
+        runtime.spawn(async move { shared.send(&ControlMessage::Done { id }).await });
+    }
+}
+
 /// The control connection to one ranker.
 pub struct IncastLink {
     ranker: String,
@@ -113,22 +190,22 @@ impl IncastLink {
     }
 
     /// Waits for permission to send `bytes` of message `id` (the request's trace id), at most
-    /// `left`. `Ok(true)`: granted, call [`IncastLink::withdraw`] if the payload then does not
-    /// arrive whole; `Ok(false)`: send without control (small payload, no connection).
-    pub async fn permit(&self, id: u64, bytes: u64, left: Duration) -> Result<bool, IncastError> {
+    /// `left`. `Ok(Some)`: granted, see [`Granted`]; `Ok(None)`: send without control (small
+    /// payload, no connection).
+    pub async fn permit(
+        &self,
+        id: u64,
+        bytes: u64,
+        left: Duration,
+    ) -> Result<Option<Granted>, IncastError> {
         if bytes < self.threshold {
-            return Ok(false);
+            return Ok(None);
         }
         if !self.is_connected() {
             self.warn_once("not connected");
-            return Ok(false);
+            return Ok(None);
         }
-        let (tx, rx) = oneshot::channel();
-        self.shared
-            .waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, tx);
+        let mut claim = Claim::new(&self.shared, id);
         let ask = ControlMessage::RequestToSend {
             id,
             bytes,
@@ -136,36 +213,34 @@ impl IncastLink {
             stamp_ns: 0,
         };
         if !self.shared.send(&ask).await {
-            self.shared.take(id);
+            claim.settle(); // nothing to give back: the connection went
             self.warn_once("lost");
-            return Ok(false);
+            return Ok(None);
         }
-        match tokio::time::timeout(left, rx).await {
-            Ok(Ok(Answer::Grant)) => Ok(true),
+        let answer = tokio::time::timeout(left, &mut claim.rx).await;
+        // Gave up waiting: out of the ranker's queue, or, if the grant came in the meantime,
+        // its space back.
+        if claim.settle() && answer.is_err() {
+            self.shared.send(&ControlMessage::Done { id }).await;
+        }
+        match answer {
+            Ok(Ok(Answer::Grant)) => Ok(Some(Granted {
+                shared: self.shared.clone(),
+                id,
+                delivered: false,
+            })),
             Ok(Ok(Answer::Expired)) => Err(IncastError::Expired {
                 ranker: self.ranker.clone(),
             }),
             Ok(Ok(Answer::Lost)) | Ok(Err(_)) => {
                 self.warn_once("lost");
-                Ok(false)
+                Ok(None)
             }
-            Err(_) => {
-                // Gave up waiting: out of the ranker's queue (or, if the grant crossed this
-                // on the wire, its space back: the reader answers an unclaimed grant too).
-                if self.shared.take(id).is_some() {
-                    self.withdraw(id).await;
-                }
-                Err(IncastError::NoGrant {
-                    ranker: self.ranker.clone(),
-                    left_ms: left.as_secs_f64() * 1e3,
-                })
-            }
+            Err(_) => Err(IncastError::NoGrant {
+                ranker: self.ranker.clone(),
+                left_ms: left.as_secs_f64() * 1e3,
+            }),
         }
-    }
-
-    /// A granted payload did not reach the ranker (the call failed): its window space back.
-    pub async fn withdraw(&self, id: u64) {
-        self.shared.send(&ControlMessage::Done { id }).await;
     }
 
     fn warn_once(&self, what: &str) {
@@ -266,7 +341,10 @@ mod tests {
         let at = listener.local_addr().unwrap().to_string();
         let link = IncastLink::start("r:1", &at, 100);
         // Small payloads skip the exchange.
-        assert_eq!(link.permit(1, 99, Duration::from_secs(5)).await, Ok(false));
+        assert!(matches!(
+            link.permit(1, 99, Duration::from_secs(5)).await,
+            Ok(None)
+        ));
         let (stream, _) = listener.accept().await.unwrap();
         drop(listener); // no reconnection once this connection goes
         let (mut read, mut write) = stream.into_split();
@@ -290,7 +368,8 @@ mod tests {
             }
             seen
         });
-        assert_eq!(link.permit(2, 100, Duration::from_secs(30)).await, Ok(true));
+        let granted = link.permit(2, 100, Duration::from_secs(30)).await.unwrap();
+        granted.expect("granted").delivered(); // else done {2} would follow
         assert!(matches!(
             link.permit(3, 100, Duration::from_secs(30)).await,
             Err(IncastError::Expired { .. })
@@ -314,7 +393,87 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(link.permit(5, 100, Duration::from_secs(5)).await, Ok(false));
+        assert!(matches!(
+            link.permit(5, 100, Duration::from_secs(5)).await,
+            Ok(None)
+        ));
+    }
+
+    #[tokio::test]
+    async fn dropped_waits_and_undelivered_grants_leave_nothing_behind() {
+        // A request whose future is dropped while it waits (its client went) leaves no entry
+        // in the map and takes itself out of the ranker's queue; a grant whose payload does
+        // not arrive gives its window space back; a delivered one does not.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap().to_string();
+        let link = Arc::new(IncastLink::start("r:1", &at, 100));
+        let (stream, _) = listener.accept().await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        connected(&link).await;
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            // Grants ids 30 and up; never answers the others.
+            while let Ok(Some(m)) = read_message(&mut read).await {
+                if let ControlMessage::RequestToSend { id, .. } = m {
+                    if id >= 30 {
+                        let grant = ControlMessage::Grant { id };
+                        write.write_all(&grant.encode()).await.unwrap();
+                    }
+                }
+                let _ = seen_tx.send(m);
+            }
+        });
+        let waits: Vec<_> = (10..20)
+            .map(|id| {
+                let link = link.clone();
+                tokio::spawn(async move { link.permit(id, 100, Duration::from_secs(60)).await })
+            })
+            .collect();
+        for _ in 10..20 {
+            let m = seen.recv().await.unwrap();
+            assert!(matches!(m, ControlMessage::RequestToSend { .. }), "{m:?}");
+        }
+        for wait in waits {
+            wait.abort();
+            assert!(matches!(wait.await, Err(e) if e.is_cancelled()));
+        }
+        let waiting = link.shared.waiting.lock().unwrap().len();
+        assert_eq!(waiting, 0, "dropped waits left entries behind");
+        let mut done: Vec<u64> = Vec::new();
+        for _ in 10..20 {
+            match seen.recv().await.unwrap() {
+                ControlMessage::Done { id } => done.push(id),
+                m => panic!("expected done for a dropped wait, got {m:?}"),
+            }
+        }
+        done.sort_unstable();
+        assert_eq!(done, (10..20).collect::<Vec<u64>>());
+        // Granted, then the call failed or was dropped: done {30}.
+        let granted = link.permit(30, 100, Duration::from_secs(30)).await.unwrap();
+        drop(granted.expect("granted"));
+        let m = seen.recv().await.unwrap();
+        assert!(
+            matches!(m, ControlMessage::RequestToSend { id: 30, .. }),
+            "{m:?}"
+        );
+        let m = seen.recv().await.unwrap();
+        assert!(matches!(m, ControlMessage::Done { id: 30 }), "{m:?}");
+        // Delivered: nothing for 31, so the next message after its request-to-send is 32's.
+        let delivered = link.permit(31, 100, Duration::from_secs(30)).await.unwrap();
+        delivered.expect("granted").delivered();
+        let next = link.permit(32, 100, Duration::from_secs(30)).await.unwrap();
+        let m = seen.recv().await.unwrap();
+        assert!(
+            matches!(m, ControlMessage::RequestToSend { id: 31, .. }),
+            "{m:?}"
+        );
+        let m = seen.recv().await.unwrap();
+        assert!(
+            matches!(m, ControlMessage::RequestToSend { id: 32, .. }),
+            "{m:?}"
+        );
+        next.expect("granted").delivered();
+        assert_eq!(link.shared.waiting.lock().unwrap().len(), 0);
     }
 
     #[test]

@@ -365,7 +365,7 @@ impl RankerPool {
             let guard = Outstanding(ranker);
             // Incast control: a large payload waits for the ranker's grant, within the budget.
             let link = self.incast_link(&ranker.addr);
-            let mut granted = false;
+            let mut granted = None; // dropped undelivered, its window space goes back
             if let Some(link) = &link {
                 granted = link.permit(trace_id, payload.len() as u64, left).await?;
             }
@@ -398,8 +398,8 @@ impl RankerPool {
             };
             let round_trip = sent.elapsed();
             drop(guard);
-            if let (true, Err(_), Some(link)) = (granted, &result, &link) {
-                link.withdraw(trace_id).await; // its window space back at the ranker
+            if let (Some(granted), Ok(_)) = (granted, &result) {
+                granted.delivered();
             }
             match result {
                 Ok(reply) => {
