@@ -27,8 +27,8 @@ TOLERANCE = 1e-5
 
 
 # Where the test session keeps each reference model's bundle, partitioned once for all its
-# workers (tests/conftest.py sets it): torch.export of a reference model took 1-1.6 s of CPU
-# and the suite partitioned the same four models about 30 times. None: partition every time.
+# workers (tests/conftest.py sets it): torch.export of a reference model took 1-1.6 s of CPU,
+# and the suite's call sites partitioned the same four models about 30 times (a count of them).
 CACHE: Path | None = None
 
 
@@ -39,12 +39,9 @@ class Served:
         self.name = name
         self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
         self.model.eval()
-        if CACHE is None:
-            self.bundle = cleave.partition(self.model, example)
-            self.dir = self.bundle.save(root / name)
-        else:  # a copy of the session's: tests may write into theirs
-            self.dir = Path(shutil.copytree(_cached(name, self.model, example), root / name))
-            self.bundle = cleave.load_bundle(self.dir)
+        # A copy of the session's: tests may write into theirs.
+        self.dir = Path(shutil.copytree(_cached(name, self.model, example), root / name))
+        self.bundle = cleave.load_bundle(self.dir)
         self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
 
     def request(self, batch: int, budget_ms: float | None = None) -> tuple[bytes, list[np.ndarray]]:
@@ -57,6 +54,7 @@ class Served:
 def _cached(name: str, model, example) -> Path:
     """The session's bundle of reference model `name`: partitioned by the first worker that
     asks, under a lock the workers share (the others wait for it, then read it)."""
+    assert CACHE is not None, "tests/conftest.py's reference_bundles sets support.served.CACHE"
     path = CACHE / name
     with (CACHE / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
