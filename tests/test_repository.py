@@ -1,7 +1,8 @@
 """`cleave serve REPO` (docs/repository.md): several models and versions in one deployment,
 driven by Triton's own clients (HTTP and gRPC, unmodified): the repository index, loads and
 unloads, inference on explicit and default versions, each version's scores its model's;
-tables shared between versions and models; loads that fail leave nothing behind; a canary,
+tables shared between versions and models; loads that fail leave nothing behind; a load and an
+unload whose clients leave still finish; a canary,
 promotion, rollback and unload under load with no failed request; the rollout state through a
 router restart.
 
@@ -12,9 +13,11 @@ the last test serves a repository plan of its own on the local runner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import urllib.request
 
@@ -23,7 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from cleave.launch.process import ServeProcess
 from cleave.repository.deployment import ROLLOUT_FILE
-from support.client import closed_loop, post
+from support.client import closed_loop, post, request
 from support.processes import get, processes_below
 from support.repository import (
     Versions,
@@ -202,6 +205,71 @@ def test_a_second_load_of_a_loading_model_is_refused(server, repo):
         assert infer_version(http, dlrm)[0] == "2"
     # Nothing a load started was killed (a child must outlive the thread that started it).
     assert not [line for line in server.log if "killed by SIGKILL" in line]
+
+
+def test_a_load_and_an_unload_whose_clients_leave_still_finish(server, repo):
+    """The admin client goes (a timeout, a closed socket) while the change is under way: the
+    change still finishes, never leaving a version LOADING or UNLOADING for good."""
+    _, dlrm, _, _ = repo
+    dlrm.write(7, dense=-0.2)  # dense weights only: a ranker of its own
+    pids = processes_below(server.proc.pid)
+    (fork_server,) = [pid for pid, argv in pids.items() if "cleave.launch.forkserver" in argv]
+    with http_client(server) as http:
+        os.kill(fork_server, signal.SIGSTOP)  # holds the load at its ranker's start
+        try:
+            with _left_post(server, "/v2/repository/models/dlrm/load?version=7"):
+                started = "dlrm version 7: loading"
+                wait_for(lambda: any(started in line for line in server.log), "v7 loading", 60)
+        finally:
+            os.kill(fork_server, signal.SIGCONT)
+        wait_for(lambda: repository_index(http)[("dlrm", "7")] == "READY", "v7 ready", 120)
+
+        # A request held at v7's stopped ranker holds the unload in its drain.
+        (ranker,) = [
+            pid
+            for pid, argv in processes_below(server.proc.pid).items()
+            if "ranker" in argv and any(a.endswith("dlrm/7") for a in argv)
+        ]
+        served = []
+
+        def infer_v7():
+            with http_client(server) as client:
+                served.append(infer_version(client, dlrm, version="7"))
+
+        os.kill(ranker, signal.SIGSTOP)
+        try:
+            held = threading.Thread(target=infer_v7, daemon=True)
+            held.start()
+            wait_for(lambda: _in_flight(server) >= 1, "the request at v7's ranker", 60)
+            with _left_post(server, "/v2/repository/models/dlrm/unload?version=7"):
+                wait_for(
+                    lambda: repository_index(http).get(("dlrm", "7")) == "UNLOADING",
+                    "v7 unloading",
+                    60,
+                )
+        finally:
+            os.kill(ranker, signal.SIGCONT)
+        held.join(60)
+        assert served and served[0][0] == "7" and served[0][1] <= TOLERANCE
+        wait_for(lambda: repository_index(http)[("dlrm", "7")] == "UNAVAILABLE", "v7 unloaded", 60)
+        wait_for(lambda: ranker not in processes_below(server.proc.pid), "v7's ranker stopped", 60)
+
+
+@contextlib.contextmanager
+def _left_post(server, path: str):
+    """A POST whose client leaves without reading the answer once the block ends."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
+        yield
+
+
+def _in_flight(server) -> float:
+    _, text = request(f"{server.url}/metrics")
+    for line in text.splitlines():
+        if line.startswith("cleave_router_in_flight "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def http_load(server, model, version) -> int:

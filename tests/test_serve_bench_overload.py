@@ -49,6 +49,11 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
         assert proc["rss_median_mib"] > 0 and proc["fds_max"] >= proc["fds_min"] > 0
         assert 0 < proc["private_median_mib"] <= proc["rss_median_mib"]
     assert dep["windows"] and "max dev %" in result.stdout
+    # The router counts its live heap: some of its private memory, never more.
+    heap = dep["router_heap"]
+    (router,) = [p for name, p in dep["processes"].items() if name.startswith("router")]
+    assert 0 < heap["median_mib"] < router["private_median_mib"]
+    assert len(heap["live"]) == len(heap["t"]) > 0 and "router live heap" in result.stdout
 
 
 def lost(burst: dict) -> int:

@@ -8,6 +8,9 @@ import contextlib
 import io
 import json
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -321,6 +324,31 @@ def test_pool_labels_place_each_role_on_its_pool(models):
     hosts[2] = Host("h2", 4, 16.0, 0, {})
     with pytest.raises(UsageError, match="h2: None.*none for \\['routers'\\]"):
         make_plan(models["dlrm"].dir, hosts, 2, 2, 1, 1, ServeConfig())
+
+
+def test_a_request_slower_than_the_default_budget_does_not_end_the_profile(models, monkeypatch):
+    """The router's profile times a request that outlasts the router's default budget (a
+    starved core: it had answered 504, which ended `cleave profile`)."""
+    import numpy as np
+    from cleave.sizing import router
+    from support.processes import processes_below
+
+    manifest = json.loads((models["dlrm"].dir / "manifest.json").read_text())
+    named = router.synthetic_inputs(manifest, 10, 1.0, np.random.default_rng(0))
+    send, sent = router._send, []
+
+    def first_timed_one_slow(conn, path, body):
+        sent.append(path)
+        if len(sent) == router.WARM_UP + 1:
+            below = processes_below(os.getpid()).items()
+            (ranker,) = [pid for pid, argv in below if "ranker" in argv]
+            os.kill(ranker, signal.SIGSTOP)  # the default budget is 1 s
+            threading.Timer(1.5, os.kill, (ranker, signal.SIGCONT)).start()
+        send(conn, path, body)
+
+    monkeypatch.setattr(router, "_send", first_timed_one_slow)
+    measured = router.measure_router(models["dlrm"].dir, named, 0.1)
+    assert measured["requests"] == router.MIN_REQUESTS == len(sent) - router.WARM_UP
 
 
 def test_requests_are_synthesized_from_the_manifest_kjts_included():

@@ -11,7 +11,7 @@ use crate::admission::{Admission, ShedReason};
 use crate::budget::Budget;
 use crate::error::RequestError;
 use crate::metrics::{DoorStats, FrontStats, Metrics};
-use crate::repository::Repository;
+use crate::repository::{Refusal, Repository, Why};
 
 /// What the handlers share.
 pub struct App {
@@ -30,6 +30,21 @@ pub struct App {
 }
 
 impl App {
+    /// Runs a repository change (a load or an unload) in a task of its own and waits for it.
+    /// A client that leaves, or a gRPC deadline that passes, then drops only the waiting:
+    /// dropped halfway, the change itself would leave a version LOADING or UNLOADING for good
+    /// and what the controller started never released.
+    pub async fn change_repository<F, R>(self: &Arc<Self>, change: F) -> Result<(), Refusal>
+    where
+        F: FnOnce(Arc<App>) -> R,
+        R: std::future::Future<Output = Result<(), Refusal>> + Send + 'static,
+    {
+        (tokio::spawn(change(self.clone())).await).unwrap_or_else(|e| {
+            let message = format!("the repository change failed: {e}");
+            Err(Refusal::new(Why::Internal, message))
+        })
+    }
+
     /// Sets the budget a request asked for, within the router's largest.
     pub fn set_budget(&self, budget: &mut Budget, asked: Option<f64>) -> Result<(), RequestError> {
         let Some(ms) = asked else { return Ok(()) };

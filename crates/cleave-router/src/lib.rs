@@ -9,7 +9,7 @@
 //! The modules import one way (tests/layers.rs checks it): `serve` wires everything;
 //! `front` (the doors) → `admin`, `envelope` → `codec`, `admission`, `app` → `repository`
 //! (the versions served) → `pipeline` → `backend`; `shed_log` → `app`; below them all
-//! `config`, `budget`, `model`, `tensor`, `metrics`, `error`.
+//! `config`, `budget`, `model`, `tensor`, `metrics` (→ `heap`), `error`.
 
 pub mod admin;
 pub mod admission;
@@ -21,6 +21,7 @@ pub mod config;
 pub mod envelope;
 pub mod error;
 pub mod front;
+pub mod heap;
 pub mod metrics;
 pub mod model;
 pub mod pipeline;

@@ -384,6 +384,13 @@ impl Metrics {
             "Open client connections.",
             [(vec![], front.connections as f64)],
         ));
+        families.push(scrape_family(
+            MetricType::GAUGE,
+            "cleave_router_heap_live_bytes",
+            "Heap bytes allocated and not freed (a leak grows it; pages the allocator keeps \
+             for reuse do not). Absent where the process does not count them.",
+            crate::heap::live_bytes().map(|n| (vec![], n as f64)),
+        ));
         let by_reason = |counts: &[(&'static str, u64)]| {
             counts
                 .iter()

@@ -2,11 +2,13 @@
 while the resident memory and open files of every process of the deployment are sampled;
 after a warm-up, each process's RSS must stay flat. Its private (anonymous) memory is
 sampled too: on `transport = "shm"` RSS also grows as a process first touches pages of the
-fixed-size shared regions, which is not a leak."""
+fixed-size shared regions, which is not a leak. Neither tells a leak from pages an allocator
+keeps for reuse: the (first) router's live heap bytes, from its `/metrics`, do."""
 
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import numpy as np
 
@@ -15,11 +17,14 @@ from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
 
 
 class MemorySampler(Sampler):
-    """Samples RSS and open files of a process tree every `every_s`."""
+    """Samples RSS and open files of a process tree every `every_s`, and the live heap bytes
+    of the router at `router_url` when given."""
 
-    def __init__(self, pid: int | None, every_s: float = 5.0):
+    def __init__(self, pid: int | None, router_url: str = "", every_s: float = 5.0):
         super().__init__(pid, every_s)
         self.series: dict[str, dict] = {}
+        self.router_url = router_url
+        self.heap: dict[str, list] = {"t": [], "live": []}
 
     def sample(self, now: float) -> bool:
         for p, name in process_tree(self.pid).items():
@@ -32,7 +37,25 @@ class MemorySampler(Sampler):
                 entry["rss"].append(got.rss)
                 entry["private"].append(got.private)
                 entry["fds"].append(got.fds)
+        live = router_heap_bytes(self.router_url) if self.router_url else None
+        if live is not None:
+            self.heap["t"].append(round(now, 1))
+            self.heap["live"].append(live)
         return True
+
+
+def router_heap_bytes(url: str) -> int | None:
+    """`cleave_router_heap_live_bytes` from the router's /metrics (None: absent, or the
+    scrape failed: a soak is not stopped by its own probe)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("cleave_router_heap_live_bytes "):
+            return int(float(line.split()[1]))
+    return None
 
 
 def soak(target, workload, args, log) -> dict:
@@ -47,7 +70,7 @@ def soak(target, workload, args, log) -> dict:
     log(f"  soak: {rate:.1f}/s (40% of {capacity:.1f}/s) for {minutes:g} min")
     pid = target.server.proc.pid if target.server else None  # none for --url
     end = time.monotonic() + minutes * 60
-    with MemorySampler(pid) as sampler:
+    with MemorySampler(pid, target.url) as sampler:
         while (duration := min(window_s, end - time.monotonic())) >= 1.0:
             samples = open_loop(
                 target.infer_url(workload),
@@ -70,6 +93,7 @@ def soak(target, workload, args, log) -> dict:
         "windows": windows,
         "errors": sum(sum(w["errors"].values()) for w in windows),
         "processes": {name: flatness(entry) for name, entry in sampler.series.items()},
+        "router_heap": heap_flatness(sampler.heap),
     }
 
 
@@ -80,13 +104,31 @@ def flatness(entry: dict, warmup: float = 0.2) -> dict:
     fds = entry["fds"][start:] or entry["fds"]
     out = {**entry, "fds_min": min(fds), "fds_max": max(fds)}
     for key in ("rss", "private"):
-        rest = entry[key][start:] or entry[key]
-        median = float(np.median(rest))
-        out[f"{key}_median_mib"] = median / 2**20
-        out[f"{key}_max_dev_pct"] = (
-            100 * max(abs(r - median) for r in rest) / median if median else None
-        )
+        out[f"{key}_median_mib"], out[f"{key}_max_dev_pct"] = _flat(entry[key], start)
     return out
+
+
+def heap_flatness(heap: dict, warmup: float = 0.2) -> dict | None:
+    """The router's live heap as `flatness` reads memory, and its median per tenth of the run
+    (None: the router does not report it)."""
+    live = heap["live"]
+    if not live:
+        return None
+    median_mib, max_dev_pct = _flat(live, int(len(live) * warmup))
+    tenths = [live[i * len(live) // 10 : (i + 1) * len(live) // 10] for i in range(10)]
+    return {
+        **heap,
+        "median_mib": median_mib,
+        "max_dev_pct": max_dev_pct,
+        "tenths_mib": [float(np.median(t)) / 2**20 for t in tenths if t],
+    }
+
+
+def _flat(values: list, start: int) -> tuple[float, float | None]:
+    """The median (MiB) of `values[start:]` and its largest deviation from it, in percent."""
+    rest = values[start:] or values
+    median = float(np.median(rest))
+    return median / 2**20, 100 * max(abs(r - median) for r in rest) / median if median else None
 
 
 def print_soak(result: dict) -> None:
@@ -104,4 +146,11 @@ def print_soak(result: dict) -> None:
             f"{name:<24} {p['rss_median_mib']:8.1f} {dev['rss_max_dev_pct']} "
             f"{p['private_median_mib']:12.1f} {dev['private_max_dev_pct']} "
             f"{p['fds_min']:4d}-{p['fds_max']:<4d}"
+        )
+    heap = result.get("router_heap")
+    if heap:
+        tenths = " ".join(f"{m:.2f}" for m in heap["tenths_mib"])
+        print(
+            f"router live heap: median {heap['median_mib']:.2f} MiB, max dev "
+            f"{heap['max_dev_pct']:.2f}% (per tenth of the run: {tenths} MiB)"
         )

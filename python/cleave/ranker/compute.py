@@ -3,10 +3,10 @@
 The batcher asks it two things: whether a request can still make its deadline (the time it
 would take alone), and how many rows a batch may take before its tightest deadline cannot be
 met. Both need the time of a batch of a size not yet seen, and a batch's time is not
-proportional to its rows: a dense program's fixed cost per call (operator dispatch, the
-Python around it) was about 2 ms on a 2-core KVM guest where each 100-candidate DLRM request
-added 1.8 ms, so 10 requests in one batch cost 2.1 ms each and 2 cost 2.8 (a one-off
-diagnosis: docs/benchmarks.md, "Batches of 1,024 rows").
+proportional to its rows: a batch cost the ranker about 2 ms of CPU beyond its requests' 1.8 ms
+each on a 2-core KVM guest (100-candidate DLRM requests), so 10 requests in one batch cost 2.1
+ms each and 2 cost 2.8 (docs/benchmarks.md, "Batches of 1,024 rows"); the dense program's own
+share of that fixed cost is about 0.3 ms ("The ranker's batch, taken apart").
 
 So the time is fitted as `fixed + per_row × rows` by least squares over the recent batches,
 newest weighted most (each batch's weight shrinks by `1 - WEIGHT` per newer batch). While the

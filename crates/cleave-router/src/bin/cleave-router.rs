@@ -10,9 +10,11 @@
 
 // glibc's malloc and free were a fifth of the router's CPU per request (perf, 100-candidate
 // DLRM requests: each allocates its parsed tensors, lookups and replies); mimalloc's cost
-// 0.88 times the CPU per request (docs/benchmarks.md, "The router's allocator").
+// 0.88 times the CPU per request (docs/benchmarks.md, "The router's allocator"). Counted, for
+// the live heap bytes in /metrics (cleave_router::heap).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: cleave_router::heap::Counting<mimalloc::MiMalloc> =
+    cleave_router::heap::Counting(mimalloc::MiMalloc);
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -199,8 +199,10 @@ impl GrpcInferenceService for Service {
         self.authorize(request.metadata())?;
         let r = request.into_inner();
         let c = change(&json_parameters(r.parameters), None).map_err(refused)?;
-        (self.app.repo)
-            .load(&r.model_name, c.policy, c.version)
+        (self.app)
+            .change_repository(|app| async move {
+                app.repo.load(&r.model_name, c.policy, c.version).await
+            })
             .await
             .map_err(refused)?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
@@ -213,8 +215,8 @@ impl GrpcInferenceService for Service {
         self.authorize(request.metadata())?;
         let r = request.into_inner();
         let c = change(&json_parameters(r.parameters), None).map_err(refused)?;
-        (self.app.repo)
-            .unload(&r.model_name, c.version)
+        (self.app)
+            .change_repository(|app| async move { app.repo.unload(&r.model_name, c.version).await })
             .await
             .map_err(refused)?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))

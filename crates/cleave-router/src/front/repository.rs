@@ -147,8 +147,8 @@ async fn load(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    change_model(&app, &headers, &body, query, |c| {
-        app.repo.load(&name, c.policy, c.version)
+    change_model(&app, &headers, &body, query, |app, c| async move {
+        app.repo.load(&name, c.policy, c.version).await
     })
     .await
 }
@@ -160,23 +160,24 @@ async fn unload(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    change_model(&app, &headers, &body, query, |c| {
-        app.repo.unload(&name, c.version)
+    change_model(&app, &headers, &body, query, |app, c| async move {
+        app.repo.unload(&name, c.version).await
     })
     .await
 }
 
-/// A load or unload: the admin token, the change its parameters and query ask for, `run` it.
+/// A load or unload: the admin token, the change its parameters and query ask for, `run` it
+/// (to its end even if the client leaves: `App::change_repository`).
 async fn change_model<F, R>(
-    app: &App,
+    app: &Arc<App>,
     headers: &HeaderMap,
     body: &Bytes,
     query: VersionQuery,
     run: F,
 ) -> Response
 where
-    F: FnOnce(Change) -> R,
-    R: std::future::Future<Output = Result<(), Refusal>>,
+    F: FnOnce(Arc<App>, Change) -> R,
+    R: std::future::Future<Output = Result<(), Refusal>> + Send + 'static,
 {
     if let Err(e) = authorize(app, headers) {
         return e.into_response();
@@ -185,7 +186,7 @@ where
         Ok(c) => c,
         Err(r) => return refused(r),
     };
-    match run(c).await {
+    match app.change_repository(|app| run(app, c)).await {
         Ok(()) => ok(json!({})),
         Err(r) => refused(r),
     }
