@@ -24,9 +24,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from cleave.bench.stages import gauge
 from cleave.launch.process import ServeProcess
 from cleave.repository.deployment import ROLLOUT_FILE
-from support.client import closed_loop, post, request
+from support.client import closed_loop, post
 from support.processes import get, processes_below
 from support.repository import (
     Versions,
@@ -240,7 +241,12 @@ def test_a_load_and_an_unload_whose_clients_leave_still_finish(server, repo):
         try:
             held = threading.Thread(target=infer_v7, daemon=True)
             held.start()
-            wait_for(lambda: _in_flight(server) >= 1, "the request at v7's ranker", 60)
+            metrics = f"{server.url}/metrics"
+            wait_for(
+                lambda: (gauge(metrics, "cleave_router_in_flight") or 0) >= 1,
+                "the request at v7's ranker",
+                60,
+            )
             with _left_post(server, "/v2/repository/models/dlrm/unload?version=7"):
                 wait_for(
                     lambda: repository_index(http).get(("dlrm", "7")) == "UNLOADING",
@@ -262,14 +268,6 @@ def _left_post(server, path: str):
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
         yield
-
-
-def _in_flight(server) -> float:
-    _, text = request(f"{server.url}/metrics")
-    for line in text.splitlines():
-        if line.startswith("cleave_router_in_flight "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def http_load(server, model, version) -> int:

@@ -8,12 +8,12 @@ keeps for reuse: the (first) router's live heap bytes, from its `/metrics`, do."
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import numpy as np
 
 from cleave.bench.harness.processes import Sampler, process_tree, sample_process
 from cleave.bench.overload import CLIENT_TIMEOUT_S, capacity_of
+from cleave.bench.stages import gauge
 
 
 class MemorySampler(Sampler):
@@ -37,25 +37,15 @@ class MemorySampler(Sampler):
                 entry["rss"].append(got.rss)
                 entry["private"].append(got.private)
                 entry["fds"].append(got.fds)
-        live = router_heap_bytes(self.router_url) if self.router_url else None
-        if live is not None:
-            self.heap["t"].append(round(now, 1))
-            self.heap["live"].append(live)
+        if self.router_url:
+            try:
+                live = gauge(f"{self.router_url}/metrics", "cleave_router_heap_live_bytes")
+            except OSError:  # a soak is not stopped by its own probe
+                live = None
+            if live is not None:
+                self.heap["t"].append(round(now, 1))
+                self.heap["live"].append(int(live))
         return True
-
-
-def router_heap_bytes(url: str) -> int | None:
-    """`cleave_router_heap_live_bytes` from the router's /metrics (None: absent, or the
-    scrape failed: a soak is not stopped by its own probe)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("cleave_router_heap_live_bytes "):
-            return int(float(line.split()[1]))
-    return None
 
 
 def soak(target, workload, args, log) -> dict:
