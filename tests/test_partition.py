@@ -17,31 +17,27 @@ import torch
 from cleave.bundle import tables as table_io
 from cleave.models import MODELS
 from support.cli import refused
+from support.served import SCALES as SERVED_SCALES
 
 # Small scales keep the suite fast; the shapes and code paths are those of the full models.
-# (TorchRec's reference models are tests/test_torchrec.py's.)
+# (TorchRec's reference models are tests/test_torchrec.py's.) The tests of the session's
+# bundles (`models`, partitioned once for every worker) use their scales.
 SCALES = {"dlrm": 0.001, "dcn": 0.0001, "din": 0.001, "shared": 0.01}
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    """Each reference model, partitioned, saved and loaded back."""
-    out = {}
-    for name, scale in SCALES.items():
-        model, example = MODELS[name].factory(scale=scale, seed=1)
-        path = tmp_path_factory.mktemp("bundles") / name
-        cleave.partition(model, example).save(path)
-        out[name] = (model, cleave.load_bundle(path))
-    return out
+def bundles(models):
+    """Each reference model, partitioned, saved and loaded back (the session's)."""
+    return {name: (models[name].model, models[name].bundle) for name in SERVED_SCALES}
 
 
 def fresh_inputs(name: str, batch: int, seed: int) -> tuple:
     """Other batch sizes and bag lengths than the example, with empty bags and repeats."""
-    gen = MODELS[name].generator(scale=SCALES[name], alpha=1.2, min_pooling=0, seed=seed)
+    gen = MODELS[name].generator(scale=SERVED_SCALES[name], alpha=1.2, min_pooling=0, seed=seed)
     return gen.batch(batch)
 
 
-@pytest.mark.parametrize("name", sorted(SCALES))
+@pytest.mark.parametrize("name", sorted(SERVED_SCALES))
 def test_reference_equals_model_on_fresh_inputs(bundles, name):
     model, bundle = bundles[name]
     for batch, seed in [(1, 11), (3, 12), (29, 13)]:

@@ -298,7 +298,10 @@ def _rollout(server, **body) -> dict:
 
 def test_canary_promotion_rollback_and_unload_under_load(server, repo):
     _, dlrm, _, _ = repo
-    results, finish = closed_loop(f"{server.url}/v2/models/dlrm/infer", dlrm.requests(6))
+    # Paced, 3 clients at most 50 requests/s each: a request in flight most of the time (a
+    # saturating loop cost 27 s of the suite's CPU in its client alone).
+    url = f"{server.url}/v2/models/dlrm/infer"
+    results, finish = closed_loop(url, dlrm.requests(6), pace_s=0.02)
     try:
         wait_for(lambda: len(results) > 5, "requests to flow", 60)
         _rollout(server, model="dlrm", version="3", percent=10)

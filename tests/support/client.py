@@ -52,9 +52,11 @@ def post_retrying(url: str, body: bytes | dict, tries: int = 5) -> tuple[int, di
     return post(url, raw)
 
 
-def closed_loop(url: str, requests, workers: int = 3):
-    """Clients that each send the next request when the last one answered, until stopped;
-    returns (results, stop): results are (time answered, seconds, status, reply, want)."""
+def closed_loop(url: str, requests, workers: int = 3, pace_s: float = 0.0):
+    """Clients that each send the next request when the last one answered (and `pace_s` after
+    it was sent: requests flowing through a change without taking the cores the suite's other
+    workers need), until stopped; returns (results, stop): results are (time answered,
+    seconds, status, reply, want)."""
     results, stop = [], threading.Event()
 
     def load(worker: int) -> None:
@@ -65,6 +67,7 @@ def closed_loop(url: str, requests, workers: int = 3):
             status, reply = post(url, body, timeout=30)
             results.append((time.monotonic(), time.monotonic() - start, status, reply, want))
             i += 1
+            stop.wait(pace_s - (time.monotonic() - start))
 
     threads = [threading.Thread(target=load, args=(w,)) for w in range(workers)]
     for t in threads:

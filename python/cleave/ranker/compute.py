@@ -14,13 +14,15 @@ batches seen are all about one size, they say nothing about the split, and the t
 as proportional to rows (through the mean): too high above the mean size (a batch capped
 early: some throughput lost) and too low below it. Whether a request is dropped as unable to
 make its deadline asks what it surely needs instead (`least_us`): not more than the mean
-batch's time above the mean size.
+batch's time above the mean size, and nothing before SURE_AFTER batches ran: a starved or cold
+ranker's first batch (1 row in 1.03 s, a full suite's Ray test) is no evidence of the next.
 """
 
 from __future__ import annotations
 
 WEIGHT = 0.1  # the newest batch's share: about the last 10-20 batches count
 SPREAD = 0.1  # rows' standard deviation, over their mean, below which sizes are "one size"
+SURE_AFTER = 3  # batches run before a request is dropped on the estimate (one may be an outlier)
 
 
 class ComputeModel:
@@ -28,9 +30,11 @@ class ComputeModel:
         self.weight = weight
         # Weighted sums: weights, rows, µs, rows², rows × µs.
         self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.batches = 0
 
     def record(self, rows: int, us: float) -> None:
         keep = 1.0 - self.weight if self.w else 0.0
+        self.batches += 1
         self.w = keep * self.w + 1.0
         self.x = keep * self.x + rows
         self.y = keep * self.y + us
@@ -46,8 +50,9 @@ class ComputeModel:
         batches seen are all about one size, their time scaled down to fewer rows but not up
         to more (a larger batch takes at least as long, not proportionally longer). A request
         is dropped only when even this exceeds its time left: one slow batch of one row (a
-        starved ranker's first, 468 ms) made 8-row requests look like 3.7 s."""
-        return self._fit(rows, grow=False)
+        starved ranker's first, 468 ms) made 8-row requests look like 3.7 s. Nothing is sure
+        before SURE_AFTER batches ran."""
+        return self._fit(rows, grow=False) if self.batches >= SURE_AFTER else 0.0
 
     def _fit(self, rows: int, grow: bool) -> float:
         if not self.w or self.x <= 0:
