@@ -298,8 +298,8 @@ def _rollout(server, **body) -> dict:
 
 def test_canary_promotion_rollback_and_unload_under_load(server, repo):
     _, dlrm, _, _ = repo
-    # Paced, 3 clients at most 50 requests/s each: a request in flight most of the time (a
-    # saturating loop cost 27 s of the suite's CPU in its client alone).
+    # Paced: 3 clients, each sending at most every 20 ms, through every change (a saturating
+    # loop cost the suite 27 s of CPU in its client alone: docs/testing.md).
     url = f"{server.url}/v2/models/dlrm/infer"
     results, finish = closed_loop(url, dlrm.requests(6), pace_s=0.02)
     try:
