@@ -12,6 +12,7 @@ import urllib.request
 import cleave
 import pytest
 import torch
+from cleave._native import SURE_AFTER
 from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS
 from support.client import post, request
@@ -102,10 +103,12 @@ def test_edf_roles_answer_with_the_models_scores(deployment):
 
 
 def test_a_request_that_cannot_make_it_is_504_naming_the_stage_and_never_computed(deployment):
-    # A large request teaches the router how long the shard's lookups take.
+    # Large requests teach the router how long the shard's lookups take (it refuses on its
+    # estimate after SURE_AFTER of them).
     big, _ = good_request(deployment, batch=4096, seed=2)
-    status, reply = post(f"{deployment.url}/infer", big)
-    assert status == 200, reply
+    for _ in range(SURE_AFTER):
+        status, reply = post(f"{deployment.url}/infer", big)
+        assert status == 200, reply
     status, text = request(f"{deployment.router.address}/admin/v1/members")
     assert status == 200, text
     shard_ms = json.loads(text)["shards"][0]["ewma_ms"]

@@ -53,6 +53,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CONTROL_DSCP", cleave_wire::priority::CONTROL_DSCP)?;
     m.add("HELLO_CREDITS", cleave_wire::frame::hello_options::CREDITS)?;
     m.add("MAX_CREDIT_BALANCE", cleave_wire::MAX_CREDIT_BALANCE)?;
+    m.add("SURE_AFTER", cleave_wire::SURE_AFTER)?;
     Ok(())
 }
 

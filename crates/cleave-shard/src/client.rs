@@ -368,7 +368,7 @@ impl ShardClient {
                     holds: holds(),
                 });
             }
-            let expected = r.ewma_us();
+            let expected = r.expected_us();
             if (left.as_secs_f64() * 1e6) < expected {
                 // Only replies refresh the estimate: without this a replica once slow would
                 // never be sent another lookup. Each drop pulls it below what was left (half

@@ -83,6 +83,12 @@ impl Replica {
         self.ewma_us.get()
     }
 
+    /// The round trip a lookup is refused on (too little time left): the average once it
+    /// settled, 0 before (`Ewma::settled`).
+    pub fn expected_us(&self) -> f64 {
+        self.ewma_us.settled()
+    }
+
     /// Why it was ejected last (meaningful while ejected).
     pub fn reason(&self) -> String {
         self.reason

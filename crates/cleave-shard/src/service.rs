@@ -507,7 +507,7 @@ impl Handler for ShardService {
 
     fn expected_service_us(&self, kind: u16) -> u64 {
         if kind == LOOKUP {
-            self.service_us.get() as u64
+            self.service_us.settled() as u64
         } else {
             0
         }

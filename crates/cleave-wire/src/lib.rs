@@ -41,7 +41,7 @@ pub use addr::Address;
 pub use client::{Client, ClientConfig, ClientStats, Payload};
 pub use credit::MAX_CREDIT_BALANCE;
 pub use error::WireError;
-pub use ewma::Ewma;
+pub use ewma::{Ewma, SURE_AFTER};
 pub use frame::{ConnClass, Credit, ErrorBody, ErrorCode, Frame, FrameDecoder, FrameError, Header};
 pub use io::IoThreads;
 pub use queue::QueuePolicy;

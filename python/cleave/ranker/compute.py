@@ -20,9 +20,12 @@ ranker's first batch (1 row in 1.03 s, a full suite's Ray test) is no evidence o
 
 from __future__ import annotations
 
+# Samples before a request is dropped on an estimate (one may be an outlier): the router's and
+# the shards' estimates wait as long (cleave_wire::Ewma::settled).
+from cleave._native import SURE_AFTER
+
 WEIGHT = 0.1  # the newest batch's share: about the last 10-20 batches count
 SPREAD = 0.1  # rows' standard deviation, over their mean, below which sizes are "one size"
-SURE_AFTER = 3  # batches run before a request is dropped on the estimate (one may be an outlier)
 
 
 class ComputeModel:

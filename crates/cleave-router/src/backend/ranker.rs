@@ -338,7 +338,7 @@ impl RankerPool {
         let mut packed: Option<Bytes> = None;
         for ranker in self.order() {
             let left = timeout.saturating_sub(started.elapsed());
-            let needs_us = ranker.compute_us();
+            let needs_us = ranker.compute_us.settled();
             if !left.is_zero() && (left.as_secs_f64() * 1e6) < needs_us {
                 // Only replies refresh the estimate: each skip pulls it below what was left
                 // (half of it as a sample), so a ranker once slow is tried again after a few.
@@ -578,6 +578,7 @@ fn call_error(ranker: &Ranker, e: WireError) -> RequestError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cleave_wire::SURE_AFTER;
 
     #[test]
     fn which_failures_go_to_the_next_ranker() {
@@ -722,9 +723,20 @@ mod tests {
     }
 
     #[test]
+    fn one_slow_first_batch_does_not_keep_the_next_request_from_its_ranker() {
+        let starved = ranker(0.0, 0);
+        starved.record(&reply(0, 1_000_000, 1)); // its first batch: 1 s on a starved core
+                                                 // Sent (the estimate is not settled yet): it fails to connect (port 1), not `deadline`.
+        let (_, err) = rank_alone(starved, Duration::from_millis(50));
+        assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
+    }
+
+    #[test]
     fn a_payload_no_ranker_can_compute_in_time_is_not_sent() {
         let slow = ranker(0.0, 0);
-        slow.record(&reply(0, 4_000_000, 4)); // a batch of 4 takes 4 s: 1 s each
+        for _ in 0..SURE_AFTER {
+            slow.record(&reply(0, 4_000_000, 4)); // a batch of 4 takes 4 s: 1 s each
+        }
         assert_eq!(slow.compute_us(), 1_000_000.0);
         let (pool, err) = rank_alone(slow, Duration::from_millis(50));
         // Sent, it would have failed to connect (port 1) and been `unavailable`.
