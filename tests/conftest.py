@@ -17,6 +17,8 @@ from support.helm import HELM  # noqa: E402
 from support.kafka import Broker  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
+pytest_plugins = ["support.cpu_report"]  # --cpu-report FILE
+
 # The modules that take longest, longest first (seconds within the parallel suite on a 2-core
 # machine, measured 2026-11-29: docs/testing.md), with the testbed modules (TB) spread among
 # them: those run one at a time under a shared lock, so handed out together they would leave

@@ -9,6 +9,7 @@ import pytest
 from cleave.bench.harness.target import serve_flags
 from support.bench import FLOAT32, run_bench, serve_bench
 from support.cli import refused
+from support.served import SCALES, reference_bundle
 
 
 def test_bench_serve_quick_compare(tmp_path):
@@ -64,7 +65,8 @@ def test_bench_serve_measures_joined_against_per_request_batches_of_a_shared_inp
 ):
     _, report = run_bench(
         tmp_path, "serve", "--quick", "--check",
-        "--model", "din", "--scale", "0.002", "--candidates", "16", *FLOAT32,
+        "--model", "din", "--scale", f"{SCALES['din']:g}", "--candidates", "16", *FLOAT32,
+        "--bundle", str(reference_bundle("din", tmp_path / "bundle")),
     )  # fmt: skip
     assert set(report["deployments"]) == {"disaggregated", "disaggregated-per-request"}
     assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-5
@@ -89,11 +91,10 @@ def test_bench_serve_measures_a_plan_with_a_stage_breakdown_from_metrics(tmp_pat
     lookup's network part included."""
     from cleave.plan import emulated_hosts, make_plan, save_plan
     from cleave.settings import RankerConfig, ServeConfig
-    from support.served import Served
 
-    served = Served("shared", tmp_path)
+    bundle = reference_bundle("shared", tmp_path)
     config = ServeConfig(ranker=RankerConfig(threads=1, device="cpu"))
-    plan = make_plan(served.dir, emulated_hosts(4), 2, 1, 1, 1, serve_config=config)
+    plan = make_plan(bundle, emulated_hosts(4), 2, 1, 1, 1, serve_config=config)
     path = save_plan(plan, tmp_path / "plan.yaml")
     result, report = serve_bench(tmp_path, "--quick", "--check", "--plan", str(path))
     (dep,) = report["deployments"].values()

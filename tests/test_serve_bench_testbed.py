@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from cleave.testbed import commands
 from support.bench import FLOAT32, SMALL_MODEL, serve_bench
+from support.served import reference_bundle
 
 
 @pytest.mark.testbed
@@ -38,7 +39,7 @@ def test_bench_serve_stopped_by_sigterm_leaves_no_testbed_behind(tmp_path):
 
     before = namespaces_of_testbeds()
     argv = [sys.executable, "-m", "cleave.cli", "bench", "serve", "--shard-hosts", "1"]
-    argv += [*SMALL_MODEL, *FLOAT32]
+    argv += [*SMALL_MODEL, *FLOAT32, "--bundle", str(reference_bundle("shared", tmp_path))]
     argv += ["--rates", "20", "--duration", "600", "--workdir", str(tmp_path / "work")]
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

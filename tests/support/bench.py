@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.served import SCALES, reference_bundle
+
 
 def run_bench(
     tmp_path: Path, name: str, *flags: str, timeout: float = 300
@@ -26,7 +28,8 @@ def run_bench(
 
 
 # A small model: `cleave bench serve` in a few seconds a deployment.
-SMALL_MODEL = ("--model", "shared", "--scale", "0.01", "--candidates", "16", "--requests", "8")
+SMALL_MODEL = ("--model", "shared", "--scale", f"{SCALES['shared']:g}")
+SMALL_MODEL += ("--candidates", "16", "--requests", "8")
 
 
 # The program as partitioned: what most tests of `cleave bench serve` check does not depend on
@@ -38,6 +41,10 @@ FLOAT32 = ("--dense-dtype", "float32")
 def serve_bench(
     tmp_path: Path, *flags: str, dtype_choice: bool = False
 ) -> tuple[subprocess.CompletedProcess, dict]:
-    """`cleave bench serve FLAGS` on the small model, in float32 unless `dtype_choice` (the
-    command's default: the rankers' choice)."""
-    return run_bench(tmp_path, "serve", *flags, *SMALL_MODEL, *(() if dtype_choice else FLOAT32))
+    """`cleave bench serve FLAGS` on the small model, in float32 (the session's bundle of it,
+    not partitioned again) unless `dtype_choice` (the command's default: the rankers'
+    choice)."""
+    model = SMALL_MODEL
+    if not dtype_choice:
+        model += (*FLOAT32, "--bundle", str(reference_bundle("shared", tmp_path / "bundle")))
+    return run_bench(tmp_path, "serve", *flags, *model)

@@ -40,7 +40,7 @@ class Served:
         self.model, example = MODELS[name].factory(scale=SCALES[name], seed=0)
         self.model.eval()
         # A copy of the session's: tests may write into theirs.
-        self.dir = Path(shutil.copytree(_cached(name, self.model, example), root / name))
+        self.dir = copy_of(cached_bundle(name, lambda: (self.model, example)), root / name)
         self.bundle = cleave.load_bundle(self.dir)
         self.generator = RequestGenerator(name, scale=SCALES[name], seed=7, min_pooling=0)
 
@@ -51,16 +51,30 @@ class Served:
         return infer_body(self.bundle.named_inputs(*args), budget_ms), want
 
 
-def _cached(name: str, model, example) -> Path:
-    """The session's bundle of reference model `name`: partitioned by the first worker that
-    asks, under a lock the workers share (the others wait for it, then read it)."""
+def cached_bundle(key: str, make) -> Path:
+    """The session's bundle under `key` (a reference model's name, or a name for a variant of
+    one) of the model `make()` returns with its example inputs: partitioned by the first
+    worker that asks, under a lock the workers share (the others wait for it, then read it).
+    Read only: serve a `copy_of` it."""
     assert CACHE is not None, "tests/conftest.py's reference_bundles sets support.served.CACHE"
-    path = CACHE / name
-    with (CACHE / f"{name}.lock").open("w") as lock:
+    path = CACHE / key
+    with (CACHE / f"{key}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():  # Bundle.save renames a whole bundle into place
-            cleave.partition(model, example).save(path)
+            model, example = make()
+            cleave.partition(model.eval(), example).save(path)
     return path
+
+
+def copy_of(bundle: Path, dest: Path) -> Path:
+    return Path(shutil.copytree(bundle, dest))
+
+
+def reference_bundle(name: str, root: Path) -> Path:
+    """A copy, under `root`, of reference model `name`'s bundle (float32, as
+    `cleave partition` writes it by default)."""
+    make = lambda: MODELS[name].factory(scale=SCALES[name], seed=0)  # noqa: E731
+    return copy_of(cached_bundle(name, make), root / name)
 
 
 def infer_url(server: ServeProcess, served: Served) -> str:
