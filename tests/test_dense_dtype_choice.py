@@ -113,6 +113,34 @@ def test_the_probe_times_every_module_within_its_budget():
     assert 2 <= calls["b"] <= 1 + dense_dtype.PROBE_RUNS
 
 
+def test_the_compiled_program_is_served_only_where_it_is_no_slower(monkeypatch, caplog):
+    runs = []
+
+    def run(module, inputs):
+        runs.append(module)
+
+    def batch():
+        return [torch.zeros(4)], 4
+
+    timed = {"eager": 0.0361, "compiled": 0.0409}  # injected: dcn's int8 program on the AMD
+    monkeypatch.setattr(dense_dtype, "probe", lambda modules, inputs, run: dict(timed))
+    choice = DenseChoice("int8", "probe")
+    assert not dense_dtype.keep_compiled(choice, "eager", "compiled", batch, run)
+    assert runs == ["compiled"]  # compiled at the probe's size before it is timed
+    assert (choice.compiled, choice.compile_seconds) == (False, timed)
+    assert "served uncompiled: compiled is slower here (eager 36.10 ms, compiled 40.90" in (
+        caplog.text
+    )
+    # Within the margin, or faster, the compiled program is served, as asked.
+    for compiled in (0.0375, 0.030):
+        timed["compiled"] = compiled
+        assert dense_dtype.keep_compiled(DenseChoice("int8", "probe"), "e", "c", batch, run)
+    # No batch to time (a symbolic size): compiled, as asked.
+    choice = DenseChoice("float32", "bundle")
+    assert dense_dtype.keep_compiled(choice, "e", "c", lambda: None, run)
+    assert (choice.compiled, choice.compile_seconds) == (True, {})
+
+
 # -- the partitioner ------------------------------------------------------------------------
 
 

@@ -15,11 +15,14 @@ from cleave.errors import CleaveError, UsageError
 from cleave.models import MODELS, RequestGenerator
 from cleave.partitioner import AccuracyError, AccuracyLimits
 from cleave.partitioner.accuracy import auc
+from cleave.ranker.dense_dtype import MARGIN
 from cleave.ranker.local import LocalQueue
 from cleave.ranker.payload import KIND_RANK, KIND_RANK_FULL, decode_response, encode_request
+from cleave.ranker.probes import Probes
 from cleave.ranker.program import load_ranker
 from cleave.settings import ranker_cores
 from support.cli import refused
+from support.processes import get
 
 SCALE = 0.01
 LOOSE = AccuracyLimits(max_auc_drop=1.0, score_tolerance=1.0)
@@ -192,6 +195,17 @@ def test_compiled_ranker_matches_eager_and_keeps_its_cache(bf16_dir, tmp_path):
     want = bundle.reference(*args).reshape(got.shape)
     assert float((got - want).abs().max()) <= 0.02
     assert any(cache.rglob("*"))  # generated code kept for the next start
+    # Compiled and eager were both timed at start; the faster one serves (either answers).
+    choice, seconds = batcher.dense_choice, batcher.dense_choice.compile_seconds
+    assert set(seconds) == {"eager", "compiled"}
+    assert choice.compiled == (seconds["compiled"] <= seconds["eager"] * (1 + MARGIN))
+    probes = Probes(batcher)
+    try:
+        status, text = get(f"{probes.address}/metrics")
+    finally:
+        probes.close()
+    assert f"cleave_ranker_dense_compiled {float(choice.compiled)}" in text
+    assert 'cleave_ranker_dense_compile_probe_seconds{program="compiled"}' in text
 
 
 def test_the_roofline_times_a_compiled_program(bf16_dir):

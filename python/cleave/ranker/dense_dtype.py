@@ -38,6 +38,10 @@ class DenseChoice:
     chosen_by: str
     seconds: dict[str, float] = field(default_factory=dict)
     rows: int = 0
+    # With --compile: whether the compiled program is served (`keep_compiled`), and the
+    # probe's time per batch of each ("eager", "compiled"); None without --compile.
+    compiled: bool | None = None
+    compile_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def choose(seconds: dict[str, float]) -> str:
@@ -87,6 +91,27 @@ def describe(choice: DenseChoice) -> str:
     times = ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in choice.seconds.items())
     measured = f": {times} per batch of {choice.rows} rows" if times else ""
     return f"dense dtype {choice.dtype} (chosen by {choice.chosen_by}{measured})"
+
+
+def keep_compiled(choice: DenseChoice, eager, compiled, batch, run) -> bool:
+    """Whether `compiled` (torch.compile of `eager`) is served: unless it is measured slower
+    than `eager` by more than MARGIN on `batch()`'s inputs, each timed by `run(module,
+    inputs)` as the dtype probe times them. Compiling does not pay on every program and CPU:
+    an int8 program breaks into a graph per layer around FBGEMM's packed weights, which
+    TorchDynamo cannot trace, and ran 1.1-1.4x slower than eager (docs/benchmarks.md). Records
+    the decision and times on `choice`."""
+    timed = batch()
+    if timed is not None:
+        run(compiled, timed[0])  # compiles, outside the probe's time budget
+        choice.compile_seconds = probe({"eager": eager, "compiled": compiled}, timed[0], run)
+    seconds = choice.compile_seconds
+    choice.compiled = not seconds or seconds["compiled"] <= seconds["eager"] * (1 + MARGIN)
+    times = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items())
+    if choice.compiled:
+        log.info("dense program compiled%s", f" ({times} per batch)" if times else "")
+    else:
+        log.warning("dense program served uncompiled: compiled is slower here (%s)", times)
+    return choice.compiled
 
 
 def probe(modules: dict, inputs: list[torch.Tensor], run) -> dict[str, float]:

@@ -99,6 +99,22 @@ def _dense_choice(choice):
     for dtype, seconds in choice.seconds.items():
         probed.add_metric([dtype, str(choice.rows)], seconds)
     yield probed
+    if choice.compiled is not None:  # --compile: served compiled only where it pays
+        compiled = GaugeMetricFamily(
+            "cleave_ranker_dense_compiled",
+            "1 when the dense program is served compiled (--compile), 0 when it is served "
+            "uncompiled because compiled measured slower at start",
+        )
+        compiled.add_metric([], 1 if choice.compiled else 0)
+        yield compiled
+        timed = GaugeMetricFamily(
+            "cleave_ranker_dense_compile_probe_seconds",
+            "the start-up probe's time per batch of the dense program, eager and compiled",
+            labels=["program"],
+        )
+        for program, seconds in choice.compile_seconds.items():
+            timed.add_metric([program], seconds)
+        yield timed
 
 
 class _IncastCollector:

@@ -128,13 +128,15 @@ def load_ranker(
     batched = shared_batching and not monolithic and bool(bundle.per_request_inputs)
     sig = signature(bundle.manifest, monolithic, batched)
     dense_sig = signature(bundle.manifest, False, batched)  # the probe times the dense program
+    batch = lambda: dense_precision.probe_batch(bundle, dense_sig, max_batch)  # noqa: E731
+    run = lambda module, inputs: _run_on(device, module, inputs)  # noqa: E731
     choice = dense_precision.settle(
         bundle.manifest,
         dense_dtype,
         device,
         lambda d: bundle.dense_module(d, batched=batched).to(device),
-        lambda: dense_precision.probe_batch(bundle, dense_sig, max_batch),
-        lambda module, inputs: _run_on(device, module, inputs),
+        batch,
+        run,
     )
     dtype = choice.dtype
     bundle.keep_dense_modules(dtype)
@@ -145,7 +147,12 @@ def load_ranker(
         log.warning("%s", reason)
     dense = bundle.dense_module(dtype, batched=batched)
     if compile:
-        dense = compile_program(dense, compile_cache)
+        compiled = compile_program(dense, compile_cache)
+        try:
+            if dense_precision.keep_compiled(choice, dense, compiled, batch, run):
+                dense = compiled
+        except Exception as err:
+            raise CleaveError(f"the {dtype} dense program's compile failed: {err}") from err
     if eager_model:  # the saved model holds its tables: the bundle's are not decoded
         from cleave.ranker.eager import load_eager
 
@@ -158,7 +165,7 @@ def load_ranker(
     try:
         executor.warm_up()
     except Exception as err:
-        what = "compile" if compile else "warm-up run"
+        what = "compile" if choice.compiled else "warm-up run"
         raise CleaveError(f"the {dtype} dense program's {what} failed: {err}") from err
     check_probe(bundle, lambda inputs: executor.run_module(dense, sig.join([inputs])), dtype)
     if bundle.per_request_inputs or not sig.batchable:
