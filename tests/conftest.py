@@ -17,7 +17,7 @@ from support.helm import HELM  # noqa: E402
 from support.kafka import Broker  # noqa: E402
 from support.served import SCALES, Served  # noqa: E402
 
-pytest_plugins = ["support.cpu_report"]  # --cpu-report FILE
+pytest_plugins = ["support.cpu_report"]  # --cpu-report=FILE
 
 # The modules that take longest, longest first (seconds within the parallel suite on a 2-core
 # machine, measured 2026-11-29: docs/testing.md), with the testbed modules (TB) spread among

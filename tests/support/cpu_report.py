@@ -1,10 +1,13 @@
-"""`pytest --cpu-report FILE`: each test's CPU, written as one JSON line per test, and the
-costliest modules and tests at the end of the run (docs/testing.md). The suite is CPU-bound on
-2 cores, so CPU, not wall time, says where a cut pays.
+"""`pytest --cpu-report=FILE`: each test's CPU, written to FILE as one JSON line per test, and
+the costliest modules and tests at the end of the run (docs/testing.md). The suite is CPU-bound
+on 2 cores, so CPU, not wall time, says where a cut pays. Give it with `=`: pytest reads a
+separate FILE argument as a path to test before it loads this plugin (tests/conftest.py), and
+an existing FILE then moved the xdist workers' root away from tests/.
 
 A test's CPU is its pytest process's (`self_s`) plus that of the children it reaped
 (`children_s`, RUSAGE_CHILDREN): a process the test started and reaped counts, one reaped by
-someone else (a daemon's own children, a Ray worker) does not."""
+someone else (a daemon's own children, a Ray worker) does not, and a module fixture's
+processes count for the test that stopped them (the module's last)."""
 
 from __future__ import annotations
 
@@ -21,9 +24,15 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption(
         "--cpu-report",
-        metavar="FILE",
-        help="append each test's CPU to FILE (JSON lines) and print the costliest at the end",
+        metavar="FILE",  # as --cpu-report=FILE: see above
+        help="write each test's CPU to FILE (JSON lines) and print the costliest at the end",
     )
+
+
+def pytest_configure(config):
+    path = config.getoption("cpu_report")
+    if path and not hasattr(config, "workerinput"):  # the run's first process: a new FILE
+        Path(path).write_text("")
 
 
 def _cpu() -> tuple[float, float]:
@@ -48,7 +57,7 @@ def pytest_runtest_protocol(item, nextitem):
         "children_s": round(kids_after - kids, 3),
         "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
     }
-    # One short write in append mode: the workers' lines do not interleave.
+    # One short write in append mode: the xdist workers' lines do not interleave.
     with open(path, "a") as out:
         out.write(json.dumps(line) + "\n")
 
