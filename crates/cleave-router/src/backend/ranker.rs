@@ -725,8 +725,9 @@ mod tests {
     #[test]
     fn one_slow_first_batch_does_not_keep_the_next_request_from_its_ranker() {
         let starved = ranker(0.0, 0);
-        starved.record(&reply(0, 1_000_000, 1)); // its first batch: 1 s on a starved core
-                                                 // Sent (the estimate is not settled yet): it fails to connect (port 1), not `deadline`.
+        // Its first batch took 1 s on a starved core. The estimate is not settled yet, so the
+        // request is sent: it fails to connect (port 1), not `deadline`.
+        starved.record(&reply(0, 1_000_000, 1));
         let (_, err) = rank_alone(starved, Duration::from_millis(50));
         assert_eq!(err.kind, ErrorKind::Unavailable, "{err}");
     }
