@@ -109,9 +109,11 @@ def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
     assert dep["generator"] == "vegeta" and list(dep["bursts"]) == ["3"]
     burst = dep["bursts"]["3"]
     # vegeta sends at a constant rate, each phase's rate times its second at most (fewer when
-    # it falls behind on a busy machine), and its every result comes back.
+    # it falls behind on a busy machine), and its every result comes back. A request is
+    # placed by when vegeta sent it, so one sent late can count in the next phase (seen in a
+    # clean clone's run: 16, 119, 17): the phases' sum is bounded, and the burst stands out.
     sent = [p["sent"] for p in burst["phases"].values()]
-    assert all(0 < got <= most for got, most in zip(sent, [16, 120, 16], strict=True)), sent
+    assert min(sent) > 0 and sum(sent) <= 16 + 120 + 16 and sent[1] > max(sent[0], sent[2]), sent
     assert sum(s["sent"] for s in burst["timeline"]) == sum(sent)
     assert burst["admitted"] <= sum(sent) <= burst["admitted"] + burst["shed"] + lost(burst)
     assert burst["phases"]["before"]["goodput_rps"] > 0
