@@ -98,7 +98,7 @@ def keep_compiled(choice: DenseChoice, eager, compiled, batch, run) -> bool:
     than `eager` by more than MARGIN on `batch()`'s inputs, each timed by `run(module,
     inputs)` as the dtype probe times them. Compiling does not pay on every program and CPU:
     an int8 program breaks into a graph per layer around FBGEMM's packed weights, which
-    TorchDynamo cannot trace, and ran 1.1-1.4x slower than eager (docs/benchmarks.md). Records
+    TorchDynamo cannot trace, and ran 1.11-1.13x slower than eager (docs/benchmarks.md). Records
     the decision and times on `choice`."""
     timed = batch()
     if timed is not None:
