@@ -23,10 +23,12 @@
 //!   flight and no sample doubles the limit (up to the bound), so a limit shrunk by a burst
 //!   does not outlive it.
 //! * The no-load latency (the least latency of the current and previous `WINDOW`, so an old
-//!   one ages out) is what a request's budget must cover to be admitted; the usual latency,
+//!   one ages out, once `SURE_AFTER` requests of that size made it) is what a request's budget must cover to be admitted; the usual latency,
 //!   what a waiting request must leave time for.
 
 use std::time::{Duration, Instant};
+
+use cleave_wire::SURE_AFTER;
 
 /// How much slower than the usual latency a request may be before the limit shrinks
 /// (Gradient2's default).
@@ -269,19 +271,33 @@ fn bucket(cost: u64) -> usize {
     ((64 - cost.max(1).leading_zeros()) as usize).min(BUCKETS - 1)
 }
 
-/// The least latency (µs) per size over the current and the previous window.
+/// The least latency (µs) per size over the current and the previous window, trusted once
+/// `SURE_AFTER` samples of that size made it.
 #[derive(Debug)]
 struct MinWindow {
-    current: [f64; BUCKETS],
-    previous: [f64; BUCKETS],
+    current: Window,
+    previous: Window,
     started: Instant,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    least: [f64; BUCKETS],
+    samples: [u32; BUCKETS],
+}
+
+impl Window {
+    const EMPTY: Window = Window {
+        least: [f64::INFINITY; BUCKETS],
+        samples: [0; BUCKETS],
+    };
 }
 
 impl MinWindow {
     fn new(now: Instant) -> MinWindow {
         MinWindow {
-            current: [f64::INFINITY; BUCKETS],
-            previous: [f64::INFINITY; BUCKETS],
+            current: Window::EMPTY,
+            previous: Window::EMPTY,
             started: now,
         }
     }
@@ -294,18 +310,24 @@ impl MinWindow {
         self.previous = if age < 2 * WINDOW {
             self.current
         } else {
-            [f64::INFINITY; BUCKETS]
+            Window::EMPTY
         };
-        self.current = [f64::INFINITY; BUCKETS];
+        self.current = Window::EMPTY;
         self.started = now;
     }
 
     fn record(&mut self, b: usize, us: f64) {
-        self.current[b] = self.current[b].min(us);
+        self.current.least[b] = self.current.least[b].min(us);
+        self.current.samples[b] = self.current.samples[b].saturating_add(1);
     }
 
+    /// `None` until `SURE_AFTER` samples: a deployment's first requests are slow for reasons
+    /// of their own (lazy set-up, cold caches), and one of them would refuse every request of
+    /// its size for two windows but for one probe a second.
     fn get(&self, b: usize) -> Option<f64> {
-        Some(self.current[b].min(self.previous[b])).filter(|m| m.is_finite())
+        let samples = self.current.samples[b].saturating_add(self.previous.samples[b]);
+        let least = self.current.least[b].min(self.previous.least[b]);
+        (samples >= SURE_AFTER).then_some(least)
     }
 }
 
@@ -322,6 +344,13 @@ mod tests {
             allowed: Duration::from_secs(1),
             in_flight,
             expired: false,
+        }
+    }
+
+    /// `SURE_AFTER` finished requests of `cost` rows, each with nothing else in flight.
+    fn measured(g: &mut Gradient, cost: u64, latency: Duration, now: Instant) {
+        for _ in 0..SURE_AFTER {
+            g.observe(sample(cost, latency, 0), now);
         }
     }
 
@@ -555,7 +584,7 @@ mod tests {
     fn a_request_beyond_reach_goes_through_as_a_probe_once_a_second_when_idle() {
         let now = Instant::now();
         let mut g = Gradient::new(2048, now);
-        g.observe(sample(100, 30 * MS, 0), now); // measured on a busy machine
+        measured(&mut g, 100, 30 * MS, now); // on a busy machine
         g.admitted(100, now);
         let left = 25 * MS;
         assert_eq!(g.beyond_reach(100, 30 * MS, 0, now), None, "within reach");
@@ -583,14 +612,35 @@ mod tests {
     }
 
     #[test]
+    fn one_slow_first_request_does_not_refuse_the_next_ones() {
+        // A deployment's first requests are slow (lazy set-up, cold caches, a starved
+        // machine): one of them is no minimum to refuse by (measured: every single request
+        // of a just-started deployment refused for seconds, but for one probe a second).
+        let now = Instant::now();
+        let mut g = Gradient::new(2048, now);
+        g.observe(sample(100, 300 * MS, 0), now);
+        g.admitted(100, now);
+        assert_eq!(g.no_load(100), None, "one sample");
+        assert_eq!(g.beyond_reach(100, 25 * MS, 0, now), None);
+        for _ in 1..SURE_AFTER {
+            g.observe(sample(100, 300 * MS, 0), now);
+        }
+        assert_eq!(
+            g.beyond_reach(100, 25 * MS, 0, now),
+            Some(300 * MS),
+            "settled"
+        );
+    }
+
+    #[test]
     fn the_minimum_ages_out_after_two_windows() {
         let now = Instant::now();
         let mut g = Gradient::new(2048, now);
-        g.observe(sample(100, MS, 0), now);
+        measured(&mut g, 100, MS, now);
         assert_eq!(g.no_load(100), Some(MS));
-        g.observe(sample(100, 10 * MS, 0), now + WINDOW);
+        measured(&mut g, 100, 10 * MS, now + WINDOW);
         assert_eq!(g.no_load(100), Some(MS), "the previous window still counts");
-        g.observe(sample(100, 10 * MS, 0), now + 2 * WINDOW);
+        measured(&mut g, 100, 10 * MS, now + 2 * WINDOW);
         assert_eq!(g.no_load(100), Some(10 * MS));
         assert_eq!(g.no_load(2048), None, "another size: not measured");
         // The usual latency moves slowly towards what is seen.
