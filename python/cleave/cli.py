@@ -53,6 +53,7 @@ BENCHMARKS = {
     "front-door": ("cleave.bench.front_door", "one request's cost, REST JSON vs binary tensors"),
     "refusal": ("cleave.bench.refusal", "the router's CPU per refused request, by body size"),
     "json-parse": ("cleave.bench.json_parse", "router JSON request parsing, scanner vs serde_json"),
+    "idle-gap": ("cleave.bench.idle_gap", "the dense program after an idle gap vs back to back"),
     "repository": ("cleave.bench.repository", "a model repository's memory per loaded version"),
     "torchrec-quant": (
         "cleave.bench.torchrec_quant",
