@@ -52,11 +52,12 @@ def open_loop_phases(
                 for url in urls:
                     line = {"method": "POST", "url": url, "header": headers, "body": encoded}
                     f.write(json.dumps(line) + "\n")
-        rows = []
+        rows, sent = [], []
         for i, (rate, seconds) in enumerate(phases):
             out = Path(tmp) / f"phase-{i}.bin"
+            sent.append((max(1, round(rate)), seconds))
             attack = [vegeta, "attack", "-format=json", f"-targets={targets}"]
-            attack += [f"-rate={max(1, round(rate))}/1s", f"-duration={seconds}s"]
+            attack += [f"-rate={sent[-1][0]}/1s", f"-duration={seconds}s"]
             attack += [f"-timeout={timeout_s}s", "-max-body=0", f"-output={out}"]
             subprocess.run(attack, check=True, capture_output=True, timeout=seconds + 60)
             encoded = subprocess.run(
@@ -67,22 +68,26 @@ def open_loop_phases(
                 timeout=120,
             )
             rows.append((i, list(csv.reader(encoded.stdout.splitlines()))))
-    return _samples(rows, [seconds for _, seconds in phases], len(bodies), len(urls))
+    return _samples(rows, sent, len(bodies), len(urls))
 
 
-def _samples(rows, durations: list[float], bodies: int, urls: int = 1) -> list[Sample]:
+def _samples(rows, phases: list[tuple[int, float]], bodies: int, urls: int = 1) -> list[Sample]:
     """vegeta's CSV rows (nanosecond timestamp, status, latency ns, bytes out, bytes in,
-    error, body, name, sequence, ...) of each phase as samples, each phase placed after the
-    ones before it."""
+    error, body, name, sequence, ...) of each phase sent at (rate, seconds) as samples, each
+    phase placed after the ones before it. A request is placed where vegeta's constant pacer
+    scheduled it (sequence / rate), and its latency counts from there, as the project's
+    generator counts its own: a request vegeta sent late is late by the client's lag too, and
+    stays in its phase."""
     samples = []
     offset = 0.0
     for i, phase in rows:
-        first = min((int(r[0]) for r in phase), default=0)
+        rate, seconds = phases[i]
+        first = min((int(r[0]) for r in phase), default=0)  # the first request's, sequence 0
         for r in phase:
-            status, error = int(r[1]), r[5]
-            at = offset + (int(r[0]) - first) / 1e9
-            target = int(r[8]) % (bodies * urls)  # the targets file: each body, every URL
-            sample = Sample(target // urls, at, 0.0, int(r[2]) / 1e9, status)
+            status, error, seq = int(r[1]), r[5], int(r[8])
+            lag = max(0.0, (int(r[0]) - first) / 1e9 - seq / rate)
+            target = seq % (bodies * urls)  # the targets file: each body, every URL
+            sample = Sample(target // urls, offset + seq / rate, lag, lag + int(r[2]) / 1e9, status)
             sample.router = target % urls
             if status and status != 200:
                 sample.error = f"http_{status}"
@@ -90,6 +95,6 @@ def _samples(rows, durations: list[float], bodies: int, urls: int = 1) -> list[S
                 timeout = "Timeout" in error or "deadline exceeded" in error
                 sample.error = "timeout" if timeout else "connection"
             samples.append(sample)
-        offset += durations[i]
+        offset += seconds
     samples.sort(key=lambda s: s.scheduled_s)
     return samples
