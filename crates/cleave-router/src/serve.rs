@@ -69,7 +69,7 @@ pub async fn serve(
     check_open_files(config.max_connections);
 
     let where_ = format!("{}:{}", config.host, config.http_port);
-    let listener = tokio::net::TcpListener::bind(&where_)
+    let listener = door::listen(&where_)
         .await
         .map_err(|e| format!("cannot listen on {where_}: {e}"))?;
     let addr = listener

@@ -19,7 +19,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 use tower_service::Service;
@@ -32,6 +32,32 @@ use crate::metrics::DoorStats;
 const MAX_REFUSING: usize = 1024;
 /// How long accepting pauses after an error such as running out of file descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// A burst of new connections waits in the kernel's accept queue; at tokio's (and the
+/// standard library's) 128 it overflowed under 10x bursts (`ListenOverflows`), and each
+/// dropped handshake was retried a second later. The kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on `address` (`host:port`, 0 for any free port) with [`LISTEN_BACKLOG`].
+pub async fn listen(address: &str) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host(address).await? {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        match socket
+            .bind(addr)
+            .and_then(|()| socket.listen(LISTEN_BACKLOG))
+        {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("the address resolved to nothing")))
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct DoorConfig {
@@ -296,6 +322,30 @@ pub fn raise_open_files_limit() -> Result<libc::rlim_t, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A burst of new connections beyond 128 waits to be accepted instead of having its
+    /// handshakes dropped (as many as the kernel's `somaxconn` allows).
+    #[tokio::test]
+    async fn a_burst_of_connections_waits_in_the_accept_queue() {
+        let listener = listen("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(4096);
+        let burst = somaxconn.min(512);
+        let mut held = Vec::with_capacity(burst);
+        for i in 0..burst {
+            // A dropped handshake is retried after a second: well past this bound.
+            let connect = TcpStream::connect(addr);
+            let stream = tokio::time::timeout(Duration::from_millis(500), connect).await;
+            assert!(
+                matches!(stream, Ok(Ok(_))),
+                "connection {i} of {burst} not queued"
+            );
+            held.push(stream);
+        }
+    }
 
     #[test]
     fn refusal_is_a_whole_response() {

@@ -59,7 +59,7 @@ pub async fn serve(
 /// Binds the gRPC port; `host:port`, 0 for any free port.
 pub async fn bind(host: &str, port: u16) -> Result<(tokio::net::TcpListener, SocketAddr), String> {
     let where_ = format!("{host}:{port}");
-    let listener = tokio::net::TcpListener::bind(&where_)
+    let listener = crate::front::door::listen(&where_)
         .await
         .map_err(|e| format!("cannot listen for gRPC on {where_}: {e}"))?;
     let addr = listener
