@@ -107,6 +107,7 @@ def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
     result, report = serve_bench(tmp_path, "--overload", *flags)
     (dep,) = report["deployments"].values()
     assert dep["generator"] == "vegeta" and list(dep["bursts"]) == ["3"]
+    assert dep["dense_dtype_served"] == "float32"  # the rankers' own word, from /metrics
     burst = dep["bursts"]["3"]
     # vegeta sends at a constant rate, each phase's rate times its second at most (fewer when
     # it falls behind on a busy machine), and its every result comes back, placed where
@@ -130,6 +131,8 @@ def test_vegeta_results_say_what_failed():
         urls = [f"http://127.0.0.1:{held.getsockname()[1]}/x" for held in (a, b)]
         samples = vegeta.open_loop_phases(urls, [b"{}"], [(20, 0.5)], 1.0)
     assert len(samples) == 10 and {s.error for s in samples} == {"connection"}
+    # In its own words, less what differs per request (the URL, the addresses).
+    assert {s.detail for s in samples} == {"dial tcp: connect: connection refused"}
     # The rate is shared by the URLs (a plan's routers), each body to each in turn.
     assert sorted(s.router for s in samples) == [0] * 5 + [1] * 5
 

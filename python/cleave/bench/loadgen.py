@@ -172,6 +172,7 @@ class Sample:
     stages_us: dict = field(default_factory=dict)  # "<stage>_us" response parameters
     max_abs_diff: float | None = None  # against the expected outputs, when checked
     router: int = 0  # which of `open_loop_spread`'s URLs it was sent to
+    detail: str = ""  # the client's own words for an error without an answer ("" else)
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
@@ -202,8 +203,9 @@ async def _send(
                 _read_reply(sample, raw, check)
     except asyncio.TimeoutError:
         done, sample.error = time.perf_counter(), "timeout"
-    except aiohttp.ClientConnectionError:
+    except aiohttp.ClientConnectionError as err:
         done, sample.error = time.perf_counter(), "connection"
+        sample.detail = str(err) or type(err).__name__
     except aiohttp.ClientError as err:
         done, sample.error = time.perf_counter(), f"client_{type(err).__name__}"
     sample.latency_s = done - (start + sample.scheduled_s)
@@ -350,6 +352,7 @@ def _native_load(url, bodies, times, order, timeout_s, replies, check, **closed)
             sample.error = "timeout"
         elif error:
             sample.error = error if error.startswith("grpc_") else "connection"
+            sample.detail = error
         elif status != 200:
             sample.error = f"http_{status}"
         elif reply is not None:

@@ -21,6 +21,7 @@ import asyncio
 import resource
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -141,6 +142,10 @@ def burst(target, workload, args, log, capacity: float, factor: float, budget_ms
     late = [s for s in samples if s.scheduled_s >= 2 * d and s.error]
     report["every_200_after_burst_s"] = max(s.scheduled_s for s in late) - 2 * d if late else 0.0
     report["connection_errors"] = sum(1 for s in samples if s.error == "connection")
+    # What the client saw (a reset, a refused connect, a closed socket): the count alone
+    # cannot tell a server's fault from the client's.
+    why = Counter(s.detail for s in samples if s.error == "connection")
+    report["connection_error_details"] = dict(why.most_common(5))
     report["client_timeouts"] = sum(1 for s in samples if s.error == "timeout")
     report["router_cpu_us_per_refusal"] = cpu_per_refusal(report["phases"])
     report["timeline"] = timeline(samples, 3 * d)
@@ -208,7 +213,8 @@ def print_overload(result: dict) -> None:
     print(
         f"capacity C {result['capacity_rps']:.1f}/s ({how}); goodput within "
         f"{result['budget_ms']:g} ms; client timeout {result['client_timeout_s']} s; "
-        f"bursts sent by {result['generator']}"
+        f"bursts sent by {result['generator']}; dense dtype served "
+        f"{result.get('dense_dtype_served') or 'unknown'}"
     )
     print(
         f"{'burst':>5} {'phase':<7} {'rate/s':>8} {'good/s':>8} {'/C':>5} {'p50 ms':>8} "
@@ -231,6 +237,8 @@ def print_overload(result: dict) -> None:
             f"200 from {b['every_200_after_burst_s']:.1f} s after the burst, router CPU per "
             f"refusal: {'-' if cpu is None else f'{cpu:.0f} µs'}"
         )
+        for detail, count in b.get("connection_error_details", {}).items():
+            print(f"{'':>5} {count} x connection error: {detail}")
     if "idle_connections" in result:
         i = result["idle_connections"]
         print(

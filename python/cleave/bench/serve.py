@@ -529,6 +529,8 @@ def _stress(targets: dict, workload: Workload, result: dict, args, log) -> int:
     result["layout"] = {"server_cpus": server_cpus, "client_cpus": client_cpus}
     with target, pinned(client_cpus):
         report = (overload.overload if args.overload else soak.soak)(target, workload, args, log)
+    # The rankers' choice moves capacity most between runs of a bundle approving several.
+    report["dense_dtype_served"] = target.dense_dtype
     result["benchmark"] = "serve-overload" if args.overload else "serve-soak"
     result["deployments"][name] = report
     (overload.print_overload if args.overload else soak.print_soak)(report)

@@ -10,6 +10,7 @@ import base64
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -94,7 +95,14 @@ def _samples(rows, phases: list[tuple[int, float]], bodies: int, urls: int = 1) 
             elif not status:  # no answer: vegeta's own timeout, or the connection failed
                 timeout = "Timeout" in error or "deadline exceeded" in error
                 sample.error = "timeout" if timeout else "connection"
+                sample.detail = _reason(error)
             samples.append(sample)
         offset += seconds
     samples.sort(key=lambda s: s.scheduled_s)
     return samples
+
+
+def _reason(error: str) -> str:
+    """Go's `Post "URL": read tcp A->B: read: connection reset by peer` without the URL and the
+    addresses, which differ per request: `read tcp: read: connection reset by peer`."""
+    return re.sub(r"(tcp[46]?) [^ ]+: ", r"\1: ", error.rsplit('": ', 1)[-1])

@@ -23,8 +23,9 @@
 //!   flight and no sample doubles the limit (up to the bound), so a limit shrunk by a burst
 //!   does not outlive it.
 //! * The no-load latency (the least latency of the current and previous `WINDOW`, so an old
-//!   one ages out, once `SURE_AFTER` requests of that size made it) is what a request's budget must cover to be admitted; the usual latency,
-//!   what a waiting request must leave time for.
+//!   one ages out, once `SURE_AFTER` requests of that size made it) is what a request's
+//!   budget must cover to be admitted; the usual latency, what a waiting request must leave
+//!   time for.
 
 use std::time::{Duration, Instant};
 
