@@ -34,9 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="a smoke run (tests, CI)")
     # What the workload reads that this command does not vary (None: every dtype approved).
-    parser.set_defaults(
-        alpha=1.05, budget_ms=25.0, requests=1, dense_dtype=None, rankers=1, compile=False
-    )
+    parser.set_defaults(alpha=1.05, budget_ms=25.0, requests=1, dense_dtype=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,11 +60,9 @@ def _measure(args, gaps: list[float]) -> dict:
 
     from cleave.bench.harness.workload import Workload
 
-    workload = Workload(args)
+    workload = Workload(args, roofline=False)
     bundle = workload.bundle
-    inputs = bundle.named_inputs(*workload.inputs[0])
-    values = {**inputs, **bundle.sparse_reference(inputs)}
-    dense_args = [values[n] for n in bundle.manifest["dense"]["inputs"]]
+    dense_args = bundle.dense_inputs(*workload.inputs[0])
     programs = {d: bundle.dense_module(d) for d in workload.served_dtypes}
     torch.set_num_threads(args.threads)
     result = {

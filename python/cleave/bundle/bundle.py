@@ -131,6 +131,13 @@ class Bundle:
         """The boundary tensors of a request, computed with the reference executor."""
         return run_sparse(self.manifest, inputs, self.table)
 
+    def dense_inputs(self, *args) -> list[torch.Tensor]:
+        """The dense program's inputs, in manifest order, for the model's forward arguments:
+        the sparse side by the reference executor."""
+        inputs = self.named_inputs(*args)
+        values = {**inputs, **self.sparse_reference(inputs)}
+        return [values[n] for n in self.manifest["dense"]["inputs"]]
+
     @property
     def per_request_inputs(self) -> list[str]:
         return manifest_io.per_request_inputs(self.manifest)

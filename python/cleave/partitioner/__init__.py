@@ -76,8 +76,7 @@ def partition(
     bundle = emit(program, example_inputs, names, seam, table_dtype, kjts)
     dense = bundle.manifest["dense"]
     inputs = bundle.named_inputs(*example_inputs)
-    values = {**inputs, **bundle.sparse_reference(inputs)}
-    dense_args = [values[n] for n in dense["inputs"]]
+    dense_args = bundle.dense_inputs(*example_inputs)
     bundle.record_probe(dense_args)
     rows = max(1, batch_rows(bundle, inputs))
     dense["flops_per_sample"] = count_flops(bundle.dense_module("float32"), dense_args) // rows

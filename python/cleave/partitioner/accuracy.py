@@ -58,16 +58,13 @@ class LabelledSet:
 
     def __init__(self, bundle: Bundle, labelled):
         self.fp32 = bundle.dense_module("float32")
-        names = bundle.manifest["dense"]["inputs"]
         self.batches, labels = [], []
         with torch.inference_mode():
             for i, item in enumerate(labelled):
                 if not (isinstance(item, tuple | list) and len(item) == 2):
                     raise UsageError(f"labelled set item {i}: expected (forward args, labels)")
                 args, batch_labels = item
-                inputs = bundle.named_inputs(*args)
-                values = {**inputs, **bundle.sparse_reference(inputs)}
-                dense_args = [values[n] for n in names]
+                dense_args = bundle.dense_inputs(*args)
                 want = self.fp32(*dense_args)
                 batch_labels = torch.as_tensor(batch_labels).reshape(-1).double()
                 if batch_labels.numel() != want[0].numel():

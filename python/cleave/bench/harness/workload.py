@@ -29,9 +29,11 @@ def parse_protocols(text: str) -> list[str]:
 
 
 class Workload:
-    """A model, its bundle, request bodies for the HTTP API and the model's own outputs."""
+    """A model, its bundle, request bodies for the HTTP API and the model's own outputs.
+    `roofline=False`: no dense program timed against the matmul peak (a command that times
+    the program its own way)."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, roofline: bool = True):
         import torch
         import torch.utils._pytree as pytree
 
@@ -90,7 +92,8 @@ class Workload:
         self.roofline = None
         # The latency budget (SLO): --budget-ms, else one the dense program's time gives.
         self.budget_ms = args.budget_ms
-        if hasattr(args, "dense_dtype"):  # cleave bench serve: the dense program vs the CPU
+        # cleave bench serve: the dense program vs the CPU.
+        if roofline and hasattr(args, "dense_dtype"):
             self.roofline = _rooflines(self, args)
             if self.budget_ms is None:
                 self.budget_ms = default_budget_ms(self.roofline)
@@ -171,9 +174,7 @@ def _rooflines(workload: Workload, args) -> dict:
     bundle = workload.bundle
     config = ServeConfig(rankers=args.rankers)
     threads = args.threads or config.ranker_threads(bundle.manifest["dense"].get("demand"))
-    inputs = bundle.named_inputs(*workload.inputs[0])
-    values = {**inputs, **bundle.sparse_reference(inputs)}
-    dense_args = [values[n] for n in bundle.manifest["dense"]["inputs"]]
+    dense_args = bundle.dense_inputs(*workload.inputs[0])
     program = None
     if args.compile:
         from cleave.ranker.program import compile_program
