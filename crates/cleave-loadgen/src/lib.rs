@@ -233,10 +233,10 @@ impl Run {
             reply: None,
         };
         let exchange = async {
-            let response = client.request(request).await.map_err(|e| e.to_string())?;
+            let response = client.request(request).await.map_err(|e| with_causes(&e))?;
             let status = response.status().as_u16();
             let (head, body) = response.into_parts();
-            let collected = body.collect().await.map_err(|e| e.to_string())?;
+            let collected = body.collect().await.map_err(|e| with_causes(&e))?;
             if !grpc {
                 return Ok::<_, String>((status, String::new(), collected.to_bytes()));
             }
@@ -259,6 +259,21 @@ impl Run {
         outcome.latency_s = since.elapsed().as_secs_f64();
         outcome
     }
+}
+
+/// An error and the causes it wraps: hyper's own words are only "client error (SendRequest)",
+/// which cannot tell a reset from a refused connect.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let more = e.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        cause = e.source();
+    }
+    text
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;

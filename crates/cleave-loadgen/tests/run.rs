@@ -86,7 +86,7 @@ fn every_request_is_answered_in_schedule_order() {
 }
 
 #[test]
-fn silence_is_a_timeout_and_a_closed_port_a_connection_error() {
+fn silence_is_a_timeout_and_a_connection_error_names_its_cause() {
     let port = server("");
     let out = run(format!("http://127.0.0.1:{port}/x"), vec![0.0], 200).unwrap();
     assert_eq!((out[0].status, out[0].error.as_str()), (0, "timeout"));
@@ -94,10 +94,26 @@ fn silence_is_a_timeout_and_a_closed_port_a_connection_error() {
     let port = closed.local_addr().unwrap().port();
     drop(closed);
     let out = run(format!("http://127.0.0.1:{port}/x"), vec![0.0], 2000).unwrap();
+    // The cause the OS gave, not only hyper's "client error (Connect)": a report must tell a
+    // refused connect from a reset.
+    let error = out[0].error.to_lowercase();
     assert!(
-        out[0].error.starts_with("connection: "),
-        "{:?}",
-        out[0].error
+        error.starts_with("connection: ") && error.contains("refused"),
+        "{error:?}"
+    );
+    // A server that reads the request and closes with unread-data semantics forced (linger 0):
+    // the client sees a reset, and says so.
+    let port = spawn_server(|mut s| async move {
+        let mut buf = vec![0u8; 1 << 16];
+        let _ = s.read(&mut buf).await;
+        #[allow(deprecated)] // a zero linger resets at once: only longer ones block on drop
+        let _ = s.set_linger(Some(Duration::ZERO));
+    });
+    let out = run(format!("http://127.0.0.1:{port}/x"), vec![0.0], 2000).unwrap();
+    let error = out[0].error.to_lowercase();
+    assert!(
+        error.starts_with("connection: ") && error.contains("reset"),
+        "{error:?}"
     );
 }
 
