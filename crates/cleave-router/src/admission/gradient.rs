@@ -14,7 +14,9 @@
 //!   `g = clamp(target / latency, 0.5, 1)`, `target = usual × TOLERANCE`, at least
 //!   `TARGET_FLOOR` of and at most the `share × budget` the request's budget allows (the same
 //!   share the estimate rule uses). The `cost` is the headroom: one more request of the
-//!   sample's size, so the limit keeps probing upwards while latency holds.
+//!   sample's size, so the limit keeps probing upwards while latency holds. Between
+//!   `usual × TOLERANCE` and the target the limit holds: queues are building there, which
+//!   add latency and no throughput, but the budget has room, so noise there refuses nothing.
 //! * A sample taken while less than half the limit was in use says nothing about the limit:
 //!   it is not applied (unless it missed its budget).
 //! * A request that missed its budget is a sample with `g = 0.5`.
@@ -255,9 +257,13 @@ impl Gradient {
             0.5
         } else {
             let allowed = s.allowed.as_secs_f64() * 1e6;
-            let target = (self.usual[b] * TOLERANCE)
-                .max(allowed * TARGET_FLOOR)
-                .min(allowed);
+            let tolerated = (self.usual[b] * TOLERANCE).min(allowed);
+            let target = tolerated.max(allowed * TARGET_FLOOR).min(allowed);
+            if tolerated < us && us <= target {
+                // Queues are building (no more throughput, only latency): stop growing. But
+                // the budget still has room: no reason to shrink either.
+                return;
+            }
             (target / us).clamp(0.5, 1.0)
         };
         self.learnt = true;
@@ -429,6 +435,23 @@ mod tests {
         let before = g.limit();
         g.observe(sample(100, 40 * MS, before), now); // 8x the usual, 4% of 1 s
         assert!(g.limit() >= before, "{} < {before}", g.limit());
+    }
+
+    #[test]
+    fn a_latency_past_the_usual_but_within_the_budget_holds_the_limit() {
+        // Queues that add latency add no throughput: past the usual latency's tolerance the
+        // limit stops growing, though it shrinks only past the budget's floor (measured: a
+        // limit that grew until 20% of the budget held ~100 ms queues under overload and
+        // answered no more than a fixed limit of 16 requests at 40 ms).
+        let now = Instant::now();
+        let mut g = grown(now);
+        let before = g.limit();
+        for _ in 0..100 {
+            g.observe(sample(100, 40 * MS, before), now); // 8x the usual, 4% of 1 s
+        }
+        assert_eq!(g.limit(), before);
+        g.observe(sample(100, 7 * MS, before), now); // within 1.5x the usual: grows
+        assert!(g.limit() > before, "{} <= {before}", g.limit());
     }
 
     #[test]
