@@ -15,8 +15,9 @@
 //!   `TARGET_FLOOR` of and at most the `share × budget` the request's budget allows (the same
 //!   share the estimate rule uses). The `cost` is the headroom: one more request of the
 //!   sample's size, so the limit keeps probing upwards while latency holds. Between
-//!   `usual × TOLERANCE` and the target the limit holds: queues are building there, which
-//!   add latency and no throughput, but the budget has room, so noise there refuses nothing.
+//!   `usual × TOLERANCE` and the target a limit of at least `INITIAL_REQUESTS` per ranker
+//!   holds: queues are building there, which add latency and no throughput, but the budget
+//!   has room, so noise there refuses nothing.
 //! * A sample taken while less than half the limit was in use says nothing about the limit:
 //!   it is not applied (unless it missed its budget).
 //! * A request that missed its budget is a sample with `g = 0.5`.
@@ -259,9 +260,12 @@ impl Gradient {
             let allowed = s.allowed.as_secs_f64() * 1e6;
             let tolerated = (self.usual[b] * TOLERANCE).min(allowed);
             let target = tolerated.max(allowed * TARGET_FLOOR).min(allowed);
-            if tolerated < us && us <= target {
+            if tolerated < us && us <= target && self.limit >= INITIAL_REQUESTS * self.floor() {
                 // Queues are building (no more throughput, only latency): stop growing. But
-                // the budget still has room: no reason to shrink either.
+                // the budget still has room: no reason to shrink either. Below the start's
+                // depth it grows as before, so that a limit a spike shrank comes back while
+                // the machine is slower than usual (its usual latency is learnt only at low
+                // load, which a small limit never sees).
                 return;
             }
             (target / us).clamp(0.5, 1.0)
@@ -452,6 +456,22 @@ mod tests {
         assert_eq!(g.limit(), before);
         g.observe(sample(100, 7 * MS, before), now); // within 1.5x the usual: grows
         assert!(g.limit() > before, "{} <= {before}", g.limit());
+        // Shrunk to two requests by requests past their budget (at g = 0.5 the headroom of one
+        // holds it there), it grows back to the start's 16 requests on the same latencies, and
+        // holds there.
+        for _ in 0..100 {
+            let expired = Sample {
+                expired: true,
+                ..sample(100, 40 * MS, 10)
+            };
+            g.observe(expired, now);
+        }
+        assert_eq!(g.limit(), 200);
+        for _ in 0..200 {
+            let busy = g.limit();
+            g.observe(sample(100, 40 * MS, busy), now);
+        }
+        assert_eq!(g.limit(), 1600);
     }
 
     #[test]
