@@ -101,8 +101,8 @@ fn silence_is_a_timeout_and_a_connection_error_names_its_cause() {
         error.starts_with("connection: ") && error.contains("refused"),
         "{error:?}"
     );
-    // A server that reads the request and closes with unread-data semantics forced (linger 0):
-    // the client sees a reset, and says so.
+    // A server that reads the request and closes with a zero linger, which sends a reset: the
+    // client says so.
     let port = spawn_server(|mut s| async move {
         let mut buf = vec![0u8; 1 << 16];
         let _ = s.read(&mut buf).await;

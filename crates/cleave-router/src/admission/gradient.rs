@@ -55,7 +55,8 @@ const BUCKETS: usize = 32;
 /// Until the first sample is applied, the limit is at least this many requests of the mean
 /// size per healthy ranker: a fresh router knows nothing yet, and refusing a handful of
 /// concurrent first requests would be a cold-start error (measured: 503s to 6 concurrent
-/// requests on a just-started deployment).
+/// requests on a just-started deployment). Also the depth from which a limit stops growing
+/// while its latency is past the tolerated one but within the budget's floor.
 const INITIAL_REQUESTS: f64 = 16.0;
 
 /// One finished request, as the limit learns from it.
