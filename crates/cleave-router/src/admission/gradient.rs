@@ -14,10 +14,7 @@
 //!   `g = clamp(target / latency, 0.5, 1)`, `target = usual × TOLERANCE`, at least
 //!   `TARGET_FLOOR` of and at most the `share × budget` the request's budget allows (the same
 //!   share the estimate rule uses). The `cost` is the headroom: one more request of the
-//!   sample's size, so the limit keeps probing upwards while latency holds. Between
-//!   `usual × TOLERANCE` and the target a limit of at least `INITIAL_REQUESTS` per ranker
-//!   holds: queues are building there, which add latency and no throughput, but the budget
-//!   has room, so noise there refuses nothing.
+//!   sample's size, so the limit keeps probing upwards while latency holds.
 //! * A sample taken while less than half the limit was in use says nothing about the limit:
 //!   it is not applied (unless it missed its budget).
 //! * A request that missed its budget is a sample with `g = 0.5`.
@@ -55,8 +52,7 @@ const BUCKETS: usize = 32;
 /// Until the first sample is applied, the limit is at least this many requests of the mean
 /// size per healthy ranker: a fresh router knows nothing yet, and refusing a handful of
 /// concurrent first requests would be a cold-start error (measured: 503s to 6 concurrent
-/// requests on a just-started deployment). Also the depth from which a limit stops growing
-/// while its latency is past the tolerated one but within the budget's floor.
+/// requests on a just-started deployment).
 const INITIAL_REQUESTS: f64 = 16.0;
 
 /// One finished request, as the limit learns from it.
@@ -259,16 +255,9 @@ impl Gradient {
             0.5
         } else {
             let allowed = s.allowed.as_secs_f64() * 1e6;
-            let tolerated = (self.usual[b] * TOLERANCE).min(allowed);
-            let target = tolerated.max(allowed * TARGET_FLOOR).min(allowed);
-            if tolerated < us && us <= target && self.limit >= INITIAL_REQUESTS * self.floor() {
-                // Queues are building (no more throughput, only latency): stop growing. But
-                // the budget still has room: no reason to shrink either. Below the start's
-                // depth it grows as before, so that a limit a spike shrank comes back while
-                // the machine is slower than usual (its usual latency is learnt only at low
-                // load, which a small limit never sees).
-                return;
-            }
+            let target = (self.usual[b] * TOLERANCE)
+                .max(allowed * TARGET_FLOOR)
+                .min(allowed);
             (target / us).clamp(0.5, 1.0)
         };
         self.learnt = true;
@@ -440,39 +429,6 @@ mod tests {
         let before = g.limit();
         g.observe(sample(100, 40 * MS, before), now); // 8x the usual, 4% of 1 s
         assert!(g.limit() >= before, "{} < {before}", g.limit());
-    }
-
-    #[test]
-    fn a_latency_past_the_usual_but_within_the_budget_holds_the_limit() {
-        // Queues that add latency add no throughput: past the usual latency's tolerance the
-        // limit stops growing, though it shrinks only past the budget's floor (measured: a
-        // limit that grew until 20% of the budget held ~100 ms queues under overload and
-        // answered no more than a fixed limit of 16 requests at 40 ms).
-        let now = Instant::now();
-        let mut g = grown(now);
-        let before = g.limit();
-        for _ in 0..100 {
-            g.observe(sample(100, 40 * MS, before), now); // 8x the usual, 4% of 1 s
-        }
-        assert_eq!(g.limit(), before);
-        g.observe(sample(100, 7 * MS, before), now); // within 1.5x the usual: grows
-        assert!(g.limit() > before, "{} <= {before}", g.limit());
-        // Shrunk to two requests by requests past their budget (at g = 0.5 the headroom of one
-        // holds it there), it grows back to the start's 16 requests on the same latencies, and
-        // holds there.
-        for _ in 0..100 {
-            let expired = Sample {
-                expired: true,
-                ..sample(100, 40 * MS, 10)
-            };
-            g.observe(expired, now);
-        }
-        assert_eq!(g.limit(), 200);
-        for _ in 0..200 {
-            let busy = g.limit();
-            g.observe(sample(100, 40 * MS, busy), now);
-        }
-        assert_eq!(g.limit(), 1600);
     }
 
     #[test]
