@@ -164,3 +164,25 @@ def test_router_gets_every_replica_of_every_range_group(served, tmp_path):
     assert {r["addr"] for r in config["shards"]} == {"h1:7000", "h1:7001", "h2:7000", "h2:7001"}
     assert config["rankers"] == ["h3:7100"] and config["host"] == "h0"
     assert router.argv[:2] == ["in", "h0"]
+
+
+def test_ports_picked_for_roles_are_ones_the_kernel_never_hands_out_by_itself(tmp_path):
+    """The race a clean clone's CI hit: a port picked from the kernel's ephemeral range was
+    taken by one of a Ray deployment's own outgoing connections before the router bound it.
+    Picked ports lie outside that range, are distinct, and are free."""
+    import socket
+
+    from cleave.runners.local import EPHEMERAL, free_ports, quiet_candidates
+
+    low, high = map(int, EPHEMERAL.read_text().split())
+    ports = free_ports("127.0.0.1", 40)
+    assert len(set(ports)) == 40
+    assert [p for p in ports if low <= p <= high] == []
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free: nothing kept it
+    narrow = tmp_path / "range"
+    narrow.write_text("20000\t65000\n")
+    assert quiet_candidates(narrow) == list(range(65001, 65536))
+    narrow.write_text("not a range")  # unreadable: Linux's default range is assumed
+    assert 32768 not in quiet_candidates(narrow) and 32767 in quiet_candidates(narrow)

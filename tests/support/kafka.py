@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import time
 import uuid
 from pathlib import Path
+
+from cleave.runners.local import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBS = ROOT / ".tools" / "kafka" / "libs"  # the Makefile's KAFKA_VERSION
@@ -30,12 +31,6 @@ logger.kafka.level = WARN
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Broker:
     """One KRaft node under `root` (its data, config and log)."""
 
@@ -43,7 +38,7 @@ class Broker:
         if not any(LIBS.glob("kafka_2.13-*.jar")):
             raise RuntimeError(f"{LIBS} has no Kafka broker: `make tools` copies it")
         self.root = root
-        self.port, self.controller_port = free_port(), free_port()
+        self.port, self.controller_port = free_ports("127.0.0.1", 2)
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log_path = root / "broker.log"

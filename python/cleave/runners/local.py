@@ -3,6 +3,7 @@ the plan puts it on (docs/plan.md, "Runners")."""
 
 from __future__ import annotations
 
+import random
 import socket
 from collections import Counter
 from pathlib import Path
@@ -26,17 +27,46 @@ def _ports(plan: Plan) -> list[int]:
     return [p for p in ports + [r.http_port for r in plan.routers] if p]
 
 
-def free_ports(host: str, n: int) -> list[int]:
-    """`n` distinct ports free on `host` now: bound all at once (so none repeats), then
-    released for the roles to bind. Another process could take one in between; the role then
-    fails to start, named, rather than serving somewhere unknown. For ports a role cannot
-    be given as 0 (Ray's roles, whose addresses are fixed before they start)."""
-    socks = []
+# The kernel hands its ephemeral ports (ip_local_port_range) to every connect() and bind(0) on
+# the machine, so a port picked from there can be taken by any outgoing connection before the
+# role binds it (a Ray role's start-up makes dozens). Ports outside it are taken only by a
+# process that names them. Below QUIET_FROM lie well-known services and Ray's worker ports
+# (10002-19999 by default).
+QUIET_FROM = 20000
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICKS_PER_PORT = 64  # candidates tried per port wanted before giving up
+
+
+def quiet_candidates(ephemeral: Path = EPHEMERAL) -> list[int]:
+    """Ports from QUIET_FROM up that the kernel never hands out by itself."""
     try:
-        for _ in range(n):
+        low, high = map(int, ephemeral.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return [p for p in range(QUIET_FROM, 65536) if not low <= p <= high]
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free on `host` now, from outside the kernel's ephemeral range
+    (`quiet_candidates`): bound all at once (so none repeats), then released for the roles
+    to bind. A process naming one could still take it in between; the role then fails to
+    start, named, rather than serving somewhere unknown. For ports a role cannot be given as
+    0 (Ray's roles, whose addresses are fixed before they start)."""
+    candidates = quiet_candidates()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(PICKS_PER_PORT * n):
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            try:
+                s.bind((host, random.choice(candidates)))
+            except OSError:  # taken (or lingering in TIME_WAIT): another one
+                s.close()
+                continue
             socks.append(s)
-            s.bind((host, 0))
+        if len(socks) < n:
+            raise RuntimeError(f"no {n} free ports on {host} outside the ephemeral range")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
