@@ -139,6 +139,39 @@ def test_router_refuses_a_bad_config_with_exit_2_naming_the_field(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == f"{good}: ok"
 
 
+def test_a_router_pinned_to_one_core_starts_one_thread_of_each_kind(models, tmp_path):
+    """`threads` (default 2) HTTP workers and as many backend I/O threads, but no more than
+    the cores the router may run on: pinned to one (taskset), one of each, and a log line
+    says so; more would only take turns on that core (docs/api.md, `threads`)."""
+    served = models["shared"]
+    manifest = json.loads((served.dir / "manifest.json").read_text())
+    config = {
+        "model": served.name,
+        "bundle": str(served.dir),
+        "host": "127.0.0.1",
+        "shards": [  # nothing listens there: the router waits for them, which is enough here
+            {"table": t["name"], "row_start": 0, "row_end": int(t["rows"]), "addr": "127.0.0.1:1"}
+            for t in manifest["tables"]
+        ],
+        "rankers": ["127.0.0.1:1"],
+    }
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps(config))
+    core = min(os.sched_getaffinity(0))
+    router = Process(["taskset", "-c", str(core), find_executable("cleave-router"), str(path)])
+    try:
+        wait_for(lambda: any("listening http://" in line for line in router.lines), "listening")
+        tasks = Path(f"/proc/{router.proc.pid}/task")
+        names = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+        # The main thread and one worker carry the runtime's name; the I/O thread its own.
+        assert names == ["cleave-router", "cleave-router", "cleave-router-i"], (
+            names
+        )  # comm: 15 bytes
+        assert any("threads capped" in line and "configured=2" in line for line in router.lines)
+    finally:
+        router.stop()
+
+
 def test_cleave_shard_subcommand_is_the_executable(tmp_path):
     """`cleave shard` execs cleave-shard: the same flags, messages and exit codes."""
     result = subprocess.run(

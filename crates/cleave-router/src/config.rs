@@ -60,7 +60,7 @@ pub struct RouterConfig {
     /// Connections kept to each ranker.
     #[serde(default = "default_connections")]
     pub ranker_connections: usize,
-    /// I/O threads for backend connections and HTTP.
+    /// I/O threads for backend connections and HTTP, at most: see `threads_here`.
     #[serde(default = "default_threads")]
     pub threads: usize,
     /// A request head, once its first byte arrived, must arrive whole within this.
@@ -336,6 +336,15 @@ impl RouterConfig {
         Ok(c)
     }
 
+    /// The threads to start of each kind (HTTP workers, backend I/O): `threads`, but no more
+    /// than the cores this process may run on (its CPU affinity, its cgroup's quota), of which
+    /// there are `cores`. More only take turns on the same cores, and each hand-off between
+    /// them is a context switch (measured on one core: 0.75–0.91× the router CPU per request
+    /// with one of each than with two; docs/benchmarks.md, "Thirtieth session").
+    pub fn threads_here(&self, cores: usize) -> usize {
+        self.threads.clamp(1, cores.max(1))
+    }
+
     /// Every (model, version) served at start: the top-level one first, then `models`.
     pub fn served(&self) -> Vec<VersionConfig> {
         let top = VersionConfig {
@@ -518,6 +527,19 @@ mod tests {
         let bare = RouterConfig::from_json(&required.to_string()).unwrap();
         let full = RouterConfig::from_json(&written.to_string()).unwrap();
         assert_eq!(format!("{bare:#?}"), format!("{full:#?}"));
+    }
+
+    #[test]
+    fn threads_are_capped_at_the_cores_the_router_may_run_on() {
+        let mut c = RouterConfig::from_json(r#"{"model": "m", "bundle": "b", "rankers": ["a:1"]}"#)
+            .unwrap();
+        assert_eq!(c.threads, 2); // the default
+        assert_eq!(c.threads_here(1), 1); // pinned to one core (taskset, a quota of 1)
+        assert_eq!(c.threads_here(2), 2);
+        assert_eq!(c.threads_here(16), 2); // more cores do not add threads
+        c.threads = 8;
+        assert_eq!(c.threads_here(4), 4);
+        assert_eq!(c.threads_here(0), 1); // never none
     }
 
     #[test]

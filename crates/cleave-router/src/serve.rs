@@ -30,7 +30,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_ready: impl FnOnce(SocketAddr),
 ) -> Result<(), String> {
-    let io = IoThreads::new("cleave-router-io", config.threads)
+    let io = IoThreads::new("cleave-router-io", config.threads_here(cores()))
         .map_err(|e| format!("cannot start I/O threads: {e}"))?;
     let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
     let metrics = Arc::new(Metrics::default());
@@ -229,8 +229,16 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
 /// Runs a router on its own runtime until SIGTERM or SIGINT; prints `ready http://ADDR` on
 /// stdout once every backend answered. For the `cleave._native.run_router` binding.
 pub fn run(config: RouterConfig) -> Result<(), String> {
+    let threads = config.threads_here(cores());
+    if threads < config.threads {
+        tracing::info!(
+            threads,
+            configured = config.threads,
+            "threads capped at the cores this process may run on"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(config.threads.max(1))
+        .worker_threads(threads)
         .thread_name("cleave-router")
         .enable_all()
         .build()
@@ -258,4 +266,10 @@ fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static, String
             _ = int.recv() => {}
         }
     })
+}
+
+/// The cores this process may run on: its CPU affinity and cgroup quota, as the standard
+/// library reads them (1 when it cannot tell).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -104,7 +104,7 @@ class RouterConfig:
     connect_timeout_ms: int = setting(1000, "connecting to a shard or ranker")
     health_interval_ms: int = setting(1000, "how often backends are probed for readiness")
     ranker_connections: int = setting(2, "connections kept to each ranker")
-    threads: int = setting(2, "router I/O threads (HTTP and backends)")
+    threads: int = setting(2, "router I/O threads (HTTP and backends), at most its cores")
     header_timeout_ms: int = setting(
         10000, "a started request head must arrive whole within this (docs/api.md)"
     )
