@@ -35,6 +35,10 @@ def test_bench_serve_overload_and_soak_report_what_they_measured(tmp_path):
         # core) does to a burst: those the report counts.
         assert burst["admitted"] <= sent <= burst["admitted"] + burst["shed"] + lost(burst)
         assert burst["phases"]["before"]["router_cpu_s"] > 0
+        # The refusals by reason, phase by phase (scraped at the boundaries), add up to them all.
+        reasons = [p["shed_by_reason"] for p in burst["phases"].values()]
+        assert sum(n for r in reasons for n in r.values()) == burst["shed"], reasons
+        assert {k for r in reasons for k in r} <= {"connections", "in_flight", "estimate", "limit"}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         assert report["layout"] == {"server_cpus": cores[:-1], "client_cpus": cores[-1:]}
@@ -116,6 +120,8 @@ def test_bench_serve_overload_with_vegeta_as_the_generator(tmp_path):
     assert 0 < sent[0] <= 16 and 0 < sent[1] <= 120 and 0 < sent[2] <= 16, sent
     assert sum(s["sent"] for s in burst["timeline"]) == sum(sent)
     assert burst["admitted"] <= sum(sent) <= burst["admitted"] + burst["shed"] + lost(burst)
+    reasons = [p["shed_by_reason"] for p in burst["phases"].values()]
+    assert sum(n for r in reasons for n in r.values()) == burst["shed"], reasons
     assert burst["phases"]["before"]["goodput_rps"] > 0
     assert "bursts sent by vegeta" in result.stdout
 

@@ -112,28 +112,34 @@ def burst(target, workload, args, log, capacity: float, factor: float, budget_ms
     from cleave.bench import vegeta
     from cleave.bench.harness.summary import summarize
     from cleave.bench.loadgen import open_loop_phases_spread
-    from cleave.bench.stages import admission_counts, scrape
+    from cleave.bench.stages import admission_counts, scrape, shed_reasons
 
     d = args.duration
     phases = [("before", QUIET), ("burst", factor), ("after", QUIET)]
     log(f"  {factor:g}x burst: " + ", ".join(f"{n} {f * capacity:.0f}/s" for n, f in phases))
     before = scrape(target.endpoints)
     urls, rates = target.infer_urls(workload), [(f * capacity, d) for _, f in phases]
-    with RouterCpu(target) as cpu:
+    with RouterCpu(target) as cpu, Boundaries(target.endpoints, [d, 2 * d]) as marks:
         if args.generator == "vegeta":
             samples = vegeta.open_loop_phases(urls, workload.bodies, rates, CLIENT_TIMEOUT_S)
         else:  # the rate split evenly over a plan's routers
             samples = open_loop_phases_spread(
                 urls, workload.bodies, rates, timeout_s=CLIENT_TIMEOUT_S, replies=False
             )
-    counts = admission_counts(before, scrape(target.endpoints))
+    after = scrape(target.endpoints)
+    counts = admission_counts(before, after)
     report: dict = {"factor": factor, "phases": {}, **counts}
+    ends = [before, *marks.taken, after]
     for i, (name, f) in enumerate(phases):
         inside = [s for s in samples if i * d <= s.scheduled_s < (i + 1) * d]
         summary = summarize(inside, d, budget_ms)
         summary["rate"] = f * capacity
         summary["goodput_over_capacity"] = summary["goodput_rps"] / capacity
         summary["router_cpu_s"] = cpu.between(i * d, (i + 1) * d)
+        # By the routers' clocks: a request sent just before a boundary and refused just
+        # after it counts in the next phase. None: a boundary's scrape was missed.
+        whole = len(ends) == len(phases) + 1
+        summary["shed_by_reason"] = shed_reasons(ends[i], ends[i + 1]) if whole else None
         report["phases"][name] = summary
     admitted = counts.get("admitted")
     report["expired_after_admission_pct"] = (
@@ -168,6 +174,35 @@ def cpu_per_refusal(phases: dict) -> float | None:
     per_answer = quiet["router_cpu_s"] / answered
     admitted = peak["sent"] - refused
     return max(0.0, peak["router_cpu_s"] - per_answer * admitted) / refused * 1e6
+
+
+class Boundaries:
+    """The routers' metrics scraped at each of `at` (seconds into a run: the phases'
+    boundaries), on a thread of its own while the run goes on; `taken` has one scrape per
+    boundary reached."""
+
+    def __init__(self, endpoints: dict[str, str], at: list[float]):
+        self.endpoints, self.at = endpoints, at
+        self.taken: list[dict] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Boundaries:
+        self.start = time.monotonic() + 0.05  # the load generator starts 50 ms after its call
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+    def _run(self) -> None:
+        from cleave.bench.stages import scrape
+
+        for t in self.at:
+            if self.stop.wait(max(0.0, self.start + t - time.monotonic())):
+                return  # the run ended first
+            self.taken.append(scrape(self.endpoints))
 
 
 def router_pids(root: int) -> list[int]:
@@ -224,9 +259,11 @@ def print_overload(result: dict) -> None:
         for name, p in b["phases"].items():
             p50 = f"{p['p50_ms']:8.1f}" if p["p50_ms"] is not None else f"{'-':>8}"
             p99 = f"{p['p99_ms']:8.1f}" if p["p99_ms"] is not None else f"{'-':>8}"
+            why = ", ".join(f"{r} {n}" for r, n in (p.get("shed_by_reason") or {}).items())
             print(
                 f"{factor + 'x':>5} {name:<7} {p['rate']:8.1f} {p['goodput_rps']:8.1f} "
                 f"{p['goodput_over_capacity']:5.2f} {p50} {p99}  {p['errors'] or ''}"
+                + (f" (shed: {why})" if why else "")
             )
         wasted = b["expired_after_admission_pct"]
         cpu = b["router_cpu_us_per_refusal"]

@@ -144,6 +144,8 @@ def scrape(endpoints: dict[str, str], links: dict | None = None) -> dict[str, di
                 elif sample.name in _ADMISSION:  # shed: summed over the reasons
                     key = f"admission.{_ADMISSION[sample.name]}"
                     values[key] = values.get(key, 0.0) + sample.value
+                    if "reason" in sample.labels:  # and each reason on its own
+                        values[f"shed.{sample.labels['reason']}"] = sample.value
                 elif sample.name in _CODEC:  # router CPU per step (parse, encode) and protocol
                     labels = sample.labels
                     key = (
@@ -170,6 +172,16 @@ def admission_counts(before: dict, after: dict) -> dict[str, int]:
         name: int(sum(_delta(before, after, r, f"admission.{name}") for r in routers))
         for name in _ADMISSION.values()
     }
+
+
+def shed_reasons(before: dict, after: dict) -> dict[str, int]:
+    """Requests every router refused between two scrapes, by reason (those with any)."""
+    keys = {k for values in after.values() for k in values if k.startswith("shed.")}
+    counts = {
+        k.removeprefix("shed."): int(sum(_delta(before, after, r, k) for r in after))
+        for k in sorted(keys)
+    }
+    return {reason: n for reason, n in counts.items() if n}
 
 
 def _delta(before: dict, after: dict, role: str, key: str) -> float:
