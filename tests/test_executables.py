@@ -25,6 +25,7 @@ import pytest
 from cleave.launch.process import ServeProcess
 from cleave.launch.supervisor import find_executable
 from support.processes import Process, cli, get, processes_below
+from support.router import whole_tables
 from support.served import Served
 from support.shards import write_bundle
 from support.waiting import wait_for
@@ -149,10 +150,8 @@ def test_a_router_pinned_to_one_core_starts_one_thread_of_each_kind(models, tmp_
         "model": served.name,
         "bundle": str(served.dir),
         "host": "127.0.0.1",
-        "shards": [  # nothing listens there: the router waits for them, which is enough here
-            {"table": t["name"], "row_start": 0, "row_end": int(t["rows"]), "addr": "127.0.0.1:1"}
-            for t in manifest["tables"]
-        ],
+        # Nothing listens there: the router waits for them, which is enough here.
+        "shards": whole_tables(manifest, "127.0.0.1:1"),
         "rankers": ["127.0.0.1:1"],
     }
     path = tmp_path / "router.json"
@@ -206,17 +205,12 @@ class Images:
         ranker_argv += ["--threads", "1", "--device", "cpu", "--metrics-port", "0"]
         self.ranker = self._start(ranker_argv, None)
         manifest = json.loads((served.dir / "manifest.json").read_text())
-        routes = [
-            {"table": t["name"], "row_start": 0, "row_end": int(t["rows"])}
-            | {"addr": self.shard.address}
-            for t in manifest["tables"]
-        ]
         config = {
             "model": served.name,
             "bundle": str(served.dir),
             "host": "127.0.0.1",
             "http_port": 0,
-            "shards": routes,
+            "shards": whole_tables(manifest, self.shard.address),
             "rankers": [self.ranker.address],
             "budget_ms": 20000,
             "threads": 1,

@@ -17,7 +17,7 @@ from cleave.launch.supervisor import find_executable
 from cleave.models import MODELS
 from support.client import post, request
 from support.processes import Process, cli
-from support.router import MODEL, SCALE, good_request, started
+from support.router import MODEL, SCALE, good_request, started, whole_tables
 from support.served import TOLERANCE
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -43,15 +43,7 @@ class Deployment:
         self.ranker = self._start(
             "ranker", cli("ranker", *common, "--queue", "edf", "--threads", "1")
         )
-        routes = [
-            {
-                "table": t["name"],
-                "row_start": 0,
-                "row_end": int(t["rows"]),
-                "addr": self.shard.address,
-            }
-            for t in self.manifest["tables"]
-        ]
+        routes = whole_tables(self.manifest, self.shard.address)
         config = {
             "model": MODEL,
             "bundle": str(self.dir),

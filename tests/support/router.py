@@ -28,6 +28,14 @@ KSERVE = {
 }
 
 
+def whole_tables(manifest: dict, addr: str) -> list[dict]:
+    """A router config's `shards`: every table of `manifest`, all its rows, at one shard."""
+    return [
+        {"table": t["name"], "row_start": 0, "row_end": int(t["rows"]), "addr": addr}
+        for t in manifest["tables"]
+    ]
+
+
 def started(name: str, argv: list[str]) -> Process:
     """A role process, once its ready line (with the address it bound) is out."""
     return Process(argv, name=name).wait_ready_line()
